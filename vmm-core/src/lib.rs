@@ -1,0 +1,21 @@
+//! Share CUDA virtual-memory (VMM) buffers between processes, and test such code the way it
+//! runs: one test body, run in real child processes under each start method.
+//!
+//! - [`wire`]: messages that carry file descriptors (SCM_RIGHTS over `SOCK_SEQPACKET`), serde with
+//!   fds out of band, and [`wire::Queue`].
+//! - [`shm`]: host shared memory (memfd) with the export/import model of the CUDA path.
+//! - [`process`]: start methods (spawn, forkserver), [`process::Process`], child entry.
+//! - [`testing`]: the runtime behind `#[ipc_test]`: fd accounting, requirement checks.
+//!
+//! Linux only: every channel is an anonymous socketpair and every buffer is shared by fd.
+
+#![cfg(target_os = "linux")]
+
+mod error;
+pub mod process;
+pub mod shm;
+pub mod testing;
+pub mod wire;
+
+pub use error::{Error, Result};
+pub use vmm_macros::ipc_test;

@@ -1,0 +1,1 @@
+//! The runtime behind `#[ipc_test]`.
