@@ -1,1 +1,4 @@
 //! The runtime behind `#[ipc_test]`.
+
+#[doc(hidden)]
+pub mod __private;

@@ -1,0 +1,73 @@
+//! What `#[ipc_test]` expands to. Not a public API: names and signatures may change.
+
+use std::fmt::{Debug, Display};
+
+pub use crate::process::{Context, StartMethod};
+
+/// The attribute's options for one generated test (one start method).
+#[derive(Debug, Clone, Copy)]
+pub struct Spec {
+    /// `module_path!()` at the annotated function.
+    pub module_path: &'static str,
+    /// The annotated function's name.
+    pub function: &'static str,
+    /// This generated test's start method.
+    pub method: StartMethod,
+    /// `timeout = SECS`, if given.
+    pub timeout_secs: Option<u64>,
+    /// `thread_unsafe = "reason"`, if given.
+    pub thread_unsafe: Option<&'static str>,
+}
+
+/// What `skip_unless = EXPR` may evaluate to: `bool`, or `Result<(), impl Display>`.
+pub trait Requirement {
+    /// `Err(reason)` when the test must be skipped.
+    fn check(self) -> Result<(), String>;
+}
+
+impl Requirement for bool {
+    fn check(self) -> Result<(), String> {
+        if self {
+            Ok(())
+        } else {
+            Err("requirement evaluated to false".to_owned())
+        }
+    }
+}
+
+impl<E: Display> Requirement for Result<(), E> {
+    fn check(self) -> Result<(), String> {
+        self.map_err(|e| e.to_string())
+    }
+}
+
+/// What a test body may return: `()` or `Result<(), E: Debug>`.
+pub trait TestReturn {
+    /// `Err(message)` when the body failed.
+    fn into_result(self) -> Result<(), String>;
+}
+
+impl TestReturn for () {
+    fn into_result(self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+impl<E: Debug> TestReturn for Result<(), E> {
+    fn into_result(self) -> Result<(), String> {
+        self.map_err(|e| format!("{e:?}"))
+    }
+}
+
+/// Run one generated test: check the requirement, take the thread-unsafe lock, run the body with
+/// a [`Context`] for `spec.method`, then kill and reap whatever children the body left.
+/// Panics (fails the test) on a failed body, a failed child or a skip under `VMM_REQUIRE_GPU=1`.
+pub fn run<Q, B, R>(spec: Spec, requirement: Q, body: B)
+where
+    Q: FnOnce() -> Result<(), String>,
+    B: FnOnce(&Context) -> R,
+    R: TestReturn,
+{
+    let _ = (spec, requirement, body);
+    unimplemented!("ipc_test runtime lands with the #[ipc_test] issue")
+}
