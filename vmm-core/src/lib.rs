@@ -13,9 +13,11 @@
 
 mod error;
 pub mod process;
+mod share;
 pub mod shm;
 pub mod testing;
 pub mod wire;
 
 pub use error::{Error, Result};
+pub use share::SharedBuffer;
 pub use vmm_macros::ipc_test;

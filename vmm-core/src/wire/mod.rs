@@ -1,8 +1,17 @@
 //! Fd-carrying messages: SCM_RIGHTS over `SOCK_SEQPACKET`, serde with fds out of band, [`Queue`].
+//!
+//! - [`Channel`]: one end of an anonymous socketpair; one message is one packet of bytes plus up
+//!   to [`MAX_FDS`] fds, received CLOEXEC and owned at once; large payloads ride in a sealed memfd.
+//! - [`encode`]/[`decode`]: postcard with fds out of band, for fd-backed types' serde impls.
+//! - [`Queue`]: typed, cloneable, shared across processes.
 
+mod channel;
 mod oob;
+mod queue;
 
+pub use channel::{Channel, INLINE_MAX, MAX_FDS, Message};
 pub use oob::{
     Encoded, Fd, decode, deserialize_error, deserialize_fd, encode, serialize_error, serialize_fd,
     serialize_owned_fd,
 };
+pub use queue::Queue;

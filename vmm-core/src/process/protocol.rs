@@ -1,0 +1,62 @@
+//! Messages between a parent, its children and the forkserver.
+
+use serde::{Deserialize, Serialize};
+
+use super::{ExitStatus, StartMethod};
+
+/// The environment variable that tells a process started by vmm-core its role:
+/// `spawn:<channel fd>:<parent pid>` or `forkserver:<channel fd>:<parent pid>`.
+pub(crate) const ROLE_VAR: &str = "VMM_IPC_CHILD";
+
+/// Parent -> child, first message on the child's channel; the argument's fds ride along.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Start {
+    /// Offset of `sys::layout_probe` in the parent, to check that the child runs the same image.
+    pub layout: isize,
+    /// Offset of the monomorphised trampoline.
+    pub trampoline: isize,
+    /// Offset of the user's `fn(A)`.
+    pub func: isize,
+    pub method: StartMethod,
+    /// Extra environment variables for the child.
+    pub env: Vec<(String, String)>,
+    /// The argument, postcard with fds out of band.
+    pub args: Vec<u8>,
+}
+
+/// Child (or, for `Exited`, the forkserver) -> parent.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum Report {
+    /// The child reached its entry and took its start message.
+    Started,
+    /// The child's function returned or panicked; the child exits next.
+    Finished(Outcome),
+    /// The forkserver reaped the child.
+    Exited(ExitStatus),
+}
+
+/// How the child's function ended.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    Returned,
+    Panicked {
+        message: String,
+        location: Option<String>,
+    },
+    /// The child could not run the function (bad argument, different executable).
+    NotRun(String),
+}
+
+/// Parent -> forkserver: fork a child. Fds: the child's channel, its stdout, its stderr.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct ForkRequest {
+    pub parent: i32,
+}
+
+/// Forkserver -> parent. `Forked` carries a pidfd for the child when the kernel has pidfds.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum ForkReply {
+    Ready { pid: i32 },
+    Forked { pid: i32 },
+    Failed(String),
+}

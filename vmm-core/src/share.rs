@@ -1,0 +1,58 @@
+//! The shape both backends share: a buffer that exports to a descriptor, and imports from one.
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::Result;
+
+/// A buffer that can be shared with other processes through a descriptor.
+///
+/// Implemented by [`HostBuffer`](crate::shm::HostBuffer) (memfd) and by the CUDA buffer, so that
+/// code and tests can be written once for both. Clones are cheap handles to the same memory.
+/// The buffer and its descriptor are serialisable through [`wire`](crate::wire): a buffer exports
+/// on the way out and imports on arrival.
+pub trait SharedBuffer: Clone + Serialize + DeserializeOwned + Send + Sync + 'static {
+    /// What [`export`](Self::export) returns: owns the fds, one per chunk.
+    type Descriptor: Serialize + DeserializeOwned + Send + 'static;
+
+    /// The usable size in bytes.
+    fn size(&self) -> usize;
+
+    /// Whether this process imported the memory (imported memory cannot be exported again).
+    fn is_imported(&self) -> bool;
+
+    /// A descriptor that alone owns fresh fds for this memory.
+    fn export(&self) -> Result<Self::Descriptor>;
+
+    /// Map the memory a descriptor names into this process.
+    fn import(descriptor: &Self::Descriptor) -> Result<Self>;
+
+    /// Set every byte to `value`.
+    fn fill(&self, value: u8) -> Result<()>;
+
+    /// Copy `data` into the buffer at `offset`.
+    fn write_at(&self, offset: usize, data: &[u8]) -> Result<()>;
+
+    /// Copy from the buffer at `offset` into `out`.
+    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()>;
+}
+
+/// The message for a re-export of imported memory, shared by both backends.
+pub(crate) fn reexport_refused(what: &str) -> crate::Error {
+    crate::Error::InvalidArgument(format!(
+        "this {what} was imported from another process and cannot be exported again; \
+         forward the original descriptor (or the buffer it came from) instead, or copy the data \
+         into a buffer allocated here"
+    ))
+}
+
+/// Bounds check shared by both backends' copies.
+pub(crate) fn check_range(what: &str, size: usize, offset: usize, len: usize) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(crate::Error::InvalidArgument(format!(
+            "{what}: range {offset}..{} is outside the buffer's {size} bytes",
+            offset.saturating_add(len)
+        ))),
+    }
+}

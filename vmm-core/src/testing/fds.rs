@@ -1,0 +1,35 @@
+//! Fd accounting for tests that prove nothing leaks.
+
+use std::time::{Duration, Instant};
+
+use crate::{Error, Result};
+
+/// The number of open fds of this process: entries of `/proc/self/fd`, not counting the one
+/// the listing itself holds open.
+pub fn open_fds() -> Result<usize> {
+    let entries = std::fs::read_dir("/proc/self/fd").map_err(|e| Error::Os {
+        op: "read_dir(/proc/self/fd)".into(),
+        source: e,
+    })?;
+    // The directory stream's own fd is listed too.
+    Ok(entries.count().saturating_sub(1))
+}
+
+/// [`open_fds`] once it has stopped changing: the same count three times in a row, a
+/// millisecond apart (other threads may be closing fds, for example a child's reaper), or the
+/// last count after one second.
+pub fn settled_open_fds() -> Result<usize> {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let mut last = open_fds()?;
+    let mut same = 1;
+    while same < 3 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+        let now = open_fds()?;
+        if now == last {
+            same += 1;
+        } else {
+            (last, same) = (now, 1);
+        }
+    }
+    Ok(last)
+}

@@ -1,0 +1,124 @@
+//! A multi-producer, multi-consumer queue that crosses processes.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::de::{DeserializeOwned, Deserializer};
+use serde::ser::{SerializeTuple, Serializer};
+use serde::{Deserialize, Serialize};
+
+use super::channel::Channel;
+use super::oob;
+use crate::Result;
+
+/// A typed queue shared by any number of processes.
+///
+/// It is a `SOCK_SEQPACKET` socketpair: `put` writes one packet to one end, `get` reads one packet
+/// from the other, so every item is delivered whole to exactly one getter, whichever process it
+/// is in. Items carry their fds out of band ([`Fd`](super::Fd), buffers, descriptors, other
+/// queues). Cloning is cheap (a reference count); passing a queue to a child gives the child
+/// handles to the same two sockets.
+///
+/// `put` blocks while the socket's buffer is full (about 200 small items), which is the queue's
+/// back-pressure. Items larger than [`INLINE_MAX`](super::INLINE_MAX) travel in a sealed memfd.
+///
+/// ```
+/// use vmm_core::wire::Queue;
+/// use std::time::Duration;
+/// let queue: Queue<String> = Queue::new().unwrap();
+/// queue.put(&"hello".to_owned()).unwrap();
+/// assert_eq!(queue.get(Duration::from_secs(1)).unwrap(), "hello");
+/// assert!(queue.try_get().unwrap().is_none());
+/// ```
+pub struct Queue<T> {
+    ends: Arc<Ends>,
+    _item: PhantomData<fn(T) -> T>,
+}
+
+#[derive(Debug)]
+struct Ends {
+    tx: Channel,
+    rx: Channel,
+}
+
+impl<T> Clone for Queue<T> {
+    fn clone(&self) -> Self {
+        Queue {
+            ends: Arc::clone(&self.ends),
+            _item: PhantomData,
+        }
+    }
+}
+
+impl<T> fmt::Debug for Queue<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Queue")
+            .field("tx", &self.ends.tx)
+            .field("rx", &self.ends.rx)
+            .finish()
+    }
+}
+
+impl<T: Serialize + DeserializeOwned> Queue<T> {
+    /// A new, empty queue.
+    pub fn new() -> Result<Self> {
+        let (tx, rx) = Channel::pair()?;
+        Ok(Queue {
+            ends: Arc::new(Ends { tx, rx }),
+            _item: PhantomData,
+        })
+    }
+
+    /// Add an item. Its fds are duplicated into the queue: `item` stays usable.
+    pub fn put(&self, item: &T) -> Result<()> {
+        self.ends.tx.send_value(item)
+    }
+
+    /// Take an item, waiting at most `timeout`; [`Error::Timeout`](crate::Error::Timeout) if none came.
+    pub fn get(&self, timeout: Duration) -> Result<T> {
+        self.ends.rx.recv_value(Some(timeout))
+    }
+
+    /// Take an item if one is waiting.
+    pub fn try_get(&self) -> Result<Option<T>> {
+        match self.ends.rx.try_recv()? {
+            Some(message) => oob::decode(&message.bytes, message.fds).map(Some),
+            None => Ok(None),
+        }
+    }
+}
+
+impl<T> Serialize for Queue<T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        struct End<'a>(&'a Channel);
+        impl Serialize for End<'_> {
+            fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                oob::serialize_fd(self.0.as_fd(), "vmm_core::wire::Queue", serializer)
+            }
+        }
+        let mut tuple = serializer.serialize_tuple(2)?;
+        tuple.serialize_element(&End(&self.ends.tx))?;
+        tuple.serialize_element(&End(&self.ends.rx))?;
+        tuple.end()
+    }
+}
+
+impl<'de, T> Deserialize<'de> for Queue<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct End(Channel);
+        impl<'de> Deserialize<'de> for End {
+            fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                oob::deserialize_fd("vmm_core::wire::Queue", deserializer)
+                    .map(|fd| End(Channel::from_fd(fd)))
+            }
+        }
+        let (End(tx), End(rx)) = <(End, End)>::deserialize(deserializer)?;
+        Ok(Queue {
+            ends: Arc::new(Ends { tx, rx }),
+            _item: PhantomData,
+        })
+    }
+}
