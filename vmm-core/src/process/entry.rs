@@ -21,11 +21,18 @@ pub(crate) const EXIT_NOT_RUN: i32 = 122;
 
 static ROLE_TAKEN: AtomicBool = AtomicBool::new(false);
 
+/// Set (to anything) to keep the pre-`main` hook from taking a child's role, so that only an
+/// explicit [`init`](super::init) does: for debugging, and for testing what happens without it.
+pub(crate) const NO_AUTO_INIT_VAR: &str = "VMM_IPC_NO_AUTO_INIT";
+
 /// Called from the `.init_array` hook.
 pub(crate) fn init_before_main() {
     let Ok(role) = std::env::var(ROLE_VAR) else {
         return;
     };
+    if std::env::var_os(NO_AUTO_INIT_VAR).is_some() {
+        return;
+    }
     sys::remove_env_before_main(ROLE_VAR);
     take_role(&role);
 }

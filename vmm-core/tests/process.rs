@@ -1,0 +1,429 @@
+//! vmm-core's own cross-process tests: every scenario under both start methods.
+
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use rstest::rstest;
+use vmm_core::Error;
+use vmm_core::process::{Context, StartMethod, forkserver_pid};
+use vmm_core::shm::{HostBuffer, HostDescriptor};
+use vmm_core::testing::{settled_open_fds, warm_forkserver};
+use vmm_core::wire::{Fd, Queue};
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Tests that count this process's fds or kill its forkserver run alone; the rest share.
+static EXCLUSIVE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    EXCLUSIVE.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn exclusive() -> std::sync::RwLockWriteGuard<'static, ()> {
+    EXCLUSIVE.write().unwrap_or_else(|e| e.into_inner())
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| seed.wrapping_add((i % 251) as u8))
+        .collect()
+}
+
+fn read_back_and_reply(buf: HostBuffer) {
+    assert!(buf.is_imported());
+    assert_eq!(
+        buf.to_vec(),
+        pattern(1, buf.len()),
+        "child did not see the parent's pattern"
+    );
+    buf.write(0, &pattern(2, buf.len())).unwrap();
+}
+
+#[rstest]
+fn host_buffer_as_argument(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+) {
+    let _guard = shared();
+    let buf = HostBuffer::new(1 << 20).unwrap();
+    buf.write(0, &pattern(1, buf.len())).unwrap();
+    let status = Context::new(method)
+        .spawn(read_back_and_reply, buf.clone())
+        .unwrap()
+        .join(TIMEOUT)
+        .unwrap();
+    assert!(status.success());
+    assert_eq!(buf.to_vec(), pattern(2, buf.len()));
+}
+
+fn read_from_queue(queue: Queue<HostBuffer>) {
+    let buf = queue.get(TIMEOUT).unwrap();
+    read_back_and_reply(buf);
+}
+
+#[rstest]
+fn host_buffer_through_queue(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+) {
+    let _guard = shared();
+    let queue = Queue::new().unwrap();
+    let child = Context::new(method)
+        .spawn(read_from_queue, queue.clone())
+        .unwrap();
+    let buf = HostBuffer::new(64 << 10).unwrap();
+    buf.write(0, &pattern(1, buf.len())).unwrap();
+    queue.put(&buf).unwrap();
+    child.join(TIMEOUT).unwrap();
+    assert_eq!(buf.to_vec(), pattern(2, buf.len()));
+}
+
+#[rstest]
+fn fd_count_returns_to_baseline(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+) {
+    let _guard = exclusive();
+    warm_forkserver().unwrap();
+    let buf = HostBuffer::new(1 << 16).unwrap();
+    buf.write(0, &pattern(1, buf.len())).unwrap();
+    // Warm-up round: lazily created process-wide state (the launcher thread) is not a leak.
+    Context::new(method)
+        .spawn(read_back_and_reply, buf.clone())
+        .unwrap()
+        .join(TIMEOUT)
+        .unwrap();
+    buf.write(0, &pattern(1, buf.len())).unwrap();
+
+    let before = settled_open_fds().unwrap();
+    let child = Context::new(method)
+        .spawn(read_back_and_reply, buf.clone())
+        .unwrap();
+    child.join(TIMEOUT).unwrap();
+    assert_eq!(
+        settled_open_fds().unwrap(),
+        before,
+        "fds leaked by passing a buffer to a child"
+    );
+    // An unjoined Process dropped mid-run leaks nothing either.
+    drop(Context::new(method).spawn(hang, ()).unwrap());
+    assert_eq!(
+        settled_open_fds().unwrap(),
+        before,
+        "fds leaked by dropping a running child"
+    );
+}
+
+fn panics(message: String) {
+    println!("about to panic on stdout");
+    eprintln!("about to panic on stderr");
+    panic!("{message}");
+}
+
+#[rstest]
+fn child_panic_is_reported(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+) {
+    let _guard = shared();
+    let child = Context::new(method)
+        .spawn(panics, "the child's own words".to_owned())
+        .unwrap();
+    let Err(Error::Child(failure)) = child.join(TIMEOUT) else {
+        panic!("a panicking child must fail")
+    };
+    assert_eq!(failure.method, method);
+    assert_eq!(
+        failure.panic_message.as_deref(),
+        Some("the child's own words")
+    );
+    assert!(
+        failure
+            .panic_location
+            .as_deref()
+            .unwrap()
+            .contains("process.rs"),
+        "{failure}"
+    );
+    assert!(
+        failure.stdout.contains("about to panic on stdout"),
+        "{failure}"
+    );
+    assert!(
+        failure.stderr.contains("about to panic on stderr"),
+        "{failure}"
+    );
+    assert_eq!(failure.status.and_then(|s| s.code()), Some(101));
+    let shown = failure.to_string();
+    for needle in [
+        "the child's own words",
+        "about to panic on stdout",
+        method.name(),
+        "exit code 101",
+    ] {
+        assert!(shown.contains(needle), "{needle:?} missing from:\n{shown}");
+    }
+}
+
+fn hang(_: ()) {
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+fn alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+#[rstest]
+fn hanging_child_is_killed_at_timeout(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+) {
+    let _guard = shared();
+    let child = Context::new(method).spawn(hang, ()).unwrap();
+    let pid = child.pid();
+    let started = Instant::now();
+    let Err(Error::Child(failure)) = child.join(Duration::from_millis(300)) else {
+        panic!("must time out")
+    };
+    assert!(started.elapsed() < Duration::from_secs(20));
+    assert_eq!(failure.timed_out, Some(Duration::from_millis(300)));
+    assert_eq!(
+        failure.status.and_then(|s| s.signal()),
+        Some(9),
+        "{failure}"
+    );
+    assert!(failure.to_string().contains("timed out"), "{failure}");
+    // Reaped: no zombie, no stray process.
+    assert!(!alive(pid), "child {pid} is still in the process table");
+}
+
+fn status_field(pid: u32, field: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+fn noop(_: ()) {}
+
+#[test]
+fn forkserver_is_single_threaded_cuda_free_and_restarts() {
+    let _guard = exclusive();
+    let ctx = Context::new(StartMethod::Forkserver);
+    ctx.spawn(noop, ()).unwrap().join(TIMEOUT).unwrap();
+    let server = forkserver_pid().expect("the forkserver is running");
+    assert_eq!(status_field(server, "Threads:"), "1");
+    let maps = std::fs::read_to_string(format!("/proc/{server}/maps")).unwrap();
+    assert!(!maps.contains("libcuda"), "the forkserver mapped libcuda");
+    let cmdline = std::fs::read(format!("/proc/{server}/cmdline")).unwrap();
+    assert!(!cmdline.is_empty());
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(server as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    // The next spawn notices, starts a new server and succeeds.
+    ctx.spawn(noop, ()).unwrap().join(TIMEOUT).unwrap();
+    let restarted = forkserver_pid().unwrap();
+    assert_ne!(restarted, server);
+    assert!(!alive(server), "the killed forkserver was not reaped");
+}
+
+fn echo_large(queues: (Queue<Vec<u8>>, Queue<Vec<u8>>)) {
+    let item = queues.0.get(TIMEOUT).unwrap();
+    queues.1.put(&item).unwrap();
+}
+
+#[rstest]
+fn eight_mib_message_arrives_intact(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+) {
+    let _guard = shared();
+    let (to_child, from_child) = (Queue::new().unwrap(), Queue::new().unwrap());
+    let child = Context::new(method)
+        .spawn(echo_large, (to_child.clone(), from_child.clone()))
+        .unwrap();
+    let big = pattern(7, 8 << 20);
+    to_child.put(&big).unwrap();
+    let back = from_child.get(TIMEOUT).unwrap();
+    child.join(TIMEOUT).unwrap();
+    assert!(back == big, "8 MiB message changed on its way");
+}
+
+fn memfd_holding(i: usize) -> OwnedFd {
+    let fd = nix::sys::memfd::memfd_create(c"t", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap();
+    let mut file = File::from(fd);
+    std::io::Write::write_all(&mut file, i.to_string().as_bytes()).unwrap();
+    file.into()
+}
+
+fn check_fds(queues: (Queue<Vec<Fd>>, Queue<usize>)) {
+    let fds = queues.0.get(TIMEOUT).unwrap();
+    for (i, fd) in fds.iter().enumerate() {
+        let mut text = String::new();
+        let mut file = File::from(fd.as_fd().try_clone_to_owned().unwrap());
+        std::io::Seek::rewind(&mut file).unwrap();
+        file.read_to_string(&mut text).unwrap();
+        assert_eq!(text, i.to_string(), "fd #{i} is not the file that was sent");
+    }
+    queues.1.put(&fds.len()).unwrap();
+}
+
+#[rstest]
+fn two_hundred_fds_arrive(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+) {
+    let _guard = shared();
+    let (to_child, from_child) = (Queue::new().unwrap(), Queue::new().unwrap());
+    let child = Context::new(method)
+        .spawn(check_fds, (to_child.clone(), from_child.clone()))
+        .unwrap();
+    let fds: Vec<Fd> = (0..200).map(|i| Fd::from(memfd_holding(i))).collect();
+    to_child.put(&fds).unwrap();
+    assert_eq!(from_child.get(TIMEOUT).unwrap(), 200);
+    child.join(TIMEOUT).unwrap();
+}
+
+#[test]
+fn more_fds_than_one_message_carries_is_refused() {
+    let _guard = shared();
+    let queue: Queue<Vec<Fd>> = Queue::new().unwrap();
+    let fds: Vec<Fd> = (0..254).map(|i| Fd::from(memfd_holding(i))).collect();
+    match queue.put(&fds) {
+        Err(Error::TooManyFds {
+            count: 254,
+            max: 253,
+        }) => {}
+        other => panic!("expected TooManyFds, got {other:?}"),
+    }
+    // Nothing was half-sent.
+    assert!(queue.try_get().unwrap().is_none());
+    // At the limit it goes through, whole.
+    let fds: Vec<Fd> = fds.into_iter().take(253).collect();
+    queue.put(&fds).unwrap();
+    assert_eq!(queue.get(TIMEOUT).unwrap().len(), 253);
+}
+
+fn grandchild(args: (HostDescriptor, Queue<u32>)) {
+    let buf = HostBuffer::import(&args.0).unwrap();
+    buf.fill(0x33).unwrap();
+    args.1.put(&std::process::id()).unwrap();
+}
+
+fn middle(args: (StartMethod, HostDescriptor, Queue<u32>)) {
+    let (method, descriptor, queue) = args;
+    Context::new(method)
+        .spawn(grandchild, (descriptor, queue))
+        .unwrap()
+        .join(TIMEOUT)
+        .unwrap();
+}
+
+#[rstest]
+fn nested_children(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver)] outer: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver)] inner: StartMethod,
+) {
+    let _guard = shared();
+    let buf = HostBuffer::new(4096).unwrap();
+    let queue = Queue::new().unwrap();
+    let child = Context::new(outer)
+        .spawn(middle, (inner, buf.export().unwrap(), queue.clone()))
+        .unwrap();
+    let middle_pid = child.pid();
+    child.join(TIMEOUT).unwrap();
+    let grandchild_pid = queue.get(TIMEOUT).unwrap();
+    assert_ne!(grandchild_pid, middle_pid);
+    assert!(buf.to_vec().iter().all(|&b| b == 0x33));
+}
+
+fn start_hanging_grandchild(args: (StartMethod, Queue<u32>)) {
+    let (method, queue) = args;
+    let grandchild = Context::new(method)
+        .spawn(report_and_hang, queue.clone())
+        .unwrap();
+    std::mem::forget(grandchild);
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+fn report_and_hang(queue: Queue<u32>) {
+    queue.put(&std::process::id()).unwrap();
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+#[rstest]
+fn children_die_with_their_parent(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+) {
+    let _guard = shared();
+    let queue = Queue::new().unwrap();
+    let child = Context::new(method)
+        .spawn(start_hanging_grandchild, (method, queue.clone()))
+        .unwrap();
+    let grandchild = queue.get(TIMEOUT).unwrap();
+    assert!(alive(grandchild));
+    child.kill().unwrap();
+    drop(child);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while alive(grandchild) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Its parent (or that parent's forkserver) is gone, so it was killed; init reaps it.
+    assert!(
+        !alive(grandchild) || status_field(grandchild, "State:").starts_with('Z'),
+        "orphan {grandchild} survived"
+    );
+}
+
+fn report_argv_and_env(queue: Queue<(Vec<String>, bool)>) {
+    let cmdline = std::fs::read("/proc/self/cmdline").unwrap();
+    let argv = cmdline
+        .split(|&b| b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned());
+    let role_var_gone = std::env::var_os("VMM_IPC_CHILD").is_none();
+    queue.put(&(argv.skip(1).collect(), role_var_gone)).unwrap();
+}
+
+#[test]
+fn spawn_child_gets_minimal_argv_and_clean_env() {
+    let _guard = shared();
+    let queue = Queue::new().unwrap();
+    Context::new(StartMethod::Spawn)
+        .spawn(report_argv_and_env, queue.clone())
+        .unwrap()
+        .join(TIMEOUT)
+        .unwrap();
+    let (argv, role_var_gone) = queue.get(TIMEOUT).unwrap();
+    let expected = [
+        "--exact",
+        "spawn_child_gets_minimal_argv_and_clean_env",
+        "--nocapture",
+        "--test-threads=1",
+        "-q",
+    ];
+    assert_eq!(argv, expected);
+    assert!(role_var_gone, "the child kept its role variable");
+}
+
+#[test]
+fn child_that_never_reaches_its_entry_is_an_error() {
+    if std::env::var_os("VMM_IPC_CHILD").is_some() {
+        // We are the child, started with the pre-main hook disabled: exit without taking the role.
+        return;
+    }
+    let _guard = shared();
+    let ctx = Context::new(StartMethod::Spawn).with_env("VMM_IPC_NO_AUTO_INIT", "1");
+    let result = ctx.spawn(noop, ()).unwrap().join(TIMEOUT);
+    let Err(Error::Child(failure)) = result else {
+        panic!("a child that never acknowledged must fail, got {result:?}")
+    };
+    assert!(!failure.started);
+    let shown = failure.to_string();
+    assert!(
+        shown.contains("never acknowledged") && shown.contains("vmm_core::process::init()"),
+        "{shown}"
+    );
+}
