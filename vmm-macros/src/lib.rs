@@ -3,8 +3,10 @@
 
 use proc_macro::TokenStream;
 
-/// Placeholder until the `#[ipc_test]` issue lands: leaves the item unchanged.
+mod expand;
+
+/// ipc_test docs (TODO)
 #[proc_macro_attribute]
-pub fn ipc_test(_attr: TokenStream, item: TokenStream) -> TokenStream {
-    item
+pub fn ipc_test(attr: TokenStream, item: TokenStream) -> TokenStream {
+    expand::ipc_test(attr.into(), item.into()).into()
 }
