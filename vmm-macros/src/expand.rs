@@ -331,8 +331,16 @@ fn check_signature(item: &mut ItemFn, errors: &mut Errors) {
             }
             continue;
         }
+        // Span the parameter without its attributes (`#[case]` etc.).
+        let spanned = match &*arg {
+            FnArg::Typed(typed) => {
+                let (pat, colon, ty) = (&typed.pat, &typed.colon_token, &typed.ty);
+                quote!(#pat #colon #ty)
+            }
+            FnArg::Receiver(receiver) => receiver.to_token_stream(),
+        };
         errors.spanned(
-            &*arg,
+            spanned,
             "extra parameter: an #[ipc_test] function takes only `ctx: &Context`; to add \
              parameters with rstest, put `#[rstest]` above `#[ipc_test]` and mark the context \
              parameter `#[ignore]`",
