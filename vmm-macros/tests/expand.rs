@@ -5,7 +5,7 @@
 //! generated test here is `#[ignore]`d; the attribute moves to the generated tests.
 
 // The generated code must be warning-free in test builds (dead_code, unused, non_snake_case).
-#![deny(warnings)]
+#![deny(unused, non_snake_case)]
 
 use rstest::rstest;
 use vmm_core::process::Context;
