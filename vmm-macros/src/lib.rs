@@ -3,8 +3,137 @@
 
 use proc_macro::TokenStream;
 
-/// Placeholder until the `#[ipc_test]` issue lands: leaves the item unchanged.
+mod expand;
+
+/// Runs one test body in real child processes, once per start method: one `#[test]` per method.
+///
+/// ```no_run
+/// use vmm_core::process::Context;
+///
+/// /// What `skip_unless` evaluates: `bool`, or `Result<(), impl Display>` (the `Err` is the reason
+/// /// for skipping).
+/// fn gpu_present() -> Result<(), String> {
+///     Ok(())
+/// }
+///
+/// #[vmm_core::ipc_test(methods = [spawn, forkserver], skip_unless = gpu_present(), timeout = 60)]
+/// fn child_reads_parent_pattern(ctx: &Context) {
+///     // Start children with `ctx` and check what they see.
+///     let _ = ctx;
+/// }
+/// # fn main() {}
+/// ```
+///
+/// This defines the tests `child_reads_parent_pattern::spawn` and
+/// `child_reads_parent_pattern::forkserver` (prefixed with the enclosing module's path), ordinary
+/// `#[test]`s that `cargo test` and `cargo nextest` list, filter and run. The function keeps its
+/// name, attributes and visibility; it is the body each generated test runs.
+///
+/// # The function
+///
+/// It takes exactly one parameter, the context, as a shared reference: `&Context`, where the type
+/// is `vmm_core::process::Context` written as any path ending in `Context`
+/// (`&vmm_core::process::Context`, `&Context`). It returns `()` or `Result<(), E>` with
+/// `E: Debug` (an `Err` fails the test). It may not be `async`, `unsafe` or generic over types or
+/// constants (lifetime parameters are fine).
+///
+/// `#[ignore]` / `#[ignore = "reason"]` and `#[should_panic]` on the function move to each
+/// generated test; `#[cfg(..)]` applies to the function and to the generated tests alike.
+///
+/// # Options
+///
+/// All optional, in any order, each at most once:
+///
+/// - `methods = [spawn, forkserver]`: the start methods to run under, one test each, in the
+///   given order. Any non-empty subset; the default is both, `spawn` first.
+/// - `skip_unless = EXPR`: evaluated at run time in the parent test process, before any child
+///   starts; the test is skipped (passes without running the body) unless it is `true` or
+///   `Ok(())`. With `VMM_REQUIRE_GPU=1` in the environment a skip fails the test instead. `EXPR` is a `bool` or a `Result<(), impl Display>`, typically
+///   `vmm_core::testing::cuda_vmm_ipc()`.
+/// - `thread_unsafe = "reason"`: the test runs alone: exclusive with every other `ipc_test` in
+///   the test process (the others run concurrently). The reason (a non-empty string literal)
+///   says why, e.g. `"sets CUDA_VISIBLE_DEVICES"`.
+/// - `timeout = SECS`: an integer literal of seconds, at least 1; the test fails when the body
+///   and its children run longer.
+///
+/// # With rstest
+///
+/// Put `#[rstest]` (with its `#[case]`s) **above** `#[ipc_test]` and mark the context parameter
+/// `#[ignore]`, so that rstest leaves it in the signature instead of looking for a fixture named
+/// after it:
+///
+/// ```no_run
+/// use rstest::rstest;
+/// use vmm_core::process::Context;
+///
+/// #[rstest]
+/// #[case(1)]
+/// #[case::large(1 << 20)]
+/// #[vmm_core::ipc_test(methods = [spawn, forkserver])]
+/// fn roundtrip(#[ignore] ctx: &Context, #[case] len: usize) {
+///     let _ = (ctx, len);
+/// }
+/// # fn main() {}
+/// ```
+///
+/// One test per case per method: `roundtrip::case_1::spawn`, `roundtrip::case_1::forkserver`,
+/// `roundtrip::case_2_large::spawn`, `roundtrip::case_2_large::forkserver`. `#[values]` work the
+/// same way (`t::n_1_1::spawn`, ...). rstest copies `#[ipc_test]` onto each case function it
+/// generates, ahead of that function's `#[test]`, which `#[ipc_test]` removes. The other order
+/// (`#[ipc_test]` above `#[rstest]`) is an error: the case parameters are extra parameters.
+///
+/// # Expansion
+///
+/// ```ignore
+/// #[vmm_core::ipc_test(methods = [spawn], skip_unless = gpu_present(), timeout = 60)]
+/// fn child_reads_parent_pattern(ctx: &Context) { /* body */ }
+/// ```
+///
+/// expands to (`__private` is not a public API):
+///
+/// ```ignore
+/// #[cfg_attr(not(test), allow(dead_code))]
+/// fn child_reads_parent_pattern(ctx: &Context) { /* body */ }
+///
+/// #[allow(non_snake_case)]
+/// mod child_reads_parent_pattern {
+///     #[allow(unused_imports)]
+///     use super::*; // only with `skip_unless`, for its expression
+///
+///     #[test]
+///     fn spawn() {
+///         ::vmm_core::testing::__private::run(
+///             ::vmm_core::testing::__private::Spec {
+///                 module_path: ::core::module_path!(),
+///                 function: "child_reads_parent_pattern",
+///                 method: ::vmm_core::testing::__private::StartMethod::Spawn,
+///                 timeout_secs: ::core::option::Option::Some(60u64),
+///                 thread_unsafe: ::core::option::Option::None,
+///             },
+///             || ::vmm_core::testing::__private::Requirement::check(gpu_present()),
+///             super::child_reads_parent_pattern,
+///         )
+///     }
+/// }
+/// ```
+///
+/// The body stays where it was written, so it resolves names (including `super::` paths) exactly
+/// as an ordinary function there would. A function and a module of the same name live in
+/// different namespaces, so both are `child_reads_parent_pattern`.
+///
+/// The `skip_unless` expression is evaluated inside the generated module, which glob-imports the
+/// enclosing module: plain names and `crate::`/`::` paths resolve as written, but inside it the
+/// names `spawn` and `forkserver` are the generated tests and `super::` means the enclosing
+/// module. Write `crate::` paths there if in doubt.
+///
+/// # Errors
+///
+/// Compile errors point at the offending token: an unknown or repeated option, an unknown or
+/// repeated method, an empty `methods` list, a literal of the wrong type (or a zero `timeout`,
+/// an empty reason), a missing context parameter, extra parameters, a context parameter that is
+/// not `&...Context` (by value, `&mut`, another type), and `async`, `unsafe` or generic
+/// functions. All of them are reported at once.
 #[proc_macro_attribute]
-pub fn ipc_test(_attr: TokenStream, item: TokenStream) -> TokenStream {
-    item
+pub fn ipc_test(attr: TokenStream, item: TokenStream) -> TokenStream {
+    expand::ipc_test(attr.into(), item.into()).into()
 }

@@ -1,0 +1,8 @@
+use vmm_core::process::Context;
+
+#[vmm_core::ipc_test(methods = [])]
+fn t(ctx: &Context) {
+    let _ = ctx;
+}
+
+fn main() {}

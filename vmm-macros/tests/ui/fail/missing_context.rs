@@ -1,0 +1,4 @@
+#[vmm_core::ipc_test]
+fn t() {}
+
+fn main() {}
