@@ -4,6 +4,7 @@ use std::fmt;
 use std::fs::File;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill};
@@ -12,6 +13,7 @@ use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 
 use super::protocol::{Outcome, Report};
+use super::tracker::{Fate, FateCell};
 use super::{StartMethod, sys};
 use crate::wire::Channel;
 use crate::{Error, Result};
@@ -61,8 +63,9 @@ impl fmt::Display for ExitStatus {
 }
 
 /// Everything known about a child that did not exit cleanly: how it was started, how it ended,
-/// its panic, and its captured output. `Display` shows all of it.
-#[derive(Debug, Clone)]
+/// its panic, and its captured output. `Display` shows all of it, and so does `Debug` (what
+/// `unwrap()` prints), because the readable form is what a failing test should show.
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct ChildError {
     /// The start method.
@@ -88,6 +91,12 @@ pub struct ChildError {
 }
 
 impl std::error::Error for ChildError {}
+
+impl fmt::Debug for ChildError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "\n{self}\n")
+    }
+}
 
 impl fmt::Display for ChildError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -152,7 +161,9 @@ pub struct Process {
     stderr: OwnedFd,
     /// Forkserver children: the server reaps them, so signal through a pidfd (never a
     /// recycled pid). Spawned children are ours until we reap them.
-    pidfd: Option<OwnedFd>,
+    pidfd: Option<Arc<OwnedFd>>,
+    /// Shared with the registry of the `#[ipc_test]` that started it, if any.
+    fate: Arc<FateCell>,
     default_timeout: Duration,
     started: bool,
     outcome: Option<Outcome>,
@@ -167,7 +178,8 @@ impl Process {
         method: StartMethod,
         channel: Channel,
         (stdout, stderr): (OwnedFd, OwnedFd),
-        pidfd: Option<OwnedFd>,
+        pidfd: Option<Arc<OwnedFd>>,
+        fate: Arc<FateCell>,
         default_timeout: Duration,
     ) -> Process {
         Process {
@@ -177,6 +189,7 @@ impl Process {
             stdout,
             stderr,
             pidfd,
+            fate,
             default_timeout,
             started: false,
             outcome: None,
@@ -200,6 +213,11 @@ impl Process {
         if self.finished() {
             return Ok(());
         }
+        self.fate.set(Fate::Killed);
+        self.signal_kill()
+    }
+
+    fn signal_kill(&self) -> Result<()> {
         match &self.pidfd {
             Some(pidfd) => sys::pidfd_kill(pidfd),
             None if self.method == StartMethod::Spawn => match kill(self.pid, Signal::SIGKILL) {
@@ -224,6 +242,9 @@ impl Process {
     /// with code 0; anything else is [`Error::Child`] with the whole story.
     pub fn join(mut self, timeout: Duration) -> Result<ExitStatus> {
         let timed_out = self.wait_until(Some(Instant::now() + timeout))?;
+        if self.fate.get() == Fate::Running {
+            self.fate.set(Fate::Finished);
+        }
         let clean = self.started
             && self.outcome == Some(Outcome::Returned)
             && self.status.is_some_and(ExitStatus::success)
@@ -277,7 +298,7 @@ impl Process {
                 },
                 Err(Error::Timeout { .. }) => {
                     timed_out = true;
-                    self.kill()?;
+                    self.signal_kill()?;
                 }
                 // Its channel closed: a spawned child has exited (or is about to), reap it; for
                 // a forkserver child it means the server died before reporting the status.
@@ -295,8 +316,13 @@ impl Process {
 impl Drop for Process {
     fn drop(&mut self) {
         if !self.finished() {
-            let _ = self.kill();
+            if self.fate.get() == Fate::Running {
+                self.fate.set(Fate::DroppedRunning);
+            }
+            let _ = self.signal_kill();
             let _ = self.wait_until(None);
+        } else if self.fate.get() == Fate::Running {
+            self.fate.set(Fate::Finished);
         }
     }
 }

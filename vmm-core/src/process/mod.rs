@@ -38,9 +38,11 @@ mod forkserver;
 mod launch;
 mod protocol;
 mod sys;
+mod tracker;
 
 use std::fmt;
 use std::os::fd::OwnedFd;
+use std::sync::Arc;
 use std::time::Duration;
 
 use nix::sys::memfd::{MFdFlags, memfd_create};
@@ -54,6 +56,7 @@ use crate::wire::{self, Channel};
 use crate::{Error, Result};
 use launch::Launch;
 use protocol::Start;
+pub(crate) use tracker::Registry;
 
 /// How a child process is started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -123,6 +126,8 @@ pub struct Context {
     method: StartMethod,
     timeout: Duration,
     env: Vec<(String, String)>,
+    /// Set by `#[ipc_test]`: every child started is recorded so that none outlives the test.
+    registry: Option<Arc<Registry>>,
 }
 
 impl Context {
@@ -132,6 +137,7 @@ impl Context {
             method,
             timeout: default_timeout(),
             env: Vec::new(),
+            registry: None,
         }
     }
 
@@ -154,6 +160,12 @@ impl Context {
     /// Set an environment variable in every child this context starts (before its function runs).
     pub fn with_env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.env.push((key.into(), value.into()));
+        self
+    }
+
+    /// Record every child started through this context (and its clones) in `registry`.
+    pub(crate) fn with_registry(mut self, registry: Arc<Registry>) -> Self {
+        self.registry = Some(registry);
         self
     }
 
@@ -201,12 +213,18 @@ impl Context {
                 forkserver::fork(&theirs, &stdout, &stderr)?
             }
         };
+        let pidfd = pidfd.map(Arc::new);
+        let fate = Arc::new(tracker::FateCell::default());
+        if let Some(registry) = &self.registry {
+            registry.track(pid, self.method, Arc::clone(&fate), pidfd.as_ref());
+        }
         Ok(Process::new(
             pid,
             self.method,
             ours,
             (stdout, stderr),
             pidfd,
+            fate,
             self.timeout,
         ))
     }

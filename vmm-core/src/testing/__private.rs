@@ -60,14 +60,14 @@ impl<E: Debug> TestReturn for Result<(), E> {
 }
 
 /// Run one generated test: check the requirement, take the thread-unsafe lock, run the body with
-/// a [`Context`] for `spec.method`, then kill and reap whatever children the body left.
-/// Panics (fails the test) on a failed body, a failed child or a skip under `VMM_REQUIRE_GPU=1`.
+/// a [`Context`] for `spec.method` under the test's timeout, then kill and reap whatever children
+/// the body left. Panics (fails the test) on a failed body, a failed or leftover child, a timeout,
+/// or a skip under `VMM_REQUIRE_GPU=1`.
 pub fn run<Q, B, R>(spec: Spec, requirement: Q, body: B)
 where
     Q: FnOnce() -> Result<(), String>,
-    B: FnOnce(&Context) -> R,
+    B: FnOnce(&Context) -> R + Send + 'static,
     R: TestReturn,
 {
-    let _ = (spec, requirement, body);
-    unimplemented!("ipc_test runtime lands with the #[ipc_test] issue")
+    super::runner::run(spec, requirement, move |ctx: &Context| body(ctx).into_result())
 }

@@ -1,9 +1,22 @@
-//! The runtime behind `#[ipc_test]`: fd accounting, requirement checks.
+//! The runtime behind [`#[ipc_test]`](crate::ipc_test): skips, the thread-unsafe lock, fd
+//! accounting and requirement checks.
+//!
+//! Environment:
+//! - `VMM_REQUIRE_GPU=1` turns every skip into a failure with the same reason.
+//! - `VMM_SKIP_LOG=<file>` appends every `SKIP <test>: <reason>` line to that file.
+//! - `VMM_CHILD_TIMEOUT=<secs>` is the default timeout of a test and of its children's joins.
 
+mod exclusive;
 mod fds;
+mod requirements;
+mod runner;
+mod skip;
 
 #[doc(hidden)]
 pub mod __private;
 
 pub use crate::process::ensure_running as warm_forkserver;
+pub use exclusive::running_ipc_tests;
 pub use fds::{open_fds, settled_open_fds};
+pub use requirements::forkserver_available;
+pub use skip::{REQUIRE_VAR, SKIP_LOG_VAR};

@@ -1,0 +1,118 @@
+//! Which children a scope (one `#[ipc_test]`) started, so that none outlives it unnoticed.
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::Pid;
+
+use super::{StartMethod, sys};
+
+/// What became of a tracked child.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Fate {
+    Running = 0,
+    /// Its exit was observed (joined, or dropped after it had exited).
+    Finished = 1,
+    /// `kill()` was called on it: whatever follows was intended.
+    Killed = 2,
+    /// Its `Process` was dropped while it ran, without `kill()`: it was killed by the drop.
+    DroppedRunning = 3,
+}
+
+/// The fate of one child, shared by its `Process` and the registry.
+#[derive(Debug, Default)]
+pub(crate) struct FateCell(AtomicU8);
+
+impl FateCell {
+    pub(crate) fn set(&self, fate: Fate) {
+        self.0.store(fate as u8, Ordering::Release);
+    }
+
+    pub(crate) fn get(&self) -> Fate {
+        match self.0.load(Ordering::Acquire) {
+            0 => Fate::Running,
+            1 => Fate::Finished,
+            2 => Fate::Killed,
+            _ => Fate::DroppedRunning,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    pid: Pid,
+    method: StartMethod,
+    fate: Arc<FateCell>,
+    /// Forkserver children: the Process's pidfd, while the Process exists.
+    pidfd: Option<Weak<OwnedFd>>,
+}
+
+/// The children started through one [`Context`](super::Context) and its clones.
+#[derive(Debug, Default)]
+pub(crate) struct Registry {
+    entries: Mutex<Vec<Entry>>,
+}
+
+impl Registry {
+    pub(crate) fn track(&self, pid: Pid, method: StartMethod, fate: Arc<FateCell>, pidfd: Option<&Arc<OwnedFd>>) {
+        let entry = Entry { pid, method, fate, pidfd: pidfd.map(Arc::downgrade) };
+        self.entries.lock().unwrap_or_else(|e| e.into_inner()).push(entry);
+    }
+
+    /// Kill (through the pidfd where there is one) every child that is still running.
+    pub(crate) fn kill_running(&self) {
+        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        for entry in entries.iter().filter(|e| e.fate.get() == Fate::Running) {
+            match entry.pidfd.as_ref().and_then(Weak::upgrade) {
+                Some(pidfd) => drop(sys::pidfd_kill(&pidfd)),
+                // Unreaped children of ours: the pid cannot have been reused.
+                None if entry.method == StartMethod::Spawn => drop(kill(entry.pid, Signal::SIGKILL)),
+                None => {}
+            }
+        }
+    }
+
+    /// End the scope: kill and reap children still running (their `Process` was leaked), and
+    /// describe every child that was left running, one line each.
+    pub(crate) fn finish(&self) -> Vec<String> {
+        self.kill_running();
+        let entries = std::mem::take(&mut *self.entries.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut problems = Vec::new();
+        for entry in entries {
+            let (pid, method) = (entry.pid, entry.method);
+            match entry.fate.get() {
+                Fate::Running => {
+                    if method == StartMethod::Spawn {
+                        reap_within(pid, Duration::from_secs(5));
+                    }
+                    entry.fate.set(Fate::Killed);
+                    problems.push(format!(
+                        "child {pid} ({method}) was still running when the test ended (its Process \
+                         was never dropped or joined); it has been killed"
+                    ));
+                }
+                Fate::DroppedRunning => problems.push(format!(
+                    "child {pid} ({method}) was still running when its Process was dropped; join it, \
+                     or call kill() first if ending it early is intended"
+                )),
+                Fate::Finished | Fate::Killed => {}
+            }
+        }
+        problems
+    }
+}
+
+fn reap_within(pid: Pid, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) => std::thread::sleep(Duration::from_millis(1)),
+            _ => return,
+        }
+    }
+}

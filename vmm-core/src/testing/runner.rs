@@ -1,0 +1,69 @@
+//! What one `#[ipc_test]`-generated test does at run time.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use super::__private::Spec;
+use super::{exclusive, skip};
+use crate::process::{Context, Registry, default_timeout};
+
+pub(crate) fn run<Q, B>(spec: Spec, requirement: Q, body: B)
+where
+    Q: FnOnce() -> Result<(), String>,
+    B: FnOnce(&Context) -> Result<(), String> + Send + 'static,
+{
+    let name = test_name(&spec);
+    if let Err(reason) = requirement() {
+        skip::skip(&name, &reason);
+        return;
+    }
+    let _turn = exclusive::take_turn(spec.thread_unsafe.is_some());
+    let timeout = spec.timeout_secs.map_or_else(default_timeout, Duration::from_secs);
+    let registry = Arc::new(Registry::default());
+    let ctx = Context::new(spec.method).with_timeout(timeout).with_registry(Arc::clone(&registry));
+
+    // The body runs on its own thread, named like the test (children take the running test's
+    // name from the thread), so that the test can end at its timeout even if the body blocks.
+    let (done_tx, done_rx) = mpsc::channel();
+    let thread = std::thread::Builder::new().name(name.clone()).spawn(move || {
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&ctx)));
+        let _ = done_tx.send(());
+        outcome
+    });
+    let thread = match thread {
+        Ok(thread) => thread,
+        Err(e) => panic!("{name}: could not start the test body's thread: {e}"),
+    };
+    if done_rx.recv_timeout(timeout).is_err() {
+        registry.kill_running();
+        let leftovers = registry.finish();
+        panic!(
+            "{name} ({}) timed out after {timeout:?}; its children were killed{}",
+            spec.method,
+            leftovers.iter().map(|l| format!("\n  {l}")).collect::<String>()
+        );
+    }
+    let outcome = thread.join().unwrap_or_else(|payload| Err(payload));
+    let leftovers = registry.finish();
+    match outcome {
+        Err(payload) => std::panic::resume_unwind(payload),
+        Ok(Err(message)) => panic!("{name} ({}) failed: {message}", spec.method),
+        Ok(Ok(())) if !leftovers.is_empty() => panic!(
+            "{name} ({}) left children behind:\n  {}",
+            spec.method,
+            leftovers.join("\n  ")
+        ),
+        Ok(Ok(())) => {}
+    }
+}
+
+/// The running test's full name: libtest names the test's thread after it; outside libtest
+/// (a custom harness), the generated path.
+fn test_name(spec: &Spec) -> String {
+    crate::process::current_test_name().unwrap_or_else(|| {
+        let module = spec.module_path.split_once("::").map_or("", |(_, rest)| rest);
+        let module = if module.is_empty() { String::new() } else { format!("{module}::") };
+        format!("{module}{}", spec.method.name())
+    })
+}
