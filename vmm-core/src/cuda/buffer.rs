@@ -131,15 +131,8 @@ impl VirtualMemoryBuffer {
         self.inner.imported || self.chunks().any(|c| c.is_imported())
     }
 
-    /// Checks `offset..offset+len` against the size, naming the operation.
     fn check_range(&self, op: &str, offset: usize, len: usize) -> Result<()> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.inner.size => Ok(()),
-            _ => Err(Error::InvalidArgument(format!(
-                "{op}: range {offset}..{offset}+{len} is out of bounds of the {}-byte buffer",
-                self.inner.size
-            ))),
-        }
+        check_range(op, offset, len, self.inner.size)
     }
 
     /// The pieces of `offset..offset+len` that fall in each chunk: (device address, offset
@@ -192,6 +185,16 @@ impl VirtualMemoryBuffer {
     }
 }
 
+/// Checks `offset..offset+len` against `size`, naming the operation.
+fn check_range(op: &str, offset: usize, len: usize, size: usize) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(Error::InvalidArgument(format!(
+            "{op}: {len} bytes at offset {offset} are out of bounds of the {size}-byte buffer"
+        ))),
+    }
+}
+
 /// Split `offset..offset+len` over chunks given as (address, size), in order.
 fn pieces(
     chunks: impl Iterator<Item = (CUdeviceptr, usize)>,
@@ -218,7 +221,30 @@ fn pieces(
 
 #[cfg(test)]
 mod tests {
-    use super::pieces;
+    use super::{VirtualMemoryBuffer, check_range, pieces};
+
+    #[test]
+    fn ranges_are_bounds_checked() {
+        check_range("copy_to_host", 0, 10, 10).unwrap();
+        check_range("copy_to_host", 10, 0, 10).unwrap();
+        let m = check_range("copy_to_host", 5, 6, 10)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            m.contains("copy_to_host: 6 bytes at offset 5 are out of bounds of the 10-byte"),
+            "{m}"
+        );
+        assert!(check_range("copy_from_host", usize::MAX, 1, 10).is_err());
+    }
+
+    #[test]
+    fn buffers_can_cross_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<VirtualMemoryBuffer>();
+        send_sync::<super::super::VirtualMemoryResource>();
+        send_sync::<super::super::IpcDescriptor>();
+        send_sync::<super::super::Device>();
+    }
 
     #[test]
     fn pieces_split_at_chunk_boundaries() {
