@@ -1,6 +1,6 @@
 //! CUDA virtual-memory (VMM) buffers that can be shared with other processes by fd.
 //!
-//! Layered like cudarc: [`driver`](self) wraps each driver call (the only `unsafe`), the
+//! Layered like cudarc: a private `driver` module wraps each driver call (the only `unsafe`), the
 //! handle layer owns one driver object each (allocation, reservation, mapping) and undoes it on
 //! drop, and the API on top is [`VirtualMemoryResource`] (allocate, grow, import),
 //! [`VirtualMemoryBuffer`] (a contiguous range of chunks; export) and [`IpcDescriptor`] (the
