@@ -58,6 +58,31 @@ pub enum Error {
     /// The forkserver could not be started or reached.
     #[error("forkserver: {0}")]
     Forkserver(String),
+    /// A CUDA driver call returned an error.
+    #[error("{call} failed: {name} ({code})")]
+    Cuda {
+        /// The driver call, e.g. `cuMemMap`.
+        call: &'static str,
+        /// The CUDA error's name (`cuGetErrorName`), e.g. `CUDA_ERROR_INVALID_VALUE`.
+        name: String,
+        /// The CUDA error's number.
+        code: u32,
+    },
+    /// CUDA cannot be used in this process (no libcuda, no device, or a missing capability).
+    #[error("CUDA is not available: {0}")]
+    CudaUnavailable(String),
+    /// An export or import of a CUDA buffer failed part way; everything done so far was undone.
+    #[error("{op} failed {step}: {source}")]
+    Ipc {
+        /// `"export"` or `"import"`.
+        op: &'static str,
+        /// Where it failed, naming the chunk and the step, e.g.
+        /// `while mapping chunk 2 of 2 (4194304 bytes)`.
+        step: String,
+        /// What went wrong.
+        #[source]
+        source: Box<Error>,
+    },
 }
 
 /// Shorthand for `Result<T, vmm_core::Error>`.

@@ -11,6 +11,7 @@
 
 #![cfg(target_os = "linux")]
 
+pub mod cuda;
 mod error;
 pub mod process;
 mod share;

@@ -1,0 +1,273 @@
+//! [`VirtualMemoryBuffer`]: a contiguous device address range made of chunks.
+
+use std::sync::Arc;
+
+use super::device::Device;
+use super::driver::{self, CUdeviceptr};
+use super::handle::{Allocation, Segment};
+use super::resource::{HandleType, Location, VirtualMemoryResource};
+use crate::{Error, Result};
+
+/// A range of device virtual memory backed by one or more chunks mapped back to back.
+///
+/// `Clone` gives another handle to the same mapping; the last handle unmaps, frees the address
+/// range and releases the chunks (a chunk shared with a grown buffer lives on in that buffer).
+/// A buffer holds no file descriptor: [`VirtualMemoryBuffer::export`] makes fresh ones.
+#[derive(Debug, Clone)]
+pub struct VirtualMemoryBuffer {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    /// Contiguous, in address order. Each segment unmaps its chunks then frees its range.
+    segments: Vec<Arc<Segment>>,
+    size: usize,
+    device: Device,
+    location: Location,
+    handle_type: HandleType,
+    imported: bool,
+}
+
+impl VirtualMemoryBuffer {
+    pub(crate) fn empty(resource: &VirtualMemoryResource, imported: bool) -> Self {
+        Self::from_segments(resource, Vec::new(), 0, imported)
+    }
+
+    pub(crate) fn from_segments(
+        resource: &VirtualMemoryResource,
+        segments: Vec<Arc<Segment>>,
+        size: usize,
+        imported: bool,
+    ) -> Self {
+        VirtualMemoryBuffer {
+            inner: Arc::new(Inner {
+                segments,
+                size,
+                device: resource.device().clone(),
+                location: resource.options().location,
+                handle_type: resource.options().handle_type,
+                imported,
+            }),
+        }
+    }
+
+    /// The same mapping seen with another size (at most [`Self::capacity`]).
+    pub(crate) fn with_size(&self, size: usize) -> Self {
+        debug_assert!(size <= self.capacity());
+        VirtualMemoryBuffer {
+            inner: Arc::new(Inner {
+                segments: self.inner.segments.clone(),
+                size,
+                device: self.inner.device.clone(),
+                location: self.inner.location,
+                handle_type: self.inner.handle_type,
+                imported: self.inner.imported,
+            }),
+        }
+    }
+
+    pub(crate) fn segments(&self) -> &[Arc<Segment>] {
+        &self.inner.segments
+    }
+
+    /// The chunks in address order.
+    pub(crate) fn chunks(&self) -> impl Iterator<Item = &Arc<Allocation>> {
+        self.mapped().map(|(_, chunk)| chunk)
+    }
+
+    /// Each chunk with the address it is mapped at.
+    fn mapped(&self) -> impl Iterator<Item = (CUdeviceptr, &Arc<Allocation>)> {
+        self.inner
+            .segments
+            .iter()
+            .flat_map(|s| s.mappings().iter().map(|m| (m.ptr(), m.allocation())))
+    }
+
+    /// One past the last mapped byte (where an in-place grow continues).
+    pub(crate) fn end(&self) -> CUdeviceptr {
+        self.inner.segments.last().map_or(0, |s| s.end())
+    }
+
+    /// The device address of the first byte (0 for an empty buffer), for kernels and
+    /// other libraries.
+    pub fn device_ptr(&self) -> u64 {
+        self.inner.segments.first().map_or(0, |s| s.ptr())
+    }
+
+    /// The usable size in bytes (what was asked for; chunks may hold more).
+    pub fn size(&self) -> usize {
+        self.inner.size
+    }
+
+    /// The bytes the chunks hold together (the size rounded up to the granularity).
+    pub fn capacity(&self) -> usize {
+        self.chunks().map(|c| c.size()).sum()
+    }
+
+    /// Chunk sizes in address order: one per allocation, as an export describes them.
+    pub fn chunk_sizes(&self) -> Vec<usize> {
+        self.chunks().map(|c| c.size()).collect()
+    }
+
+    /// The device the memory is mapped for.
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// Where the memory lives.
+    pub fn location(&self) -> Location {
+        self.inner.location
+    }
+
+    /// How the chunks can be shared.
+    pub fn handle_type(&self) -> HandleType {
+        self.inner.handle_type
+    }
+
+    /// Whether this buffer came from [`VirtualMemoryResource::import`]: such a buffer cannot
+    /// be exported again (forward its descriptor instead).
+    pub fn is_imported(&self) -> bool {
+        self.inner.imported || self.chunks().any(|c| c.is_imported())
+    }
+
+    fn check_range(&self, op: &str, offset: usize, len: usize) -> Result<()> {
+        check_range(op, offset, len, self.inner.size)
+    }
+
+    /// The pieces of `offset..offset+len` that fall in each chunk: (device address, offset
+    /// into the range, length). Copies go chunk by chunk so no driver call spans two
+    /// allocations.
+    fn pieces(&self, offset: usize, len: usize) -> Vec<(CUdeviceptr, usize, usize)> {
+        pieces(
+            self.mapped().map(|(ptr, chunk)| (ptr, chunk.size())),
+            offset,
+            len,
+        )
+    }
+
+    /// Set every byte to `byte`; returns once the device has done it.
+    pub fn fill(&self, byte: u8) -> Result<()> {
+        if self.inner.size == 0 {
+            return Ok(());
+        }
+        self.inner.device.make_current()?;
+        for (ptr, _, len) in self.pieces(0, self.inner.size) {
+            driver::memset_d8(ptr, byte, len)?;
+        }
+        driver::ctx_synchronize()
+    }
+
+    /// Copy `src` to `offset`; returns once the data is on the device (visible to importers).
+    pub fn copy_from_host(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check_range("copy_from_host", offset, src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.inner.device.make_current()?;
+        for (ptr, at, len) in self.pieces(offset, src.len()) {
+            driver::memcpy_htod(ptr, &src[at..at + len])?;
+        }
+        driver::ctx_synchronize()
+    }
+
+    /// Copy from `offset` into `dst`, after all earlier work on the device finished.
+    pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check_range("copy_to_host", offset, dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.inner.device.make_current()?;
+        for (ptr, at, len) in self.pieces(offset, dst.len()) {
+            driver::memcpy_dtoh(&mut dst[at..at + len], ptr)?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks `offset..offset+len` against `size`, naming the operation.
+fn check_range(op: &str, offset: usize, len: usize, size: usize) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(Error::InvalidArgument(format!(
+            "{op}: {len} bytes at offset {offset} are out of bounds of the {size}-byte buffer"
+        ))),
+    }
+}
+
+/// Split `offset..offset+len` over chunks given as (address, size), in order.
+fn pieces(
+    chunks: impl Iterator<Item = (CUdeviceptr, usize)>,
+    offset: usize,
+    len: usize,
+) -> Vec<(CUdeviceptr, usize, usize)> {
+    let end = offset + len;
+    let mut out = Vec::new();
+    let mut chunk_start = 0usize;
+    for (ptr, size) in chunks {
+        let chunk_end = chunk_start + size;
+        let from = offset.max(chunk_start);
+        let to = end.min(chunk_end);
+        if from < to {
+            out.push((ptr + (from - chunk_start) as u64, from - offset, to - from));
+        }
+        chunk_start = chunk_end;
+        if chunk_start >= end {
+            break;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{VirtualMemoryBuffer, check_range, pieces};
+
+    #[test]
+    fn ranges_are_bounds_checked() {
+        check_range("copy_to_host", 0, 10, 10).unwrap();
+        check_range("copy_to_host", 10, 0, 10).unwrap();
+        let m = check_range("copy_to_host", 5, 6, 10)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            m.contains("copy_to_host: 6 bytes at offset 5 are out of bounds of the 10-byte"),
+            "{m}"
+        );
+        assert!(check_range("copy_from_host", usize::MAX, 1, 10).is_err());
+    }
+
+    #[test]
+    fn buffers_can_cross_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<VirtualMemoryBuffer>();
+        send_sync::<super::super::VirtualMemoryResource>();
+        send_sync::<super::super::IpcDescriptor>();
+        send_sync::<super::super::Device>();
+    }
+
+    #[test]
+    fn pieces_split_at_chunk_boundaries() {
+        let chunks = [(1000u64, 10usize), (1010, 20)];
+        assert_eq!(
+            pieces(chunks.into_iter(), 0, 30),
+            [(1000, 0, 10), (1010, 10, 20)]
+        );
+        assert_eq!(
+            pieces(chunks.into_iter(), 5, 10),
+            [(1005, 0, 5), (1010, 5, 5)]
+        );
+        assert_eq!(pieces(chunks.into_iter(), 12, 3), [(1012, 0, 3)]);
+        assert_eq!(pieces(chunks.into_iter(), 10, 0), []);
+    }
+
+    #[test]
+    fn pieces_follow_relocated_chunks() {
+        // Chunks need not be at increasing addresses for the arithmetic to hold.
+        let chunks = [(5000u64, 4usize), (100, 4)];
+        assert_eq!(
+            pieces(chunks.into_iter(), 2, 4),
+            [(5002, 0, 2), (100, 2, 2)]
+        );
+    }
+}

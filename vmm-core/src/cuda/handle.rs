@@ -1,0 +1,207 @@
+//! RAII handles over the three VMM objects: a physical allocation, an address reservation and a
+//! mapping. Each undoes exactly what it did when dropped, so a sequence of steps that fails part
+//! way rolls back by dropping what it built, in reverse order of construction.
+//!
+//! Drop errors cannot be returned; they are ignored (the driver reports them only for handles
+//! it no longer knows, which these types never produce).
+
+use std::sync::Arc;
+
+use super::device::Device;
+use super::driver::{
+    self, CUdeviceptr, CUmemAccessDesc, CUmemAllocationProp, CUmemGenericAllocationHandle,
+};
+use crate::Result;
+
+/// A physical allocation (`cuMemCreate` or `cuMemImportFromShareableHandle`), released with
+/// `cuMemRelease`. Shared (`Arc`) by every mapping of it, so grown buffers can reuse chunks.
+#[derive(Debug)]
+pub(crate) struct Allocation {
+    handle: CUmemGenericAllocationHandle,
+    size: usize,
+    imported: bool,
+    device: Device,
+}
+
+impl Allocation {
+    /// `cuMemCreate` of `size` bytes (a multiple of the granularity) with `prop`.
+    pub(crate) fn create(device: &Device, size: usize, prop: &CUmemAllocationProp) -> Result<Self> {
+        device.make_current()?;
+        let handle = driver::mem_create(size, prop)?;
+        Ok(Allocation {
+            handle,
+            size,
+            imported: false,
+            device: device.clone(),
+        })
+    }
+
+    /// Import an exported allocation of `size` bytes from its POSIX fd (the fd stays the
+    /// caller's).
+    pub(crate) fn import(
+        device: &Device,
+        fd: std::os::fd::BorrowedFd<'_>,
+        size: usize,
+    ) -> Result<Self> {
+        device.make_current()?;
+        let handle = driver::import_posix_fd(fd)?;
+        Ok(Allocation {
+            handle,
+            size,
+            imported: true,
+            device: device.clone(),
+        })
+    }
+
+    pub(crate) fn handle(&self) -> CUmemGenericAllocationHandle {
+        self.handle
+    }
+
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Whether this chunk came from another exporter (and so cannot be exported again).
+    pub(crate) fn is_imported(&self) -> bool {
+        self.imported
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        let _ = self.device.make_current();
+        let _ = driver::mem_release(self.handle);
+    }
+}
+
+/// A virtual address range (`cuMemAddressReserve`), freed with exactly the same pointer and size.
+#[derive(Debug)]
+pub(crate) struct Reservation {
+    ptr: CUdeviceptr,
+    size: usize,
+    device: Device,
+}
+
+impl Reservation {
+    /// Reserve `size` bytes, at `hint` if the driver can (0: anywhere).
+    pub(crate) fn new(device: &Device, size: usize, alignment: usize, hint: u64) -> Result<Self> {
+        device.make_current()?;
+        let ptr = driver::address_reserve(size, alignment, hint)?;
+        Ok(Reservation {
+            ptr,
+            size,
+            device: device.clone(),
+        })
+    }
+
+    pub(crate) fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let _ = self.device.make_current();
+        let _ = driver::address_free(self.ptr, self.size);
+    }
+}
+
+/// One allocation mapped at one address (`cuMemMap` + `cuMemSetAccess`), unmapped on drop.
+///
+/// It keeps its allocation alive; the reservation it lies in must outlive it, which
+/// [`Segment`]'s field order guarantees.
+#[derive(Debug)]
+pub(crate) struct Mapping {
+    ptr: CUdeviceptr,
+    allocation: Arc<Allocation>,
+}
+
+impl Mapping {
+    /// Map all of `allocation` at `ptr` and grant `access`. If granting fails the map is undone.
+    pub(crate) fn new(
+        ptr: CUdeviceptr,
+        allocation: Arc<Allocation>,
+        access: &[CUmemAccessDesc],
+    ) -> Result<Self> {
+        allocation.device.make_current()?;
+        driver::mem_map(ptr, allocation.size, allocation.handle)?;
+        let mapping = Mapping { ptr, allocation };
+        driver::mem_set_access(mapping.ptr, mapping.allocation.size, access)?;
+        Ok(mapping)
+    }
+
+    pub(crate) fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    pub(crate) fn allocation(&self) -> &Arc<Allocation> {
+        &self.allocation
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        let _ = self.allocation.device.make_current();
+        let _ = driver::mem_unmap(self.ptr, self.allocation.size);
+    }
+}
+
+/// A reservation and the chunks mapped back to back in it (possibly fewer than fill it while
+/// being built). Fields drop in order: mappings are unmapped before the range is freed.
+#[derive(Debug)]
+pub(crate) struct Segment {
+    mappings: Vec<Mapping>,
+    reservation: Reservation,
+}
+
+impl Segment {
+    /// Map `chunks` back to back from the start of `reservation`. On failure, returns the index
+    /// of the chunk that failed with the error; everything mapped so far is unmapped and the
+    /// reservation freed.
+    pub(crate) fn map(
+        reservation: Reservation,
+        chunks: impl IntoIterator<Item = Arc<Allocation>>,
+        access: &[CUmemAccessDesc],
+    ) -> std::result::Result<Self, (usize, crate::Error)> {
+        let mut segment = Segment {
+            mappings: Vec::new(),
+            reservation,
+        };
+        let mut offset = 0usize;
+        for (index, chunk) in chunks.into_iter().enumerate() {
+            let size = chunk.size;
+            if offset + size > segment.reservation.size {
+                return Err((
+                    index,
+                    crate::Error::InvalidArgument(format!(
+                        "chunk {} does not fit the {}-byte reservation",
+                        index + 1,
+                        segment.reservation.size
+                    )),
+                ));
+            }
+            let mapping = Mapping::new(segment.reservation.ptr + offset as u64, chunk, access)
+                .map_err(|e| (index, e))?;
+            segment.mappings.push(mapping);
+            offset += size;
+        }
+        Ok(segment)
+    }
+
+    pub(crate) fn ptr(&self) -> CUdeviceptr {
+        self.reservation.ptr()
+    }
+
+    /// The end of the reserved range: where an in-place grow asks for the next reservation.
+    pub(crate) fn end(&self) -> CUdeviceptr {
+        self.reservation.ptr() + self.reservation.size() as u64
+    }
+
+    pub(crate) fn mappings(&self) -> &[Mapping] {
+        &self.mappings
+    }
+}
