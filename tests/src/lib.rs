@@ -4,7 +4,9 @@ use std::process::{Command, Output};
 
 /// A byte pattern that differs per `seed` and per position.
 pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len).map(|i| seed.wrapping_add((i % 251) as u8)).collect()
+    (0..len)
+        .map(|i| seed.wrapping_add((i % 251) as u8))
+        .collect()
 }
 
 /// Run one test of the current test binary in a subprocess (with `--ignored`, so the
@@ -12,7 +14,13 @@ pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
 pub fn run_own_test(name: &str, env: &[(&str, Option<&str>)]) -> Output {
     let exe = std::env::current_exe().expect("current test executable");
     let mut command = Command::new(exe);
-    command.args(["--exact", name, "--ignored", "--nocapture", "--test-threads=1"]);
+    command.args([
+        "--exact",
+        name,
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]);
     for (key, value) in env {
         match value {
             Some(value) => command.env(key, value),

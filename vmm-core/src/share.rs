@@ -37,22 +37,18 @@ pub trait SharedBuffer: Clone + Serialize + DeserializeOwned + Send + Sync + 'st
     fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()>;
 }
 
-/// The message for a re-export of imported memory, shared by both backends.
-pub(crate) fn reexport_refused(what: &str) -> crate::Error {
-    crate::Error::InvalidArgument(format!(
-        "this {what} was imported from another process and cannot be exported again; \
-         forward the original descriptor (or the buffer it came from) instead, or copy the data \
-         into a buffer allocated here"
-    ))
-}
+/// Why imported memory is not exported again, in the words every refusal (both backends) uses.
+pub(crate) const IMPORTED_CANNOT_EXPORT: &str = "an imported buffer cannot be exported again \
+     (the CUDA driver refuses to re-export imported memory, and host buffers follow the same \
+     rule): forward the descriptor you imported it from, or copy the data into a buffer \
+     allocated here and export that";
 
-/// Bounds check shared by both backends' copies.
-pub(crate) fn check_range(what: &str, size: usize, offset: usize, len: usize) -> Result<()> {
+/// Bounds check shared by both backends' copies: `len` bytes at `offset` within `size`.
+pub(crate) fn check_range(op: &str, offset: usize, len: usize, size: usize) -> Result<()> {
     match offset.checked_add(len) {
         Some(end) if end <= size => Ok(()),
         _ => Err(crate::Error::InvalidArgument(format!(
-            "{what}: range {offset}..{} is outside the buffer's {size} bytes",
-            offset.saturating_add(len)
+            "{op}: {len} bytes at offset {offset} are out of bounds of the {size}-byte buffer"
         ))),
     }
 }

@@ -6,7 +6,8 @@ use super::device::Device;
 use super::driver::{self, CUdeviceptr};
 use super::handle::{Allocation, Segment};
 use super::resource::{HandleType, Location, VirtualMemoryResource};
-use crate::{Error, Result};
+use crate::Result;
+use crate::share::check_range;
 
 /// A range of device virtual memory backed by one or more chunks mapped back to back.
 ///
@@ -186,15 +187,6 @@ impl VirtualMemoryBuffer {
 }
 
 /// Checks `offset..offset+len` against `size`, naming the operation.
-fn check_range(op: &str, offset: usize, len: usize, size: usize) -> Result<()> {
-    match offset.checked_add(len) {
-        Some(end) if end <= size => Ok(()),
-        _ => Err(Error::InvalidArgument(format!(
-            "{op}: {len} bytes at offset {offset} are out of bounds of the {size}-byte buffer"
-        ))),
-    }
-}
-
 /// Split `offset..offset+len` over chunks given as (address, size), in order.
 fn pieces(
     chunks: impl Iterator<Item = (CUdeviceptr, usize)>,

@@ -16,15 +16,11 @@ use super::device::Device;
 use super::driver;
 use super::handle::{Allocation, Reservation, Segment};
 use super::resource::{HandleType, Location, VirtualMemoryResource};
+use crate::share::IMPORTED_CANNOT_EXPORT;
 use crate::wire::{
     deserialize_error, deserialize_fd, serialize_error, serialize_fd, serialize_owned_fd,
 };
 use crate::{Error, Result};
-
-/// Why an imported buffer is not exported again, in the words every refusal uses.
-pub(crate) const IMPORTED_CANNOT_EXPORT: &str = "an imported buffer cannot be exported again \
-     (the driver refuses to re-export imported memory): forward the IpcDescriptor you imported \
-     it from, or copy the data into a buffer of your own resource and export that";
 
 /// Which device exported a descriptor: the ordinal in the exporter (for messages) and the UUID
 /// (what an importer matches, since processes may number devices differently).
@@ -481,6 +477,19 @@ impl<'de> Deserialize<'de> for IpcDescriptor {
     }
 }
 
+impl VirtualMemoryBuffer {
+    /// Import `descriptor` into the process-wide default resource for its device (found by
+    /// UUID, so device renumbering between processes does not matter), initialising CUDA here
+    /// if needed. For other options, use [`VirtualMemoryResource::import`].
+    pub fn import(descriptor: &IpcDescriptor) -> Result<VirtualMemoryBuffer> {
+        let device = match descriptor.device {
+            Some(identity) => Device::by_uuid(&identity.uuid)?,
+            None => Device::new(0)?,
+        };
+        VirtualMemoryResource::default_for(&device, descriptor.location)?.import(descriptor)
+    }
+}
+
 /// Sending a buffer exports it on the way: the message takes the fresh fds, the buffer keeps
 /// none. Imported buffers are refused (forward their descriptor instead).
 impl Serialize for VirtualMemoryBuffer {
@@ -504,14 +513,7 @@ impl Serialize for VirtualMemoryBuffer {
 impl<'de> Deserialize<'de> for VirtualMemoryBuffer {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let descriptor = IpcDescriptor::deserialize(deserializer)?;
-        let import = || -> Result<VirtualMemoryBuffer> {
-            let device = match descriptor.device {
-                Some(identity) => Device::by_uuid(&identity.uuid)?,
-                None => Device::new(0)?,
-            };
-            VirtualMemoryResource::default_for(&device, descriptor.location)?.import(&descriptor)
-        };
-        import().map_err(deserialize_error::<D>)
+        VirtualMemoryBuffer::import(&descriptor).map_err(deserialize_error::<D>)
     }
 }
 

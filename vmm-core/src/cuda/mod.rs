@@ -30,23 +30,7 @@ pub use resource::{
     Access, Granularity, HandleType, Location, PeerAccess, ResourceOptions, VirtualMemoryResource,
 };
 
-/// What a shareable buffer offers whatever memory backs it, so code (and tests) can be written
-/// once for the CUDA buffer and its host-memory twin in [`crate::shm`].
-pub trait SharedBuffer: Clone + Send + Sync {
-    /// What [`SharedBuffer::export`] gives: the fds and layout that rebuild the buffer elsewhere.
-    type Descriptor;
-
-    /// The usable size in bytes.
-    fn size(&self) -> usize;
-
-    /// Whether the buffer was imported (and so cannot be exported again).
-    fn is_imported(&self) -> bool;
-
-    /// Fresh fds for another process; the buffer keeps none.
-    fn export(&self) -> crate::Result<Self::Descriptor>;
-}
-
-impl SharedBuffer for VirtualMemoryBuffer {
+impl crate::SharedBuffer for VirtualMemoryBuffer {
     type Descriptor = IpcDescriptor;
 
     fn size(&self) -> usize {
@@ -59,5 +43,21 @@ impl SharedBuffer for VirtualMemoryBuffer {
 
     fn export(&self) -> crate::Result<IpcDescriptor> {
         VirtualMemoryBuffer::export(self)
+    }
+
+    fn import(descriptor: &IpcDescriptor) -> crate::Result<Self> {
+        VirtualMemoryBuffer::import(descriptor)
+    }
+
+    fn fill(&self, value: u8) -> crate::Result<()> {
+        VirtualMemoryBuffer::fill(self, value)
+    }
+
+    fn write_at(&self, offset: usize, data: &[u8]) -> crate::Result<()> {
+        self.copy_from_host(offset, data)
+    }
+
+    fn read_at(&self, offset: usize, out: &mut [u8]) -> crate::Result<()> {
+        self.copy_to_host(offset, out)
     }
 }

@@ -59,21 +59,38 @@ pub(crate) struct Registry {
 }
 
 impl Registry {
-    pub(crate) fn track(&self, pid: Pid, method: StartMethod, fate: Arc<FateCell>, pidfd: Option<&Arc<OwnedFd>>) {
-        let entry = Entry { pid, method, fate, pidfd: pidfd.map(Arc::downgrade) };
-        self.entries.lock().unwrap_or_else(|e| e.into_inner()).push(entry);
+    pub(crate) fn track(
+        &self,
+        pid: Pid,
+        method: StartMethod,
+        fate: Arc<FateCell>,
+        pidfd: Option<&Arc<OwnedFd>>,
+    ) {
+        let entry = Entry {
+            pid,
+            method,
+            fate,
+            pidfd: pidfd.map(Arc::downgrade),
+        };
+        self.entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(entry);
     }
 
     /// Kill (through the pidfd where there is one) every child that is still running.
     pub(crate) fn kill_running(&self) {
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         for entry in entries.iter().filter(|e| e.fate.get() == Fate::Running) {
-            match entry.pidfd.as_ref().and_then(Weak::upgrade) {
-                Some(pidfd) => drop(sys::pidfd_kill(&pidfd)),
+            // Best effort: a child that is already gone needs no signal.
+            let _ = match entry.pidfd.as_ref().and_then(Weak::upgrade) {
+                Some(pidfd) => sys::pidfd_kill(&pidfd),
                 // Unreaped children of ours: the pid cannot have been reused.
-                None if entry.method == StartMethod::Spawn => drop(kill(entry.pid, Signal::SIGKILL)),
-                None => {}
-            }
+                None if entry.method == StartMethod::Spawn => {
+                    kill(entry.pid, Signal::SIGKILL).map_err(|e| crate::Error::errno("kill", e))
+                }
+                None => Ok(()),
+            };
         }
     }
 

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::descriptor::HostDescriptor;
 use super::map::{self, Mapping};
-use crate::share::{SharedBuffer, check_range, reexport_refused};
+use crate::share::{IMPORTED_CANNOT_EXPORT, SharedBuffer, check_range};
 use crate::{Error, Result};
 
 /// Host memory that other processes can map: a sealed memfd, mapped shared.
@@ -136,7 +136,9 @@ impl HostBuffer {
     /// Refused for imported memory, like the CUDA path: forward the descriptor instead.
     pub fn export(&self) -> Result<HostDescriptor> {
         if self.inner.imported {
-            return Err(reexport_refused("host buffer"));
+            return Err(Error::InvalidArgument(format!(
+                "export: {IMPORTED_CANNOT_EXPORT}"
+            )));
         }
         let fd = match (&self.inner.mapping, &self.inner.fd) {
             (None, _) => None,
@@ -177,7 +179,7 @@ impl HostBuffer {
 
     /// Copy `data` into the buffer at `offset`.
     pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        check_range("HostBuffer::write", self.inner.size, offset, data.len())?;
+        check_range("HostBuffer::write", offset, data.len(), self.inner.size)?;
         if let Some(mapping) = &self.inner.mapping {
             debug_assert!(offset + data.len() <= mapping.len());
             // SAFETY: the range is inside the live mapping (checked above); `data` is ordinary
@@ -191,7 +193,7 @@ impl HostBuffer {
 
     /// Copy from the buffer at `offset` into `out`.
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        check_range("HostBuffer::read", self.inner.size, offset, out.len())?;
+        check_range("HostBuffer::read", offset, out.len(), self.inner.size)?;
         if let Some(mapping) = &self.inner.mapping {
             // SAFETY: as in `write`, with source and destination swapped.
             unsafe {

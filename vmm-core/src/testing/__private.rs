@@ -69,5 +69,7 @@ where
     B: FnOnce(&Context) -> R + Send + 'static,
     R: TestReturn,
 {
-    super::runner::run(spec, requirement, move |ctx: &Context| body(ctx).into_result())
+    super::runner::run(spec, requirement, move |ctx: &Context| {
+        body(ctx).into_result()
+    })
 }

@@ -2,5 +2,7 @@
 
 /// The forkserver can be started (and is, afterwards).
 pub fn forkserver_available() -> Result<(), String> {
-    crate::process::ensure_running().map(drop).map_err(|e| e.to_string())
+    crate::process::ensure_running()
+        .map(drop)
+        .map_err(|e| e.to_string())
 }

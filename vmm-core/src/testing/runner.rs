@@ -19,18 +19,24 @@ where
         return;
     }
     let _turn = exclusive::take_turn(spec.thread_unsafe.is_some());
-    let timeout = spec.timeout_secs.map_or_else(default_timeout, Duration::from_secs);
+    let timeout = spec
+        .timeout_secs
+        .map_or_else(default_timeout, Duration::from_secs);
     let registry = Arc::new(Registry::default());
-    let ctx = Context::new(spec.method).with_timeout(timeout).with_registry(Arc::clone(&registry));
+    let ctx = Context::new(spec.method)
+        .with_timeout(timeout)
+        .with_registry(Arc::clone(&registry));
 
     // The body runs on its own thread, named like the test (children take the running test's
     // name from the thread), so that the test can end at its timeout even if the body blocks.
     let (done_tx, done_rx) = mpsc::channel();
-    let thread = std::thread::Builder::new().name(name.clone()).spawn(move || {
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&ctx)));
-        let _ = done_tx.send(());
-        outcome
-    });
+    let thread = std::thread::Builder::new()
+        .name(name.clone())
+        .spawn(move || {
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&ctx)));
+            let _ = done_tx.send(());
+            outcome
+        });
     let thread = match thread {
         Ok(thread) => thread,
         Err(e) => panic!("{name}: could not start the test body's thread: {e}"),
@@ -41,10 +47,13 @@ where
         panic!(
             "{name} ({}) timed out after {timeout:?}; its children were killed{}",
             spec.method,
-            leftovers.iter().map(|l| format!("\n  {l}")).collect::<String>()
+            leftovers
+                .iter()
+                .map(|l| format!("\n  {l}"))
+                .collect::<String>()
         );
     }
-    let outcome = thread.join().unwrap_or_else(|payload| Err(payload));
+    let outcome = thread.join().unwrap_or_else(Err);
     let leftovers = registry.finish();
     match outcome {
         Err(payload) => std::panic::resume_unwind(payload),
@@ -62,8 +71,15 @@ where
 /// (a custom harness), the generated path.
 fn test_name(spec: &Spec) -> String {
     crate::process::current_test_name().unwrap_or_else(|| {
-        let module = spec.module_path.split_once("::").map_or("", |(_, rest)| rest);
-        let module = if module.is_empty() { String::new() } else { format!("{module}::") };
+        let module = spec
+            .module_path
+            .split_once("::")
+            .map_or("", |(_, rest)| rest);
+        let module = if module.is_empty() {
+            String::new()
+        } else {
+            format!("{module}::")
+        };
         format!("{module}{}", spec.method.name())
     })
 }

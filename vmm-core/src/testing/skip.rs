@@ -23,7 +23,10 @@ pub(crate) fn skip(test: &str, reason: &str) {
             .open(&path)
             .and_then(|mut log| log.write_all(line.as_bytes()));
         if let Err(e) = appended {
-            let _ = writeln!(std::io::stderr(), "vmm-ipc: could not append to {SKIP_LOG_VAR}={path:?}: {e}");
+            let _ = writeln!(
+                std::io::stderr(),
+                "vmm-ipc: could not append to {SKIP_LOG_VAR}={path:?}: {e}"
+            );
         }
     }
 }
