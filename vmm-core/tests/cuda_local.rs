@@ -1,7 +1,7 @@
 //! Same-process GPU tests of `vmm_core::cuda`: allocate, copy, grow, export and import, and the
 //! fd accounting rules (a buffer holds no fd, a descriptor one per chunk, an import none).
 //!
-//! Each test first checks `availability()`: without a usable GPU it prints one
+//! Each test first checks `cuda_vmm_ipc()`: without a usable GPU it prints one
 //! `SKIP <test>: <reason>` line and passes, unless `VMM_REQUIRE_GPU=1`, which makes it fail.
 
 use std::sync::{Mutex, MutexGuard};
@@ -9,25 +9,16 @@ use std::sync::{Mutex, MutexGuard};
 use vmm_core::Error;
 use vmm_core::cuda::{
     Device, HandleType, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource,
-    availability,
 };
+use vmm_core::testing::{cuda_vmm_ipc, skip_unless};
 
 /// The tests count this process's fds, so they run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
 /// `Some(guard)` when the GPU tests can run; otherwise skips (or fails under
 /// `VMM_REQUIRE_GPU=1`) with the reason.
-fn require_gpu(test: &str) -> Option<MutexGuard<'static, ()>> {
-    match availability() {
-        Ok(()) => Some(SERIAL.lock().unwrap_or_else(|e| e.into_inner())),
-        Err(reason) => {
-            if std::env::var("VMM_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("{test}: VMM_REQUIRE_GPU=1 but CUDA VMM IPC is unavailable: {reason}");
-            }
-            eprintln!("SKIP {test}: {reason}");
-            None
-        }
-    }
+fn require_gpu() -> Option<MutexGuard<'static, ()>> {
+    skip_unless(cuda_vmm_ipc()).then(|| SERIAL.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
 fn resource() -> VirtualMemoryResource {
@@ -35,7 +26,7 @@ fn resource() -> VirtualMemoryResource {
 }
 
 fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
+    vmm_core::testing::open_fds().unwrap()
 }
 
 fn read(buf: &VirtualMemoryBuffer, offset: usize, len: usize) -> Vec<u8> {
@@ -52,7 +43,7 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 
 #[test]
 fn allocate_fill_and_copy() {
-    let Some(_gpu) = require_gpu("allocate_fill_and_copy") else {
+    let Some(_gpu) = require_gpu() else {
         return;
     };
     let r = resource();
@@ -91,7 +82,7 @@ fn allocate_fill_and_copy() {
 
 #[test]
 fn grow_in_place_and_relocated_read_as_one_range() {
-    let Some(_gpu) = require_gpu("grow_in_place_and_relocated_read_as_one_range") else {
+    let Some(_gpu) = require_gpu() else {
         return;
     };
     let r = resource();
@@ -181,7 +172,7 @@ fn grow_in_place_and_relocated_read_as_one_range() {
 
 #[test]
 fn export_import_alias_sees_writes_both_ways() {
-    let Some(_gpu) = require_gpu("export_import_alias_sees_writes_both_ways") else {
+    let Some(_gpu) = require_gpu() else {
         return;
     };
     let r = resource();
@@ -210,7 +201,7 @@ fn export_import_alias_sees_writes_both_ways() {
 
 #[test]
 fn imported_buffer_cannot_be_exported_again() {
-    let Some(_gpu) = require_gpu("imported_buffer_cannot_be_exported_again") else {
+    let Some(_gpu) = require_gpu() else {
         return;
     };
     let r = resource();
@@ -229,8 +220,7 @@ fn imported_buffer_cannot_be_exported_again() {
 
 #[test]
 fn malformed_descriptors_are_refused_and_nothing_stays_mapped() {
-    let Some(_gpu) = require_gpu("malformed_descriptors_are_refused_and_nothing_stays_mapped")
-    else {
+    let Some(_gpu) = require_gpu() else {
         return;
     };
     let r = resource();
@@ -286,7 +276,7 @@ fn malformed_descriptors_are_refused_and_nothing_stays_mapped() {
 
 #[test]
 fn fds_exist_only_while_a_descriptor_lives() {
-    let Some(_gpu) = require_gpu("fds_exist_only_while_a_descriptor_lives") else {
+    let Some(_gpu) = require_gpu() else {
         return;
     };
     let r = resource();
@@ -327,8 +317,7 @@ fn fds_exist_only_while_a_descriptor_lives() {
 
 #[test]
 fn export_at_the_fd_limit_names_rlimit_nofile_and_leaks_nothing() {
-    let Some(_gpu) = require_gpu("export_at_the_fd_limit_names_rlimit_nofile_and_leaks_nothing")
-    else {
+    let Some(_gpu) = require_gpu() else {
         return;
     };
     let r = resource();

@@ -1,7 +1,8 @@
 //! What `#[ipc_test]` expands to. Not a public API: names and signatures may change.
 
-use std::fmt::{Debug, Display};
+use std::fmt::Debug;
 
+pub use super::Requirement;
 pub use crate::process::{Context, StartMethod};
 
 /// The attribute's options for one generated test (one start method).
@@ -17,28 +18,6 @@ pub struct Spec {
     pub timeout_secs: Option<u64>,
     /// `thread_unsafe = "reason"`, if given.
     pub thread_unsafe: Option<&'static str>,
-}
-
-/// What `skip_unless = EXPR` may evaluate to: `bool`, or `Result<(), impl Display>`.
-pub trait Requirement {
-    /// `Err(reason)` when the test must be skipped.
-    fn check(self) -> Result<(), String>;
-}
-
-impl Requirement for bool {
-    fn check(self) -> Result<(), String> {
-        if self {
-            Ok(())
-        } else {
-            Err("requirement evaluated to false".to_owned())
-        }
-    }
-}
-
-impl<E: Display> Requirement for Result<(), E> {
-    fn check(self) -> Result<(), String> {
-        self.map_err(|e| e.to_string())
-    }
 }
 
 /// What a test body may return: `()` or `Result<(), E: Debug>`.

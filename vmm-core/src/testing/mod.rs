@@ -18,5 +18,5 @@ pub mod __private;
 pub use crate::process::ensure_running as warm_forkserver;
 pub use exclusive::running_ipc_tests;
 pub use fds::{open_fds, settled_open_fds};
-pub use requirements::forkserver_available;
-pub use skip::{REQUIRE_VAR, SKIP_LOG_VAR};
+pub use requirements::{Requirement, cuda_devices, cuda_vmm_ipc, forkserver_available};
+pub use skip::{REQUIRE_VAR, SKIP_LOG_VAR, skip_unless};

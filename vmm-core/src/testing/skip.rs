@@ -30,3 +30,26 @@ pub(crate) fn skip(test: &str, reason: &str) {
         }
     }
 }
+
+/// For plain `#[test]`s: `true` when `requirement` holds; otherwise report the skip for the
+/// running test (one `SKIP` line, `VMM_SKIP_LOG`) and return `false`, or fail under
+/// `VMM_REQUIRE_GPU=1`.
+///
+/// ```no_run
+/// // The first lines of a `#[test] fn needs_a_gpu()`:
+/// if !vmm_core::testing::skip_unless(vmm_core::testing::cuda_vmm_ipc()) {
+///     return;
+/// }
+/// // ... the test itself
+/// ```
+pub fn skip_unless(requirement: impl super::Requirement) -> bool {
+    match requirement.check() {
+        Ok(()) => true,
+        Err(reason) => {
+            let name =
+                crate::process::current_test_name().unwrap_or_else(|| "<unnamed test>".into());
+            skip(&name, &reason);
+            false
+        }
+    }
+}

@@ -1,0 +1,321 @@
+//! The CUDA VMM scenarios, each generated for both start methods by `#[ipc_test]`. They skip
+//! (one `SKIP` line each) where no GPU with VMM IPC support is present, and fail there instead
+//! under `VMM_REQUIRE_GPU=1`, which the GPU runs set.
+
+use std::time::Duration;
+
+use vmm_core::cuda::{
+    Access, Device, HandleType, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer,
+    VirtualMemoryResource,
+};
+use vmm_core::ipc_test;
+use vmm_core::process::Context;
+use vmm_core::testing::{open_fds, settled_open_fds, warm_forkserver};
+use vmm_core::wire::Queue;
+use vmm_core::{Error, SharedBuffer};
+use vmm_tests::pattern;
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+fn resource() -> VirtualMemoryResource {
+    VirtualMemoryResource::new(&Device::new(0).unwrap(), ResourceOptions::default()).unwrap()
+}
+
+fn contents(buf: &VirtualMemoryBuffer) -> Vec<u8> {
+    let mut out = vec![0u8; buf.size()];
+    buf.copy_to_host(0, &mut out).unwrap();
+    out
+}
+
+/// A buffer of `chunks` chunks of the granularity, filled with `pattern(1, ..)`.
+fn filled(chunks: usize) -> VirtualMemoryBuffer {
+    let resource = resource();
+    let g = resource.granularity();
+    let mut buf = resource.allocate(g).unwrap();
+    for n in 2..=chunks {
+        buf = resource.grow(&buf, n * g).unwrap();
+    }
+    assert_eq!(buf.chunk_sizes(), vec![g; chunks]);
+    buf.copy_from_host(0, &pattern(1, buf.size())).unwrap();
+    buf
+}
+
+fn read_back_and_reply(buf: VirtualMemoryBuffer) {
+    assert!(buf.is_imported());
+    assert_eq!(
+        contents(&buf),
+        pattern(1, buf.size()),
+        "child did not see the parent's pattern"
+    );
+    buf.copy_from_host(0, &pattern(2, buf.size())).unwrap();
+}
+
+#[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+fn buffer_as_process_argument(ctx: &Context) {
+    let buf = filled(1);
+    ctx.spawn(read_back_and_reply, buf.clone())
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(contents(&buf), pattern(2, buf.size()));
+}
+
+#[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+fn buffer_through_queue(ctx: &Context) {
+    let queue: Queue<VirtualMemoryBuffer> = Queue::new().unwrap();
+    let child = ctx
+        .spawn(
+            |q: Queue<VirtualMemoryBuffer>| read_back_and_reply(q.get(TIMEOUT).unwrap()),
+            queue.clone(),
+        )
+        .unwrap();
+    let buf = filled(1);
+    queue.put(&buf).unwrap();
+    child.wait().unwrap();
+    assert_eq!(contents(&buf), pattern(2, buf.size()));
+}
+
+#[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
+fn fd_count_returns_to_baseline(ctx: &Context) {
+    warm_forkserver().unwrap();
+    let buf = filled(2);
+    let before = settled_open_fds().unwrap();
+    ctx.spawn(read_back_and_reply, buf.clone())
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(
+        settled_open_fds().unwrap(),
+        before,
+        "passing a buffer to a child leaked fds"
+    );
+    assert_eq!(contents(&buf), pattern(2, buf.size()));
+}
+
+fn read_grown(buf: VirtualMemoryBuffer) {
+    let g = buf.chunk_sizes()[0];
+    assert_eq!(
+        buf.chunk_sizes(),
+        vec![g, g],
+        "the import keeps the exporter's layout"
+    );
+    assert_eq!(buf.size(), 2 * g);
+    // One copy across the chunk boundary: the chunks are mapped back to back.
+    let mut across = vec![0u8; 4096];
+    buf.copy_to_host(g - 2048, &mut across).unwrap();
+    assert_eq!(across, pattern(1, 2 * g)[g - 2048..g + 2048]);
+    assert_eq!(contents(&buf), pattern(1, 2 * g));
+}
+
+#[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+fn grown_two_chunk_buffer_reads_as_one_range(ctx: &Context) {
+    let buf = filled(2);
+    ctx.spawn(read_grown, buf.clone()).unwrap().wait().unwrap();
+}
+
+fn refuse_malformed(descriptor: IpcDescriptor) {
+    let resource = resource();
+    let g = descriptor.chunk_sizes()[0];
+    let fds: Vec<_> = descriptor.fds().collect();
+    let before = open_fds().unwrap();
+    let cases: Vec<(&str, vmm_core::Result<IpcDescriptor>)> = vec![
+        (
+            "unaligned chunk",
+            IpcDescriptor::from_fds(&fds, &[g / 2], HandleType::PosixFd, g / 2),
+        ),
+        (
+            "size beyond the chunks",
+            IpcDescriptor::from_fds(&fds, &[g], HandleType::PosixFd, g + 1),
+        ),
+        (
+            "chunk and fd counts differ",
+            IpcDescriptor::from_fds(&fds, &[g, g], HandleType::PosixFd, g),
+        ),
+        (
+            "no handle type",
+            IpcDescriptor::from_fds(&fds, &[g], HandleType::None, g),
+        ),
+    ];
+    for (rule, result) in cases {
+        let refused = result.and_then(|bad| resource.import(&bad));
+        match refused {
+            Err(Error::InvalidArgument(message)) => assert!(
+                message.contains("chunk") || message.contains("handle"),
+                "{rule}: {message}"
+            ),
+            other => panic!("{rule}: expected InvalidArgument, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        open_fds().unwrap(),
+        before,
+        "a refused descriptor left fds behind"
+    );
+    // The real one still imports.
+    let buf = resource.import(&descriptor).unwrap();
+    assert_eq!(contents(&buf), pattern(1, g));
+}
+
+#[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+fn malformed_descriptors_are_refused(ctx: &Context) {
+    let buf = filled(1);
+    ctx.spawn(refuse_malformed, buf.export().unwrap())
+        .unwrap()
+        .wait()
+        .unwrap();
+}
+
+fn try_reexport(args: (VirtualMemoryBuffer, Queue<VirtualMemoryBuffer>)) {
+    let (buf, queue) = args;
+    let Err(Error::InvalidArgument(message)) = buf.export() else {
+        panic!("re-export must be refused")
+    };
+    assert!(message.contains("forward the descriptor"), "{message}");
+    let Err(Error::Serde(message)) = queue.put(&buf) else {
+        panic!("sending an imported buffer must be refused")
+    };
+    assert!(message.contains("cannot be exported again"), "{message}");
+}
+
+#[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+fn imported_buffer_is_not_exported_again(ctx: &Context) {
+    let buf = filled(1);
+    let queue = Queue::new().unwrap();
+    ctx.spawn(try_reexport, (buf, queue.clone()))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(queue.try_get().unwrap().is_none(), "nothing was half-sent");
+}
+
+fn importer_holds_no_fd(descriptor: IpcDescriptor) {
+    let chunks = descriptor.chunk_sizes().len();
+    let before = open_fds().unwrap();
+    let buf = VirtualMemoryBuffer::import(&descriptor).unwrap();
+    assert_eq!(
+        open_fds().unwrap(),
+        before,
+        "an import holds no fd of its own"
+    );
+    drop(descriptor);
+    assert_eq!(
+        open_fds().unwrap(),
+        before - chunks,
+        "the descriptor owned exactly one fd per chunk"
+    );
+    assert_eq!(contents(&buf), pattern(1, buf.size()));
+}
+
+#[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
+fn fds_live_only_in_descriptors(ctx: &Context) {
+    warm_forkserver().unwrap();
+    let before = settled_open_fds().unwrap();
+    let buf = filled(3);
+    assert_eq!(open_fds().unwrap(), before, "a buffer holds no fd");
+    let descriptor = buf.export().unwrap();
+    assert_eq!(
+        open_fds().unwrap(),
+        before + 3,
+        "a descriptor holds one fd per chunk"
+    );
+    ctx.spawn(importer_holds_no_fd, descriptor)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(
+        settled_open_fds().unwrap(),
+        before,
+        "the exporter holds no fd once the descriptor is gone"
+    );
+}
+
+#[ipc_test(methods = [spawn], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+fn same_process_alias_sees_writes_both_ways(_ctx: &Context) {
+    let buf = filled(2);
+    let alias = VirtualMemoryBuffer::import(&buf.export().unwrap()).unwrap();
+    assert_ne!(
+        alias.device_ptr(),
+        buf.device_ptr(),
+        "an alias lives at a new address"
+    );
+    assert_eq!(contents(&alias), pattern(1, buf.size()));
+    alias.copy_from_host(0, &pattern(3, buf.size())).unwrap();
+    assert_eq!(contents(&buf), pattern(3, buf.size()));
+    buf.fill(0x5A).unwrap();
+    assert!(contents(&alias).iter().all(|&b| b == 0x5A));
+    // The alias outlives the original.
+    drop(buf);
+    assert!(contents(&alias).iter().all(|&b| b == 0x5A));
+}
+
+fn import_on_the_other_device(args: (IpcDescriptor, String)) {
+    let (descriptor, exporter_uuid) = args;
+    // CUDA_VISIBLE_DEVICES=1,0 here: this process's device 0 is the exporter's device 1.
+    let current = Device::new(0).unwrap();
+    assert_ne!(
+        current.uuid_string(),
+        exporter_uuid,
+        "device order was not swapped"
+    );
+    let warm = VirtualMemoryResource::new(&current, ResourceOptions::default())
+        .unwrap()
+        .allocate(1)
+        .unwrap();
+    drop(warm);
+    let buf = VirtualMemoryBuffer::import(&descriptor).unwrap();
+    assert_eq!(
+        buf.device().uuid_string(),
+        exporter_uuid,
+        "imported on the exporter's device"
+    );
+    assert_eq!(buf.device().ordinal(), 1);
+    assert_eq!(contents(&buf), pattern(1, buf.size()));
+    // Mapped for the other device too (peer access), with the exporter's device as home.
+    let peer = VirtualMemoryResource::new(
+        buf.device(),
+        ResourceOptions::default().peer(0, Access::ReadWrite),
+    )
+    .unwrap();
+    let mapped = peer.import(&descriptor).unwrap();
+    mapped
+        .copy_from_host(0, &pattern(4, mapped.size()))
+        .unwrap();
+    assert_eq!(contents(&buf), pattern(4, buf.size()));
+}
+
+#[ipc_test(skip_unless = vmm_core::testing::cuda_devices(2))]
+fn two_gpus_import_from_the_other_device_with_peer_access(ctx: &Context) {
+    let device = Device::new(0).unwrap();
+    let resource = VirtualMemoryResource::new(
+        &device,
+        ResourceOptions::default().peer(1, Access::ReadWrite),
+    )
+    .unwrap();
+    let buf = resource.allocate(resource.granularity()).unwrap();
+    buf.copy_from_host(0, &pattern(1, buf.size())).unwrap();
+    let child_ctx = ctx.clone().with_env("CUDA_VISIBLE_DEVICES", "1,0");
+    child_ctx
+        .spawn(
+            import_on_the_other_device,
+            (buf.export().unwrap(), device.uuid_string()),
+        )
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(contents(&buf), pattern(4, buf.size()));
+}
+
+/// The shared trait lets one body serve both backends.
+fn roundtrip_through_trait<B: SharedBuffer>(buf: &B) {
+    let copy = B::import(&buf.export().unwrap()).unwrap();
+    copy.write_at(0, b"trait").unwrap();
+    let mut out = [0u8; 5];
+    buf.read_at(0, &mut out).unwrap();
+    assert_eq!(&out, b"trait");
+}
+
+#[ipc_test(methods = [spawn], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+fn both_backends_share_one_shape(_ctx: &Context) {
+    roundtrip_through_trait(&filled(1));
+    roundtrip_through_trait(&vmm_core::shm::HostBuffer::new(4096).unwrap());
+}
