@@ -210,11 +210,11 @@ fn imported_buffer_cannot_be_exported_again() {
     let fds = open_fds();
     let m = b.export().unwrap_err().to_string();
     assert!(
-        m.contains("imported") && m.contains("forward the IpcDescriptor") && m.contains("copy"),
+        m.contains("imported") && m.contains("forward the descriptor") && m.contains("copy"),
         "{m}"
     );
     let m = vmm_core::wire::encode(&b).unwrap_err().to_string();
-    assert!(m.contains("forward the IpcDescriptor"), "{m}");
+    assert!(m.contains("forward the descriptor"), "{m}");
     assert_eq!(open_fds(), fds, "a refused export takes no fd");
 }
 

@@ -471,6 +471,3 @@ fn quote_spanned_path(name: &Ident) -> TokenStream {
     let super_ = Ident::new("super", span);
     quote!(#super_::#name)
 }
-
-#[cfg(test)]
-mod tests;

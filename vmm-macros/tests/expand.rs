@@ -1,8 +1,6 @@
 //! Compiles real uses of `#[ipc_test]` (under `cfg(test)`, where the generated `#[test]`s exist)
 //! and checks the generated tests by the names libtest lists.
-//!
-//! The runtime (`vmm_core::testing::__private::run`) is not implemented in this branch, so every
-//! generated test here is `#[ignore]`d; the attribute moves to the generated tests.
+//! The generated tests also run, so each use here is a working example.
 
 // The generated code must be warning-free in test builds (dead_code, unused, non_snake_case).
 #![deny(unused, non_snake_case)]
@@ -13,7 +11,6 @@ use vmm_core::process::Context;
 const NOT_YET: &str = "";
 
 #[vmm_core::ipc_test]
-#[ignore = "the ipc_test runtime is not implemented in this branch"]
 fn plain(ctx: &Context) {
     let _ = ctx;
 }
@@ -30,7 +27,6 @@ fn requirement() -> bool {
     thread_unsafe = "changes the environment",
     timeout = 30,
 )]
-#[ignore = "the ipc_test runtime is not implemented in this branch"]
 fn every_option(_ctx: &vmm_core::process::Context) -> Result<(), String> {
     Ok(())
 }
@@ -48,7 +44,6 @@ mod nested {
 
     /// A body named like a start method, using items of its module and of the parent.
     #[vmm_core::ipc_test(skip_unless = check())]
-    #[ignore = "the ipc_test runtime is not implemented in this branch"]
     pub(crate) fn spawn(ctx: &Context) {
         let _ = (ctx, helper(), super::requirement(), super::NOT_YET);
     }
@@ -64,14 +59,12 @@ fn configured_out(ctx: &Context) {
 #[case(1)]
 #[case::two(2)]
 #[vmm_core::ipc_test(methods = [forkserver, spawn])]
-#[ignore = "the ipc_test runtime is not implemented in this branch"]
 fn with_cases(#[ignore] ctx: &Context, #[case] n: u32) {
     let _ = (ctx, n);
 }
 
 #[rstest]
 #[vmm_core::ipc_test(methods = [spawn])]
-#[ignore = "the ipc_test runtime is not implemented in this branch"]
 fn with_values(#[ignore] ctx: &Context, #[values(1, 2)] n: u32, #[values("a")] s: &str) {
     let _ = (ctx, n, s);
 }
