@@ -427,3 +427,102 @@ fn child_that_never_reaches_its_entry_is_an_error() {
         "{shown}"
     );
 }
+
+fn produce(args: (Queue<(u32, u32)>, u32)) {
+    let (queue, producer) = args;
+    for item in 0..100 {
+        queue.put(&(producer, item)).unwrap();
+    }
+}
+
+fn consume(args: (Queue<(u32, u32)>, Queue<Vec<(u32, u32)>>)) {
+    let (queue, results) = args;
+    let mut got = Vec::new();
+    // Every consumer stops after a quiet spell once the producers are done.
+    while let Ok(item) = queue.get(Duration::from_millis(500)) {
+        got.push(item);
+    }
+    results.put(&got).unwrap();
+}
+
+#[rstest]
+fn queue_delivers_each_item_to_exactly_one_getter(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+) {
+    let _guard = shared();
+    let ctx = Context::new(method);
+    let (queue, results) = (Queue::new().unwrap(), Queue::new().unwrap());
+    let consumers: Vec<_> = (0..3)
+        .map(|_| {
+            ctx.spawn(consume, (queue.clone(), results.clone()))
+                .unwrap()
+        })
+        .collect();
+    let producers: Vec<_> = (0..3)
+        .map(|p| ctx.spawn(produce, (queue.clone(), p)).unwrap())
+        .collect();
+    for child in producers.into_iter().chain(consumers) {
+        child.join(TIMEOUT).unwrap();
+    }
+    let mut all: Vec<(u32, u32)> = (0..3).flat_map(|_| results.get(TIMEOUT).unwrap()).collect();
+    all.sort_unstable();
+    let expected: Vec<(u32, u32)> = (0..3).flat_map(|p| (0..100).map(move |i| (p, i))).collect();
+    assert_eq!(all, expected, "every item exactly once");
+}
+
+fn receive_with_too_few_fd_slots(args: (Queue<Vec<Fd>>, Queue<String>)) {
+    let (queue, report) = args;
+    let open = vmm_core::testing::open_fds().unwrap();
+    // Take every free fd slot but two: the 10 fds that arrive do not fit, so the kernel
+    // truncates the control message (MSG_CTRUNC) after installing two of them.
+    let mut fillers = Vec::new();
+    while let Ok(file) = File::open("/dev/null") {
+        fillers.push(file);
+        if fillers.len() > 100_000 {
+            break;
+        }
+    }
+    fillers.truncate(fillers.len() - 2);
+    let outcome = queue.get(TIMEOUT);
+    drop(fillers);
+    let after = vmm_core::testing::open_fds().unwrap();
+    let text = match outcome {
+        Ok(fds) => format!("unexpectedly received {} fds", fds.len()),
+        Err(e) => format!("{e} | fds before {open}, after {after}"),
+    };
+    report.put(&text).unwrap();
+}
+
+fn with_fd_limit(args: (u64, Queue<Vec<Fd>>, Queue<String>)) {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    setrlimit(Resource::RLIMIT_NOFILE, args.0, hard).unwrap();
+    receive_with_too_few_fd_slots((args.1, args.2));
+}
+
+#[rstest]
+fn truncated_control_message_is_an_error_and_leaks_nothing(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+) {
+    let _guard = shared();
+    let (queue, report) = (Queue::new().unwrap(), Queue::new().unwrap());
+    let child = Context::new(method)
+        .spawn(
+            receive_with_too_few_fd_slots,
+            (queue.clone(), report.clone()),
+        )
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let fds: Vec<Fd> = (0..10).map(|i| Fd::from(memfd_holding(i))).collect();
+    queue.put(&fds).unwrap();
+    child.join(TIMEOUT).unwrap();
+    let text = report.get(TIMEOUT).unwrap();
+    assert!(text.contains("MSG_CTRUNC"), "{text}");
+    let (before, after) = text
+        .rsplit_once("fds before ")
+        .unwrap()
+        .1
+        .split_once(", after ")
+        .unwrap();
+    assert_eq!(before, after, "fds leaked by a truncated message: {text}");
+}

@@ -6,8 +6,8 @@
 //! or truncated.
 
 use std::fs::File;
-use std::io::{IoSlice, IoSliceMut, Read, Seek, SeekFrom, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::io::{IoSlice, Read, Seek, SeekFrom, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -15,13 +15,12 @@ use nix::fcntl::{FcntlArg, SealFlag, fcntl};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::memfd::{MFdFlags, memfd_create};
 use nix::sys::socket::{
-    AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType, UnixAddr,
-    recvmsg, sendmsg, socketpair,
+    AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, UnixAddr, sendmsg, socketpair,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::oob;
+use super::{oob, sys};
 use crate::{Error, Result};
 
 /// The most fds one message can carry: the kernel's `SCM_MAX_FD`.
@@ -168,36 +167,22 @@ impl Channel {
     /// Receive one message if one is waiting.
     pub fn try_recv(&self) -> Result<Option<Message>> {
         let mut buf = vec![0u8; 1 + INLINE_MAX];
-        let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS]);
-        let (len, flags, fds) = loop {
-            let mut iov = [IoSliceMut::new(&mut buf)];
-            match recvmsg::<UnixAddr>(
-                self.fd.as_raw_fd(),
-                &mut iov,
-                Some(&mut cmsg),
-                MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_CMSG_CLOEXEC,
-            ) {
-                Ok(msg) => {
-                    // Own every received fd before anything else can fail.
-                    let mut fds = Vec::new();
-                    for c in msg.cmsgs().map_err(|e| Error::errno("recvmsg(cmsgs)", e))? {
-                        if let ControlMessageOwned::ScmRights(raw) = c {
-                            // SAFETY: the kernel just installed these fds in this process for
-                            // this message; nothing else refers to them.
-                            fds.extend(
-                                raw.into_iter()
-                                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
-                            );
-                        }
-                    }
-                    break (msg.bytes, msg.flags, fds);
-                }
-                Err(Errno::EINTR) => continue,
-                Err(Errno::EAGAIN) => return Ok(None),
-                Err(Errno::ECONNRESET) => return Err(Error::Disconnected("recv")),
-                Err(e) => return Err(Error::errno("recvmsg(SCM_RIGHTS)", e)),
+        let received = loop {
+            match sys::recv_with_fds(self.fd.as_fd(), &mut buf, libc::MSG_DONTWAIT) {
+                Ok(received) => break received,
+                Err(e) => match Errno::from_raw(e.raw_os_error().unwrap_or(0)) {
+                    Errno::EINTR => continue,
+                    Errno::EAGAIN => return Ok(None),
+                    Errno::ECONNRESET => return Err(Error::Disconnected("recv")),
+                    errno => return Err(Error::errno("recvmsg(SCM_RIGHTS)", errno)),
+                },
             }
         };
+        let (len, flags, fds) = (
+            received.len,
+            MsgFlags::from_bits_retain(received.flags),
+            received.fds,
+        );
         if flags.contains(MsgFlags::MSG_CTRUNC) {
             return Err(Error::Protocol(format!(
                 "control message truncated (MSG_CTRUNC): the sender's fds did not all arrive \

@@ -8,6 +8,7 @@
 mod channel;
 mod oob;
 mod queue;
+mod sys;
 
 pub use channel::{Channel, INLINE_MAX, MAX_FDS, Message};
 pub use oob::{

@@ -296,3 +296,48 @@ impl<'de> Deserialize<'de> for Fd {
         deserialize_fd("vmm_core::wire::Fd", deserializer).map(Fd)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fds_travel_out_of_band_and_untaken_ones_close() {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let value = (Fd::from(OwnedFd::from(a)), 7u32, Fd::from(OwnedFd::from(b)));
+        let encoded = encode(&value).unwrap();
+        assert_eq!(encoded.fd_count(), 2);
+        let fds: Vec<OwnedFd> = encoded
+            .fds()
+            .map(|fd| fd.try_clone_to_owned().unwrap())
+            .collect();
+        let (x, n, y): (Fd, u32, Fd) = decode(encoded.bytes(), fds).unwrap();
+        assert_eq!(n, 7);
+        assert_ne!(x.as_raw_fd(), y.as_raw_fd());
+    }
+
+    #[test]
+    fn a_missing_fd_is_an_error_naming_it() {
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let fd = Fd::from(OwnedFd::from(a));
+        let encoded = encode(&fd).unwrap();
+        let err = decode::<Fd>(encoded.bytes(), Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("fd #0"), "{err}");
+    }
+
+    #[test]
+    fn other_formats_refuse_fd_backed_values_and_say_why() {
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let err = serde_json::to_string(&Fd::from(OwnedFd::from(a)))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("vmm_core::wire") && err.contains("out of band"),
+            "{err}"
+        );
+        let err = serde_json::from_str::<Fd>("3").unwrap_err().to_string();
+        assert!(err.contains("vmm_core::wire"), "{err}");
+    }
+}

@@ -1,0 +1,68 @@
+//! The one unsafe piece of `wire`: `recvmsg` that owns every fd the kernel installed, even when
+//! the control message was truncated (nix refuses to parse a truncated one, which would leak
+//! the fds that did arrive).
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+use super::channel::MAX_FDS;
+
+/// What one `recvmsg` gave: the payload length, the message flags, and the fds, already owned.
+#[derive(Debug)]
+pub(crate) struct Received {
+    pub len: usize,
+    pub flags: libc::c_int,
+    pub fds: Vec<OwnedFd>,
+}
+
+/// Space for `MAX_FDS` fds in one SCM_RIGHTS message, in `cmsghdr`-aligned words.
+fn control_space() -> usize {
+    // SAFETY: CMSG_SPACE is pure arithmetic.
+    unsafe { libc::CMSG_SPACE((MAX_FDS * size_of::<RawFd>()) as u32) as usize }
+}
+
+/// `recvmsg(fd, buf, flags | MSG_CMSG_CLOEXEC)`, taking ownership of every received fd at once.
+pub(crate) fn recv_with_fds(
+    fd: BorrowedFd<'_>,
+    buf: &mut [u8],
+    flags: libc::c_int,
+) -> io::Result<Received> {
+    let mut control = vec![0u64; control_space().div_ceil(size_of::<u64>())];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: msghdr is plain data; zeroed is its "no name, no control" state.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = control.len() * size_of::<u64>();
+    // SAFETY: every pointer in `msg` refers to a live local buffer of the stated length.
+    let n = unsafe { libc::recvmsg(fd.as_raw_fd(), &mut msg, flags | libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut fds = Vec::new();
+    // SAFETY: the kernel filled `control` up to `msg.msg_controllen`; CMSG_FIRSTHDR/NXTHDR stay
+    // within it, and a truncated message's headers describe only the fds actually installed.
+    unsafe {
+        let mut header = libc::CMSG_FIRSTHDR(&msg);
+        while !header.is_null() {
+            if (*header).cmsg_level == libc::SOL_SOCKET && (*header).cmsg_type == libc::SCM_RIGHTS {
+                let bytes = (*header).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                let data = libc::CMSG_DATA(header).cast::<RawFd>();
+                for i in 0..bytes / size_of::<RawFd>() {
+                    // Each is a new fd installed in this process for this message: ours alone.
+                    fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
+                }
+            }
+            header = libc::CMSG_NXTHDR(&msg, header);
+        }
+    }
+    Ok(Received {
+        len: n as usize,
+        flags: msg.msg_flags,
+        fds,
+    })
+}
