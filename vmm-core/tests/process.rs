@@ -428,14 +428,17 @@ fn child_that_never_reaches_its_entry_is_an_error() {
     );
 }
 
-fn produce(args: (Queue<(u32, u32)>, u32)) {
+fn produce(args: (Queue<Item>, u32)) {
     let (queue, producer) = args;
     for item in 0..100 {
         queue.put(&(producer, item)).unwrap();
     }
 }
 
-fn consume(args: (Queue<(u32, u32)>, Queue<Vec<(u32, u32)>>)) {
+/// (producer, item number)
+type Item = (u32, u32);
+
+fn consume(args: (Queue<Item>, Queue<Vec<Item>>)) {
     let (queue, results) = args;
     let mut got = Vec::new();
     // Every consumer stops after a quiet spell once the producers are done.
@@ -506,11 +509,9 @@ fn truncated_control_message_is_an_error_and_leaks_nothing(
 ) {
     let _guard = shared();
     let (queue, report) = (Queue::new().unwrap(), Queue::new().unwrap());
+    // A low soft limit keeps the child from opening a million fillers.
     let child = Context::new(method)
-        .spawn(
-            receive_with_too_few_fd_slots,
-            (queue.clone(), report.clone()),
-        )
+        .spawn(with_fd_limit, (256, queue.clone(), report.clone()))
         .unwrap();
     std::thread::sleep(Duration::from_millis(200));
     let fds: Vec<Fd> = (0..10).map(|i| Fd::from(memfd_holding(i))).collect();
