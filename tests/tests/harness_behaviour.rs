@@ -121,3 +121,39 @@ fn skip_prints_one_line_and_require_gpu_fails() {
         text(&required)
     );
 }
+
+/// Blocks past its timeout with a child running; run only by `timeout_ends_the_test_and_its_children`.
+#[ipc_test(methods = [forkserver, spawn], timeout = 1)]
+#[ignore = "times out on purpose; driven by timeout_ends_the_test_and_its_children"]
+fn demo_timeout(ctx: &Context) {
+    let child = ctx
+        .spawn(|_: ()| std::thread::sleep(Duration::from_secs(600)), ())
+        .unwrap();
+    println!("CHILD-PID {}", child.pid());
+    std::thread::sleep(Duration::from_secs(600));
+    drop(child);
+}
+
+#[rstest::rstest]
+#[case("spawn")]
+#[case("forkserver")]
+fn timeout_ends_the_test_and_its_children(#[case] method: &str) {
+    let started = std::time::Instant::now();
+    let output = run_own_test(&format!("demo_timeout::{method}"), &[]);
+    let text = text(&output);
+    assert!(!output.status.success(), "{text}");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "the test did not end at its timeout"
+    );
+    assert!(text.contains("timed out after 1s"), "{text}");
+    let pid = text
+        .split("CHILD-PID ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("the demo printed its child's pid");
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "child {pid} outlived its test"
+    );
+}

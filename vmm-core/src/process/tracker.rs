@@ -94,9 +94,9 @@ impl Registry {
         }
     }
 
-    /// End the scope: kill and reap children still running (their `Process` was leaked), and
-    /// describe every child that was left running, one line each.
-    pub(crate) fn finish(&self) -> Vec<String> {
+    /// End the scope: kill and reap children still running (their `Process` was leaked, or the
+    /// scope timed out while they ran), and describe every child that was left running.
+    pub(crate) fn finish(&self, timed_out: bool) -> Vec<String> {
         self.kill_running();
         let entries = std::mem::take(&mut *self.entries.lock().unwrap_or_else(|e| e.into_inner()));
         let mut problems = Vec::new();
@@ -108,10 +108,14 @@ impl Registry {
                         reap_within(pid, Duration::from_secs(5));
                     }
                     entry.fate.set(Fate::Killed);
-                    problems.push(format!(
-                        "child {pid} ({method}) was still running when the test ended (its Process \
-                         was never dropped or joined); it has been killed"
-                    ));
+                    problems.push(if timed_out {
+                        format!("child {pid} ({method}) was still running at the timeout; it has been killed")
+                    } else {
+                        format!(
+                            "child {pid} ({method}) was still running when the test ended (its \
+                             Process was never dropped or joined); it has been killed"
+                        )
+                    });
                 }
                 Fate::DroppedRunning => problems.push(format!(
                     "child {pid} ({method}) was still running when its Process was dropped; join it, \

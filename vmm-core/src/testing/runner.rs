@@ -42,10 +42,9 @@ where
         Err(e) => panic!("{name}: could not start the test body's thread: {e}"),
     };
     if done_rx.recv_timeout(timeout).is_err() {
-        registry.kill_running();
-        let leftovers = registry.finish();
+        let leftovers = registry.finish(true);
         panic!(
-            "{name} ({}) timed out after {timeout:?}; its children were killed{}",
+            "{name} ({}) timed out after {timeout:?}{}",
             spec.method,
             leftovers
                 .iter()
@@ -54,7 +53,7 @@ where
         );
     }
     let outcome = thread.join().unwrap_or_else(Err);
-    let leftovers = registry.finish();
+    let leftovers = registry.finish(false);
     match outcome {
         Err(payload) => std::panic::resume_unwind(payload),
         Ok(Err(message)) => panic!("{name} ({}) failed: {message}", spec.method),
