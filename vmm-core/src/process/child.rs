@@ -218,6 +218,9 @@ impl Process {
     }
 
     fn signal_kill(&self) -> Result<()> {
+        if self.fate.get() == Fate::Reaped {
+            return Ok(());
+        }
         match &self.pidfd {
             Some(pidfd) => sys::pidfd_kill(pidfd),
             None if self.method == StartMethod::Spawn => match kill(self.pid, Signal::SIGKILL) {
@@ -303,6 +306,9 @@ impl Process {
                 // Its channel closed: a spawned child has exited (or is about to), reap it; for
                 // a forkserver child it means the server died before reporting the status.
                 Err(Error::Disconnected(_)) => match self.method {
+                    StartMethod::Spawn if self.fate.get() == Fate::Reaped => {
+                        self.status_lost = true
+                    }
                     StartMethod::Spawn => self.status = Some(reap(self.pid)?),
                     StartMethod::Forkserver => self.status_lost = true,
                 },

@@ -22,6 +22,9 @@ pub(crate) enum Fate {
     Killed = 2,
     /// Its `Process` was dropped while it ran, without `kill()`: it was killed by the drop.
     DroppedRunning = 3,
+    /// The registry killed and reaped it (its `Process` outlived the scope): the pid is no
+    /// longer this child's, so the `Process` must never signal or wait for it again.
+    Reaped = 4,
 }
 
 /// The fate of one child, shared by its `Process` and the registry.
@@ -38,7 +41,8 @@ impl FateCell {
             0 => Fate::Running,
             1 => Fate::Finished,
             2 => Fate::Killed,
-            _ => Fate::DroppedRunning,
+            3 => Fate::DroppedRunning,
+            _ => Fate::Reaped,
         }
     }
 }
@@ -107,7 +111,7 @@ impl Registry {
                     if method == StartMethod::Spawn {
                         reap_within(pid, Duration::from_secs(5));
                     }
-                    entry.fate.set(Fate::Killed);
+                    entry.fate.set(Fate::Reaped);
                     problems.push(if timed_out {
                         format!("child {pid} ({method}) was still running at the timeout; it has been killed")
                     } else {
@@ -121,7 +125,7 @@ impl Registry {
                     "child {pid} ({method}) was still running when its Process was dropped; join it, \
                      or call kill() first if ending it early is intended"
                 )),
-                Fate::Finished | Fate::Killed => {}
+                Fate::Finished | Fate::Killed | Fate::Reaped => {}
             }
         }
         problems
