@@ -172,7 +172,8 @@ pub fn output_dir() -> PathBuf {
     PathBuf::from(".")
 }
 
-/// Print the table and, if `write_json`, write `vmm-bench-report.json` (path printed).
+/// Print the table and, if `write_json`, write [`REPORT_FILE`] under [`output_dir`] (and a copy
+/// in `$CRITERION_HOME` when that is set), printing each path written.
 /// Does nothing if no figure ran (criterion's `--list`, or a filter that matched nothing).
 pub fn finish(quick: bool, gpu: Result<(), String>, write_json: bool) {
     let rows = collect();
@@ -184,6 +185,7 @@ pub fn finish(quick: bool, gpu: Result<(), String>, write_json: bool) {
     if let Err(reason) = &gpu {
         println!("\nGPU figures skipped: {reason}");
     }
+    println!();
     if !write_json {
         return;
     }
@@ -200,15 +202,29 @@ pub fn finish(quick: bool, gpu: Result<(), String>, write_json: bool) {
         rows,
         medians_ns,
     };
-    let path = output_dir().join("vmm-bench-report.json");
-    match serde_json::to_string_pretty(&report)
-        .map_err(std::io::Error::other)
-        .and_then(|json| std::fs::write(&path, json + "\n"))
-    {
-        Ok(()) => println!("\nwrote {}", path.display()),
-        Err(e) => eprintln!("vmm-bench: could not write {}: {e}", path.display()),
+    let json = match serde_json::to_string_pretty(&report) {
+        Ok(json) => json + "\n",
+        Err(e) => return eprintln!("vmm-bench: could not encode the report: {e}"),
+    };
+    let mut paths = vec![output_dir().join(REPORT_FILE)];
+    // The GPU machine's run.sh brings back only $CRITERION_HOME (as criterion.tar.gz): keep a
+    // copy there too.
+    if let Some(home) = std::env::var_os("CRITERION_HOME").filter(|d| !d.is_empty()) {
+        paths.push(Path::new(&home).join(REPORT_FILE));
+    }
+    for path in paths {
+        if let Some(dir) = path.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        match std::fs::write(&path, &json) {
+            Ok(()) => println!("wrote {}", path.display()),
+            Err(e) => eprintln!("vmm-bench: could not write {}: {e}", path.display()),
+        }
     }
 }
+
+/// The JSON report's file name.
+pub const REPORT_FILE: &str = "vmm-bench-report.json";
 
 #[cfg(test)]
 mod tests {
