@@ -1,0 +1,190 @@
+//! What `cargo bench -p vmm-bench` measures: vmm-core next to the raw driver calls, a bare
+//! socket and a bare fork+exec, in one run, with a summary table at the end. See README.md for
+//! each figure and its baseline.
+//!
+//! The bench main (`benches/vmm.rs`) is: [`vmm_core::process::init`], [`baseline_child_main`],
+//! then [`run`] and [`report::finish`]. Children of the bench are the bench executable itself,
+//! re-run: vmm-core's children take their role before `main`; the baseline processes (a bare
+//! CUDA-init process, a no-op) are told apart by [`BASELINE_VAR`].
+
+#![cfg(target_os = "linux")]
+
+pub mod driver;
+pub mod handoff;
+pub mod host;
+pub mod raw;
+pub mod record;
+pub mod report;
+pub mod start;
+
+use std::time::Duration;
+
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, Criterion, SamplingMode};
+
+/// Set in a baseline process the bench starts from its own executable: `cuda-init` runs
+/// `cuInit` + primary context and exits, `noop` exits at once. Checked by
+/// [`baseline_child_main`] right after `init()`.
+pub const BASELINE_VAR: &str = "VMM_BENCH_BASELINE";
+
+/// Set to `1` to shrink warm-up and measurement times for a smoke run.
+pub const QUICK_VAR: &str = "VMM_BENCH_QUICK";
+
+/// Set to `1` (the GPU runs do) to make a missing GPU an error instead of a skip.
+pub const REQUIRE_GPU_VAR: &str = "VMM_REQUIRE_GPU";
+
+/// How long a hand-off child or a join may wait before the bench calls it hung.
+pub const CHILD_WAIT: Duration = Duration::from_secs(120);
+
+/// If this process is a baseline process ([`BASELINE_VAR`] set), do its job and exit.
+pub fn baseline_child_main() {
+    let Ok(role) = std::env::var(BASELINE_VAR) else {
+        return;
+    };
+    let code = match role.as_str() {
+        "noop" => 0,
+        "cuda-init" => match raw::init_context() {
+            Ok(_) => 0,
+            Err(e) => {
+                eprintln!("vmm-bench baseline cuda-init: {e}");
+                3
+            }
+        },
+        other => {
+            eprintln!("vmm-bench: unknown {BASELINE_VAR}={other:?}");
+            2
+        }
+    };
+    std::process::exit(code);
+}
+
+/// Timing settings: the defaults keep the whole run to a few minutes; quick is a smoke run.
+#[derive(Debug, Clone, Copy)]
+pub struct Settings {
+    /// [`QUICK_VAR`] is `1`.
+    pub quick: bool,
+}
+
+impl Settings {
+    /// From the environment.
+    pub fn from_env() -> Settings {
+        Settings {
+            quick: std::env::var(QUICK_VAR).is_ok_and(|v| v == "1"),
+        }
+    }
+
+    /// A `Criterion` with this run's times, then the command line's criterion options (which
+    /// win: `cargo bench -p vmm-bench -- --quick`, `--measurement-time 5`, a name filter, ...).
+    pub fn criterion(&self) -> Criterion {
+        let (warm_up, measure) = if self.quick {
+            (Duration::from_millis(50), Duration::from_millis(200))
+        } else {
+            (Duration::from_millis(300), Duration::from_millis(1500))
+        };
+        Criterion::default()
+            .warm_up_time(warm_up)
+            .measurement_time(measure)
+            .sample_size(20)
+            .without_plots()
+            .configure_from_args()
+    }
+}
+
+/// Whether a group's iterations are in-process operations or span processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Microseconds each: 20 samples, criterion's automatic sampling.
+    InProcess,
+    /// A process start or a round trip to a child: 10 samples, flat sampling.
+    Processes,
+}
+
+/// A criterion group that records each figure's per-iteration times under `group/id`.
+#[allow(missing_debug_implementations)] // BenchmarkGroup is not Debug
+pub struct Group<'a> {
+    inner: BenchmarkGroup<'a, WallTime>,
+    name: &'static str,
+}
+
+impl<'a> Group<'a> {
+    /// Open group `name`.
+    pub fn new(c: &'a mut Criterion, name: &'static str, kind: Kind) -> Group<'a> {
+        let mut inner = c.benchmark_group(name);
+        if kind == Kind::Processes {
+            inner.sample_size(10).sampling_mode(SamplingMode::Flat);
+        }
+        Group { inner, name }
+    }
+
+    /// The record key of figure `id` in this group.
+    pub fn key(&self, id: &str) -> String {
+        key(self.name, id)
+    }
+
+    /// Bench `id`: `op` runs one iteration and returns the time of the part it measures.
+    pub fn bench(&mut self, id: &str, mut op: impl FnMut() -> Duration) {
+        let key = self.key(id);
+        self.inner.bench_function(id, |b| {
+            b.iter_custom(|iters| record::measure(&key, iters, &mut op))
+        });
+    }
+
+    /// Close the group.
+    pub fn finish(self) {
+        self.inner.finish();
+    }
+}
+
+/// `group/id`, the key a figure's times and report row use.
+pub fn key(group: &str, id: &str) -> String {
+    format!("{group}/{id}")
+}
+
+/// Whether GPU groups can run: vmm-core's own check (libcuda, a device, VMM and POSIX-fd
+/// support on device 0). With [`REQUIRE_GPU_VAR`]`=1` a missing GPU ends the process with
+/// exit status 1 and the reason.
+pub fn gpu_or_exit() -> Result<(), String> {
+    let status = vmm_core::cuda::availability();
+    if let Err(reason) = &status
+        && std::env::var(REQUIRE_GPU_VAR).is_ok_and(|v| v == "1")
+    {
+        eprintln!("vmm-bench: {REQUIRE_GPU_VAR}=1 but the GPU benches cannot run: {reason}");
+        std::process::exit(1);
+    }
+    status
+}
+
+/// One `SKIP <group>: <reason>` line on stderr.
+pub fn skip(group: &str, reason: &str) {
+    eprintln!("SKIP {group}: {reason}");
+}
+
+/// Whether this is a measuring run (`--bench` without `--test`/`--list`/`--profile-time`),
+/// the only kind that writes the JSON report.
+pub fn is_measuring_run() -> bool {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().any(|a| a == "--bench")
+        && !args
+            .iter()
+            .any(|a| a == "--test" || a == "--list" || a.starts_with("--profile-time"))
+}
+
+/// Every group, host groups first; when `gpu` is `Err`, one SKIP line per GPU group up front.
+pub fn run(c: &mut Criterion, gpu: &Result<(), String>) {
+    if let Err(reason) = gpu {
+        for group in [driver::GROUP, handoff::GROUP, start::GPU_GROUP] {
+            skip(group, reason);
+        }
+    }
+    host::driver(c);
+    host::handoff(c);
+    start::child_start(c);
+    if gpu.is_ok() {
+        let cuda = raw::RawCuda::init().unwrap_or_else(|e| {
+            panic!("vmm-core sees a usable GPU but the raw baseline cannot start: {e}")
+        });
+        driver::gpu_driver(c, &cuda);
+        handoff::gpu_handoff(c, &cuda);
+        start::gpu_child(c);
+    }
+}
