@@ -127,44 +127,54 @@ pub fn gpu_driver(c: &mut Criterion, cuda: &RawCuda) {
         let handles: Vec<_> = (0..n).map(|_| cuda.create(chunk)).collect();
         let fds: Vec<OwnedFd> = handles.iter().map(|&h| cuda.export(h)).collect();
 
-        group.bench(&format!("export/{n}-chunk/vmm-core"), || {
-            let t = Instant::now();
-            let exported = buffer.export().expect("export");
-            let elapsed = t.elapsed();
-            drop(exported);
-            elapsed
-        });
+        // Each figure runs interleaved with its raw twin: their ratio is what counts.
         let mut exported: Vec<OwnedFd> = Vec::with_capacity(n);
-        group.bench(&format!("export/{n}-chunk/raw"), || {
-            cuda.make_current();
-            let t = Instant::now();
-            for &handle in &handles {
-                exported.push(cuda.export(handle));
-            }
-            let elapsed = t.elapsed();
-            exported.clear();
-            elapsed
-        });
-        group.bench(&format!("import/{n}-chunk/vmm-core"), || {
-            time_import(&resource, &descriptor)
-        });
-        group.bench(&format!("import/{n}-chunk/raw"), || {
-            cuda.make_current();
-            time_raw_import(cuda, &fds, chunk)
-        });
-        group.bench(&format!("release/{n}-chunk/vmm-core"), || {
-            let alias = resource.import(&descriptor).expect("import");
-            let t = Instant::now();
-            drop(alias);
-            t.elapsed()
-        });
-        group.bench(&format!("release/{n}-chunk/raw"), || {
-            cuda.make_current();
-            let import = raw_import(cuda, &fds, chunk);
-            let t = Instant::now();
-            raw_release(cuda, import, chunk);
-            t.elapsed()
-        });
+        group.bench_pair(
+            &format!("export/{n}-chunk"),
+            (&format!("export/{n}-chunk/vmm-core"), || {
+                let t = Instant::now();
+                let descriptor = buffer.export().expect("export");
+                let elapsed = t.elapsed();
+                drop(descriptor);
+                elapsed
+            }),
+            (&format!("export/{n}-chunk/raw"), || {
+                cuda.make_current();
+                let t = Instant::now();
+                for &handle in &handles {
+                    exported.push(cuda.export(handle));
+                }
+                let elapsed = t.elapsed();
+                exported.clear();
+                elapsed
+            }),
+        );
+        group.bench_pair(
+            &format!("import/{n}-chunk"),
+            (&format!("import/{n}-chunk/vmm-core"), || {
+                time_import(&resource, &descriptor)
+            }),
+            (&format!("import/{n}-chunk/raw"), || {
+                cuda.make_current();
+                time_raw_import(cuda, &fds, chunk)
+            }),
+        );
+        group.bench_pair(
+            &format!("release/{n}-chunk"),
+            (&format!("release/{n}-chunk/vmm-core"), || {
+                let alias = resource.import(&descriptor).expect("import");
+                let t = Instant::now();
+                drop(alias);
+                t.elapsed()
+            }),
+            (&format!("release/{n}-chunk/raw"), || {
+                cuda.make_current();
+                let import = raw_import(cuda, &fds, chunk);
+                let t = Instant::now();
+                raw_release(cuda, import, chunk);
+                t.elapsed()
+            }),
+        );
 
         drop(fds);
         cuda.make_current();
@@ -181,13 +191,16 @@ pub fn gpu_driver(c: &mut Criterion, cuda: &RawCuda) {
         cuda.make_current();
         let handle = cuda.create(size);
         let fds = vec![cuda.export(handle)];
-        group.bench(&format!("import/{s}/vmm-core"), || {
-            time_import(&resource, &descriptor)
-        });
-        group.bench(&format!("import/{s}/raw"), || {
-            cuda.make_current();
-            time_raw_import(cuda, &fds, size)
-        });
+        group.bench_pair(
+            &format!("import/{s}"),
+            (&format!("import/{s}/vmm-core"), || {
+                time_import(&resource, &descriptor)
+            }),
+            (&format!("import/{s}/raw"), || {
+                cuda.make_current();
+                time_raw_import(cuda, &fds, size)
+            }),
+        );
         drop(fds);
         cuda.make_current();
         cuda.release(handle);

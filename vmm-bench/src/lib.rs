@@ -129,6 +129,22 @@ impl<'a> Group<'a> {
         });
     }
 
+    /// Bench a figure and its baseline interleaved (see [`record::measure_pair`]), as one
+    /// criterion benchmark `id`; `a` and `b` are (figure id, operation) pairs.
+    pub fn bench_pair(
+        &mut self,
+        id: &str,
+        (id_a, mut op_a): (&str, impl FnMut() -> Duration),
+        (id_b, mut op_b): (&str, impl FnMut() -> Duration),
+    ) {
+        let (key_a, key_b) = (self.key(id_a), self.key(id_b));
+        self.inner.bench_function(id, |b| {
+            b.iter_custom(|iters| {
+                record::measure_pair((&key_a, &mut op_a), (&key_b, &mut op_b), iters)
+            })
+        });
+    }
+
     /// Close the group.
     pub fn finish(self) {
         self.inner.finish();

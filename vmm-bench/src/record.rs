@@ -67,6 +67,39 @@ pub fn measure(key: &str, iters: u64, mut op: impl FnMut() -> Duration) -> Durat
     total
 }
 
+/// Run `iters` interleaved iterations of a figure and its baseline: each iteration runs both,
+/// in alternating order, so that drift (clocks, other load, the driver's caches) falls on both
+/// alike and their ratio stays honest. Records each under its key; returns the sum of both.
+pub fn measure_pair(
+    (key_a, mut op_a): (&str, impl FnMut() -> Duration),
+    (key_b, mut op_b): (&str, impl FnMut() -> Duration),
+    iters: u64,
+) -> Duration {
+    let mut times_a = Vec::with_capacity(iters.min(1 << 16) as usize);
+    let mut times_b = Vec::with_capacity(iters.min(1 << 16) as usize);
+    let mut total = Duration::ZERO;
+    for i in 0..iters {
+        let (a, b) = if i % 2 == 0 {
+            let a = op_a();
+            (a, op_b())
+        } else {
+            let b = op_b();
+            (op_a(), b)
+        };
+        total += a + b;
+        times_a.push(a.as_nanos() as u64);
+        times_b.push(b.as_nanos() as u64);
+    }
+    let mut all = samples();
+    for (key, times) in [(key_a, times_a), (key_b, times_b)] {
+        let entry = all.entry(key.to_owned()).or_default();
+        for t in times {
+            entry.push(t);
+        }
+    }
+    total
+}
+
 /// A figure's median and how many iterations it ran (`None` if it did not run).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Summary {
@@ -122,6 +155,18 @@ mod tests {
         let s = summary("test/measure").unwrap();
         assert_eq!(s.iterations, 5);
         assert_eq!(s.median_ns, 10.0);
+    }
+
+    #[test]
+    fn pairs_record_both_figures_every_iteration() {
+        let total = measure_pair(
+            ("test/pair-a", || Duration::from_nanos(10)),
+            ("test/pair-b", || Duration::from_nanos(30)),
+            4,
+        );
+        assert_eq!(total, Duration::from_nanos(160));
+        assert_eq!(summary("test/pair-a").unwrap().median_ns, 10.0);
+        assert_eq!(summary("test/pair-b").unwrap().iterations, 4);
     }
 
     #[test]

@@ -527,3 +527,25 @@ fn truncated_control_message_is_an_error_and_leaks_nothing(
         .unwrap();
     assert_eq!(before, after, "fds leaked by a truncated message: {text}");
 }
+
+#[test]
+fn a_host_buffer_holds_no_fd_where_the_kernel_allows() {
+    let _guard = exclusive();
+    if !vmm_core::shm::buffers_hold_no_fd() {
+        eprintln!("host buffers keep their memfd here (no /proc/self/map_files access)");
+        return;
+    }
+    let before = settled_open_fds().unwrap();
+    let buf = HostBuffer::new(1 << 20).unwrap();
+    assert_eq!(settled_open_fds().unwrap(), before, "a buffer holds no fd");
+    let descriptor = buf.export().unwrap();
+    assert_eq!(
+        settled_open_fds().unwrap(),
+        before + 1,
+        "a descriptor holds exactly one"
+    );
+    let alias = HostBuffer::import(&descriptor).unwrap();
+    drop(descriptor);
+    assert_eq!(settled_open_fds().unwrap(), before, "an import holds no fd");
+    drop((buf, alias));
+}
