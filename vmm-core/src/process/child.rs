@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::fs::File;
+use std::os::fd::AsFd;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use super::protocol::{Outcome, Report};
 use super::tracker::{Fate, FateCell};
 use super::{StartMethod, sys};
-use crate::wire::Channel;
+use crate::wire::{self, Channel};
 use crate::{Error, Result};
 
 /// How a child process ended.
@@ -286,26 +287,23 @@ impl Process {
     /// Returns whether the deadline passed.
     fn wait_until(&mut self, deadline: Option<Instant>) -> Result<bool> {
         let mut timed_out = false;
+        // Sleep until the channel hangs up: the child closes its end when it exits, and the
+        // forkserver closes its copy once it has reported the exit status. One wake-up for the
+        // child's whole life; its reports are read afterwards.
+        while !wire::wait_hangup(self.channel.as_fd(), deadline.filter(|_| !timed_out))? {
+            timed_out = true;
+            self.signal_kill()?;
+        }
         while !self.finished() {
-            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            let received = if timed_out {
-                self.channel.recv(None)
-            } else {
-                self.channel.recv(left)
-            };
-            match received {
-                Ok(message) => match crate::wire::decode::<Report>(&message.bytes, Vec::new())? {
+            match self.channel.try_recv() {
+                Ok(Some(message)) => match wire::decode::<Report>(&message.bytes, Vec::new())? {
                     Report::Started => self.started = true,
                     Report::Finished(outcome) => self.outcome = Some(outcome),
                     Report::Exited(status) => self.status = Some(status),
                 },
-                Err(Error::Timeout { .. }) => {
-                    timed_out = true;
-                    self.signal_kill()?;
-                }
-                // Its channel closed: a spawned child has exited (or is about to), reap it; for
-                // a forkserver child it means the server died before reporting the status.
-                Err(Error::Disconnected(_)) => match self.method {
+                // Every report has been read: a spawned child has exited, reap it; for a
+                // forkserver child it means the server died before reporting the status.
+                Ok(None) | Err(Error::Disconnected(_)) => match self.method {
                     StartMethod::Spawn if self.fate.get() == Fate::Reaped => {
                         self.status_lost = true
                     }

@@ -248,6 +248,17 @@ impl AsRawFd for Channel {
 
 /// Block until `fd` is readable (or hung up) or `deadline` passes; `false` on timeout.
 pub(crate) fn wait_readable(fd: BorrowedFd<'_>, deadline: Option<Instant>) -> Result<bool> {
+    wait_for(fd, PollFlags::POLLIN, deadline)
+}
+
+/// Block until every other end of `fd`'s socket is closed (messages may still be queued) or
+/// `deadline` passes; `false` on timeout.
+pub(crate) fn wait_hangup(fd: BorrowedFd<'_>, deadline: Option<Instant>) -> Result<bool> {
+    // POLLHUP is always reported; asking for nothing else sleeps through queued messages.
+    wait_for(fd, PollFlags::empty(), deadline)
+}
+
+fn wait_for(fd: BorrowedFd<'_>, events: PollFlags, deadline: Option<Instant>) -> Result<bool> {
     loop {
         let timeout = match deadline {
             None => PollTimeout::NONE,
@@ -258,7 +269,7 @@ pub(crate) fn wait_readable(fd: BorrowedFd<'_>, deadline: Option<Instant>) -> Re
                 PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)
             }
         };
-        let mut pfd = [PollFd::new(fd, PollFlags::POLLIN)];
+        let mut pfd = [PollFd::new(fd, events)];
         match poll(&mut pfd, timeout) {
             Ok(0) => {
                 if deadline.is_some_and(|d| Instant::now() >= d) {

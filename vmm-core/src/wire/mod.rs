@@ -10,6 +10,7 @@ mod oob;
 mod queue;
 mod sys;
 
+pub(crate) use channel::wait_hangup;
 pub use channel::{Channel, INLINE_MAX, MAX_FDS, Message};
 pub use oob::{
     Encoded, Fd, decode, deserialize_error, deserialize_fd, encode, serialize_error, serialize_fd,
