@@ -252,6 +252,30 @@ pub fn rows(group: &str, desc_target: Target) {
     }
 }
 
+/// The hand-off figures of one backend: its descriptor and its buffer through a Queue to a live
+/// child under each start method, each next to a raw child fed over a bare socket. `fd` is the
+/// raw twin's exported fd (what the raw descriptor figure sends); `export` makes a fresh one
+/// (what the raw buffer figure exports on the way).
+pub fn bench_handoffs<D: Handled, B: Handled>(
+    group: &mut Group<'_>,
+    (descriptor, buffer): (&Option<D>, &Option<B>),
+    (work, fd, size): (RawWork, &OwnedFd, usize),
+    mut export: impl FnMut() -> OwnedFd,
+) {
+    for method in StartMethod::ALL {
+        bench_live(group, &format!("descriptor/{method}"), method, descriptor);
+    }
+    bench_raw(group, "descriptor/raw-socket", work, fd, size, |child| {
+        child.send(fd, size)
+    });
+    for method in StartMethod::ALL {
+        bench_live(group, &format!("buffer/{method}"), method, buffer);
+    }
+    bench_raw(group, "buffer/raw-socket", work, fd, size, |child| {
+        child.export_and_send(size, &mut export)
+    });
+}
+
 /// One 2 MiB-granularity chunk handed to a live child, under both methods, next to
 /// raw_vmm.c's cross-process loop.
 pub fn gpu_handoff(c: &mut Criterion, cuda: &RawCuda) {
@@ -269,34 +293,13 @@ pub fn gpu_handoff(c: &mut Criterion, cuda: &RawCuda) {
     let fd = cuda.export(handle);
 
     let mut group = Group::new(c, GROUP, Kind::Processes);
-    for method in StartMethod::ALL {
-        bench_live(
-            &mut group,
-            &format!("descriptor/{method}"),
-            method,
-            &descriptor,
-        );
-    }
-    bench_raw(
+    bench_handoffs(
         &mut group,
-        "descriptor/raw-socket",
-        RawWork::Gpu,
-        &fd,
-        size,
-        |child| child.send(&fd, size),
-    );
-    for method in StartMethod::ALL {
-        bench_live(&mut group, &format!("buffer/{method}"), method, &buffer);
-    }
-    bench_raw(
-        &mut group,
-        "buffer/raw-socket",
-        RawWork::Gpu,
-        &fd,
-        size,
-        |child| {
+        (&descriptor, &buffer),
+        (RawWork::Gpu, &fd, size),
+        || {
             cuda.make_current();
-            child.export_and_send(size, || cuda.export(handle))
+            cuda.export(handle)
         },
     );
     group.finish();

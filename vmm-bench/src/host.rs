@@ -14,10 +14,9 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::time::Instant;
 
 use criterion::Criterion;
-use vmm_core::process::StartMethod;
 use vmm_core::shm::HostBuffer;
 
-use crate::handoff::{RawWork, bench_live, bench_raw, rows};
+use crate::handoff::{RawWork, bench_handoffs, rows};
 use crate::raw;
 use crate::report::{Target, row};
 use crate::{Group, Kind, key};
@@ -170,32 +169,11 @@ pub fn handoff(c: &mut Criterion) {
     let fd = twin.export();
 
     let mut group = Group::new(c, HANDOFF_GROUP, Kind::Processes);
-    for method in StartMethod::ALL {
-        bench_live(
-            &mut group,
-            &format!("descriptor/{method}"),
-            method,
-            &descriptor,
-        );
-    }
-    bench_raw(
+    bench_handoffs(
         &mut group,
-        "descriptor/raw-socket",
-        RawWork::Host,
-        &fd,
-        size,
-        |child| child.send(&fd, size),
-    );
-    for method in StartMethod::ALL {
-        bench_live(&mut group, &format!("buffer/{method}"), method, &buffer);
-    }
-    bench_raw(
-        &mut group,
-        "buffer/raw-socket",
-        RawWork::Host,
-        &fd,
-        size,
-        |child| child.export_and_send(size, || twin.export()),
+        (&descriptor, &buffer),
+        (RawWork::Host, &fd, size),
+        || twin.export(),
     );
     group.finish();
 }
