@@ -354,3 +354,31 @@ fn export_at_the_fd_limit_names_rlimit_nofile_and_leaks_nothing() {
         "a failed export closes the fds it took"
     );
 }
+
+/// vmm-core makes its device's context current only for the calls that need it, and leaves the
+/// calling thread's context as it found it (here: none, on a fresh thread).
+#[test]
+fn the_calling_threads_context_is_left_as_it_was() {
+    let Some(_gpu) = require_gpu() else {
+        return;
+    };
+    std::thread::spawn(|| {
+        let r = resource();
+        let buf = r.allocate(1).unwrap();
+        buf.fill(1).unwrap();
+        let descriptor = buf.export().unwrap();
+        let alias = r.import(&descriptor).unwrap();
+        assert_eq!(read(&alias, 0, 1), [1]);
+        drop((alias, descriptor, buf));
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: a live out-pointer; libcuda is loaded and initialised (require_gpu passed).
+        let rc = unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut ctx) };
+        assert_eq!(rc, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+        assert!(
+            ctx.is_null(),
+            "vmm-core left its context current on the calling thread"
+        );
+    })
+    .join()
+    .unwrap();
+}

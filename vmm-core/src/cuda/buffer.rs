@@ -152,7 +152,7 @@ impl VirtualMemoryBuffer {
         if self.inner.size == 0 {
             return Ok(());
         }
-        self.inner.device.make_current()?;
+        let _current = self.inner.device.make_current()?;
         for (ptr, _, len) in self.pieces(0, self.inner.size) {
             driver::memset_d8(ptr, byte, len)?;
         }
@@ -165,7 +165,7 @@ impl VirtualMemoryBuffer {
         if src.is_empty() {
             return Ok(());
         }
-        self.inner.device.make_current()?;
+        let _current = self.inner.device.make_current()?;
         for (ptr, at, len) in self.pieces(offset, src.len()) {
             driver::memcpy_htod(ptr, &src[at..at + len])?;
         }
@@ -178,7 +178,7 @@ impl VirtualMemoryBuffer {
         if dst.is_empty() {
             return Ok(());
         }
-        self.inner.device.make_current()?;
+        let _current = self.inner.device.make_current()?;
         for (ptr, at, len) in self.pieces(offset, dst.len()) {
             driver::memcpy_dtoh(&mut dst[at..at + len], ptr)?;
         }

@@ -1,10 +1,12 @@
 //! CUDA devices: identity, the capabilities VMM IPC needs, and the primary context.
 //!
 //! Users never manage a current context: each [`Device`] retains its primary context once (on
-//! first use) and makes it current on the calling thread before every call that needs one.
+//! first use) and makes it current on the calling thread for each call that needs one, then
+//! restores whatever the thread had current before.
 
 use std::collections::HashMap;
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::CUdevice_attribute;
@@ -149,8 +151,10 @@ impl Device {
     }
 
     /// Make this device's primary context current on the calling thread (retaining it the
-    /// first time), so the next driver call acts on this device.
-    pub(crate) fn make_current(&self) -> Result<()> {
+    /// first time) until the returned guard drops, so the driver calls in between act on this
+    /// device. The guard restores whatever was current before (another device's context, the
+    /// user's own, or none): vmm-core never leaves a thread's CUDA state changed.
+    pub(crate) fn make_current(&self) -> Result<CurrentContext> {
         let ctx = match self.inner.ctx.get() {
             Some(ctx) => *ctx,
             None => {
@@ -160,7 +164,35 @@ impl Device {
                 *self.inner.ctx.get_or_init(|| ctx)
             }
         };
-        driver::ctx_set_current(ctx)
+        let previous = driver::ctx_get_current()?;
+        if previous.is(&ctx) {
+            return Ok(CurrentContext {
+                restore: None,
+                _thread: PhantomData,
+            });
+        }
+        driver::ctx_set_current(ctx)?;
+        Ok(CurrentContext {
+            restore: Some(previous),
+            _thread: PhantomData,
+        })
+    }
+}
+
+/// While alive, a device's primary context is current on this thread; dropping it restores the
+/// thread's previous context. Not `Send`: the current context is per thread.
+#[derive(Debug)]
+#[must_use = "the context is current only while the guard lives"]
+pub(crate) struct CurrentContext {
+    restore: Option<driver::Context>,
+    _thread: PhantomData<*const ()>,
+}
+
+impl Drop for CurrentContext {
+    fn drop(&mut self) {
+        if let Some(previous) = self.restore.take() {
+            let _ = driver::ctx_set_current(previous);
+        }
     }
 }
 

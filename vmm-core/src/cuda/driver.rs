@@ -152,10 +152,28 @@ pub(crate) fn primary_ctx_retain(device: CUdevice) -> Result<Context> {
     Ok(Context(ctx))
 }
 
+impl Context {
+    /// Whether two handles name the same context.
+    pub(crate) fn is(&self, other: &Context) -> bool {
+        self.0 == other.0
+    }
+}
+
+/// `cuCtxGetCurrent`: the calling thread's current context (a null handle when none is).
+pub(crate) fn ctx_get_current() -> Result<Context> {
+    init()?;
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: `ctx` is a live out-pointer.
+    check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) })?;
+    Ok(Context(ctx))
+}
+
 /// `cuCtxSetCurrent`.
 pub(crate) fn ctx_set_current(ctx: Context) -> Result<()> {
     init()?;
-    // SAFETY: `ctx` came from cuDevicePrimaryCtxRetain and is never released.
+    // SAFETY: `ctx` is a retained primary context (never released), or the context that was
+    // current on this thread when a `CurrentContext` guard was made and that the guard now
+    // restores (null unbinds); the driver validates the handle either way.
     check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx.0) })
 }
 

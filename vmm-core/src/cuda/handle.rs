@@ -26,7 +26,7 @@ pub(crate) struct Allocation {
 impl Allocation {
     /// `cuMemCreate` of `size` bytes (a multiple of the granularity) with `prop`.
     pub(crate) fn create(device: &Device, size: usize, prop: &CUmemAllocationProp) -> Result<Self> {
-        device.make_current()?;
+        let _current = device.make_current()?;
         let handle = driver::mem_create(size, prop)?;
         Ok(Allocation {
             handle,
@@ -43,7 +43,7 @@ impl Allocation {
         fd: std::os::fd::BorrowedFd<'_>,
         size: usize,
     ) -> Result<Self> {
-        device.make_current()?;
+        let _current = device.make_current()?;
         let handle = driver::import_posix_fd(fd)?;
         Ok(Allocation {
             handle,
@@ -69,7 +69,7 @@ impl Allocation {
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        let _ = self.device.make_current();
+        let _current = self.device.make_current();
         let _ = driver::mem_release(self.handle);
     }
 }
@@ -85,7 +85,7 @@ pub(crate) struct Reservation {
 impl Reservation {
     /// Reserve `size` bytes, at `hint` if the driver can (0: anywhere).
     pub(crate) fn new(device: &Device, size: usize, alignment: usize, hint: u64) -> Result<Self> {
-        device.make_current()?;
+        let _current = device.make_current()?;
         let ptr = driver::address_reserve(size, alignment, hint)?;
         Ok(Reservation {
             ptr,
@@ -105,7 +105,7 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        let _ = self.device.make_current();
+        let _current = self.device.make_current();
         let _ = driver::address_free(self.ptr, self.size);
     }
 }
@@ -127,7 +127,7 @@ impl Mapping {
         allocation: Arc<Allocation>,
         access: &[CUmemAccessDesc],
     ) -> Result<Self> {
-        allocation.device.make_current()?;
+        let _current = allocation.device.make_current()?;
         driver::mem_map(ptr, allocation.size, allocation.handle)?;
         let mapping = Mapping { ptr, allocation };
         driver::mem_set_access(mapping.ptr, mapping.allocation.size, access)?;
@@ -145,7 +145,7 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        let _ = self.allocation.device.make_current();
+        let _current = self.allocation.device.make_current();
         let _ = driver::mem_unmap(self.ptr, self.allocation.size);
     }
 }

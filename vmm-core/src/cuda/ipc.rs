@@ -7,6 +7,7 @@ use std::cell::Cell;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
+use nix::sys::resource::{Resource, getrlimit};
 use serde::de::Deserializer;
 use serde::ser::Serializer;
 use serde::{Deserialize, Serialize};
@@ -182,17 +183,11 @@ fn ipc_error(op: &'static str, step: String, source: Error) -> Error {
     }
 }
 
-/// The soft `RLIMIT_NOFILE` (from /proc/self/limits) and how many fds are open now.
+/// The soft `RLIMIT_NOFILE` and how many fds are open now (the count needs one fd itself, so
+/// at the limit only the limit may be known).
 fn fd_usage() -> Option<(u64, usize)> {
-    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
-    let soft = limits
-        .lines()
-        .find(|l| l.starts_with("Max open files"))?
-        .split_whitespace()
-        .nth(3)?
-        .parse()
-        .ok()?;
-    let open = std::fs::read_dir("/proc/self/fd").ok()?.count();
+    let (soft, _) = getrlimit(Resource::RLIMIT_NOFILE).ok()?;
+    let open = crate::testing::open_fds().ok()?;
     Some((soft, open))
 }
 
@@ -236,9 +231,11 @@ impl VirtualMemoryBuffer {
         let chunks: Vec<&Arc<Allocation>> = self.chunks().collect();
         let count = chunks.len();
         let mut fds = Vec::with_capacity(count);
-        if count > 0 {
-            self.device().make_current()?;
-        }
+        let _current = if count > 0 {
+            Some(self.device().make_current()?)
+        } else {
+            None
+        };
         for (index, chunk) in chunks.iter().enumerate() {
             // Fds taken so far are closed by `fds`' drop if this returns early.
             let fd = driver::export_posix_fd(chunk.handle()).map_err(|(e, errno)| {
@@ -292,6 +289,10 @@ impl VirtualMemoryResource {
             return Ok(VirtualMemoryBuffer::empty(self, true));
         }
         let device = self.device();
+        // Every check above ran before this, the first driver call.
+        let _current = device
+            .make_current()
+            .map_err(|e| ipc_error("import", "while making the device current".into(), e))?;
         let mut chunks = Vec::with_capacity(count);
         for (index, (fd, &size)) in descriptor
             .fds

@@ -279,7 +279,7 @@ impl VirtualMemoryResource {
                 }
             }
         }
-        device.make_current()?;
+        let _current = device.make_current()?;
         let location = driver::to_sys_location(options.location, device.ordinal_i32());
         let prop = driver::allocation_prop(location, options.handle_type == HandleType::PosixFd);
         let min_granularity = driver::allocation_granularity(&prop, false)?;
