@@ -103,28 +103,31 @@ impl Channel {
                 max: MAX_FDS,
             });
         }
-        let mut raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
-        let spill;
-        let mut header = [0u8; HEADER_SPILLED];
-        let iov: [IoSlice<'_>; 2];
-        let iov: &[IoSlice<'_>] = if spilled {
-            spill = spill_to_memfd(bytes)?;
-            raw.push(spill.as_raw_fd());
-            header[0] = TAG_SPILLED;
-            header[1..].copy_from_slice(&(bytes.len() as u64).to_le_bytes());
-            iov = [IoSlice::new(&header), IoSlice::new(&[])];
-            &iov[..1]
+        let spill = if spilled {
+            Some(spill_to_memfd(bytes)?)
         } else {
-            header[0] = TAG_INLINE;
-            iov = [IoSlice::new(&header[..1]), IoSlice::new(bytes)];
-            &iov
+            None
         };
+        let raw: Vec<RawFd> = fds
+            .iter()
+            .map(AsRawFd::as_raw_fd)
+            .chain(spill.as_ref().map(AsRawFd::as_raw_fd))
+            .collect();
+        let mut spilled_header = [TAG_SPILLED; HEADER_SPILLED];
+        spilled_header[1..].copy_from_slice(&(bytes.len() as u64).to_le_bytes());
+        // The memfd (if any) stays open in `spill` until the message is sent.
+        let (header, payload): (&[u8], &[u8]) = if spill.is_some() {
+            (&spilled_header, &[])
+        } else {
+            (&[TAG_INLINE], bytes)
+        };
+        let iov = [IoSlice::new(header), IoSlice::new(payload)];
         let cmsgs = [ControlMessage::ScmRights(&raw)];
         let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsgs };
         loop {
             match sendmsg::<UnixAddr>(
                 self.fd.as_raw_fd(),
-                iov,
+                &iov,
                 cmsgs,
                 MsgFlags::MSG_NOSIGNAL,
                 None,
