@@ -8,7 +8,7 @@ pub use crate::process::{Context, StartMethod};
 /// The attribute's options for one generated test (one start method).
 #[derive(Debug, Clone, Copy)]
 pub struct Spec {
-    /// `module_path!()` at the annotated function.
+    /// `module_path!()` inside the generated module (`crate::path::to::function_name`).
     pub module_path: &'static str,
     /// The annotated function's name.
     pub function: &'static str,
