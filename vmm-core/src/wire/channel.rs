@@ -5,6 +5,7 @@
 //! along as the message's last fd; the packet itself stays small, so nothing is ever fragmented
 //! or truncated.
 
+use std::cell::RefCell;
 use std::fs::File;
 use std::io::{IoSlice, Read, Seek, SeekFrom, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
@@ -169,17 +170,30 @@ impl Channel {
 
     /// Receive one message if one is waiting.
     pub fn try_recv(&self) -> Result<Option<Message>> {
-        let mut buf = vec![0u8; 1 + INLINE_MAX];
-        let received = loop {
-            match sys::recv_with_fds(self.fd.as_fd(), &mut buf, libc::MSG_DONTWAIT) {
-                Ok(received) => break received,
-                Err(e) => match Errno::from_raw(e.raw_os_error().unwrap_or(0)) {
-                    Errno::EINTR => continue,
-                    Errno::EAGAIN => return Ok(None),
-                    Errno::ECONNRESET => return Err(Error::Disconnected("recv")),
-                    errno => return Err(Error::errno("recvmsg(SCM_RIGHTS)", errno)),
-                },
+        // One receive buffer per thread, zeroed once: a message costs a copy of its own length,
+        // not a fresh 64 KiB allocation (this is on every hand-off's path).
+        thread_local! {
+            static RECEIVE: RefCell<Vec<u8>> = RefCell::new(vec![0u8; 1 + INLINE_MAX]);
+        }
+        let received = RECEIVE.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            loop {
+                match sys::recv_with_fds(self.fd.as_fd(), &mut buf, libc::MSG_DONTWAIT) {
+                    Ok(received) => {
+                        let packet = buf[..received.len].to_vec();
+                        return Ok(Some((received, packet)));
+                    }
+                    Err(e) => match Errno::from_raw(e.raw_os_error().unwrap_or(0)) {
+                        Errno::EINTR => continue,
+                        Errno::EAGAIN => return Ok(None),
+                        Errno::ECONNRESET => return Err(Error::Disconnected("recv")),
+                        errno => return Err(Error::errno("recvmsg(SCM_RIGHTS)", errno)),
+                    },
+                }
             }
+        })?;
+        let Some((received, mut buf)) = received else {
+            return Ok(None);
         };
         let (len, flags, fds) = (
             received.len,
@@ -196,13 +210,12 @@ impl Channel {
         if flags.contains(MsgFlags::MSG_TRUNC) {
             return Err(Error::Protocol(format!(
                 "packet larger than {} bytes: not sent by vmm_core::wire",
-                buf.len()
+                1 + INLINE_MAX
             )));
         }
         if len == 0 {
             return Err(Error::Disconnected("recv"));
         }
-        buf.truncate(len);
         match buf[0] {
             TAG_INLINE => {
                 buf.remove(0);
