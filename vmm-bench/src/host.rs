@@ -107,54 +107,63 @@ pub fn driver(c: &mut Criterion) {
     let buffer = HostBuffer::new(size).expect("host buffer");
     let twin = RawHost::new(size);
     let mut group = Group::new(c, g, Kind::InProcess);
-    group.bench("export/vmm-core", || {
-        let t = Instant::now();
-        let descriptor = buffer.export().expect("export");
-        let elapsed = t.elapsed();
-        drop(descriptor);
-        elapsed
-    });
-    group.bench("export/raw", || {
-        let t = Instant::now();
-        let fd = twin.export();
-        let elapsed = t.elapsed();
-        drop(fd);
-        elapsed
-    });
+    group.bench_pair(
+        "export",
+        ("export/vmm-core", || {
+            let t = Instant::now();
+            let descriptor = buffer.export().expect("export");
+            let elapsed = t.elapsed();
+            drop(descriptor);
+            elapsed
+        }),
+        ("export/raw", || {
+            let t = Instant::now();
+            let fd = twin.export();
+            let elapsed = t.elapsed();
+            drop(fd);
+            elapsed
+        }),
+    );
     for size in MAP_SIZES {
         let s = size_name(size);
         let buffer = HostBuffer::new(size).expect("host buffer");
         let descriptor = buffer.export().expect("export");
         let fd = raw::sealed_memfd(size);
-        group.bench(&format!("import/{s}/vmm-core"), || {
-            let t = Instant::now();
-            let alias = HostBuffer::import(&descriptor).expect("import");
-            let elapsed = t.elapsed();
-            drop(alias);
-            elapsed
-        });
-        group.bench(&format!("import/{s}/raw"), || {
-            let t = Instant::now();
-            let ptr = raw::mmap_shared(fd.as_fd(), size);
-            let elapsed = t.elapsed();
-            raw::munmap(ptr, size);
-            elapsed
-        });
+        group.bench_pair(
+            &format!("import/{s}"),
+            (&format!("import/{s}/vmm-core"), || {
+                let t = Instant::now();
+                let alias = HostBuffer::import(&descriptor).expect("import");
+                let elapsed = t.elapsed();
+                drop(alias);
+                elapsed
+            }),
+            (&format!("import/{s}/raw"), || {
+                let t = Instant::now();
+                let ptr = raw::mmap_shared(fd.as_fd(), size);
+                let elapsed = t.elapsed();
+                raw::munmap(ptr, size);
+                elapsed
+            }),
+        );
     }
     let descriptor = buffer.export().expect("export");
-    group.bench("release/vmm-core", || {
-        let alias = HostBuffer::import(&descriptor).expect("import");
-        let t = Instant::now();
-        drop(alias);
-        t.elapsed()
-    });
     let fd = twin.export();
-    group.bench("release/raw", || {
-        let ptr = raw::mmap_shared(fd.as_fd(), size);
-        let t = Instant::now();
-        raw::munmap(ptr, size);
-        t.elapsed()
-    });
+    group.bench_pair(
+        "release",
+        ("release/vmm-core", || {
+            let alias = HostBuffer::import(&descriptor).expect("import");
+            let t = Instant::now();
+            drop(alias);
+            t.elapsed()
+        }),
+        ("release/raw", || {
+            let ptr = raw::mmap_shared(fd.as_fd(), size);
+            let t = Instant::now();
+            raw::munmap(ptr, size);
+            t.elapsed()
+        }),
+    );
     group.finish();
 }
 
