@@ -197,6 +197,42 @@ impl RawChild {
     }
 }
 
+/// Bench `id` in `group` with a vmm-core child started lazily (so a filtered-out figure starts
+/// nothing) and stopped after.
+pub fn bench_live<T: Handled>(
+    group: &mut Group<'_>,
+    id: &str,
+    method: StartMethod,
+    item: &Option<T>,
+) {
+    let mut live: Option<LiveChild<T>> = None;
+    group.bench(id, || {
+        live.get_or_insert_with(|| LiveChild::start(method, item))
+            .send(item)
+    });
+    if let Some(live) = live {
+        live.stop();
+    }
+}
+
+/// Bench `id` with a raw child started lazily; `op` runs one iteration against it.
+pub fn bench_raw(
+    group: &mut Group<'_>,
+    id: &str,
+    work: RawWork,
+    warm_up: &OwnedFd,
+    size: usize,
+    mut op: impl FnMut(&RawChild) -> Duration,
+) {
+    let mut live: Option<RawChild> = None;
+    group.bench(id, || {
+        op(live.get_or_insert_with(|| RawChild::start(work, warm_up, size)))
+    });
+    if let Some(live) = live {
+        live.stop();
+    }
+}
+
 /// Register the hand-off rows of `group` (descriptor and buffer, both methods, against the
 /// raw-socket baselines); `desc_target` is the descriptor figures' target.
 pub fn rows(group: &str, desc_target: Target) {
@@ -217,55 +253,27 @@ pub fn rows(group: &str, desc_target: Target) {
 }
 
 /// The hand-off figures of one backend: its descriptor and its buffer through a Queue to a live
-/// child under each start method, each interleaved with a raw child fed over a bare socket (the
-/// two children run side by side and take turns, so drift falls on both alike). `fd` is the
+/// child under each start method, each next to a raw child fed over a bare socket. `fd` is the
 /// raw twin's exported fd (what the raw descriptor figure sends); `export` makes a fresh one
-/// (what the raw buffer figure exports on the way). Children start lazily, so a filtered-out
-/// figure starts nothing, and are joined at the end.
+/// (what the raw buffer figure exports on the way).
 pub fn bench_handoffs<D: Handled, B: Handled>(
     group: &mut Group<'_>,
     (descriptor, buffer): (&Option<D>, &Option<B>),
     (work, fd, size): (RawWork, &OwnedFd, usize),
     mut export: impl FnMut() -> OwnedFd,
 ) {
-    let mut raw: Option<RawChild> = None;
     for method in StartMethod::ALL {
-        let mut live = None;
-        group.bench_pair(
-            &format!("descriptor/{method}+raw"),
-            (&format!("descriptor/{method}"), || {
-                live.get_or_insert_with(|| LiveChild::start(method, descriptor))
-                    .send(descriptor)
-            }),
-            ("descriptor/raw-socket", || {
-                raw.get_or_insert_with(|| RawChild::start(work, fd, size))
-                    .send(fd, size)
-            }),
-        );
-        if let Some(live) = live {
-            live.stop();
-        }
+        bench_live(group, &format!("descriptor/{method}"), method, descriptor);
     }
+    bench_raw(group, "descriptor/raw-socket", work, fd, size, |child| {
+        child.send(fd, size)
+    });
     for method in StartMethod::ALL {
-        let mut live = None;
-        group.bench_pair(
-            &format!("buffer/{method}+raw"),
-            (&format!("buffer/{method}"), || {
-                live.get_or_insert_with(|| LiveChild::start(method, buffer))
-                    .send(buffer)
-            }),
-            ("buffer/raw-socket", || {
-                raw.get_or_insert_with(|| RawChild::start(work, fd, size))
-                    .export_and_send(size, &mut export)
-            }),
-        );
-        if let Some(live) = live {
-            live.stop();
-        }
+        bench_live(group, &format!("buffer/{method}"), method, buffer);
     }
-    if let Some(raw) = raw {
-        raw.stop();
-    }
+    bench_raw(group, "buffer/raw-socket", work, fd, size, |child| {
+        child.export_and_send(size, &mut export)
+    });
 }
 
 /// One 2 MiB-granularity chunk handed to a live child, under both methods, next to
