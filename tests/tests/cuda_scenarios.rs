@@ -10,7 +10,8 @@ use vmm_core::cuda::{
 };
 use vmm_core::ipc_test;
 use vmm_core::process::Context;
-use vmm_core::testing::{open_fds, settled_open_fds, warm_forkserver};
+use vmm_core::process::ensure_running;
+use vmm_core::testing::{open_fds, settled_open_fds};
 use vmm_core::wire::Queue;
 use vmm_core::{Error, SharedBuffer};
 use vmm_tests::pattern;
@@ -23,7 +24,7 @@ fn resource() -> VirtualMemoryResource {
 
 fn contents(buf: &VirtualMemoryBuffer) -> Vec<u8> {
     let mut out = vec![0u8; buf.size()];
-    buf.copy_to_host(0, &mut out).unwrap();
+    buf.read_at(0, &mut out).unwrap();
     out
 }
 
@@ -36,7 +37,7 @@ fn filled(chunks: usize) -> VirtualMemoryBuffer {
         buf = resource.grow(&buf, n * g).unwrap();
     }
     assert_eq!(buf.chunk_sizes(), vec![g; chunks]);
-    buf.copy_from_host(0, &pattern(1, buf.size())).unwrap();
+    buf.write_at(0, &pattern(1, buf.size())).unwrap();
     buf
 }
 
@@ -47,7 +48,7 @@ fn read_back_and_reply(buf: VirtualMemoryBuffer) {
         pattern(1, buf.size()),
         "child did not see the parent's pattern"
     );
-    buf.copy_from_host(0, &pattern(2, buf.size())).unwrap();
+    buf.write_at(0, &pattern(2, buf.size())).unwrap();
 }
 
 #[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc())]
@@ -77,7 +78,7 @@ fn buffer_through_queue(ctx: &Context) {
 
 #[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
 fn fd_count_returns_to_baseline(ctx: &Context) {
-    warm_forkserver().unwrap();
+    ensure_running().unwrap();
     let buf = filled(2);
     let before = settled_open_fds().unwrap();
     ctx.spawn(read_back_and_reply, buf.clone())
@@ -102,7 +103,7 @@ fn read_grown(buf: VirtualMemoryBuffer) {
     assert_eq!(buf.size(), 2 * g);
     // One copy across the chunk boundary: the chunks are mapped back to back.
     let mut across = vec![0u8; 4096];
-    buf.copy_to_host(g - 2048, &mut across).unwrap();
+    buf.read_at(g - 2048, &mut across).unwrap();
     assert_eq!(across, pattern(1, 2 * g)[g - 2048..g + 2048]);
     assert_eq!(contents(&buf), pattern(1, 2 * g));
 }
@@ -211,7 +212,7 @@ fn importer_holds_no_fd(descriptor: IpcDescriptor) {
 
 #[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
 fn fds_live_only_in_descriptors(ctx: &Context) {
-    warm_forkserver().unwrap();
+    ensure_running().unwrap();
     let before = settled_open_fds().unwrap();
     let buf = filled(3);
     assert_eq!(open_fds().unwrap(), before, "a buffer holds no fd");
@@ -242,7 +243,7 @@ fn same_process_alias_sees_writes_both_ways(_ctx: &Context) {
         "an alias lives at a new address"
     );
     assert_eq!(contents(&alias), pattern(1, buf.size()));
-    alias.copy_from_host(0, &pattern(3, buf.size())).unwrap();
+    alias.write_at(0, &pattern(3, buf.size())).unwrap();
     assert_eq!(contents(&buf), pattern(3, buf.size()));
     buf.fill(0x5A).unwrap();
     assert!(contents(&alias).iter().all(|&b| b == 0x5A));
@@ -280,9 +281,7 @@ fn import_on_the_other_device(args: (IpcDescriptor, String)) {
     )
     .unwrap();
     let mapped = peer.import(&descriptor).unwrap();
-    mapped
-        .copy_from_host(0, &pattern(4, mapped.size()))
-        .unwrap();
+    mapped.write_at(0, &pattern(4, mapped.size())).unwrap();
     assert_eq!(contents(&buf), pattern(4, buf.size()));
 }
 
@@ -295,7 +294,7 @@ fn two_gpus_import_from_the_other_device_with_peer_access(ctx: &Context) {
     )
     .unwrap();
     let buf = resource.allocate(resource.granularity()).unwrap();
-    buf.copy_from_host(0, &pattern(1, buf.size())).unwrap();
+    buf.write_at(0, &pattern(1, buf.size())).unwrap();
     let child_ctx = ctx.clone().with_env("CUDA_VISIBLE_DEVICES", "1,0");
     child_ctx
         .spawn(

@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use vmm_core::ipc_test;
 use vmm_core::process::Context;
+use vmm_core::process::ensure_running;
 use vmm_core::shm::HostBuffer;
-use vmm_core::testing::{settled_open_fds, warm_forkserver};
+use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::Queue;
 use vmm_tests::pattern;
 
@@ -15,16 +16,16 @@ const LEN: usize = 1 << 20;
 fn read_back_and_reply(buf: HostBuffer) {
     assert_eq!(
         buf.to_vec(),
-        pattern(1, buf.len()),
+        pattern(1, buf.size()),
         "child did not see the parent's pattern"
     );
-    buf.write(0, &pattern(2, buf.len())).unwrap();
+    buf.write_at(0, &pattern(2, buf.size())).unwrap();
 }
 
 #[ipc_test]
 fn buffer_as_process_argument(ctx: &Context) {
     let buf = HostBuffer::new(LEN).unwrap();
-    buf.write(0, &pattern(1, LEN)).unwrap();
+    buf.write_at(0, &pattern(1, LEN)).unwrap();
     let status = ctx
         .spawn(read_back_and_reply, buf.clone())
         .unwrap()
@@ -42,7 +43,7 @@ fn buffer_through_queue(ctx: &Context) -> Result<(), vmm_core::Error> {
         queue.clone(),
     )?;
     let buf = HostBuffer::new(LEN)?;
-    buf.write(0, &pattern(1, LEN))?;
+    buf.write_at(0, &pattern(1, LEN))?;
     queue.put(&buf)?;
     child.wait()?;
     assert_eq!(buf.to_vec(), pattern(2, LEN));
@@ -56,9 +57,9 @@ fn fd_count_returns_to_baseline(ctx: &Context) {
         1,
         "a thread_unsafe test must run alone"
     );
-    warm_forkserver().unwrap();
+    ensure_running().unwrap();
     let buf = HostBuffer::new(LEN).unwrap();
-    buf.write(0, &pattern(1, LEN)).unwrap();
+    buf.write_at(0, &pattern(1, LEN)).unwrap();
     let before = settled_open_fds().unwrap();
     let child = ctx.spawn(read_back_and_reply, buf.clone()).unwrap();
     child.wait().unwrap();

@@ -1,7 +1,14 @@
 //! The crate's one error type.
+//!
+//! It is plain data as well as an error: it serialises (with serde), so that an error raised in
+//! a child process, or while a value deserialises on its way in, reaches the caller as the same
+//! variant it started as, not as a string.
 
+use std::borrow::Cow;
 use std::io;
 use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
 
 use crate::process::ChildError;
 
@@ -9,7 +16,8 @@ use crate::process::ChildError;
 ///
 /// Variants carry enough context to act on: the system call or driver call that failed, the
 /// rule an input broke, or (for [`Error::Child`]) everything known about a failed child process.
-#[derive(Debug, thiserror::Error)]
+/// Match on the variant; the text is for people.
+#[derive(Debug, thiserror::Error, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum Error {
     /// A system call failed.
@@ -19,7 +27,24 @@ pub enum Error {
         op: String,
         /// The operating system's error.
         #[source]
+        #[serde(with = "os_error")]
         source: io::Error,
+    },
+    /// The process has as many fds open as its soft `RLIMIT_NOFILE` allows, and `op` needed
+    /// another (`EMFILE`).
+    #[error(
+        "{op}: the process is at its open-file limit (RLIMIT_NOFILE soft limit {soft_limit}, \
+         {open} fds open); raise it (ulimit -n, setrlimit) or close fds sooner",
+        open = match .open { Some(n) => n.to_string(), None => "?".to_owned() }
+    )]
+    FdLimit {
+        /// What needed the fd.
+        op: String,
+        /// The soft limit on open fds.
+        soft_limit: u64,
+        /// How many fds were open when the limit was hit, if they could be counted (counting
+        /// needs an fd itself).
+        open: Option<usize>,
     },
     /// A message or value broke the wire protocol (truncated, malformed, wrong fds).
     #[error("wire protocol: {0}")]
@@ -35,12 +60,12 @@ pub enum Error {
         /// The limit.
         max: usize,
     },
-    /// A value could not be serialised or deserialised.
+    /// A value could not be serialised or deserialised (the serde format's own error).
     #[error("serialisation: {0}")]
     Serde(String),
     /// The other end of a channel is gone.
     #[error("{0}: the other end has closed")]
-    Disconnected(&'static str),
+    Disconnected(Cow<'static, str>),
     /// Waiting for something took longer than allowed.
     #[error("{what} timed out after {after:?}")]
     Timeout {
@@ -62,20 +87,29 @@ pub enum Error {
     #[error("{call} failed: {name} ({code})")]
     Cuda {
         /// The driver call, e.g. `cuMemMap`.
-        call: &'static str,
+        call: Cow<'static, str>,
         /// The CUDA error's name (`cuGetErrorName`), e.g. `CUDA_ERROR_INVALID_VALUE`.
         name: String,
         /// The CUDA error's number.
         code: u32,
     },
+    /// A CUDA driver call reported success but gave back something unusable (a negative fd,
+    /// say): a driver defect, reported rather than trusted.
+    #[error("{call} reported success but {detail}")]
+    CudaContract {
+        /// The driver call.
+        call: Cow<'static, str>,
+        /// What was wrong with its result.
+        detail: String,
+    },
     /// CUDA cannot be used in this process (no libcuda, no device, or a missing capability).
     #[error("CUDA is not available: {0}")]
     CudaUnavailable(String),
-    /// An export or import of a CUDA buffer failed part way; everything done so far was undone.
+    /// An export or import of a buffer failed part way; everything done so far was undone.
     #[error("{op} failed {step}: {source}")]
     Ipc {
         /// `"export"` or `"import"`.
-        op: &'static str,
+        op: Cow<'static, str>,
         /// Where it failed, naming the chunk and the step, e.g.
         /// `while mapping chunk 2 of 2 (4194304 bytes)`.
         step: String,
@@ -91,17 +125,119 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     /// An [`Error::Os`] for `op` from the calling thread's `errno`.
     pub(crate) fn last_os(op: impl Into<String>) -> Self {
-        Error::Os {
-            op: op.into(),
-            source: io::Error::last_os_error(),
-        }
+        Self::io(op, io::Error::last_os_error())
     }
 
     /// An [`Error::Os`] for `op` from a `nix` errno.
     pub(crate) fn errno(op: impl Into<String>, errno: nix::errno::Errno) -> Self {
-        Error::Os {
-            op: op.into(),
-            source: io::Error::from_raw_os_error(errno as i32),
+        Self::io(op, io::Error::from_raw_os_error(errno as i32))
+    }
+
+    /// An [`Error::Os`] for `op`, or [`Error::FdLimit`] when the error is `EMFILE`.
+    pub(crate) fn io(op: impl Into<String>, source: io::Error) -> Self {
+        let op = op.into();
+        if source.raw_os_error() == Some(libc::EMFILE) {
+            return crate::limits::fd_limit_error(op);
         }
+        Error::Os { op, source }
+    }
+
+    /// The error's `errno`, where it has one (an [`Error::Os`], or `EMFILE` for
+    /// [`Error::FdLimit`]); looks through [`Error::Ipc`]'s context.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        match self {
+            Error::Os { source, .. } => source.raw_os_error(),
+            Error::FdLimit { .. } => Some(libc::EMFILE),
+            Error::Ipc { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+}
+
+/// An `io::Error` on the wire: its errno where it has one (rebuilt as the same errno), else its
+/// kind's message.
+mod os_error {
+    use std::io;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[derive(Serialize, Deserialize)]
+    struct Wire {
+        errno: Option<i32>,
+        message: String,
+    }
+
+    pub(super) fn serialize<S: Serializer>(error: &io::Error, s: S) -> Result<S::Ok, S::Error> {
+        Wire {
+            errno: error.raw_os_error(),
+            message: error.to_string(),
+        }
+        .serialize(s)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<io::Error, D::Error> {
+        let wire = Wire::deserialize(d)?;
+        Ok(match wire.errno {
+            Some(errno) => io::Error::from_raw_os_error(errno),
+            None => io::Error::other(wire.message),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip(error: &Error) -> Error {
+        postcard::from_bytes(&postcard::to_stdvec(error).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn errors_cross_serde_as_the_same_variant() {
+        let os = Error::errno("open(x)", nix::errno::Errno::ENOENT);
+        let ipc = Error::Ipc {
+            op: "import".into(),
+            step: "while importing chunk 2 of 3".into(),
+            source: Box::new(os),
+        };
+        match round_trip(&ipc) {
+            Error::Ipc { op, step, source } => {
+                assert_eq!((op.as_ref(), step.as_str()), ("import", ipc_step(&ipc)));
+                assert!(matches!(*source, Error::Os { ref op, .. } if op == "open(x)"));
+                assert_eq!(source.raw_os_error(), Some(libc::ENOENT));
+            }
+            other => panic!("became {other:?}"),
+        }
+        let limit = Error::FdLimit {
+            op: "export".into(),
+            soft_limit: 64,
+            open: None,
+        };
+        assert!(matches!(
+            round_trip(&limit),
+            Error::FdLimit {
+                soft_limit: 64,
+                open: None,
+                ..
+            }
+        ));
+        assert!(limit.to_string().contains("soft limit 64, ? fds open"));
+    }
+
+    fn ipc_step(error: &Error) -> &str {
+        match error {
+            Error::Ipc { step, .. } => step,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn emfile_becomes_fd_limit() {
+        let e = Error::errno("dup", nix::errno::Errno::EMFILE);
+        assert!(
+            matches!(e, Error::FdLimit { ref op, .. } if op == "dup"),
+            "{e:?}"
+        );
+        assert_eq!(e.raw_os_error(), Some(libc::EMFILE));
     }
 }

@@ -1,6 +1,8 @@
 //! Share CUDA virtual-memory (VMM) buffers between processes, and test such code the way it
 //! runs: one test body, run in real child processes under each start method.
 //!
+//! - [`cuda`]: a safe API over the CUDA driver's virtual-memory calls: allocate, grow, export
+//!   to an [`cuda::IpcDescriptor`] (one fd per chunk), import in another process.
 //! - [`wire`]: messages that carry file descriptors (SCM_RIGHTS over `SOCK_SEQPACKET`), serde with
 //!   fds out of band, and [`wire::Queue`].
 //! - [`shm`]: host shared memory (memfd) with the export/import model of the CUDA path.
@@ -10,9 +12,11 @@
 //! Linux only: every channel is an anonymous socketpair and every buffer is shared by fd.
 
 #![cfg(target_os = "linux")]
+#![deny(missing_docs)]
 
 pub mod cuda;
 mod error;
+mod limits;
 pub mod process;
 mod share;
 pub mod shm;

@@ -31,7 +31,7 @@ fn open_fds() -> usize {
 
 fn read(buf: &VirtualMemoryBuffer, offset: usize, len: usize) -> Vec<u8> {
     let mut out = vec![0; len];
-    buf.copy_to_host(offset, &mut out).unwrap();
+    buf.read_at(offset, &mut out).unwrap();
     out
 }
 
@@ -60,16 +60,16 @@ fn allocate_fill_and_copy() {
     buf.fill(0xab).unwrap();
     assert!(read(&buf, 0, buf.size()).iter().all(|&b| b == 0xab));
     let data = pattern(10_000, 3);
-    buf.copy_from_host(g - 5_000, &data).unwrap();
+    buf.write_at(g - 5_000, &data).unwrap();
     assert_eq!(read(&buf, g - 5_000, data.len()), data);
     assert_eq!(read(&buf, g - 5_001, 1), [0xab]);
 
     let m = buf
-        .copy_to_host(buf.size() - 1, &mut [0; 2])
+        .read_at(buf.size() - 1, &mut [0; 2])
         .unwrap_err()
         .to_string();
     assert!(m.contains("out of bounds"), "{m}");
-    assert!(buf.copy_from_host(usize::MAX, &[1]).is_err());
+    assert!(buf.write_at(usize::MAX, &[1]).is_err());
 
     let empty = r.allocate(0).unwrap();
     assert_eq!((empty.size(), empty.device_ptr()), (0, 0));
@@ -89,12 +89,12 @@ fn grow_in_place_and_relocated_read_as_one_range() {
     let g = r.granularity();
     let a = r.allocate(g).unwrap();
     let first = pattern(g, 1);
-    a.copy_from_host(0, &first).unwrap();
+    a.write_at(0, &first).unwrap();
 
     let b = r.grow(&a, 2 * g).unwrap();
     assert_eq!(b.chunk_sizes(), vec![g, g]);
     let second = pattern(g, 2);
-    b.copy_from_host(g, &second).unwrap();
+    b.write_at(g, &second).unwrap();
     assert_eq!(read(&b, 0, g), first);
     assert_eq!(read(&b, g, g), second);
     eprintln!(
@@ -108,9 +108,9 @@ fn grow_in_place_and_relocated_read_as_one_range() {
         b.device_ptr()
     );
     // The input stays valid and shares the first chunk.
-    a.copy_from_host(0, &[9; 16]).unwrap();
+    a.write_at(0, &[9; 16]).unwrap();
     assert_eq!(read(&b, 0, 16), [9; 16]);
-    b.copy_from_host(g - 8, &[7; 16]).unwrap(); // across the chunk boundary
+    b.write_at(g - 8, &[7; 16]).unwrap(); // across the chunk boundary
     assert_eq!(read(&a, g - 8, 8), [7; 8]);
     assert_eq!(read(&b, g - 8, 16), [7; 16]);
 
@@ -133,12 +133,12 @@ fn grow_in_place_and_relocated_read_as_one_range() {
     } else {
         eprintln!("note: the blocker landed elsewhere; relocation not forced");
     }
-    c.copy_from_host(2 * g, &pattern(g, 3)).unwrap();
+    c.write_at(2 * g, &pattern(g, 3)).unwrap();
     let mut whole = read(&b, 0, 2 * g);
     whole.extend(pattern(g, 3));
     assert_eq!(read(&c, 0, 3 * g), whole);
     // Writes through the relocated alias reach the original mapping.
-    c.copy_from_host(0, &[5; 4]).unwrap();
+    c.write_at(0, &[5; 4]).unwrap();
     assert_eq!(read(&a, 0, 4), [5; 4]);
 
     // A grown buffer exports as its chunks and imports as one contiguous range.
@@ -187,9 +187,9 @@ fn export_import_alias_sees_writes_both_ways() {
     assert_ne!(b.device_ptr(), a.device_ptr());
     assert_eq!(b.size(), a.size());
 
-    a.copy_from_host(100, b"from a").unwrap();
+    a.write_at(100, b"from a").unwrap();
     assert_eq!(read(&b, 100, 6), b"from a");
-    b.copy_from_host(200, b"from b").unwrap();
+    b.write_at(200, b"from b").unwrap();
     assert_eq!(read(&a, 200, 6), b"from b");
     b.fill(0x11).unwrap();
     assert_eq!(read(&a, a.size() - 1, 1), [0x11]);

@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 
 use rstest::rstest;
 use vmm_core::Error;
+use vmm_core::process::ensure_running;
 use vmm_core::process::{Context, StartMethod, forkserver_pid};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
-use vmm_core::testing::{settled_open_fds, warm_forkserver};
+use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::{Fd, Queue};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -35,10 +36,10 @@ fn read_back_and_reply(buf: HostBuffer) {
     assert!(buf.is_imported());
     assert_eq!(
         buf.to_vec(),
-        pattern(1, buf.len()),
+        pattern(1, buf.size()),
         "child did not see the parent's pattern"
     );
-    buf.write(0, &pattern(2, buf.len())).unwrap();
+    buf.write_at(0, &pattern(2, buf.size())).unwrap();
 }
 
 #[rstest]
@@ -47,14 +48,14 @@ fn host_buffer_as_argument(
 ) {
     let _guard = shared();
     let buf = HostBuffer::new(1 << 20).unwrap();
-    buf.write(0, &pattern(1, buf.len())).unwrap();
+    buf.write_at(0, &pattern(1, buf.size())).unwrap();
     let status = Context::new(method)
         .spawn(read_back_and_reply, buf.clone())
         .unwrap()
         .join(TIMEOUT)
         .unwrap();
     assert!(status.success());
-    assert_eq!(buf.to_vec(), pattern(2, buf.len()));
+    assert_eq!(buf.to_vec(), pattern(2, buf.size()));
 }
 
 fn read_from_queue(queue: Queue<HostBuffer>) {
@@ -72,10 +73,10 @@ fn host_buffer_through_queue(
         .spawn(read_from_queue, queue.clone())
         .unwrap();
     let buf = HostBuffer::new(64 << 10).unwrap();
-    buf.write(0, &pattern(1, buf.len())).unwrap();
+    buf.write_at(0, &pattern(1, buf.size())).unwrap();
     queue.put(&buf).unwrap();
     child.join(TIMEOUT).unwrap();
-    assert_eq!(buf.to_vec(), pattern(2, buf.len()));
+    assert_eq!(buf.to_vec(), pattern(2, buf.size()));
 }
 
 #[rstest]
@@ -83,16 +84,16 @@ fn fd_count_returns_to_baseline(
     #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
 ) {
     let _guard = exclusive();
-    warm_forkserver().unwrap();
+    ensure_running().unwrap();
     let buf = HostBuffer::new(1 << 16).unwrap();
-    buf.write(0, &pattern(1, buf.len())).unwrap();
+    buf.write_at(0, &pattern(1, buf.size())).unwrap();
     // Warm-up round: lazily created process-wide state (the launcher thread) is not a leak.
     Context::new(method)
         .spawn(read_back_and_reply, buf.clone())
         .unwrap()
         .join(TIMEOUT)
         .unwrap();
-    buf.write(0, &pattern(1, buf.len())).unwrap();
+    buf.write_at(0, &pattern(1, buf.size())).unwrap();
 
     let before = settled_open_fds().unwrap();
     let child = Context::new(method)

@@ -160,8 +160,8 @@ impl VirtualMemoryBuffer {
     }
 
     /// Copy `src` to `offset`; returns once the data is on the device (visible to importers).
-    pub fn copy_from_host(&self, offset: usize, src: &[u8]) -> Result<()> {
-        self.check_range("copy_from_host", offset, src.len())?;
+    pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check_range("write_at", offset, src.len())?;
         if src.is_empty() {
             return Ok(());
         }
@@ -173,8 +173,8 @@ impl VirtualMemoryBuffer {
     }
 
     /// Copy from `offset` into `dst`, after all earlier work on the device finished.
-    pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.check_range("copy_to_host", offset, dst.len())?;
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check_range("read_at", offset, dst.len())?;
         if dst.is_empty() {
             return Ok(());
         }
@@ -217,16 +217,14 @@ mod tests {
 
     #[test]
     fn ranges_are_bounds_checked() {
-        check_range("copy_to_host", 0, 10, 10).unwrap();
-        check_range("copy_to_host", 10, 0, 10).unwrap();
-        let m = check_range("copy_to_host", 5, 6, 10)
-            .unwrap_err()
-            .to_string();
+        check_range("read_at", 0, 10, 10).unwrap();
+        check_range("read_at", 10, 0, 10).unwrap();
+        let m = check_range("read_at", 5, 6, 10).unwrap_err().to_string();
         assert!(
-            m.contains("copy_to_host: 6 bytes at offset 5 are out of bounds of the 10-byte"),
+            m.contains("read_at: 6 bytes at offset 5 are out of bounds of the 10-byte"),
             "{m}"
         );
-        assert!(check_range("copy_from_host", usize::MAX, 1, 10).is_err());
+        assert!(check_range("write_at", usize::MAX, 1, 10).is_err());
     }
 
     #[test]

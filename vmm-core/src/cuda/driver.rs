@@ -44,7 +44,7 @@ fn check(call: &'static str, result: sys::CUresult) -> Result<()> {
         Ok(())
     } else {
         Err(Error::Cuda {
-            call,
+            call: call.into(),
             name: error_name(result),
             code: result as u32,
         })
@@ -395,10 +395,9 @@ pub(crate) fn export_posix_fd(
     check("cuMemExportToShareableHandle", rc).map_err(|e| (e, errno))?;
     if fd < 0 {
         return Err((
-            Error::Cuda {
-                call: "cuMemExportToShareableHandle",
-                name: format!("CUDA_SUCCESS but fd {fd}"),
-                code: 0,
+            Error::CudaContract {
+                call: "cuMemExportToShareableHandle".into(),
+                detail: format!("gave fd {fd}"),
             },
             std::io::Error::from_raw_os_error(libc::EBADF),
         ));

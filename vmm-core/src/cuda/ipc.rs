@@ -3,11 +3,9 @@
 //! A descriptor is data from another process: [`VirtualMemoryResource::import`] validates every
 //! field before the first driver call, and undoes everything if a later step fails.
 
-use std::cell::Cell;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
-use nix::sys::resource::{Resource, getrlimit};
 use serde::de::Deserializer;
 use serde::ser::Serializer;
 use serde::{Deserialize, Serialize};
@@ -18,9 +16,7 @@ use super::driver;
 use super::handle::{Allocation, Reservation, Segment};
 use super::resource::{HandleType, Location, VirtualMemoryResource};
 use crate::share::IMPORTED_CANNOT_EXPORT;
-use crate::wire::{
-    deserialize_error, deserialize_fd, serialize_error, serialize_fd, serialize_owned_fd,
-};
+use crate::wire::{FdIn, FdOut, FdOwner, deserialize_error, serialize_error};
 use crate::{Error, Result};
 
 /// Which device exported a descriptor: the ordinal in the exporter (for messages) and the UUID
@@ -64,13 +60,15 @@ impl IpcDescriptor {
             .iter()
             .enumerate()
             .map(|(index, fd)| {
-                fd.try_clone_to_owned().map_err(|source| Error::Os {
-                    op: format!(
-                        "duplicating fd {} of chunk {} of {count}",
-                        fd.as_raw_fd(),
-                        index + 1
-                    ),
-                    source,
+                fd.try_clone_to_owned().map_err(|source| {
+                    Error::io(
+                        format!(
+                            "duplicating fd {} of chunk {} of {count}",
+                            fd.as_raw_fd(),
+                            index + 1
+                        ),
+                        source,
+                    )
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -177,39 +175,23 @@ fn chunk_name(index: usize, count: usize, size: usize) -> String {
 
 fn ipc_error(op: &'static str, step: String, source: Error) -> Error {
     Error::Ipc {
-        op,
+        op: op.into(),
         step,
         source: Box::new(source),
     }
 }
 
-/// The soft `RLIMIT_NOFILE` and how many fds are open now (the count needs one fd itself, so
-/// at the limit only the limit may be known).
-fn fd_usage() -> Option<(u64, usize)> {
-    let (soft, _) = getrlimit(Resource::RLIMIT_NOFILE).ok()?;
-    let open = crate::testing::open_fds().ok()?;
-    Some((soft, open))
-}
-
-/// The error for a failed export of one chunk: names RLIMIT_NOFILE when that is what ran out.
+/// The error for a failed export of one chunk: [`Error::FdLimit`] when the process ran out of
+/// fds (the driver reports that as an ordinary failure; `errno` tells it apart).
 fn export_failure(source: Error, errno: std::io::Error) -> Error {
-    let out_of_fds = matches!(errno.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
-    let usage = fd_usage();
-    let near_limit = usage.is_some_and(|(soft, open)| open as u64 + 2 >= soft);
-    if !(out_of_fds || near_limit) {
-        return source;
+    let at_limit = |e: &std::io::Error| e.raw_os_error() == Some(libc::EMFILE);
+    // The driver may not leave errno behind; a failed count of /proc/self/fd says it too.
+    if at_limit(&errno) || crate::limits::open_fds().is_err_and(|e| at_limit(&e)) {
+        return crate::limits::fd_limit_error(format!(
+            "exporting needs one fresh fd per chunk ({source})"
+        ));
     }
-    let (soft, open) = usage.map_or(("?".to_owned(), "?".to_owned()), |(s, o)| {
-        (s.to_string(), o.to_string())
-    });
-    Error::Os {
-        op: format!(
-            "{source}; exporting needs one fresh fd per chunk and the process is at its open \
-             file limit (RLIMIT_NOFILE soft limit {soft}, {open} fds open): raise it \
-             (ulimit -n, setrlimit) or drop descriptors sooner"
-        ),
-        source: std::io::Error::from_raw_os_error(libc::EMFILE),
-    }
+    source
 }
 
 impl VirtualMemoryBuffer {
@@ -391,36 +373,12 @@ struct Wire<F> {
 const DESCRIPTOR: &str = "vmm_core::cuda::IpcDescriptor";
 const BUFFER: &str = "vmm_core::cuda::VirtualMemoryBuffer";
 
-/// An fd the descriptor keeps: the message carries the same open file.
-struct FdRef<'a>(BorrowedFd<'a>);
-
-impl Serialize for FdRef<'_> {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serialize_fd(self.0, DESCRIPTOR, serializer)
-    }
+impl FdOwner for IpcDescriptor {
+    const WHAT: &'static str = DESCRIPTOR;
 }
 
-/// A fresh fd from an export that the message takes over.
-struct FdOwned(Cell<Option<OwnedFd>>);
-
-impl Serialize for FdOwned {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        match self.0.take() {
-            Some(fd) => serialize_owned_fd(fd, BUFFER, serializer),
-            None => Err(serialize_error::<S>(format!(
-                "{BUFFER}: an exported fd was serialised twice"
-            ))),
-        }
-    }
-}
-
-/// An fd taken from the message, owned from the moment it is taken.
-struct FdIn(OwnedFd);
-
-impl<'de> Deserialize<'de> for FdIn {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserialize_fd(DESCRIPTOR, deserializer).map(FdIn)
-    }
+impl FdOwner for VirtualMemoryBuffer {
+    const WHAT: &'static str = BUFFER;
 }
 
 fn to_u64(values: &[usize]) -> Vec<u64> {
@@ -440,7 +398,7 @@ impl<F> Wire<F> {
     }
 }
 
-impl Wire<FdIn> {
+impl Wire<FdIn<IpcDescriptor>> {
     fn into_descriptor(self) -> Result<IpcDescriptor> {
         let size = |v: u64| {
             usize::try_from(v).map_err(|_| {
@@ -450,7 +408,7 @@ impl Wire<FdIn> {
             })
         };
         Ok(IpcDescriptor {
-            fds: self.fds.into_iter().map(|fd| fd.0).collect(),
+            fds: self.fds.into_iter().map(FdIn::into_inner).collect(),
             chunk_sizes: self
                 .chunk_sizes
                 .into_iter()
@@ -466,13 +424,19 @@ impl Wire<FdIn> {
 
 impl Serialize for IpcDescriptor {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        Wire::new(self, self.fds().map(FdRef).collect()).serialize(serializer)
+        // SAFETY: the descriptor owns its fds, and `encode` borrows it for as long as the
+        // message lives.
+        let fds = self
+            .fds()
+            .map(|fd| unsafe { FdOut::<IpcDescriptor>::lent(fd) })
+            .collect();
+        Wire::new(self, fds).serialize(serializer)
     }
 }
 
 impl<'de> Deserialize<'de> for IpcDescriptor {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        Wire::<FdIn>::deserialize(deserializer)?
+        Wire::<FdIn<IpcDescriptor>>::deserialize(deserializer)?
             .into_descriptor()
             .map_err(deserialize_error::<D>)
     }
@@ -496,14 +460,14 @@ impl VirtualMemoryBuffer {
 impl Serialize for VirtualMemoryBuffer {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         if self.is_imported() {
-            return Err(serialize_error::<S>(format!(
+            return Err(serialize_error::<S>(Error::InvalidArgument(format!(
                 "{BUFFER}: {IMPORTED_CANNOT_EXPORT}"
-            )));
+            ))));
         }
         let mut descriptor = self.export().map_err(serialize_error::<S>)?;
         let fds = std::mem::take(&mut descriptor.fds)
             .into_iter()
-            .map(|fd| FdOwned(Cell::new(Some(fd))))
+            .map(FdOut::<VirtualMemoryBuffer>::given)
             .collect();
         Wire::new(&descriptor, fds).serialize(serializer)
     }

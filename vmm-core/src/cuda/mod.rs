@@ -54,10 +54,10 @@ impl crate::SharedBuffer for VirtualMemoryBuffer {
     }
 
     fn write_at(&self, offset: usize, data: &[u8]) -> crate::Result<()> {
-        self.copy_from_host(offset, data)
+        VirtualMemoryBuffer::write_at(self, offset, data)
     }
 
     fn read_at(&self, offset: usize, out: &mut [u8]) -> crate::Result<()> {
-        self.copy_to_host(offset, out)
+        VirtualMemoryBuffer::read_at(self, offset, out)
     }
 }

@@ -66,7 +66,7 @@ impl fmt::Display for ExitStatus {
 /// Everything known about a child that did not exit cleanly: how it was started, how it ended,
 /// its panic, and its captured output. `Display` shows all of it, and so does `Debug` (what
 /// `unwrap()` prints), because the readable form is what a failing test should show.
-#[derive(Clone)]
+#[derive(Clone, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct ChildError {
     /// The start method.

@@ -230,22 +230,11 @@ impl Context {
     }
 }
 
-/// Start a child with `method`; shorthand for [`Context::new`]`(method).spawn(f, args)`.
-pub fn spawn<A>(method: StartMethod, f: fn(A), args: A) -> Result<Process>
-where
-    A: Serialize + DeserializeOwned,
-{
-    Context::new(method).spawn(f, args)
-}
-
 fn output_memfd(name: &std::ffi::CStr) -> Result<OwnedFd> {
     memfd_create(name, MFdFlags::MFD_CLOEXEC)
         .map_err(|e| Error::errno("memfd_create(child output)", e))
 }
 
 fn dup(fd: &OwnedFd) -> Result<OwnedFd> {
-    fd.try_clone().map_err(|e| Error::Os {
-        op: "dup".into(),
-        source: e,
-    })
+    fd.try_clone().map_err(|e| Error::io("dup", e))
 }

@@ -68,10 +68,7 @@ pub(crate) fn pidfd_kill(pidfd: &OwnedFd) -> Result<()> {
         let err = std::io::Error::last_os_error();
         // ESRCH: it has exited already, which is what we wanted.
         if err.raw_os_error() != Some(libc::ESRCH) {
-            return Err(Error::Os {
-                op: "pidfd_send_signal(SIGKILL)".into(),
-                source: err,
-            });
+            return Err(Error::io("pidfd_send_signal(SIGKILL)", err));
         }
     }
     Ok(())

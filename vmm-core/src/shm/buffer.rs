@@ -27,9 +27,9 @@ use crate::{Error, Result};
 /// let buf = HostBuffer::new(4096).unwrap();
 /// buf.fill(7).unwrap();
 /// let alias = HostBuffer::import(&buf.export().unwrap()).unwrap();
-/// alias.write(0, b"hi").unwrap();
+/// alias.write_at(0, b"hi").unwrap();
 /// let mut out = [0u8; 3];
-/// buf.read(0, &mut out).unwrap();
+/// buf.read_at(0, &mut out).unwrap();
 /// assert_eq!(&out, b"hi\x07");
 /// ```
 #[derive(Clone)]
@@ -142,10 +142,10 @@ impl HostBuffer {
         }
         let fd = match (&self.inner.mapping, &self.inner.fd) {
             (None, _) => None,
-            (Some(_), Some(fd)) => Some(fd.try_clone().map_err(|e| Error::Os {
-                op: "dup(host buffer memfd)".into(),
-                source: e,
-            })?),
+            (Some(_), Some(fd)) => Some(
+                fd.try_clone()
+                    .map_err(|e| Error::io("dup(host buffer memfd)", e))?,
+            ),
             (Some(mapping), None) => Some(mapping.reopen()?),
         };
         Ok(HostDescriptor {
@@ -155,7 +155,7 @@ impl HostBuffer {
     }
 
     /// The size in bytes.
-    pub fn len(&self) -> usize {
+    pub fn size(&self) -> usize {
         self.inner.size
     }
 
@@ -178,8 +178,8 @@ impl HostBuffer {
     }
 
     /// Copy `data` into the buffer at `offset`.
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        check_range("HostBuffer::write", offset, data.len(), self.inner.size)?;
+    pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
+        check_range("HostBuffer::write_at", offset, data.len(), self.inner.size)?;
         if let Some(mapping) = &self.inner.mapping {
             debug_assert!(offset + data.len() <= mapping.len());
             // SAFETY: the range is inside the live mapping (checked above); `data` is ordinary
@@ -192,10 +192,10 @@ impl HostBuffer {
     }
 
     /// Copy from the buffer at `offset` into `out`.
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        check_range("HostBuffer::read", offset, out.len(), self.inner.size)?;
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        check_range("HostBuffer::read_at", offset, out.len(), self.inner.size)?;
         if let Some(mapping) = &self.inner.mapping {
-            // SAFETY: as in `write`, with source and destination swapped.
+            // SAFETY: as in `write_at`, with source and destination swapped.
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     mapping.ptr().add(offset),
@@ -219,7 +219,7 @@ impl HostBuffer {
     /// A copy of the whole buffer.
     pub fn to_vec(&self) -> Vec<u8> {
         let mut out = vec![0u8; self.inner.size];
-        self.read(0, &mut out).expect("whole range is in bounds");
+        self.read_at(0, &mut out).expect("whole range is in bounds");
         out
     }
 }
@@ -228,7 +228,7 @@ impl SharedBuffer for HostBuffer {
     type Descriptor = HostDescriptor;
 
     fn size(&self) -> usize {
-        self.len()
+        HostBuffer::size(self)
     }
 
     fn is_imported(&self) -> bool {
@@ -248,11 +248,11 @@ impl SharedBuffer for HostBuffer {
     }
 
     fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.write(offset, data)
+        HostBuffer::write_at(self, offset, data)
     }
 
     fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.read(offset, out)
+        HostBuffer::read_at(self, offset, out)
     }
 }
 

@@ -30,9 +30,9 @@ mod tests {
         let buf = HostBuffer::new(10_000).unwrap();
         let alias = HostBuffer::import(&buf.export().unwrap()).unwrap();
         assert_ne!(alias.as_ptr(), buf.as_ptr());
-        buf.write(9_990, b"0123456789").unwrap();
+        buf.write_at(9_990, b"0123456789").unwrap();
         let mut out = [0u8; 10];
-        alias.read(9_990, &mut out).unwrap();
+        alias.read_at(9_990, &mut out).unwrap();
         assert_eq!(&out, b"0123456789");
         alias.fill(3).unwrap();
         assert!(buf.to_vec().iter().all(|&b| b == 3));
@@ -41,8 +41,8 @@ mod tests {
     #[test]
     fn out_of_bounds_copies_are_refused() {
         let buf = HostBuffer::new(16).unwrap();
-        assert!(buf.write(10, &[0; 7]).is_err());
-        assert!(buf.read(usize::MAX, &mut [0; 2]).is_err());
+        assert!(buf.write_at(10, &[0; 7]).is_err());
+        assert!(buf.read_at(usize::MAX, &mut [0; 2]).is_err());
     }
 
     #[test]

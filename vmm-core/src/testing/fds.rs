@@ -7,12 +7,7 @@ use crate::{Error, Result};
 /// The number of open fds of this process: entries of `/proc/self/fd`, not counting the one
 /// the listing itself holds open.
 pub fn open_fds() -> Result<usize> {
-    let entries = std::fs::read_dir("/proc/self/fd").map_err(|e| Error::Os {
-        op: "read_dir(/proc/self/fd)".into(),
-        source: e,
-    })?;
-    // The directory stream's own fd is listed too.
-    Ok(entries.count().saturating_sub(1))
+    crate::limits::open_fds().map_err(|e| Error::io("read_dir(/proc/self/fd)", e))
 }
 
 /// [`open_fds`] once it has stopped changing: the same count three times in a row, a

@@ -15,7 +15,6 @@ mod skip;
 #[doc(hidden)]
 pub mod __private;
 
-pub use crate::process::ensure_running as warm_forkserver;
 pub use exclusive::running_ipc_tests;
 pub use fds::{open_fds, settled_open_fds};
 pub use requirements::{Requirement, cuda_devices, cuda_vmm_ipc, forkserver_available};

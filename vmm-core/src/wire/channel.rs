@@ -21,7 +21,8 @@ use nix::sys::socket::{
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::{oob, sys};
+use super::oob;
+use super::sys;
 use crate::{Error, Result};
 
 /// The most fds one message can carry: the kernel's `SCM_MAX_FD`.
@@ -84,10 +85,10 @@ impl Channel {
 
     /// Another handle to the same socket (a dup, CLOEXEC).
     pub fn try_clone(&self) -> Result<Channel> {
-        let fd = self.fd.try_clone().map_err(|e| Error::Os {
-            op: "dup(channel)".into(),
-            source: e,
-        })?;
+        let fd = self
+            .fd
+            .try_clone()
+            .map_err(|e| Error::io("dup(channel)", e))?;
         Ok(Channel { fd })
     }
 
@@ -135,7 +136,9 @@ impl Channel {
             ) {
                 Ok(_) => return Ok(()),
                 Err(Errno::EINTR) => continue,
-                Err(Errno::EPIPE | Errno::ECONNRESET) => return Err(Error::Disconnected("send")),
+                Err(Errno::EPIPE | Errno::ECONNRESET) => {
+                    return Err(Error::Disconnected("send".into()));
+                }
                 Err(Errno::ETOOMANYREFS) => {
                     return Err(Error::Protocol(format!(
                         "sendmsg refused {} fds: too many fds in flight (ETOOMANYREFS); \
@@ -186,7 +189,7 @@ impl Channel {
                     Err(e) => match Errno::from_raw(e.raw_os_error().unwrap_or(0)) {
                         Errno::EINTR => continue,
                         Errno::EAGAIN => return Ok(None),
-                        Errno::ECONNRESET => return Err(Error::Disconnected("recv")),
+                        Errno::ECONNRESET => return Err(Error::Disconnected("recv".into())),
                         errno => return Err(Error::errno("recvmsg(SCM_RIGHTS)", errno)),
                     },
                 }
@@ -214,7 +217,7 @@ impl Channel {
             )));
         }
         if len == 0 {
-            return Err(Error::Disconnected("recv"));
+            return Err(Error::Disconnected("recv".into()));
         }
         match buf[0] {
             TAG_INLINE => {
@@ -306,10 +309,8 @@ fn spill_to_memfd(bytes: &[u8]) -> Result<OwnedFd> {
     )
     .map_err(|e| Error::errno("memfd_create(message)", e))?;
     let mut file = File::from(fd);
-    file.write_all(bytes).map_err(|e| Error::Os {
-        op: "write(message memfd)".into(),
-        source: e,
-    })?;
+    file.write_all(bytes)
+        .map_err(|e| Error::io("write(message memfd)", e))?;
     let fd = OwnedFd::from(file);
     let seals = SealFlag::F_SEAL_WRITE
         | SealFlag::F_SEAL_GROW
@@ -325,10 +326,7 @@ fn read_spill(fd: OwnedFd, size: u64) -> Result<Vec<u8>> {
     let actual = file
         .seek(SeekFrom::End(0))
         .and_then(|end| file.seek(SeekFrom::Start(0)).map(|_| end))
-        .map_err(|e| Error::Os {
-            op: "lseek(message memfd)".into(),
-            source: e,
-        })?;
+        .map_err(|e| Error::io("lseek(message memfd)", e))?;
     if actual != size {
         return Err(Error::Protocol(format!(
             "large message's memfd holds {actual} bytes, its header says {size}"
@@ -336,9 +334,7 @@ fn read_spill(fd: OwnedFd, size: u64) -> Result<Vec<u8>> {
     }
     let len = usize::try_from(size).map_err(|_| Error::Protocol("message too large".into()))?;
     let mut bytes = vec![0u8; len];
-    file.read_exact(&mut bytes).map_err(|e| Error::Os {
-        op: "read(message memfd)".into(),
-        source: e,
-    })?;
+    file.read_exact(&mut bytes)
+        .map_err(|e| Error::io("read(message memfd)", e))?;
     Ok(bytes)
 }

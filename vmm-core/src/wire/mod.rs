@@ -6,14 +6,17 @@
 //! - [`Queue`]: typed, cloneable, shared across processes.
 
 mod channel;
+mod fd;
 mod oob;
 mod queue;
 mod sys;
 
 pub(crate) use channel::wait_hangup;
 pub use channel::{Channel, INLINE_MAX, MAX_FDS, Message};
+pub use fd::Fd;
+pub(crate) use fd::{FdIn, FdOut, FdOwner};
 pub use oob::{
-    Encoded, Fd, decode, deserialize_error, deserialize_fd, encode, serialize_error, serialize_fd,
+    Encoded, decode, deserialize_error, deserialize_fd, encode, serialize_error, serialize_fd,
     serialize_owned_fd,
 };
 pub use queue::Queue;

@@ -5,9 +5,18 @@
 //! into while they serialise; [`decode`] installs a per-thread source they take from. Outside these
 //! two calls there is no sink or source, so serialising an fd-backed value (with serde_json, say)
 //! fails with an error that says why instead of producing a number that means nothing elsewhere.
+//!
+//! The sink owns or borrows every fd it collects, so an [`Encoded`] message never names a
+//! closed fd: the public entry points hand the sink an fd it owns ([`serialize_fd`] takes a
+//! duplicate, [`serialize_owned_fd`] takes the fd), and only the crate's own types, which own
+//! their fds for at least as long as [`encode`] borrows them, may lend one
+//! ([`serialize_lent_fd`], an `unsafe fn`).
+//!
+//! Errors raised inside an fd-backed value's serde impl ([`serialize_error`],
+//! [`deserialize_error`]) come out of [`encode`]/[`decode`] as the same [`Error`] variant: serde
+//! formats keep only a message, so the typed error waits in the per-thread slot.
 
 use std::cell::RefCell;
-use std::fmt::Display;
 use std::marker::PhantomData;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 
@@ -17,28 +26,21 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
-/// One fd collected while serialising: borrowed from the value, or created for the message
-/// (an export makes a fresh fd that only the message owns).
+/// One fd collected while serialising.
 #[derive(Debug)]
-pub(crate) enum OutFd {
-    Borrowed(RawFd),
+enum OutFd {
+    /// Lent by a crate type that keeps it open while the [`Encoded`] lives.
+    Lent(RawFd),
+    /// Owned by the message: a duplicate, or a fresh fd (an export) handed over.
     Owned(OwnedFd),
 }
 
-impl OutFd {
-    pub(crate) fn raw(&self) -> RawFd {
-        match self {
-            OutFd::Borrowed(fd) => *fd,
-            OutFd::Owned(fd) => fd.as_raw_fd(),
-        }
-    }
-}
-
-/// A value's bytes and the fds it carries, borrowed from the value for `'a`.
+/// A value's bytes and the fds it carries; borrows the value for `'a`, so that fds the value
+/// lent stay open while the message exists.
 #[derive(Debug)]
 pub struct Encoded<'a> {
-    pub(crate) bytes: Vec<u8>,
-    pub(crate) fds: Vec<OutFd>,
+    bytes: Vec<u8>,
+    fds: Vec<OutFd>,
     _value: PhantomData<&'a ()>,
 }
 
@@ -55,23 +57,24 @@ impl Encoded<'_> {
 
     /// The fds, in index order, as the message will carry them.
     pub fn fds(&self) -> impl Iterator<Item = BorrowedFd<'_>> {
-        // SAFETY: each raw fd is either owned by `self.fds` or borrowed from the value that `self`
-        // borrows for its lifetime, so it stays open while the returned borrow lives.
-        self.fds
-            .iter()
-            .map(|fd| unsafe { BorrowedFd::borrow_raw(fd.raw()) })
+        self.fds.iter().map(|fd| match fd {
+            OutFd::Owned(fd) => fd.as_fd(),
+            // SAFETY: a lent fd was pushed by `serialize_lent_fd`, whose caller promised that
+            // it stays open until this `Encoded` is dropped; the borrow ends before that.
+            OutFd::Lent(raw) => unsafe { BorrowedFd::borrow_raw(*raw) },
+        })
     }
 }
 
 struct Sink {
     fds: Vec<OutFd>,
-    /// The first error an fd-backed value raised; postcard's own error loses the message.
-    error: Option<String>,
+    /// The first error an fd-backed value raised, typed; postcard's own error loses it.
+    error: Option<Error>,
 }
 
 struct Source {
     fds: Vec<Option<OwnedFd>>,
-    error: Option<String>,
+    error: Option<Error>,
 }
 
 thread_local! {
@@ -110,7 +113,7 @@ impl<T: 'static> Drop for Installed<T> {
 
 /// Serialise `value` with postcard, collecting the fds it carries.
 ///
-/// The result borrows `value`: borrowed fds stay valid as long as the value does.
+/// The result borrows `value`: fds the value lent stay valid as long as the value does.
 pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded<'_>> {
     let installed = Installed::new(
         &SINK,
@@ -127,7 +130,7 @@ pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded<'_>> {
             fds: sink.fds,
             _value: PhantomData,
         }),
-        (_, Some(message)) => Err(Error::Serde(message)),
+        (_, Some(error)) => Err(error),
         (Err(e), None) => Err(Error::Serde(e.to_string())),
     }
 }
@@ -147,79 +150,101 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8], fds: Vec<OwnedFd>) -> Result<T>
     let source = installed.take();
     match (result, source.error) {
         (Ok(value), None) => Ok(value),
-        (_, Some(message)) => Err(Error::Serde(message)),
+        (_, Some(error)) => Err(error),
         (Err(e), None) => Err(Error::Serde(e.to_string())),
     }
 }
 
-fn outside_transport(what: &str) -> String {
-    format!(
+/// The refusal of an fd-backed value outside [`encode`]/[`decode`].
+fn outside_transport(what: &str) -> Error {
+    Error::InvalidArgument(format!(
         "{what} carries a file descriptor and can only be (de)serialised by vmm_core::wire \
          (a Queue, a Process argument or wire::encode/decode), which moves the fd out of band; \
          another serde format would produce a number that means nothing in another process"
-    )
+    ))
 }
 
-/// Record an fd-backed value's error so that [`encode`] reports it (postcard drops custom messages).
-fn fail_ser<S: Serializer>(message: String) -> S::Error {
+/// Record an fd-backed value's error so that [`encode`] returns it as it is.
+fn fail_ser<S: Serializer>(error: Error) -> S::Error {
+    let message = error.to_string();
     SINK.with(|slot| {
         if let Some(sink) = slot.borrow_mut().as_mut() {
-            sink.error.get_or_insert_with(|| message.clone());
+            sink.error.get_or_insert(error);
         }
     });
     S::Error::custom(message)
 }
 
-/// Serialise `fd` by reference: the message carries the same open file, the value keeps its fd.
-///
-/// For use in `Serialize` impls of fd-backed types; `what` names the type in errors.
+/// Push `fd` into the sink and serialise its index; refused outside [`encode`].
+fn push<S: Serializer>(fd: OutFd, what: &str, serializer: S) -> Result<S::Ok, S::Error> {
+    let index = SINK.with(|slot| {
+        slot.borrow_mut().as_mut().map(|sink| {
+            sink.fds.push(fd);
+            sink.fds.len() - 1
+        })
+    });
+    match index {
+        Some(index) => serializer.serialize_u32(index as u32),
+        None => Err(fail_ser::<S>(outside_transport(what))),
+    }
+}
+
+/// Serialise an fd: the message carries a duplicate of it (made now, close-on-exec), so the
+/// caller's fd may be closed at once. For `Serialize` impls of fd-backed types; `what` names the
+/// type in errors.
 pub fn serialize_fd<S: Serializer>(
     fd: BorrowedFd<'_>,
     what: &str,
     serializer: S,
 ) -> Result<S::Ok, S::Error> {
-    let index = SINK.with(|slot| {
-        slot.borrow_mut().as_mut().map(|sink| {
-            sink.fds.push(OutFd::Borrowed(fd.as_raw_fd()));
-            sink.fds.len() - 1
-        })
-    });
-    match index {
-        Some(index) => serializer.serialize_u32(index as u32),
-        None => Err(fail_ser::<S>(outside_transport(what))),
+    if SINK.with(|slot| slot.borrow().is_none()) {
+        return Err(fail_ser::<S>(outside_transport(what)));
+    }
+    match fd.try_clone_to_owned() {
+        Ok(owned) => push(OutFd::Owned(owned), what, serializer),
+        Err(e) => Err(fail_ser::<S>(Error::io(
+            format!("dup of fd {} for a message ({what})", fd.as_raw_fd()),
+            e,
+        ))),
     }
 }
 
-/// Serialise an fd that the message takes over (closed once the message is sent or dropped).
+/// Serialise an fd that the message takes over (closed once the message is dropped).
 pub fn serialize_owned_fd<S: Serializer>(
     fd: OwnedFd,
     what: &str,
     serializer: S,
 ) -> Result<S::Ok, S::Error> {
-    let index = SINK.with(|slot| {
-        slot.borrow_mut().as_mut().map(|sink| {
-            sink.fds.push(OutFd::Owned(fd));
-            sink.fds.len() - 1
-        })
-    });
-    match index {
-        Some(index) => serializer.serialize_u32(index as u32),
-        None => Err(fail_ser::<S>(outside_transport(what))),
-    }
+    push(OutFd::Owned(fd), what, serializer)
 }
 
-/// Report an error from inside an fd-backed `Serialize` impl (an export that failed, say) so that
-/// the transport's error carries this message.
-pub fn serialize_error<S: Serializer>(error: impl Display) -> S::Error {
-    fail_ser::<S>(error.to_string())
+/// Serialise an fd by reference, without a duplicate: the message carries the same number.
+///
+/// # Safety
+/// `fd` must stay open, and refer to the same file, until every [`Encoded`] produced by the
+/// [`encode`] call now running on this thread is dropped. The crate's own types meet this by
+/// lending only fds they own: [`encode`] borrows the value for as long as the `Encoded` lives.
+pub(crate) unsafe fn serialize_lent_fd<S: Serializer>(
+    fd: BorrowedFd<'_>,
+    what: &str,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    push(OutFd::Lent(fd.as_raw_fd()), what, serializer)
 }
 
-/// Report an error from inside an fd-backed `Deserialize` impl (an import that failed, say).
-pub fn deserialize_error<'de, D: Deserializer<'de>>(error: impl Display) -> D::Error {
+/// Report an error from inside an fd-backed `Serialize` impl (an export that failed, say):
+/// [`encode`] returns it unchanged.
+pub fn serialize_error<S: Serializer>(error: Error) -> S::Error {
+    fail_ser::<S>(error)
+}
+
+/// Report an error from inside an fd-backed `Deserialize` impl (an import that failed, say):
+/// [`decode`] returns it unchanged.
+pub fn deserialize_error<'de, D: Deserializer<'de>>(error: Error) -> D::Error {
     let message = error.to_string();
     SOURCE.with(|slot| {
         if let Some(source) = slot.borrow_mut().as_mut() {
-            source.error.get_or_insert_with(|| message.clone());
+            source.error.get_or_insert(error);
         }
     });
     D::Error::custom(message)
@@ -238,106 +263,9 @@ pub fn deserialize_fd<'de, D: Deserializer<'de>>(
     });
     match taken {
         Some(Some(fd)) => Ok(fd),
-        Some(None) => Err(deserialize_error::<D>(format!(
+        Some(None) => Err(deserialize_error::<D>(Error::Protocol(format!(
             "{what} refers to fd #{index}, which the message does not carry or another value took"
-        ))),
+        )))),
         None => Err(deserialize_error::<D>(outside_transport(what))),
-    }
-}
-
-/// An owned file descriptor that can be sent: a Process argument or a Queue item.
-///
-/// The receiver gets its own `OwnedFd` for the same open file description.
-///
-/// ```
-/// use vmm_core::wire::{decode, encode, Fd};
-/// let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
-/// let fd = Fd::from(std::os::fd::OwnedFd::from(a));
-/// let encoded = encode(&fd).unwrap();
-/// assert_eq!(encoded.fd_count(), 1);
-/// // Outside the transport the value refuses to serialise.
-/// assert!(serde_json::to_string(&fd).is_err());
-/// ```
-#[derive(Debug)]
-pub struct Fd(pub OwnedFd);
-
-impl From<OwnedFd> for Fd {
-    fn from(fd: OwnedFd) -> Self {
-        Fd(fd)
-    }
-}
-
-impl From<Fd> for OwnedFd {
-    fn from(fd: Fd) -> Self {
-        fd.0
-    }
-}
-
-impl AsFd for Fd {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        self.0.as_fd()
-    }
-}
-
-impl AsRawFd for Fd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0.as_raw_fd()
-    }
-}
-
-impl Serialize for Fd {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serialize_fd(self.0.as_fd(), "vmm_core::wire::Fd", serializer)
-    }
-}
-
-impl<'de> Deserialize<'de> for Fd {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserialize_fd("vmm_core::wire::Fd", deserializer).map(Fd)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fds_travel_out_of_band_and_untaken_ones_close() {
-        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let value = (Fd::from(OwnedFd::from(a)), 7u32, Fd::from(OwnedFd::from(b)));
-        let encoded = encode(&value).unwrap();
-        assert_eq!(encoded.fd_count(), 2);
-        let fds: Vec<OwnedFd> = encoded
-            .fds()
-            .map(|fd| fd.try_clone_to_owned().unwrap())
-            .collect();
-        let (x, n, y): (Fd, u32, Fd) = decode(encoded.bytes(), fds).unwrap();
-        assert_eq!(n, 7);
-        assert_ne!(x.as_raw_fd(), y.as_raw_fd());
-    }
-
-    #[test]
-    fn a_missing_fd_is_an_error_naming_it() {
-        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let fd = Fd::from(OwnedFd::from(a));
-        let encoded = encode(&fd).unwrap();
-        let err = decode::<Fd>(encoded.bytes(), Vec::new())
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("fd #0"), "{err}");
-    }
-
-    #[test]
-    fn other_formats_refuse_fd_backed_values_and_say_why() {
-        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let err = serde_json::to_string(&Fd::from(OwnedFd::from(a)))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("vmm_core::wire") && err.contains("out of band"),
-            "{err}"
-        );
-        let err = serde_json::from_str::<Fd>("3").unwrap_err().to_string();
-        assert!(err.contains("vmm_core::wire"), "{err}");
     }
 }

@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::de::{DeserializeOwned, Deserializer};
-use serde::ser::{SerializeTuple, Serializer};
+use serde::ser::Serializer;
 use serde::{Deserialize, Serialize};
 
 use super::channel::Channel;
+use super::fd::{FdIn, FdOut, FdOwner};
 use super::oob;
 use crate::Result;
 
@@ -91,33 +92,32 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     }
 }
 
+impl<T> FdOwner for Queue<T> {
+    const WHAT: &'static str = "vmm_core::wire::Queue";
+}
+
 impl<T> Serialize for Queue<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        struct End<'a>(&'a Channel);
-        impl Serialize for End<'_> {
-            fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-                oob::serialize_fd(self.0.as_fd(), "vmm_core::wire::Queue", serializer)
-            }
-        }
-        let mut tuple = serializer.serialize_tuple(2)?;
-        tuple.serialize_element(&End(&self.ends.tx))?;
-        tuple.serialize_element(&End(&self.ends.rx))?;
-        tuple.end()
+        // SAFETY: the queue owns both sockets (through `ends`), and `encode` borrows the queue
+        // for as long as the message lives.
+        let ends = unsafe {
+            (
+                FdOut::<Self>::lent(self.ends.tx.as_fd()),
+                FdOut::<Self>::lent(self.ends.rx.as_fd()),
+            )
+        };
+        ends.serialize(serializer)
     }
 }
 
 impl<'de, T> Deserialize<'de> for Queue<T> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct End(Channel);
-        impl<'de> Deserialize<'de> for End {
-            fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-                oob::deserialize_fd("vmm_core::wire::Queue", deserializer)
-                    .map(|fd| End(Channel::from_fd(fd)))
-            }
-        }
-        let (End(tx), End(rx)) = <(End, End)>::deserialize(deserializer)?;
+        let (tx, rx) = <(FdIn<Self>, FdIn<Self>)>::deserialize(deserializer)?;
         Ok(Queue {
-            ends: Arc::new(Ends { tx, rx }),
+            ends: Arc::new(Ends {
+                tx: Channel::from_fd(tx.into_inner()),
+                rx: Channel::from_fd(rx.into_inner()),
+            }),
             _item: PhantomData,
         })
     }
