@@ -63,7 +63,7 @@ impl HostBuffer {
             return Ok(Self::empty(false));
         };
         let fd = map::create_sealed(size)?;
-        let mapping = Mapping::map(fd.as_fd(), len)?;
+        let mapping = Mapping::map(fd.as_fd(), len, &map::inspect(fd.as_fd())?)?;
         let fd = if map::reopen_supported() {
             None
         } else {
@@ -106,21 +106,7 @@ impl HostBuffer {
                 )),
             };
         };
-        let (file_size, sealed) = map::inspect(fd)?;
-        if !sealed {
-            return Err(Error::InvalidArgument(
-                "host descriptor's fd is not sealed against shrinking and growing \
-                 (F_SEAL_SHRINK | F_SEAL_GROW); mapping it would let its owner crash this process"
-                    .into(),
-            ));
-        }
-        if file_size < descriptor.size as u64 {
-            return Err(Error::InvalidArgument(format!(
-                "host descriptor says {} bytes but its file holds {file_size}",
-                descriptor.size
-            )));
-        }
-        let mapping = Mapping::map(fd, len)?;
+        let mapping = Mapping::map(fd, len, &map::inspect(fd)?)?;
         Ok(HostBuffer {
             inner: Arc::new(Inner {
                 mapping: Some(mapping),

@@ -41,11 +41,28 @@ impl Mapping {
         self.len
     }
 
-    /// Map all `len` bytes of `fd` shared and read-write.
-    pub(crate) fn map(fd: BorrowedFd<'_>, len: NonZeroUsize) -> Result<Mapping> {
-        let stat = fstat(fd).map_err(|e| Error::errno("fstat(memfd)", e))?;
+    /// Map the first `len` bytes of `fd` (described by `facts`, from [`inspect`]) shared and
+    /// read-write.
+    ///
+    /// Refused unless the file holds at least `len` bytes and is sealed against shrinking and
+    /// growing: otherwise its owner could shrink it and make every access here fault (SIGBUS).
+    pub(crate) fn map(fd: BorrowedFd<'_>, len: NonZeroUsize, facts: &FileFacts) -> Result<Mapping> {
+        if !facts.size_sealed {
+            return Err(Error::InvalidArgument(
+                "host descriptor's fd is not sealed against shrinking and growing \
+                 (F_SEAL_SHRINK | F_SEAL_GROW); mapping it would let its owner crash this process"
+                    .into(),
+            ));
+        }
+        if facts.size < len.get() as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "host descriptor says {len} bytes but its file holds {}",
+                facts.size
+            )));
+        }
         // SAFETY: a fresh shared mapping at an address of the kernel's choosing; it aliases no
-        // Rust object, and the file is sealed against shrinking so no access can fault.
+        // Rust object, and the file is sealed against shrinking and holds `len` bytes (checked
+        // above, on the same fd) so no access can fault.
         let ptr = unsafe {
             mmap(
                 None,
@@ -60,7 +77,7 @@ impl Mapping {
         Ok(Mapping {
             ptr: ptr.cast(),
             len: len.get(),
-            file_id: (stat.st_dev, stat.st_ino),
+            file_id: facts.id,
         })
     }
 
@@ -109,13 +126,36 @@ pub(crate) fn create_sealed(len: usize) -> Result<OwnedFd> {
     Ok(fd)
 }
 
-/// The file's size and whether it is sealed against resizing.
-pub(crate) fn inspect(fd: BorrowedFd<'_>) -> Result<(u64, bool)> {
+/// What the kernel says about a file before it is mapped: one `fstat` and one `F_GET_SEALS`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FileFacts {
+    /// Its size in bytes.
+    pub(crate) size: u64,
+    /// Whether it is sealed against shrinking and growing.
+    pub(crate) size_sealed: bool,
+    /// (st_dev, st_ino), to check that a reopened fd is the same file.
+    pub(crate) id: (u64, u64),
+}
+
+/// The file's size, seals and identity.
+pub(crate) fn inspect(fd: BorrowedFd<'_>) -> Result<FileFacts> {
     let stat = fstat(fd).map_err(|e| Error::errno("fstat(descriptor fd)", e))?;
-    let seals =
-        fcntl(fd, FcntlArg::F_GET_SEALS).map_err(|e| Error::errno("fcntl(F_GET_SEALS)", e))?;
-    let sealed = SealFlag::from_bits_truncate(seals).contains(SIZE_SEALS);
-    Ok((stat.st_size as u64, sealed))
+    let seals = fcntl(fd, FcntlArg::F_GET_SEALS).map_err(|e| {
+        if e == nix::errno::Errno::EINVAL {
+            Error::InvalidArgument(
+                "host descriptor's fd is not a memfd (it has no seals), so nothing stops its \
+                 owner from shrinking it"
+                    .into(),
+            )
+        } else {
+            Error::errno("fcntl(F_GET_SEALS)", e)
+        }
+    })?;
+    Ok(FileFacts {
+        size: stat.st_size as u64,
+        size_sealed: SealFlag::from_bits_truncate(seals).contains(SIZE_SEALS),
+        id: (stat.st_dev, stat.st_ino),
+    })
 }
 
 fn page_size() -> usize {
@@ -134,7 +174,8 @@ pub(crate) fn reopen_supported() -> bool {
     *SUPPORTED.get_or_init(|| {
         let probe = || -> Result<()> {
             let fd = create_sealed(1)?;
-            let mapping = Mapping::map(fd.as_fd(), NonZeroUsize::MIN)?;
+            let facts = inspect(fd.as_fd())?;
+            let mapping = Mapping::map(fd.as_fd(), NonZeroUsize::MIN, &facts)?;
             drop(fd);
             mapping.reopen().map(drop)
         };

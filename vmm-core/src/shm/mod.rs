@@ -23,6 +23,7 @@ pub fn buffers_hold_no_fd() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Error;
     use crate::wire::{decode, encode};
 
     #[test]
@@ -54,18 +55,31 @@ mod tests {
     }
 
     #[test]
-    fn unsealed_or_short_files_are_refused() {
+    fn unsealed_short_or_non_memfd_files_are_refused() {
         let fd =
             nix::sys::memfd::memfd_create(c"t", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap();
         nix::unistd::ftruncate(&fd, 4096).unwrap();
         let unsealed = HostDescriptor::from_fd(std::os::fd::AsFd::as_fd(&fd), 4096).unwrap();
-        let err = HostBuffer::import(&unsealed).unwrap_err().to_string();
-        assert!(err.contains("not sealed"), "{err}");
+        let err = HostBuffer::import(&unsealed).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument(m) if m.contains("not sealed")),
+            "{err:?}"
+        );
         let buf = HostBuffer::new(100).unwrap();
         let mut short = buf.export().unwrap();
         short.size = 200;
-        let err = HostBuffer::import(&short).unwrap_err().to_string();
-        assert!(err.contains("holds 100"), "{err}");
+        let err = HostBuffer::import(&short).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument(m) if m.contains("says 200 bytes but its file holds 100")),
+            "{err:?}"
+        );
+        let file = std::fs::File::open("/proc/self/stat").unwrap();
+        let not_memfd = HostDescriptor::from_fd(std::os::fd::AsFd::as_fd(&file), 16).unwrap();
+        let err = HostBuffer::import(&not_memfd).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument(m) if m.contains("not a memfd")),
+            "{err:?}"
+        );
     }
 
     #[test]

@@ -110,11 +110,16 @@ impl Channel {
         } else {
             None
         };
-        let raw: Vec<RawFd> = fds
-            .iter()
-            .map(AsRawFd::as_raw_fd)
-            .chain(spill.as_ref().map(AsRawFd::as_raw_fd))
-            .collect();
+        // The fd numbers on the stack: no allocation per message.
+        let mut numbers = [0 as RawFd; MAX_FDS];
+        for (slot, fd) in numbers.iter_mut().zip(
+            fds.iter()
+                .map(AsRawFd::as_raw_fd)
+                .chain(spill.as_ref().map(AsRawFd::as_raw_fd)),
+        ) {
+            *slot = fd;
+        }
+        let raw = &numbers[..needed];
         let mut spilled_header = [TAG_SPILLED; HEADER_SPILLED];
         spilled_header[1..].copy_from_slice(&(bytes.len() as u64).to_le_bytes());
         // The memfd (if any) stays open in `spill` until the message is sent.
@@ -124,7 +129,7 @@ impl Channel {
             (&[TAG_INLINE], bytes)
         };
         let iov = [IoSlice::new(header), IoSlice::new(payload)];
-        let cmsgs = [ControlMessage::ScmRights(&raw)];
+        let cmsgs = [ControlMessage::ScmRights(raw)];
         let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsgs };
         loop {
             match sendmsg::<UnixAddr>(
@@ -183,8 +188,10 @@ impl Channel {
             loop {
                 match sys::recv_with_fds(self.fd.as_fd(), &mut buf, libc::MSG_DONTWAIT) {
                     Ok(received) => {
-                        let packet = buf[..received.len].to_vec();
-                        return Ok(Some((received, packet)));
+                        // The tag stays in `buf`; the payload is copied once, without it.
+                        let tag = buf.first().copied().filter(|_| received.len > 0);
+                        let payload = buf[1.min(received.len)..received.len].to_vec();
+                        return Ok(Some((received, tag, payload)));
                     }
                     Err(e) => match Errno::from_raw(e.raw_os_error().unwrap_or(0)) {
                         Errno::EINTR => continue,
@@ -195,7 +202,7 @@ impl Channel {
                 }
             }
         })?;
-        let Some((received, mut buf)) = received else {
+        let Some((received, tag, payload)) = received else {
             return Ok(None);
         };
         let (len, flags, fds) = (
@@ -216,16 +223,17 @@ impl Channel {
                 1 + INLINE_MAX
             )));
         }
-        if len == 0 {
+        // A zero-length read: the peer hung up (no tag was received).
+        let Some(tag) = tag else {
             return Err(Error::Disconnected("recv".into()));
-        }
-        match buf[0] {
-            TAG_INLINE => {
-                buf.remove(0);
-                Ok(Some(Message { bytes: buf, fds }))
-            }
+        };
+        match tag {
+            TAG_INLINE => Ok(Some(Message {
+                bytes: payload,
+                fds,
+            })),
             TAG_SPILLED if len == HEADER_SPILLED => {
-                let size = u64::from_le_bytes(buf[1..].try_into().expect("8 bytes"));
+                let size = u64::from_le_bytes(payload[..].try_into().expect("8 bytes"));
                 let mut fds = fds;
                 let spill = fds.pop().ok_or_else(|| {
                     Error::Protocol("large message arrived without its memfd".into())
@@ -242,6 +250,9 @@ impl Channel {
     /// Serialise `value` (fds out of band) and send it as one message.
     pub fn send_value<T: Serialize + ?Sized>(&self, value: &T) -> Result<()> {
         let encoded = oob::encode(value)?;
+        if encoded.fd_count() == 0 {
+            return self.send(encoded.bytes(), &[]);
+        }
         let fds: Vec<BorrowedFd<'_>> = encoded.fds().collect();
         self.send(encoded.bytes(), &fds)
     }

@@ -21,13 +21,19 @@ fn control_space() -> usize {
     unsafe { libc::CMSG_SPACE((MAX_FDS * size_of::<RawFd>()) as u32) as usize }
 }
 
+/// [`control_space`] in `u64` words, rounded up: `CMSG_SPACE` is the header (16 bytes on 64-bit
+/// Linux) plus the fds, aligned to 8.
+const CONTROL_WORDS: usize = (16 + MAX_FDS * size_of::<RawFd>()).div_ceil(8) + 1;
+
 /// `recvmsg(fd, buf, flags | MSG_CMSG_CLOEXEC)`, taking ownership of every received fd at once.
 pub(crate) fn recv_with_fds(
     fd: BorrowedFd<'_>,
     buf: &mut [u8],
     flags: libc::c_int,
 ) -> io::Result<Received> {
-    let mut control = vec![0u64; control_space().div_ceil(size_of::<u64>())];
+    // Room for MAX_FDS fds on the stack (1 KiB): no allocation per message.
+    let mut control = [0u64; CONTROL_WORDS];
+    debug_assert!(control_space() <= size_of_val(&control));
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
@@ -37,7 +43,7 @@ pub(crate) fn recv_with_fds(
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = control.len() * size_of::<u64>();
+    msg.msg_controllen = size_of_val(&control);
     // SAFETY: every pointer in `msg` refers to a live local buffer of the stated length.
     let n = unsafe { libc::recvmsg(fd.as_raw_fd(), &mut msg, flags | libc::MSG_CMSG_CLOEXEC) };
     if n < 0 {
