@@ -2,6 +2,12 @@
 
 use std::process::{Command, Output};
 
+/// The README's Rust examples, compiled (and, where not `no_run`, run) as this crate's doc
+/// tests, so that the README cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeExamples;
+
 /// A byte pattern that differs per `seed` and per position.
 pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
