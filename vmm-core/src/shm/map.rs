@@ -168,17 +168,29 @@ fn page_size() -> usize {
     })
 }
 
-/// Whether `/proc/self/map_files` reopens work here; probed once with a one-page buffer.
+/// Whether `/proc/self/map_files` reopens work here, probed with a one-page buffer.
+///
+/// The answer is remembered only once it is definite: a reopen that worked, or one the kernel
+/// refused for lack of privilege (`EACCES`, `EPERM`) or of the feature (`ENOENT`). A probe that
+/// failed for a passing reason (out of fds or memory) answers `false` for now (the buffer being
+/// made keeps its fd, which is always correct) and is tried again next time.
 pub(crate) fn reopen_supported() -> bool {
     static SUPPORTED: OnceLock<bool> = OnceLock::new();
-    *SUPPORTED.get_or_init(|| {
-        let probe = || -> Result<()> {
-            let fd = create_sealed(1)?;
-            let facts = inspect(fd.as_fd())?;
-            let mapping = Mapping::map(fd.as_fd(), NonZeroUsize::MIN, &facts)?;
-            drop(fd);
-            mapping.reopen().map(drop)
-        };
-        probe().is_ok()
-    })
+    if let Some(&known) = SUPPORTED.get() {
+        return known;
+    }
+    let probe = || -> Result<()> {
+        let fd = create_sealed(1)?;
+        let facts = inspect(fd.as_fd())?;
+        let mapping = Mapping::map(fd.as_fd(), NonZeroUsize::MIN, &facts)?;
+        drop(fd);
+        mapping.reopen().map(drop)
+    };
+    match probe() {
+        Ok(()) => *SUPPORTED.get_or_init(|| true),
+        Err(e) => match e.raw_os_error() {
+            Some(libc::EACCES | libc::EPERM | libc::ENOENT) => *SUPPORTED.get_or_init(|| false),
+            _ => false,
+        },
+    }
 }

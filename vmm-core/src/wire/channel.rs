@@ -7,7 +7,7 @@
 
 use std::cell::RefCell;
 use std::fs::File;
-use std::io::{IoSlice, Read, Seek, SeekFrom, Write};
+use std::io::{IoSlice, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
@@ -32,6 +32,10 @@ pub const MAX_FDS: usize = 253;
 
 /// Payloads up to this many bytes travel inside the packet; larger ones in a sealed memfd.
 pub const INLINE_MAX: usize = 64 * 1024;
+
+/// The largest payload one message may carry (1 GiB): a sender refuses more, and a receiver
+/// refuses a spilled payload whose header (or memfd) claims more before allocating anything.
+pub const MAX_MESSAGE: usize = 1 << 30;
 
 const TAG_INLINE: u8 = 0;
 const TAG_SPILLED: u8 = 1;
@@ -92,11 +96,32 @@ impl Channel {
         Ok(Channel { fd })
     }
 
-    /// Send one message. Blocks while the socket's buffer is full.
+    /// Send one message. Blocks while the socket's buffer is full, for as long as that takes
+    /// (see [`send_timeout`](Self::send_timeout) for a bound).
     ///
     /// Fails with [`Error::TooManyFds`] when the fds (plus a memfd for a large payload) exceed
-    /// [`MAX_FDS`], and with [`Error::Disconnected`] when the other end is gone.
+    /// [`MAX_FDS`], [`Error::InvalidArgument`] for a payload over [`MAX_MESSAGE`], and
+    /// [`Error::Disconnected`] when the other end is gone.
     pub fn send(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+        self.send_timeout(bytes, fds, None)
+    }
+
+    /// [`send`](Self::send), waiting at most `timeout` (`None`: forever) for room in the
+    /// socket's buffer; [`Error::Timeout`] if none came. `Some(Duration::ZERO)` never waits.
+    pub fn send_timeout(
+        &self,
+        bytes: &[u8],
+        fds: &[BorrowedFd<'_>],
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        if bytes.len() > MAX_MESSAGE {
+            return Err(Error::InvalidArgument(format!(
+                "a message of {} bytes exceeds the most one message may carry \
+                 (wire::MAX_MESSAGE, {MAX_MESSAGE} bytes)",
+                bytes.len()
+            )));
+        }
+        let deadline = timeout.map(deadline_after);
         let spilled = bytes.len() > INLINE_MAX;
         let needed = fds.len() + usize::from(spilled);
         if needed > MAX_FDS {
@@ -131,16 +156,25 @@ impl Channel {
         let iov = [IoSlice::new(header), IoSlice::new(payload)];
         let cmsgs = [ControlMessage::ScmRights(raw)];
         let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsgs };
+        let flags = match deadline {
+            None => MsgFlags::MSG_NOSIGNAL,
+            Some(_) => MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT,
+        };
         loop {
-            match sendmsg::<UnixAddr>(
-                self.fd.as_raw_fd(),
-                &iov,
-                cmsgs,
-                MsgFlags::MSG_NOSIGNAL,
-                None,
-            ) {
+            match sendmsg::<UnixAddr>(self.fd.as_raw_fd(), &iov, cmsgs, flags, None) {
                 Ok(_) => return Ok(()),
                 Err(Errno::EINTR) => continue,
+                Err(Errno::EAGAIN) => {
+                    let deadline = deadline.expect("only non-blocking sends see EAGAIN");
+                    if !wait_for(self.fd.as_fd(), PollFlags::POLLOUT, deadline)? {
+                        return Err(Error::Timeout {
+                            what: "sending a message: the socket's buffer stayed full (is \
+                                   anyone receiving?)"
+                                .into(),
+                            after: timeout.unwrap_or_default(),
+                        });
+                    }
+                }
                 Err(Errno::EPIPE | Errno::ECONNRESET) => {
                     return Err(Error::Disconnected("send".into()));
                 }
@@ -161,7 +195,7 @@ impl Channel {
     /// [`Error::Timeout`] when nothing came in time, [`Error::Disconnected`] when every other
     /// end is closed.
     pub fn recv(&self, timeout: Option<Duration>) -> Result<Message> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let deadline = timeout.map(deadline_after).unwrap_or(Deadline::Never);
         loop {
             if !wait_readable(self.fd.as_fd(), deadline)? {
                 return Err(Error::Timeout {
@@ -223,8 +257,16 @@ impl Channel {
                 1 + INLINE_MAX
             )));
         }
-        // A zero-length read: the peer hung up (no tag was received).
+        // A zero-length read: the peer hung up, or sent an empty packet (which vmm_core::wire
+        // never does: every packet has a tag).
         let Some(tag) = tag else {
+            if !fds.is_empty() || !peer_hung_up(self.fd.as_fd()) {
+                return Err(Error::Protocol(format!(
+                    "an empty packet ({} fds, closed) from a peer that is still connected: not \
+                     sent by vmm_core::wire",
+                    fds.len()
+                )));
+            }
             return Err(Error::Disconnected("recv".into()));
         };
         match tag {
@@ -276,23 +318,44 @@ impl AsRawFd for Channel {
     }
 }
 
+/// When a wait ends: never, or at an instant. A timeout too large to add to now (such as
+/// `Duration::MAX`) saturates to never, rather than overflowing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Deadline {
+    Never,
+    At(Instant),
+}
+
+/// The deadline `timeout` from now.
+pub(crate) fn deadline_after(timeout: Duration) -> Deadline {
+    Instant::now()
+        .checked_add(timeout)
+        .map_or(Deadline::Never, Deadline::At)
+}
+
+impl From<Option<Instant>> for Deadline {
+    fn from(deadline: Option<Instant>) -> Self {
+        deadline.map_or(Deadline::Never, Deadline::At)
+    }
+}
+
 /// Block until `fd` is readable (or hung up) or `deadline` passes; `false` on timeout.
-pub(crate) fn wait_readable(fd: BorrowedFd<'_>, deadline: Option<Instant>) -> Result<bool> {
-    wait_for(fd, PollFlags::POLLIN, deadline)
+pub(crate) fn wait_readable(fd: BorrowedFd<'_>, deadline: impl Into<Deadline>) -> Result<bool> {
+    wait_for(fd, PollFlags::POLLIN, deadline.into())
 }
 
 /// Block until every other end of `fd`'s socket is closed (messages may still be queued) or
 /// `deadline` passes; `false` on timeout.
-pub(crate) fn wait_hangup(fd: BorrowedFd<'_>, deadline: Option<Instant>) -> Result<bool> {
+pub(crate) fn wait_hangup(fd: BorrowedFd<'_>, deadline: impl Into<Deadline>) -> Result<bool> {
     // POLLHUP is always reported; asking for nothing else sleeps through queued messages.
-    wait_for(fd, PollFlags::empty(), deadline)
+    wait_for(fd, PollFlags::empty(), deadline.into())
 }
 
-fn wait_for(fd: BorrowedFd<'_>, events: PollFlags, deadline: Option<Instant>) -> Result<bool> {
+fn wait_for(fd: BorrowedFd<'_>, events: PollFlags, deadline: Deadline) -> Result<bool> {
     loop {
         let timeout = match deadline {
-            None => PollTimeout::NONE,
-            Some(deadline) => {
+            Deadline::Never => PollTimeout::NONE,
+            Deadline::At(deadline) => {
                 let left = deadline.saturating_duration_since(Instant::now());
                 // Round up so that a wait never ends before the deadline.
                 let ms = left.as_nanos().div_ceil(1_000_000);
@@ -302,7 +365,7 @@ fn wait_for(fd: BorrowedFd<'_>, events: PollFlags, deadline: Option<Instant>) ->
         let mut pfd = [PollFd::new(fd, events)];
         match poll(&mut pfd, timeout) {
             Ok(0) => {
-                if deadline.is_some_and(|d| Instant::now() >= d) {
+                if matches!(deadline, Deadline::At(d) if Instant::now() >= d) {
                     return Ok(false);
                 }
             }
@@ -310,6 +373,20 @@ fn wait_for(fd: BorrowedFd<'_>, events: PollFlags, deadline: Option<Instant>) ->
             Err(Errno::EINTR) => continue,
             Err(e) => return Err(Error::errno("poll", e)),
         }
+    }
+}
+
+/// Whether the peer of `fd` has hung up: told apart from an empty packet, which reads the same
+/// (zero bytes) but leaves the connection open.
+fn peer_hung_up(fd: BorrowedFd<'_>) -> bool {
+    // POLLHUP is reported whatever is asked for; asking for nothing keeps revents to the bits
+    // nix knows (it drops revents with unknown bits such as POLLRDHUP altogether).
+    let mut pfd = [PollFd::new(fd, PollFlags::empty())];
+    match poll(&mut pfd, PollTimeout::ZERO) {
+        Ok(_) => pfd[0]
+            .revents()
+            .is_some_and(|r| r.contains(PollFlags::POLLHUP)),
+        Err(_) => true,
     }
 }
 
@@ -332,20 +409,177 @@ fn spill_to_memfd(bytes: &[u8]) -> Result<OwnedFd> {
     Ok(fd)
 }
 
+/// Read a spilled payload. The header's size is a number the peer chose: it is checked against
+/// [`MAX_MESSAGE`] and against the memfd's real size, and the memfd must be sealed against
+/// writing and resizing (so the bytes cannot change while read), before anything is allocated;
+/// the allocation itself is fallible.
 fn read_spill(fd: OwnedFd, size: u64) -> Result<Vec<u8>> {
-    let mut file = File::from(fd);
-    let actual = file
-        .seek(SeekFrom::End(0))
-        .and_then(|end| file.seek(SeekFrom::Start(0)).map(|_| end))
-        .map_err(|e| Error::io("lseek(message memfd)", e))?;
-    if actual != size {
-        return Err(Error::Protocol(format!(
-            "large message's memfd holds {actual} bytes, its header says {size}"
-        )));
+    let refuse = |why: String| Err(Error::Protocol(format!("large message: {why}")));
+    let len = match usize::try_from(size) {
+        Ok(len) if len <= MAX_MESSAGE => len,
+        _ => {
+            return refuse(format!(
+                "its header says {size} bytes, more than wire::MAX_MESSAGE ({MAX_MESSAGE})"
+            ));
+        }
+    };
+    let seals = fcntl(&fd, FcntlArg::F_GET_SEALS).map_err(|e| {
+        Error::Protocol(format!(
+            "its payload fd is not a sealed memfd (F_GET_SEALS: {e})"
+        ))
+    })?;
+    let needed = SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SHRINK;
+    if !SealFlag::from_bits_truncate(seals).contains(needed) {
+        return refuse("its memfd is not sealed against writing and resizing".into());
     }
-    let len = usize::try_from(size).map_err(|_| Error::Protocol("message too large".into()))?;
-    let mut bytes = vec![0u8; len];
-    file.read_exact(&mut bytes)
+    let actual = nix::sys::stat::fstat(&fd)
+        .map_err(|e| Error::errno("fstat(message memfd)", e))?
+        .st_size as u64;
+    if actual != size {
+        return refuse(format!(
+            "its memfd holds {actual} bytes, its header says {size}"
+        ));
+    }
+    let mut bytes = Vec::new();
+    bytes.try_reserve_exact(len).map_err(|_| Error::Os {
+        op: format!("allocating {len} bytes for a large message"),
+        source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+    })?;
+    bytes.resize(len, 0);
+    File::from(fd)
+        .read_exact(&mut bytes)
         .map_err(|e| Error::io("read(message memfd)", e))?;
     Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+
+    use nix::sys::socket::{MsgFlags, send};
+
+    use super::*;
+
+    /// Send one raw packet (bytes + fds) on `end`, as a hostile peer would.
+    fn raw_packet(end: &Channel, bytes: &[u8], fds: &[RawFd]) {
+        let iov = [IoSlice::new(bytes)];
+        let cmsgs = [ControlMessage::ScmRights(fds)];
+        let cmsgs: &[ControlMessage<'_>] = if fds.is_empty() { &[] } else { &cmsgs };
+        sendmsg::<UnixAddr>(end.as_raw_fd(), &iov, cmsgs, MsgFlags::empty(), None).unwrap();
+    }
+
+    fn spill_header(size: u64) -> Vec<u8> {
+        let mut header = vec![TAG_SPILLED];
+        header.extend_from_slice(&size.to_le_bytes());
+        header
+    }
+
+    fn memfd(len: u64, seals: SealFlag) -> OwnedFd {
+        let fd = memfd_create(
+            c"hostile",
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+        )
+        .unwrap();
+        nix::unistd::ftruncate(&fd, len as i64).unwrap();
+        if !seals.is_empty() {
+            fcntl(&fd, FcntlArg::F_ADD_SEALS(seals)).unwrap();
+        }
+        fd
+    }
+
+    const ALL_SEALS: SealFlag = SealFlag::F_SEAL_WRITE
+        .union(SealFlag::F_SEAL_GROW)
+        .union(SealFlag::F_SEAL_SHRINK);
+
+    fn protocol_error(result: Result<Message>) -> String {
+        match result {
+            Err(Error::Protocol(message)) => message,
+            other => panic!("wanted Error::Protocol, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_spill_header_of_a_terabyte_is_refused_before_any_allocation() {
+        let (a, b) = Channel::pair().unwrap();
+        // Sparse: costs nothing to create, 1 TiB to read.
+        let fd = memfd(1 << 40, ALL_SEALS);
+        raw_packet(&a, &spill_header(1 << 40), &[fd.as_raw_fd()]);
+        let m = protocol_error(b.recv(Some(Duration::from_secs(5))));
+        assert!(
+            m.contains("1099511627776 bytes") && m.contains("MAX_MESSAGE"),
+            "{m}"
+        );
+        // The channel is still usable.
+        a.send(b"after", &[]).unwrap();
+        assert_eq!(b.recv(None).unwrap().bytes, b"after");
+    }
+
+    #[test]
+    fn a_spill_whose_memfd_disagrees_or_is_unsealed_is_refused() {
+        let (a, b) = Channel::pair().unwrap();
+        let fd = memfd(20, ALL_SEALS);
+        raw_packet(&a, &spill_header(10), &[fd.as_raw_fd()]);
+        let m = protocol_error(b.recv(None));
+        assert!(m.contains("holds 20 bytes, its header says 10"), "{m}");
+        let fd = memfd(100_000, SealFlag::empty());
+        raw_packet(&a, &spill_header(100_000), &[fd.as_raw_fd()]);
+        let m = protocol_error(b.recv(None));
+        assert!(m.contains("not sealed"), "{m}");
+        let file = File::open("/proc/self/stat").unwrap();
+        raw_packet(&a, &spill_header(100_000), &[file.as_raw_fd()]);
+        let m = protocol_error(b.recv(None));
+        assert!(m.contains("not a sealed memfd"), "{m}");
+    }
+
+    #[test]
+    fn an_empty_packet_from_a_live_peer_is_not_a_hang_up() {
+        let (a, b) = Channel::pair().unwrap();
+        send(a.as_raw_fd(), &[], MsgFlags::empty()).unwrap();
+        let m = protocol_error(b.recv(Some(Duration::from_secs(5))));
+        assert!(m.contains("empty packet"), "{m}");
+        a.send(b"still here", &[]).unwrap();
+        assert_eq!(b.recv(None).unwrap().bytes, b"still here");
+        drop(a);
+        let after = b.recv(None);
+        assert!(matches!(after, Err(Error::Disconnected(_))), "{after:?}");
+    }
+
+    #[test]
+    fn duration_max_waits_without_overflowing() {
+        let (a, b) = Channel::pair().unwrap();
+        a.send_timeout(b"x", &[], Some(Duration::MAX)).unwrap();
+        assert_eq!(b.recv(Some(Duration::MAX)).unwrap().bytes, b"x");
+        assert_eq!(deadline_after(Duration::MAX), Deadline::Never);
+    }
+
+    #[test]
+    fn a_full_socket_times_out_instead_of_blocking() {
+        let (a, _b) = Channel::pair().unwrap();
+        let mut sent = 0;
+        while a
+            .send_timeout(&[0; 1024], &[], Some(Duration::ZERO))
+            .is_ok()
+        {
+            sent += 1;
+            assert!(sent < 1_000_000, "the socket never filled");
+        }
+        let started = Instant::now();
+        let err = a
+            .send_timeout(b"one more", &[], Some(Duration::from_millis(50)))
+            .unwrap_err();
+        assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+        assert!(started.elapsed() >= Duration::from_millis(50));
+        assert!(sent > 0);
+    }
+
+    #[test]
+    fn a_message_over_the_maximum_is_refused_by_the_sender() {
+        let (a, _b) = Channel::pair().unwrap();
+        let big = vec![0u8; MAX_MESSAGE + 1];
+        let err = a.send(&big, &[]).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument(m) if m.contains("MAX_MESSAGE")),
+            "{err:?}"
+        );
+    }
 }

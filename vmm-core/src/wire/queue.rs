@@ -24,7 +24,11 @@ use crate::Result;
 /// handles to the same two sockets.
 ///
 /// `put` blocks while the socket's buffer is full (about 200 small items), which is the queue's
-/// back-pressure. Items larger than [`INLINE_MAX`](super::INLINE_MAX) travel in a sealed memfd.
+/// back-pressure: it waits for a getter to take items, for as long as that takes. Every handle
+/// holds the receiving end too, so a `put` on a full queue whose getters are all gone (or
+/// stuck) never returns: where that can happen, use [`put_timeout`](Self::put_timeout) or
+/// [`try_put`](Self::try_put). Items larger than [`INLINE_MAX`](super::INLINE_MAX) travel in a
+/// sealed memfd.
 ///
 /// ```
 /// use vmm_core::wire::Queue;
@@ -73,9 +77,31 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
         })
     }
 
-    /// Add an item. Its fds are duplicated into the queue: `item` stays usable.
+    /// Add an item, waiting while the queue is full. Its fds are duplicated into the queue:
+    /// `item` stays usable. See the type's docs for when this can block forever.
     pub fn put(&self, item: &T) -> Result<()> {
-        self.ends.tx.send_value(item)
+        self.put_within(item, None)
+    }
+
+    /// Add an item, waiting at most `timeout` for room; [`Error::Timeout`](crate::Error::Timeout)
+    /// if the queue stayed full. Nothing is added on an error.
+    pub fn put_timeout(&self, item: &T, timeout: Duration) -> Result<()> {
+        self.put_within(item, Some(timeout))
+    }
+
+    /// Add an item if there is room now: `Ok(false)` (nothing added) when the queue is full.
+    pub fn try_put(&self, item: &T) -> Result<bool> {
+        match self.put_within(item, Some(Duration::ZERO)) {
+            Ok(()) => Ok(true),
+            Err(crate::Error::Timeout { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn put_within(&self, item: &T, timeout: Option<Duration>) -> Result<()> {
+        let encoded = oob::encode(item)?;
+        let fds: Vec<_> = encoded.fds().collect();
+        self.ends.tx.send_timeout(encoded.bytes(), &fds, timeout)
     }
 
     /// Take an item, waiting at most `timeout`; [`Error::Timeout`](crate::Error::Timeout) if none came.
@@ -120,5 +146,46 @@ impl<'de, T> Deserialize<'de> for Queue<T> {
             }),
             _item: PhantomData,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+    use crate::Error;
+
+    #[test]
+    fn a_full_queue_refuses_try_put_and_times_out_put_timeout() {
+        let queue: Queue<Vec<u8>> = Queue::new().unwrap();
+        let item = vec![7u8; 4096];
+        let mut queued = 0usize;
+        while queue.try_put(&item).unwrap() {
+            queued += 1;
+            assert!(queued < 1_000_000, "the queue never filled");
+        }
+        assert!(queued > 0);
+        let started = Instant::now();
+        let err = queue
+            .put_timeout(&item, Duration::from_millis(50))
+            .unwrap_err();
+        assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+        assert!(started.elapsed() >= Duration::from_millis(50));
+        // Taking one makes room again; nothing was half-added by the refusals.
+        assert_eq!(queue.get(Duration::from_secs(1)).unwrap(), item);
+        assert!(queue.try_put(&item).unwrap());
+        let mut drained = 0;
+        while queue.try_get().unwrap().is_some() {
+            drained += 1;
+        }
+        assert_eq!(drained, queued);
+    }
+
+    #[test]
+    fn duration_max_is_forever_not_a_panic() {
+        let queue: Queue<u32> = Queue::new().unwrap();
+        queue.put_timeout(&5, Duration::MAX).unwrap();
+        assert_eq!(queue.get(Duration::MAX).unwrap(), 5);
     }
 }
