@@ -454,7 +454,6 @@ fn read_spill(fd: OwnedFd, size: u64) -> Result<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
-    use std::os::fd::AsFd;
 
     use nix::sys::socket::{MsgFlags, send};
 
