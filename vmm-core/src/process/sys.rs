@@ -41,10 +41,11 @@ pub(crate) unsafe fn fork_single_threaded() -> Result<ForkResult> {
 /// referred to before is closed.
 ///
 /// # Safety
-/// No object that will be used or dropped again may own fd `new` (an `OwnedFd`, `File`,
-/// `Channel`...), unless it is the standard stream `new` is 0, 1 or 2 (std refers to those by
-/// number and is meant to follow redirection). Otherwise that owner would afterwards read,
-/// write or close a file it does not own, the I/O-safety violation `OwnedFd` rules out.
+/// Fd `new` must not be owned by any object that will be used or dropped again (an `OwnedFd`,
+/// `File`, `Channel`...); otherwise that owner would afterwards read, write or close a file it
+/// does not own, the I/O-safety violation `OwnedFd` rules out. The standard streams 0, 1 and 2
+/// count as unowned: std's handles refer to them by number and are meant to follow a
+/// redirection.
 pub(crate) unsafe fn dup2_raw(old: RawFd, new: RawFd) -> Result<()> {
     // SAFETY: dup2 itself only changes the fd table (an invalid `old` is an error, EBADF); the
     // caller guarantees that no live owner of `new` is affected by the replacement.
