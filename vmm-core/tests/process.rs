@@ -1,11 +1,14 @@
 //! vmm-core's own cross-process tests: every scenario under both start methods.
 
+use std::collections::BTreeSet;
+use std::ffi::c_void;
 use std::fs::File;
 use std::io::Read;
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use rstest::rstest;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use vmm_core::Error;
 use vmm_core::process::ensure_running;
 use vmm_core::process::{Context, StartMethod, forkserver_pid};
@@ -549,4 +552,186 @@ fn a_host_buffer_holds_no_fd_where_the_kernel_allows() {
     drop(descriptor);
     assert_eq!(settled_open_fds().unwrap(), before, "an import holds no fd");
     drop((buf, alias));
+}
+
+fn expects_seven(n: u32) {
+    assert_eq!(n, 7);
+}
+
+/// `getpid` as libc's shared object defines it: code outside the main executable. Only its
+/// address is used; it is never called.
+fn function_in_a_shared_library() -> fn(u32) {
+    // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only reads the loader's tables.
+    let address = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"getpid".as_ptr()) };
+    assert!(!address.is_null(), "dlsym found no getpid");
+    // SAFETY: a fn pointer may hold any non-null address; this one is only compared against
+    // the main executable's code by Context::spawn, never called.
+    unsafe { std::mem::transmute::<*mut c_void, fn(u32)>(address) }
+}
+
+/// This process's children, and the forkserver's: every process whose parent is one of them.
+fn children_of_us_and_our_forkserver() -> BTreeSet<u32> {
+    let parents: Vec<u32> = std::iter::once(std::process::id())
+        .chain(forkserver_pid())
+        .collect();
+    let mut children = BTreeSet::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue; // gone meanwhile
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|ppid| ppid.parse::<u32>().ok());
+        if ppid.is_some_and(|ppid| parents.contains(&ppid)) {
+            children.insert(pid);
+        }
+    }
+    children
+}
+
+#[rstest]
+fn a_function_outside_the_main_executable_is_refused_before_anything_starts(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+) {
+    let _guard = exclusive();
+    let ctx = Context::new(method);
+    let f = function_in_a_shared_library();
+    let server = forkserver_pid();
+    let fds = settled_open_fds().unwrap();
+    let children = children_of_us_and_our_forkserver();
+
+    match ctx.spawn(f, 7) {
+        Err(Error::InvalidArgument(message)) => {
+            for needle in [
+                "not in the main executable's code",
+                "shared library",
+                "libc",
+            ] {
+                assert!(
+                    message.contains(needle),
+                    "{needle:?} missing from: {message}"
+                );
+            }
+        }
+        Err(other) => panic!("expected InvalidArgument, got {other:?}"),
+        Ok(child) => panic!("a child {} was started", child.pid()),
+    }
+    assert_eq!(forkserver_pid(), server, "the refusal started a forkserver");
+    assert_eq!(
+        settled_open_fds().unwrap(),
+        fds,
+        "the refusal left fds open"
+    );
+    assert_eq!(
+        children_of_us_and_our_forkserver(),
+        children,
+        "the refusal started a process"
+    );
+
+    // Positive control: a function of this executable, same argument type, same context.
+    ctx.spawn(expects_seven, 7).unwrap().join(TIMEOUT).unwrap();
+}
+
+/// Sent as a host descriptor, received as a mapped host buffer, which is what a
+/// `HostBuffer` argument does: the child imports the fd it receives, with import's checks.
+enum Mapped {
+    Sending(HostDescriptor),
+    Received(#[allow(dead_code)] HostBuffer),
+}
+
+impl Serialize for Mapped {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Mapped::Sending(descriptor) => descriptor.serialize(serializer),
+            Mapped::Received(buffer) => buffer.serialize(serializer),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Mapped {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        HostBuffer::deserialize(deserializer).map(Mapped::Received)
+    }
+}
+
+fn must_not_run(_: Mapped) {
+    panic!("the function ran although its argument could not be imported");
+}
+
+#[rstest]
+fn an_argument_the_child_cannot_import_fails_with_the_import_error(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+) {
+    let _guard = shared();
+    // A memfd with no seals: import refuses it (its owner could shrink it under the mapping).
+    let memfd =
+        nix::sys::memfd::memfd_create(c"unsealed", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap();
+    nix::unistd::ftruncate(&memfd, 4096).unwrap();
+    let unsealed = HostDescriptor::from_fd(memfd.as_fd(), 4096).unwrap();
+
+    let result = Context::new(method)
+        .spawn(must_not_run, Mapped::Sending(unsealed))
+        .unwrap()
+        .join(TIMEOUT);
+    let Err(Error::Child(failure)) = result else {
+        panic!("a child whose argument cannot be imported must fail, got {result:?}")
+    };
+    assert!(failure.started, "{failure}");
+    assert_eq!(failure.panic_message, None, "{failure}");
+    assert_eq!(
+        failure.status.and_then(|s| s.code()),
+        Some(122),
+        "{failure}"
+    );
+    match failure.not_run.as_deref() {
+        Some(Error::InvalidArgument(message)) => {
+            assert!(message.contains("not sealed"), "{message}")
+        }
+        other => panic!("expected the import's InvalidArgument, got {other:?}"),
+    }
+    assert!(
+        matches!(&failure.not_run, Some(e) if matches!(**e, Error::InvalidArgument(_))),
+        "{failure}"
+    );
+    let shown = failure.to_string();
+    for needle in [
+        "its function did not run: could not receive its argument: invalid argument",
+        "not sealed",
+        method.name(),
+    ] {
+        assert!(shown.contains(needle), "{needle:?} missing from:\n{shown}");
+    }
+}
+
+fn report_env(queue: Queue<Option<String>>) {
+    queue
+        .put(&std::env::var("VMM_TEST_CHILD_ENV").ok())
+        .unwrap();
+}
+
+#[rstest]
+fn with_env_reaches_the_child_before_its_function(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+) {
+    let _guard = shared();
+    let queue = Queue::new().unwrap();
+    Context::new(method)
+        .with_env("VMM_TEST_CHILD_ENV", format!("set for {method}"))
+        .spawn(report_env, queue.clone())
+        .unwrap()
+        .join(TIMEOUT)
+        .unwrap();
+    assert_eq!(
+        queue.get(TIMEOUT).unwrap(),
+        Some(format!("set for {method}"))
+    );
 }

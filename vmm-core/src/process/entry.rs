@@ -1,84 +1,27 @@
-//! The child side: take the role named by the environment, run the function, report, exit.
+//! A child's life once it has its channel: take the start message, acknowledge, run the
+//! function through its trampoline, report how it ended, exit.
 
+use std::ffi::OsStr;
 use std::io::Write;
 use std::os::fd::OwnedFd;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use nix::sys::signal::Signal;
 use nix::unistd::{Pid, getppid};
 
-use super::protocol::{Outcome, ROLE_VAR, Report, Start};
-use super::{StartMethod, forkserver, sys};
+use super::method::StartMethod;
+use super::protocol::{Report, Start};
+use super::status::{NotRunStage, Outcome};
+use super::sys;
 use crate::wire::{self, Channel};
+use crate::{Error, Result};
 
 /// Exit codes of a child that did not get as far as its function.
 pub(crate) const EXIT_ORPHANED: i32 = 120;
 pub(crate) const EXIT_NO_START: i32 = 121;
 pub(crate) const EXIT_PANICKED: i32 = 101;
 pub(crate) const EXIT_NOT_RUN: i32 = 122;
-
-static ROLE_TAKEN: AtomicBool = AtomicBool::new(false);
-
-/// Set (to anything) to keep the pre-`main` hook from taking a child's role, so that only an
-/// explicit [`init`](super::init) does: for debugging, and for testing what happens without it.
-pub(crate) const NO_AUTO_INIT_VAR: &str = "VMM_IPC_NO_AUTO_INIT";
-
-/// Called from the `.init_array` hook.
-pub(crate) fn init_before_main() {
-    let Ok(role) = std::env::var(ROLE_VAR) else {
-        return;
-    };
-    if std::env::var_os(NO_AUTO_INIT_VAR).is_some() {
-        return;
-    }
-    sys::remove_env_before_main(ROLE_VAR);
-    take_role(&role);
-}
-
-/// Take this process's role if it was started as a child or forkserver; see `process::init`.
-pub(crate) fn init() {
-    if ROLE_TAKEN.load(Ordering::Acquire) {
-        return;
-    }
-    if let Ok(role) = std::env::var(ROLE_VAR) {
-        take_role(&role);
-    }
-}
-
-fn take_role(value: &str) {
-    let parsed = (|| {
-        let mut parts = value.splitn(3, ':');
-        let kind = parts.next()?;
-        let fd = parts.next()?.parse().ok()?;
-        let parent = parts.next()?.parse().ok()?;
-        Some((kind, fd, Pid::from_raw(parent)))
-    })();
-    let Some((kind, fd, parent)) = parsed else {
-        eprintln!("vmm-ipc: ignoring malformed {ROLE_VAR}={value:?}");
-        return;
-    };
-    if ROLE_TAKEN.swap(true, Ordering::AcqRel) {
-        return;
-    }
-    let channel = match sys::adopt_inherited_fd(fd) {
-        Ok(fd) => Channel::from_fd(fd),
-        Err(e) => {
-            eprintln!("vmm-ipc: {ROLE_VAR} names fd {fd}, which is unusable: {e}");
-            std::process::exit(EXIT_NO_START);
-        }
-    };
-    die_with(parent);
-    match kind {
-        "spawn" => run_child(channel, StartMethod::Spawn),
-        "forkserver" => forkserver::serve(channel),
-        other => {
-            eprintln!("vmm-ipc: unknown role {other:?} in {ROLE_VAR}");
-            std::process::exit(EXIT_NO_START);
-        }
-    }
-}
 
 /// Be killed when `parent` dies; exit now if it already has.
 pub(crate) fn die_with(parent: Pid) {
@@ -124,29 +67,83 @@ pub(crate) fn run_child(channel: Channel, method: StartMethod) -> ! {
         std::process::exit(EXIT_NO_START);
     }
     debug_assert_eq!(start.method, method);
-    sys::set_env_single_threaded(&start.env);
-    record_panics();
-    let outcome = run_function(&start, message.fds);
+    let outcome = match set_env(&start.env) {
+        Ok(()) => {
+            record_panics();
+            run_function(&start, message.fds)
+        }
+        Err(error) => Outcome::NotRun {
+            stage: NotRunStage::Environment,
+            error,
+        },
+    };
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
     let code = match &outcome {
         Outcome::Returned => 0,
         Outcome::Panicked { .. } => EXIT_PANICKED,
-        Outcome::NotRun(_) => EXIT_NOT_RUN,
+        Outcome::NotRun { .. } => EXIT_NOT_RUN,
     };
     let _ = channel.send_value(&Report::Finished(outcome));
     drop(channel);
     std::process::exit(code)
 }
 
+/// Give the child the environment variables its parent asked for, before its function runs.
+///
+/// A spawned child already has them (they were in its environment at exec); a forkserver child
+/// sets them here, as a fork of a single-threaded server that has started no thread yet.
+fn set_env(env: &[(String, String)]) -> Result<()> {
+    let missing: Vec<(String, String)> = env
+        .iter()
+        .filter(|(key, value)| std::env::var_os(key).as_deref() != Some(OsStr::new(value)))
+        .cloned()
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !sys::is_single_threaded() {
+        return Err(Error::InvalidArgument(format!(
+            "the child must set {} environment variable(s) its parent asked for, but has \
+             several threads, where changing the environment is unsound; an executable that is \
+             not a test binary must call vmm_core::process::init() first thing in main",
+            missing.len()
+        )));
+    }
+    // SAFETY: this process has one thread (just checked), and this thread starts none before
+    // the call returns, so no other thread can read or write the environment meanwhile.
+    unsafe { sys::set_env_single_threaded(&missing) };
+    Ok(())
+}
+
 fn run_function(start: &Start, fds: Vec<OwnedFd>) -> Outcome {
-    let (trampoline, func) = match sys::resolve_entry(start.layout, start.trampoline, start.func) {
+    // SAFETY: `start` arrived on the channel our parent handed down at exec or fork; only the
+    // parent holds its other end. The parent built it in `Context::spawn` from
+    // `entry::trampoline::<A>` (a `Trampoline`), after `check_main_text` found that trampoline
+    // in the main executable's code, with `code_offset` in a process running this executable.
+    let entry = unsafe { sys::resolve_entry(start.layout, start.trampoline, start.func) };
+    let (trampoline, func) = match entry {
         Ok(entry) => entry,
-        Err(e) => return Outcome::NotRun(e.to_string()),
+        Err(error) => {
+            return Outcome::NotRun {
+                stage: NotRunStage::Entry,
+                error,
+            };
+        }
     };
-    match panic::catch_unwind(AssertUnwindSafe(|| trampoline(func, &start.args, fds))) {
+    // SAFETY: `Context::spawn` computed `start.func` from its `f: fn(A)` and `start.trampoline`
+    // from `trampoline::<A>` with the same `A`, both checked to lie in the main executable's
+    // code, whose layout is the same here (`resolve_entry` checked the layout); so `func` is
+    // the address of a `fn(A)` for the trampoline's `A`.
+    let called = panic::catch_unwind(AssertUnwindSafe(|| unsafe {
+        trampoline(func, &start.args, fds)
+    }));
+    match called {
         Ok(Ok(())) => Outcome::Returned,
-        Ok(Err(message)) => Outcome::NotRun(message),
+        Ok(Err(error)) => Outcome::NotRun {
+            stage: NotRunStage::Argument,
+            error,
+        },
         Err(payload) => {
             let recorded = FIRST_PANIC.lock().ok().and_then(|mut first| first.take());
             let (message, location) = recorded.unwrap_or_else(|| {
@@ -163,15 +160,19 @@ fn run_function(start: &Start, fds: Vec<OwnedFd>) -> Outcome {
 }
 
 /// The function every child runs first: receive the argument, call the user's `fn(A)`.
-pub(crate) fn trampoline<A: serde::de::DeserializeOwned>(
+///
+/// An argument that cannot be received is the error its deserialisation raised (an import's
+/// [`Error::InvalidArgument`], say), as that variant.
+///
+/// # Safety
+/// `func` must be the address, in this process, of a function of type `fn(A)` with this `A`.
+pub(crate) unsafe fn trampoline<A: serde::de::DeserializeOwned>(
     func: usize,
     args: &[u8],
     fds: Vec<OwnedFd>,
-) -> Result<(), String> {
-    let arg: A =
-        wire::decode(args, fds).map_err(|e| format!("could not receive the argument: {e}"))?;
-    // SAFETY: the parent sent the offset of a `fn(A)` with this same `A`: `Context::spawn`
-    // computes both offsets from one generic instantiation.
+) -> Result<()> {
+    let arg: A = wire::decode(args, fds)?;
+    // SAFETY: the caller guarantees that `func` is a `fn(A)` with this `A`.
     unsafe { sys::call_fn_at::<A>(func, arg) };
     Ok(())
 }

@@ -36,6 +36,13 @@ pub(crate) struct Launch {
     pub env: Vec<(String, String)>,
 }
 
+/// The running test's name: libtest names each test's thread after the test.
+pub(crate) fn current_test_name() -> Option<String> {
+    let thread = std::thread::current();
+    let name = thread.name()?;
+    (name != "main" && !name.starts_with("vmm-ipc-")).then(|| name.to_owned())
+}
+
 type Job = Box<dyn FnOnce() + Send>;
 
 fn launcher() -> Result<&'static Sender<Job>> {

@@ -2,7 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{ExitStatus, StartMethod};
+use super::method::StartMethod;
+use super::status::{ExitStatus, Outcome};
+use crate::Error;
 
 /// The environment variable that tells a process started by vmm-core its role:
 /// `spawn:<channel fd>:<parent pid>` or `forkserver:<channel fd>:<parent pid>`.
@@ -29,22 +31,10 @@ pub(crate) struct Start {
 pub(crate) enum Report {
     /// The child reached its entry and took its start message.
     Started,
-    /// The child's function returned or panicked; the child exits next.
+    /// The child's function returned or panicked, or could not run; the child exits next.
     Finished(Outcome),
     /// The forkserver reaped the child.
     Exited(ExitStatus),
-}
-
-/// How the child's function ended.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub(crate) enum Outcome {
-    Returned,
-    Panicked {
-        message: String,
-        location: Option<String>,
-    },
-    /// The child could not run the function (bad argument, different executable).
-    NotRun(String),
 }
 
 /// Parent -> forkserver: fork a child. Fds: the child's channel, its stdout, its stderr.
@@ -56,7 +46,13 @@ pub(crate) struct ForkRequest {
 /// Forkserver -> parent. `Forked` carries a pidfd for the child when the kernel has pidfds.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum ForkReply {
-    Ready { pid: i32 },
-    Forked { pid: i32 },
-    Failed(String),
+    Ready {
+        pid: i32,
+    },
+    Forked {
+        pid: i32,
+    },
+    /// The request was refused ([`Error::Protocol`]) or `fork()` failed ([`Error::Os`], say
+    /// `EAGAIN` at a process limit): the server's error, as it raised it.
+    Failed(Error),
 }

@@ -9,7 +9,8 @@ use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 
-use super::{StartMethod, sys};
+use super::method::StartMethod;
+use super::sys;
 
 /// What became of a tracked child.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,7 +57,7 @@ struct Entry {
     pidfd: Option<Weak<OwnedFd>>,
 }
 
-/// The children started through one [`Context`](super::Context) and its clones.
+/// The children started through one `Context` and its clones.
 #[derive(Debug, Default)]
 pub(crate) struct Registry {
     entries: Mutex<Vec<Entry>>,

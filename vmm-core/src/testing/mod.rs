@@ -11,6 +11,7 @@ mod fds;
 mod requirements;
 mod runner;
 mod skip;
+mod spec;
 
 #[doc(hidden)]
 pub mod __private;

@@ -2,7 +2,7 @@
 
 use std::fmt::Display;
 
-/// What `skip_unless = EXPR` (and [`skip_unless`](super::skip_unless)) accepts: `bool`, or
+/// What `skip_unless = EXPR` (and [`skip_unless`](crate::testing::skip_unless)) accepts: `bool`, or
 /// `Result<(), impl Display>` whose error is the reason to skip.
 pub trait Requirement {
     /// `Err(reason)` when the test must be skipped.

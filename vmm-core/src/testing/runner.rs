@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use super::__private::Spec;
+use super::spec::Spec;
 use super::{exclusive, skip};
 use crate::process::{Context, Registry, default_timeout};
 

@@ -2,6 +2,8 @@
 
 use std::io::Write;
 
+use super::requirements::Requirement;
+
 /// The variable that turns every skip into a failure (GPU runs set it).
 pub const REQUIRE_VAR: &str = "VMM_REQUIRE_GPU";
 /// If set, every skip line is also appended to the file it names.
@@ -42,7 +44,7 @@ pub(crate) fn skip(test: &str, reason: &str) {
 /// }
 /// // ... the test itself
 /// ```
-pub fn skip_unless(requirement: impl super::Requirement) -> bool {
+pub fn skip_unless(requirement: impl Requirement) -> bool {
     match requirement.check() {
         Ok(()) => true,
         Err(reason) => {

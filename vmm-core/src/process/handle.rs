@@ -1,6 +1,5 @@
-//! The parent's handle on a child: join with a timeout, kill, and what a failure looks like.
+//! The parent's handle on a child ([`Process`]): join with a timeout, kill, reap.
 
-use std::fmt;
 use std::fs::File;
 use std::os::fd::AsFd;
 use std::os::fd::OwnedFd;
@@ -11,141 +10,14 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::Pid;
-use serde::{Deserialize, Serialize};
 
-use super::protocol::{Outcome, Report};
+use super::method::StartMethod;
+use super::protocol::Report;
+use super::status::{ChildError, ExitStatus, Outcome};
+use super::sys;
 use super::tracker::{Fate, FateCell};
-use super::{StartMethod, sys};
 use crate::wire::{self, Channel};
 use crate::{Error, Result};
-
-/// How a child process ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum ExitStatus {
-    /// It exited with this code.
-    Exited(i32),
-    /// A signal (by number) killed it.
-    Signaled(i32),
-}
-
-impl ExitStatus {
-    /// Exited with code 0.
-    pub fn success(self) -> bool {
-        self == ExitStatus::Exited(0)
-    }
-
-    /// The exit code, if it exited.
-    pub fn code(self) -> Option<i32> {
-        match self {
-            ExitStatus::Exited(code) => Some(code),
-            ExitStatus::Signaled(_) => None,
-        }
-    }
-
-    /// The signal that killed it, if one did.
-    pub fn signal(self) -> Option<i32> {
-        match self {
-            ExitStatus::Exited(_) => None,
-            ExitStatus::Signaled(signal) => Some(signal),
-        }
-    }
-}
-
-impl fmt::Display for ExitStatus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match *self {
-            ExitStatus::Exited(code) => write!(f, "exit code {code}"),
-            ExitStatus::Signaled(signal) => match Signal::try_from(signal) {
-                Ok(name) => write!(f, "killed by signal {signal} ({name})"),
-                Err(_) => write!(f, "killed by signal {signal}"),
-            },
-        }
-    }
-}
-
-/// Everything known about a child that did not exit cleanly: how it was started, how it ended,
-/// its panic, and its captured output. `Display` shows all of it, and so does `Debug` (what
-/// `unwrap()` prints), because the readable form is what a failing test should show.
-#[derive(Clone, Serialize, Deserialize)]
-#[non_exhaustive]
-pub struct ChildError {
-    /// The start method.
-    pub method: StartMethod,
-    /// The child's pid.
-    pub pid: u32,
-    /// How it ended, if known (`None` when the forkserver died before reporting it).
-    pub status: Option<ExitStatus>,
-    /// Whether it acknowledged reaching its entry.
-    pub started: bool,
-    /// The panic message, if its function panicked.
-    pub panic_message: Option<String>,
-    /// Where it panicked (`file:line:column`).
-    pub panic_location: Option<String>,
-    /// Why the function never ran, if it did not (for example, its argument did not arrive).
-    pub not_run: Option<String>,
-    /// The timeout that expired, if it was killed for taking too long.
-    pub timed_out: Option<Duration>,
-    /// Everything it wrote to stdout.
-    pub stdout: String,
-    /// Everything it wrote to stderr.
-    pub stderr: String,
-}
-
-impl std::error::Error for ChildError {}
-
-impl fmt::Debug for ChildError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "\n{self}\n")
-    }
-}
-
-impl fmt::Display for ChildError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let method = self.method.name();
-        write!(
-            f,
-            "child process {} (start method {method}) failed",
-            self.pid
-        )?;
-        if let Some(message) = &self.panic_message {
-            match &self.panic_location {
-                Some(location) => write!(f, ": panicked at {location}: {message}")?,
-                None => write!(f, ": panicked: {message}")?,
-            }
-        } else if let Some(why) = &self.not_run {
-            write!(f, ": its function did not run: {why}")?;
-        }
-        if let Some(after) = self.timed_out {
-            write!(f, "\n  timed out after {after:?} and was killed")?;
-        }
-        match self.status {
-            Some(status) => write!(f, "\n  {status}")?,
-            None => write!(
-                f,
-                "\n  exit status unknown (the forkserver died before reporting it)"
-            )?,
-        }
-        if !self.started {
-            write!(
-                f,
-                "\n  it never acknowledged reaching its entry: the executable did not reach \
-                 vmm_core::process::init() (an executable that is not a test binary must call it \
-                 first thing in main), or it died while starting"
-            )?;
-        }
-        for (name, text) in [("stdout", &self.stdout), ("stderr", &self.stderr)] {
-            if !text.is_empty() {
-                write!(
-                    f,
-                    "\n---- child {} {name} ----\n{}",
-                    self.pid,
-                    text.trim_end()
-                )?;
-            }
-        }
-        Ok(())
-    }
-}
 
 /// A running child process.
 ///
@@ -250,7 +122,7 @@ impl Process {
             self.fate.set(Fate::Finished);
         }
         let clean = self.started
-            && self.outcome == Some(Outcome::Returned)
+            && matches!(self.outcome, Some(Outcome::Returned))
             && self.status.is_some_and(ExitStatus::success)
             && !timed_out;
         let (stdout, stderr) = (read_all(&self.stdout), read_all(&self.stderr));
@@ -259,23 +131,13 @@ impl Process {
             eprint!("{stderr}");
             return Ok(ExitStatus::Exited(0));
         }
-        let (panic_message, panic_location, not_run) = match self.outcome.take() {
-            Some(Outcome::Panicked { message, location }) => (Some(message), location, None),
-            Some(Outcome::NotRun(why)) => (None, None, Some(why)),
-            _ => (None, None, None),
-        };
-        Err(Error::Child(Box::new(ChildError {
-            method: self.method,
-            pid: self.pid(),
-            status: self.status,
-            started: self.started,
-            panic_message,
-            panic_location,
-            not_run,
-            timed_out: timed_out.then_some(timeout),
-            stdout,
-            stderr,
-        })))
+        Err(Error::Child(Box::new(ChildError::new(
+            (self.method, self.pid()),
+            (self.status, self.started),
+            self.outcome.take(),
+            timed_out.then_some(timeout),
+            (stdout, stderr),
+        ))))
     }
 
     /// Whether the child's end is known (its status, or that it never will be).

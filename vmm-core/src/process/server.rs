@@ -1,0 +1,204 @@
+//! The forkserver itself: a fresh exec of the current executable that forks children on request.
+//!
+//! It never initialises CUDA and never starts a thread, so every fork copies a small,
+//! single-threaded, CUDA-free process. It reaps its children and reports each exit status on the
+//! child's own channel (it keeps a copy of the child's end for that), so a parent learns how its
+//! child ended without being its parent. It exits when its parent closes the request channel
+//! (and is killed if its parent dies); its children die with it.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, AsRawFd};
+
+use nix::errno::Errno;
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::{ForkResult, Pid, getpid};
+
+use super::entry::{self, EXIT_NO_START};
+use super::method::StartMethod;
+use super::protocol::{ForkReply, ForkRequest, Report};
+use super::status::ExitStatus;
+use super::sys;
+use crate::Error;
+use crate::wire::{self, Channel, Message};
+
+/// The forkserver's main loop. Never returns.
+///
+/// Refuses to serve (exits) unless this process has a single thread: it forks, and only a
+/// single-threaded process may fork and go on running ordinary code in the child.
+pub(crate) fn serve(requests: Channel) -> ! {
+    if !sys::is_single_threaded() {
+        eprintln!(
+            "vmm-ipc: the forkserver must be single-threaded, and this process has several \
+             threads; an executable that is not a test binary must call \
+             vmm_core::process::init() first thing in main"
+        );
+        std::process::exit(EXIT_NO_START);
+    }
+    let mut sigchld = SigSet::empty();
+    sigchld.add(Signal::SIGCHLD);
+    let Ok(old_mask) = sigchld.thread_swap_mask(SigmaskHow::SIG_BLOCK) else {
+        std::process::exit(EXIT_NO_START);
+    };
+    let Ok(reaped) = SignalFd::with_flags(&sigchld, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
+    else {
+        std::process::exit(EXIT_NO_START);
+    };
+    if requests
+        .send_value(&ForkReply::Ready {
+            pid: getpid().as_raw(),
+        })
+        .is_err()
+    {
+        std::process::exit(EXIT_NO_START);
+    }
+    let mut children: HashMap<Pid, Channel> = HashMap::new();
+    loop {
+        let (request_ready, child_exited) = {
+            let mut fds = [
+                PollFd::new(requests.as_fd(), PollFlags::POLLIN),
+                PollFd::new(reaped.as_fd(), PollFlags::POLLIN),
+            ];
+            match poll(&mut fds, PollTimeout::NONE) {
+                Ok(_) => {}
+                Err(Errno::EINTR) => continue,
+                Err(_) => shutdown(&mut children),
+            }
+            let ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
+            (ready(&fds[0]), ready(&fds[1]))
+        };
+        if child_exited {
+            while let Ok(Some(_)) = reaped.read_signal() {}
+            reap(&mut children);
+        }
+        if request_ready {
+            match requests.try_recv() {
+                Ok(Some(message)) => fork_one(message, &requests, &mut children, &old_mask),
+                Ok(None) => {}
+                // The parent is gone: take the children with us.
+                Err(_) => shutdown(&mut children),
+            }
+        }
+    }
+}
+
+/// Aborts the process if dropped: held by a forked child for as long as the server's frames
+/// (and the fds their objects own) lie below it on the stack, so that a panic can never unwind
+/// into them. The child leaves only through `process::exit`, which drops nothing.
+struct AbortOnUnwind;
+
+impl Drop for AbortOnUnwind {
+    fn drop(&mut self) {
+        std::process::abort();
+    }
+}
+
+fn fork_one(
+    message: Message,
+    requests: &Channel,
+    children: &mut HashMap<Pid, Channel>,
+    old_mask: &SigSet,
+) {
+    let server = getpid();
+    let valid =
+        message.fds.len() == 3 && wire::decode::<ForkRequest>(&message.bytes, Vec::new()).is_ok();
+    if !valid {
+        let reply = ForkReply::Failed(Error::Protocol(format!(
+            "malformed fork request ({} bytes, {} fds; want a ForkRequest and 3 fds)",
+            message.bytes.len(),
+            message.fds.len()
+        )));
+        let _ = requests.send_value(&reply);
+        return;
+    }
+    let raw: Vec<_> = message.fds.iter().map(AsRawFd::as_raw_fd).collect();
+    // SAFETY: `serve` checked that this process had one thread when it started, and the server
+    // starts none: it only polls, reads and writes its sockets, forks and reaps (it never
+    // initialises CUDA or anything else that could start a thread).
+    match unsafe { sys::fork_single_threaded() } {
+        Ok(ForkResult::Child) => {
+            // From here on this child never returns into, or unwinds through, the server's
+            // frames: it leaves through `run_child`, which exits the process (dropping
+            // nothing), or aborts. So the objects there that own fds (the request channel, the
+            // signalfd, other children's channels) are never used or dropped again, and the
+            // fds below may be renumbered and closed under them.
+            let _no_unwind = AbortOnUnwind;
+            // Its fds are renumbered below; the message must never close them.
+            std::mem::forget(message);
+            let _ = old_mask.thread_set_mask();
+            // Renumber: stdout, stderr, then the channel at 3.
+            // SAFETY: 1 and 2 are the standard streams, which std refers to by number and
+            // which are meant to follow redirection; the sources are the message's fds, open
+            // (the message was forgotten, not dropped).
+            let ok =
+                unsafe { sys::dup2_raw(raw[1], 1).is_ok() && sys::dup2_raw(raw[2], 2).is_ok() };
+            // SAFETY: any object that owns fd 3 lives in the server's frames, never used or
+            // dropped again (above); a received fd is never 0, 1 or 2 (the server's standard
+            // streams are open), so `raw[0]` survived the two dup2 calls above.
+            let ok = ok && (raw[0] == 3 || unsafe { sys::dup2_raw(raw[0], 3).is_ok() });
+            if !ok {
+                std::process::exit(EXIT_NO_START);
+            }
+            // Close everything else the server had (its request channel, signalfd, other
+            // children's channels, the message's original fds).
+            // SAFETY: every owner of an fd from 4 up lives in the server's frames, never used
+            // or dropped again (above), or was forgotten (the message).
+            unsafe { sys::close_from(4) };
+            // SAFETY: fd 3 is now the child's channel; whatever owned the number before lives in
+            // the server's frames (never used or dropped again) or was forgotten (the message),
+            // and this is the one adoption of fd 3 in this child.
+            let Ok(channel) = (unsafe { sys::adopt_inherited_fd(3) }) else {
+                std::process::exit(EXIT_NO_START);
+            };
+            entry::die_with(server);
+            entry::run_child(Channel::from_fd(channel), StartMethod::Forkserver)
+        }
+        Ok(ForkResult::Parent { child }) => {
+            let mut fds = message.fds.into_iter();
+            let channel = Channel::from_fd(fds.next().expect("three fds checked"));
+            drop(fds); // our copies of the child's stdout and stderr
+            let pidfd = sys::pidfd_open(child).ok();
+            let reply = ForkReply::Forked {
+                pid: child.as_raw(),
+            };
+            let sent = wire::encode(&reply).and_then(|e| {
+                let fds: Vec<_> = pidfd.iter().map(AsFd::as_fd).collect();
+                requests.send(e.bytes(), &fds)
+            });
+            children.insert(child, channel);
+            if sent.is_err() {
+                shutdown(children);
+            }
+        }
+        Err(e) => {
+            let _ = requests.send_value(&ForkReply::Failed(e));
+        }
+    }
+}
+
+fn reap(children: &mut HashMap<Pid, Channel>) {
+    loop {
+        let (pid, status) = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::Exited(pid, code)) => (pid, ExitStatus::Exited(code)),
+            Ok(WaitStatus::Signaled(pid, signal, _)) => (pid, ExitStatus::Signaled(signal as i32)),
+            Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => return,
+            Ok(_) | Err(Errno::EINTR) => continue,
+            Err(_) => return,
+        };
+        if let Some(channel) = children.remove(&pid) {
+            let _ = channel.send_value(&Report::Exited(status));
+        }
+    }
+}
+
+fn shutdown(children: &mut HashMap<Pid, Channel>) -> ! {
+    for pid in children.keys() {
+        let _ = kill(*pid, Signal::SIGKILL);
+    }
+    for pid in children.keys() {
+        let _ = waitpid(*pid, None);
+    }
+    std::process::exit(0)
+}
