@@ -7,7 +7,8 @@
 
 use std::cell::RefCell;
 use std::fs::File;
-use std::io::{IoSlice, Read, Write};
+use std::io::{IoSlice, Write};
+use std::os::unix::fs::FileExt;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
@@ -446,9 +447,11 @@ fn read_spill(fd: OwnedFd, size: u64) -> Result<Vec<u8>> {
         source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
     })?;
     bytes.resize(len, 0);
+    // At offset 0: the file description (and its offset, left at the end by the sender's
+    // write) is shared with the sender.
     File::from(fd)
-        .read_exact(&mut bytes)
-        .map_err(|e| Error::io("read(message memfd)", e))?;
+        .read_exact_at(&mut bytes, 0)
+        .map_err(|e| Error::io("pread(message memfd)", e))?;
     Ok(bytes)
 }
 
@@ -511,6 +514,15 @@ mod tests {
         // The channel is still usable.
         a.send(b"after", &[]).unwrap();
         assert_eq!(b.recv(None).unwrap().bytes, b"after");
+    }
+
+    #[test]
+    fn a_large_message_spills_and_arrives_whole() {
+        let (a, b) = Channel::pair().unwrap();
+        let big: Vec<u8> = (0..INLINE_MAX * 3).map(|i| (i % 251) as u8).collect();
+        a.send(&big, &[]).unwrap();
+        let message = b.recv(Some(Duration::from_secs(5))).unwrap();
+        assert!(message.bytes == big && message.fds.is_empty());
     }
 
     #[test]
