@@ -5,7 +5,7 @@
 //! it cannot run where no Rust toolchain is installed (the GPU machine runs every staged test
 //! binary).
 
-#[path = "../src/expand.rs"]
+#[path = "../src/expand/mod.rs"]
 mod expansion;
 
 use proc_macro2::TokenStream;
