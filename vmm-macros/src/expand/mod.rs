@@ -1,12 +1,13 @@
 //! Parsing, validation and code generation of `#[ipc_test]`, on `proc_macro2` tokens so that it
 //! can be unit-tested.
 
+pub(crate) mod crate_path;
 mod options;
 mod signature;
 
 use proc_macro2::{Span, TokenStream};
 use quote::{ToTokens, quote};
-use syn::{Attribute, FnArg, Ident, ItemFn, LitStr, parse_quote};
+use syn::{Attribute, FnArg, Ident, ItemFn, LitStr, Path, parse_quote};
 
 use options::{Method, parse_options};
 use signature::check_signature;
@@ -46,6 +47,16 @@ fn is_inert(attr: &Attribute) -> bool {
 
 /// The expansion of `#[ipc_test(attr)] item`.
 pub(crate) fn ipc_test(attr: TokenStream, item: TokenStream) -> TokenStream {
+    expand(attr, item, crate_path::looked_up)
+}
+
+/// [`ipc_test`], with the lookup of vmm-core's name in the calling crate's manifest passed in
+/// (tests pass what it would find). It runs only when no `crate = path` option is given.
+pub(crate) fn expand(
+    attr: TokenStream,
+    item: TokenStream,
+    look_up_crate: impl FnOnce() -> Path,
+) -> TokenStream {
     let mut item: ItemFn = match syn::parse2(item) {
         Ok(item) => item,
         Err(error) => return error.into_compile_error(),
@@ -84,7 +95,11 @@ pub(crate) fn ipc_test(attr: TokenStream, item: TokenStream) -> TokenStream {
 
     let name = &item.sig.ident;
     let function = LitStr::new(&name.to_string(), name.span());
-    let private = quote!(::vmm_core::testing::__private);
+    let (krate, crate_needs_glob) = match options.crate_path {
+        Some(path) => crate_path::in_generated_module(path),
+        None => (look_up_crate(), false),
+    };
+    let private = quote!(#krate::testing::__private);
     let none = quote!(::core::option::Option::None);
     let timeout_secs = match options.timeout_secs {
         Some(secs) => quote!(::core::option::Option::Some(#secs)),
@@ -94,19 +109,19 @@ pub(crate) fn ipc_test(attr: TokenStream, item: TokenStream) -> TokenStream {
         Some(reason) => quote!(::core::option::Option::Some(#reason)),
         None => none,
     };
-    let (glob, requirement) = match &options.skip_unless {
-        Some(expr) => (
-            // The requirement is written in the scope of the annotated function.
-            quote! {
-                #[allow(unused_imports)]
-                use super::*;
-            },
-            quote!(|| #private::Requirement::check(#expr)),
-        ),
-        None => (
-            TokenStream::new(),
-            quote!(|| ::core::result::Result::Ok(())),
-        ),
+    let requirement = match &options.skip_unless {
+        Some(expr) => quote!(|| #private::Requirement::check(#expr)),
+        None => quote!(|| ::core::result::Result::Ok(())),
+    };
+    // The requirement, and a `crate` path that starts with a plain name, are written in the
+    // scope of the annotated function.
+    let glob = if options.skip_unless.is_some() || crate_needs_glob {
+        quote! {
+            #[allow(unused_imports)]
+            use super::*;
+        }
+    } else {
+        TokenStream::new()
     };
     let body = quote_spanned_path(name);
     let tests = options

@@ -2,16 +2,16 @@
 //! interpreted, with every error collected.
 
 use proc_macro2::TokenStream;
-use quote::format_ident;
+use quote::{ToTokens, format_ident};
 use syn::ext::IdentExt;
 use syn::parse::{Parse, ParseStream, Parser};
 use syn::punctuated::Punctuated;
-use syn::{Expr, Ident, Lit, LitStr, Token};
+use syn::{Expr, ExprLit, ExprPath, Ident, Lit, LitStr, Path, PathArguments, Token};
 
 use super::Errors;
 
 /// The option names, in the order the documentation lists them.
-const OPTIONS: &str = "`methods`, `skip_unless`, `thread_unsafe`, `timeout`";
+const OPTIONS: &str = "`methods`, `skip_unless`, `thread_unsafe`, `timeout`, `crate`";
 
 /// A start method, in the order the default `methods` list has them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +70,8 @@ pub(super) struct Options {
     pub(super) skip_unless: Option<Expr>,
     pub(super) thread_unsafe: Option<LitStr>,
     pub(super) timeout_secs: Option<u64>,
+    /// The path to vmm-core as written (`crate = path`), resolved next to the function.
+    pub(super) crate_path: Option<Path>,
 }
 
 pub(super) fn parse_options(attr: TokenStream, errors: &mut Errors) -> Options {
@@ -86,7 +88,7 @@ pub(super) fn parse_options(attr: TokenStream, errors: &mut Errors) -> Options {
         let key = name.to_string();
         if !matches!(
             key.as_str(),
-            "methods" | "skip_unless" | "thread_unsafe" | "timeout"
+            "methods" | "skip_unless" | "thread_unsafe" | "timeout" | "crate"
         ) {
             errors.spanned(
                 &name,
@@ -106,7 +108,8 @@ pub(super) fn parse_options(attr: TokenStream, errors: &mut Errors) -> Options {
             "methods" => options.methods = parse_methods(&value, errors),
             "skip_unless" => options.skip_unless = Some(value),
             "thread_unsafe" => options.thread_unsafe = parse_reason(&value, errors),
-            _ => options.timeout_secs = parse_timeout(&value, errors),
+            "timeout" => options.timeout_secs = parse_timeout(&value, errors),
+            _ => options.crate_path = parse_crate_path(&value, errors),
         }
     }
     options
@@ -208,6 +211,47 @@ fn parse_timeout(value: &Expr, errors: &mut Errors) -> Option<u64> {
         Ok(secs) => Some(secs),
         Err(error) => {
             errors.push(error);
+            None
+        }
+    }
+}
+
+/// `crate = some::path`: a path without generic arguments. A string (serde's spelling,
+/// `crate = "..."`) gets a hint: this option takes the path itself, so that it is checked,
+/// resolved and spanned like any other path.
+fn parse_crate_path(value: &Expr, errors: &mut Errors) -> Option<Path> {
+    match value {
+        Expr::Path(ExprPath {
+            attrs,
+            qself: None,
+            path,
+        }) if attrs.is_empty()
+            && path
+                .segments
+                .iter()
+                .all(|segment| matches!(segment.arguments, PathArguments::None)) =>
+        {
+            Some(path.clone())
+        }
+        Expr::Lit(ExprLit {
+            lit: Lit::Str(string),
+            ..
+        }) => {
+            let path = string.parse::<Path>().map_or_else(
+                |_| "my_facade::vmm_core".to_owned(),
+                |path| path.to_token_stream().to_string().replace(' ', ""),
+            );
+            errors.spanned(
+                string,
+                format_args!("`crate` takes a path, not a string: `crate = {path}` (no quotes)"),
+            );
+            None
+        }
+        _ => {
+            errors.spanned(
+                value,
+                "expected the path to vmm-core, e.g. `crate = my_facade::vmm_core`",
+            );
             None
         }
     }
