@@ -1,6 +1,8 @@
 //! Procedural macros of vmm-ipc. Use them through `vmm_core` (`vmm_core::ipc_test`), which
 //! re-exports them next to the runtime they expand to.
 
+#![deny(missing_docs)]
+
 use proc_macro::TokenStream;
 
 mod expand;
@@ -55,6 +57,29 @@ mod expand;
 ///   says why, e.g. `"sets CUDA_VISIBLE_DEVICES"`.
 /// - `timeout = SECS`: an integer literal of seconds, at least 1; the test fails when the body
 ///   and its children run longer.
+/// - `crate = PATH`: the path to vmm-core, for code that reaches it through another crate
+///   that re-exports it (a facade: `crate = my_test_kit::vmm`). A path, not a string as in
+///   serde's `#[serde(crate = "...")]`; it is written as it would be next to the function
+///   (`crate::`, `self::`, `super::`, `::`, a crate's name or an import of the enclosing module).
+///   Without it the macro finds vmm-core's name in the calling crate's `Cargo.toml` (as the
+///   `proc-macro-crate` crate does), so a renamed dependency,
+///   `vmm = { package = "vmm-core", .. }`, needs no option; where vmm-core is not listed
+///   there, it uses `::vmm_core`.
+///
+/// ```no_run
+/// use vmm_core::process::Context;
+///
+/// /// What a facade crate does: re-export vmm-core.
+/// mod facade {
+///     pub use vmm_core as vmm;
+/// }
+///
+/// #[facade::vmm::ipc_test(crate = crate::facade::vmm)]
+/// fn through_a_facade(ctx: &Context) {
+///     let _ = ctx;
+/// }
+/// # fn main() {}
+/// ```
 ///
 /// # With rstest
 ///
@@ -89,7 +114,8 @@ mod expand;
 /// fn child_reads_parent_pattern(ctx: &Context) { /* body */ }
 /// ```
 ///
-/// expands to (`__private` is not a public API):
+/// expands to (`__private` is not a public API; `::vmm_core` is the name vmm-core has in the
+/// calling crate's `Cargo.toml`, or the `crate = PATH` given):
 ///
 /// ```ignore
 /// #[cfg_attr(not(test), allow(dead_code))]
@@ -98,7 +124,7 @@ mod expand;
 /// #[allow(non_snake_case)]
 /// mod child_reads_parent_pattern {
 ///     #[allow(unused_imports)]
-///     use super::*; // only with `skip_unless`, for its expression
+///     use super::*; // only with `skip_unless`, or a `crate` path that starts with a plain name
 ///
 ///     #[test]
 ///     fn spawn() {
@@ -124,15 +150,18 @@ mod expand;
 /// The `skip_unless` expression is evaluated inside the generated module, which glob-imports the
 /// enclosing module: plain names and `crate::`/`::` paths resolve as written, but inside it the
 /// names `spawn` and `forkserver` are the generated tests and `super::` means the enclosing
-/// module. Write `crate::` paths there if in doubt.
+/// module. Write `crate::` paths there if in doubt. (A `crate = PATH` needs no such care: it is
+/// adjusted to resolve as written.)
 ///
 /// # Errors
 ///
 /// Compile errors point at the offending token: an unknown or repeated option, an unknown or
 /// repeated method, an empty `methods` list, a literal of the wrong type (or a zero `timeout`,
-/// an empty reason), a missing context parameter, extra parameters, a context parameter that is
-/// not `&...Context` (by value, `&mut`, another type), and `async`, `unsafe` or generic
-/// functions. All of them are reported at once.
+/// an empty reason), a `crate` value that is not a path, a missing context parameter, extra
+/// parameters, a context parameter that is not `&...Context` (by value, `&mut`, another type),
+/// and `async`, `unsafe` or generic functions. All of them are reported at once. A `crate`
+/// path that leads nowhere fails where the generated tests are compiled (test builds), at the
+/// path as written.
 #[proc_macro_attribute]
 pub fn ipc_test(attr: TokenStream, item: TokenStream) -> TokenStream {
     expand::ipc_test(attr.into(), item.into()).into()

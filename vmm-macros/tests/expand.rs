@@ -69,6 +69,36 @@ fn with_values(#[ignore] ctx: &Context, #[values(1, 2)] n: u32, #[values("a")] s
     let _ = (ctx, n, s);
 }
 
+/// A facade that re-exports vmm-core, as a crate wrapping it would. `crate = path` names it,
+/// written in any form that resolves next to the function.
+mod facade {
+    pub(crate) use vmm_core as inner;
+}
+
+#[vmm_core::ipc_test(crate = crate::facade::inner, methods = [spawn])]
+fn through_facade(ctx: &Context) {
+    let _ = ctx;
+}
+
+#[vmm_core::ipc_test(crate = facade::inner, methods = [forkserver])]
+fn through_facade_relative(ctx: &Context) {
+    let _ = ctx;
+}
+
+#[vmm_core::ipc_test(crate = self::facade::inner, methods = [spawn], skip_unless = requirement())]
+fn through_facade_self(ctx: &Context) {
+    let _ = ctx;
+}
+
+mod deeper {
+    use vmm_core::process::Context;
+
+    #[vmm_core::ipc_test(crate = super::facade::inner, methods = [spawn])]
+    fn through_facade_super(ctx: &Context) {
+        let _ = ctx;
+    }
+}
+
 /// The names libtest (and so cargo test and nextest) sees, from this binary's own `--list`.
 fn listed_tests() -> Vec<String> {
     let exe = std::env::current_exe().expect("current_exe");
@@ -102,6 +132,10 @@ fn generated_tests_are_listed() {
         "with_cases::case_2_two::spawn",
         "with_values::n_1_1::s_1___a__::spawn",
         "with_values::n_2_2::s_1___a__::spawn",
+        "through_facade::spawn",
+        "through_facade_relative::forkserver",
+        "through_facade_self::spawn",
+        "deeper::through_facade_super::spawn",
     ];
     expected.sort_unstable();
     assert_eq!(listed_tests(), expected);

@@ -5,14 +5,38 @@
 //! it cannot run where no Rust toolchain is installed (the GPU machine runs every staged test
 //! binary).
 
-#[path = "../src/expand.rs"]
+#[path = "../src/expand/mod.rs"]
 mod expansion;
 
+use proc_macro_crate::{Error, FoundCrate};
 use proc_macro2::TokenStream;
-use quote::quote;
+use quote::{ToTokens, quote};
+use syn::{Path, parse_quote};
 
+use expansion::crate_path::from_lookup;
+
+/// The expansion with the real lookup of vmm-core's name. It reads this crate's manifest
+/// (`CARGO_MANIFEST_DIR`, set by cargo and nextest), where vmm-core is the dev-dependency
+/// `vmm_core`; a staged binary without it falls back to the same `::vmm_core`.
 fn expand(attr: TokenStream, item: TokenStream) -> String {
     expansion::ipc_test(attr, item).to_string()
+}
+
+/// The expansion where the lookup would find `found`.
+fn expand_finding(found: Path, attr: TokenStream, item: TokenStream) -> String {
+    expansion::expand(attr, item, || found).to_string()
+}
+
+/// The expansion with a `crate = ..` option, which must win: the lookup is never made.
+fn expand_with_option(attr: TokenStream) -> String {
+    expansion::expand(
+        attr,
+        quote!(
+            fn t(ctx: &Context) {}
+        ),
+        || panic!("the crate was looked up although `crate = ..` was given"),
+    )
+    .to_string()
 }
 
 #[test]
@@ -149,4 +173,128 @@ fn errors_are_combined_and_keep_only_inert_attributes() {
     assert!(!actual.contains("rstest"), "{actual}");
     assert!(!actual.contains("case"), "{actual}");
     assert!(actual.contains("# [allow (dead_code)]"), "{actual}");
+}
+
+#[test]
+fn a_renamed_dependency_is_called_by_its_name() {
+    let actual = expand_finding(
+        parse_quote!(::vmm),
+        quote!(),
+        quote!(
+            fn t(ctx: &Context) {}
+        ),
+    );
+    assert!(
+        actual.contains(":: vmm :: testing :: __private :: run"),
+        "{actual}"
+    );
+    assert!(!actual.contains("vmm_core"), "{actual}");
+}
+
+#[test]
+fn lookup_results_map_to_paths() {
+    let path = |found| from_lookup(found).to_token_stream().to_string();
+    assert_eq!(path(Ok(FoundCrate::Name("vmm".into()))), ":: vmm");
+    assert_eq!(path(Ok(FoundCrate::Name("vmm_core".into()))), ":: vmm_core");
+    // vmm-core's own doctests and examples get `Itself` too, and reach it as `vmm_core`.
+    assert_eq!(path(Ok(FoundCrate::Itself)), ":: vmm_core");
+    assert_eq!(path(Err(Error::CargoManifestDirNotSet)), ":: vmm_core");
+    // Not an identifier: the published name, whose error is the clearer one.
+    assert_eq!(
+        path(Ok(FoundCrate::Name("not a name".into()))),
+        ":: vmm_core"
+    );
+}
+
+#[test]
+fn the_crate_option_wins_over_the_lookup() {
+    let actual = expand_with_option(quote!(crate = ::facade::vmm, methods = [spawn]));
+    let expected = quote! {
+        #[cfg_attr(not(test), allow(dead_code))]
+        fn t(ctx: &Context) {}
+
+        #[allow(non_snake_case)]
+        mod t {
+            #[test]
+            fn spawn() {
+                ::facade::vmm::testing::__private::run(
+                    ::facade::vmm::testing::__private::Spec {
+                        module_path: ::core::module_path!(),
+                        function: "t",
+                        method: ::facade::vmm::testing::__private::StartMethod::Spawn,
+                        timeout_secs: ::core::option::Option::None,
+                        thread_unsafe: ::core::option::Option::None,
+                    },
+                    || ::core::result::Result::Ok(()),
+                    super::t,
+                )
+            }
+        }
+    };
+    assert_eq!(actual, expected.to_string());
+}
+
+/// The path is written next to the function; the tests live one module deeper.
+#[test]
+fn crate_paths_resolve_as_written_next_to_the_function() {
+    const GLOB: &str = "use super :: * ;";
+    for (written, generated, glob) in [
+        (quote!(::facade::vmm), ":: facade :: vmm :: testing", false),
+        (
+            quote!(crate::facade::vmm),
+            "crate :: facade :: vmm :: testing",
+            false,
+        ),
+        (quote!(crate), "crate :: testing", false),
+        (
+            quote!(self::facade::vmm),
+            "super :: facade :: vmm :: testing",
+            false,
+        ),
+        (
+            quote!(super::facade::vmm),
+            "super :: super :: facade :: vmm :: testing",
+            false,
+        ),
+        // An item or import of the enclosing module, or a crate: found through the glob.
+        (quote!(facade::vmm), "facade :: vmm :: testing", true),
+        (quote!(vmm), "vmm :: testing", true),
+    ] {
+        let actual = expand_with_option(quote!(crate = #written));
+        let run = format!("{generated} :: __private :: run");
+        assert!(
+            actual.contains(&run),
+            "{written}: {run:?} missing from {actual}"
+        );
+        assert_eq!(actual.contains(GLOB), glob, "{written}: {actual}");
+    }
+}
+
+#[test]
+fn crate_option_errors() {
+    for (attr, message) in [
+        (
+            quote!(crate = "vmm"),
+            "`crate` takes a path, not a string: `crate = vmm` (no quotes)",
+        ),
+        (
+            quote!(crate = "::a::b c"),
+            "`crate` takes a path, not a string: `crate = my_facade::vmm_core` (no quotes)",
+        ),
+        (quote!(crate = 1), "expected the path to vmm-core, e.g."),
+        (
+            quote!(crate = vmm::<u8>),
+            "expected the path to vmm-core, e.g.",
+        ),
+        (
+            quote!(crate = a, crate = b),
+            "option `crate` is given more than once",
+        ),
+    ] {
+        let actual = expand_with_option(attr.clone());
+        assert!(
+            actual.contains(message),
+            "{attr}: {message:?} missing from {actual}"
+        );
+    }
 }

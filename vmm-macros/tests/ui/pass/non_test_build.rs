@@ -24,4 +24,15 @@ fn defaults(ctx: &Context) {
     let _ = ctx;
 }
 
+mod facade {
+    // Only the generated tests use it, and they exist only under `cfg(test)`.
+    #[allow(unused_imports)]
+    pub use vmm_core as inner;
+}
+
+#[vmm_core::ipc_test(crate = facade::inner)]
+fn through_facade(ctx: &Context) {
+    let _ = ctx;
+}
+
 fn main() {}

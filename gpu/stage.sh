@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Build the workspace's test and bench executables here (release, stripped; no GPU needed) and
+# stage them, with run.sh, under .gpu/ in the repository root, for a GPU machine that has no Rust
+# toolchain: copy the repository root with .gpu/ there and run `bash .gpu/run.sh`.
+# Usage (from anywhere):  bash gpu/stage.sh [cargo args, e.g. -p vmm-tests]
+# Then, on the GPU machine, from that copy:  bash .gpu/run.sh [tests|benches|peers|all] [args]
+# Needs cargo, git and jq. The raw-driver and Python anchors (`peers`) are staged only where a
+# sibling checkout of the team's shared/ directory exists (../shared/anchors).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/.." && pwd)
+cd "$root"
+command -v jq >/dev/null || { echo "stage.sh needs jq (it reads cargo's JSON messages): install it first" >&2; exit 1; }
+rm -rf .gpu && mkdir -p .gpu/tests .gpu/benches   # .gpu/ is git-ignored
+# Small, symbol-free binaries: a carried tree may be limited (the team's is 64 MiB).
+export CARGO_PROFILE_RELEASE_DEBUG=false CARGO_PROFILE_RELEASE_STRIP=symbols
+export CARGO_PROFILE_BENCH_DEBUG=false CARGO_PROFILE_BENCH_STRIP=symbols
+stage() { # $1 = tests|benches; reads cargo's JSON messages on stdin
+  jq -r 'select(.reason == "compiler-artifact" and .executable != null and .profile.test == true)
+      | "\(.target.name)\t\(.target.kind[0])\t\(.executable)"' |
+  while IFS=$'\t' read -r name kind exe; do
+    if [ "$1" = benches ] && [ "$kind" != bench ]; then continue; fi
+    if [ "$1" = tests ] && [ "$kind" = bench ]; then continue; fi
+    cp "$exe" ".gpu/$1/${name}-${kind}"
+  done
+}
+cargo test --workspace --release --no-run --message-format=json-render-diagnostics "$@" | stage tests
+cargo bench --workspace --no-run --message-format=json-render-diagnostics "$@" | stage benches
+cp "$here/run.sh" .gpu/run.sh
+anchors="$root/../shared/anchors"
+if [ -d "$anchors" ]; then
+  cp -r "$anchors" .gpu/anchors
+  echo "staged the anchors from $anchors"
+else
+  echo "no $anchors here: staging without anchors (run.sh peers will say so)"
+fi
+# The commit the executables were built from; "+dirty" when tracked files had uncommitted changes.
+if commit=$(git rev-parse HEAD 2>/dev/null); then
+  git diff --quiet HEAD 2>/dev/null || commit="$commit+dirty"
+  echo "$commit" > .gpu/COMMIT
+fi
+ls -la .gpu/tests .gpu/benches
+size=$(du -sm .gpu | cut -f1)
+echo "staged ${size} MiB under .gpu/ (keep it under 60 MiB so it can travel)"
+[ "$size" -lt 60 ] || { echo "too large to carry: stage fewer targets (cargo args such as -p NAME)" >&2; exit 1; }
+echo 'next, on the GPU machine: bash .gpu/run.sh tests   (or benches, peers, all)'
