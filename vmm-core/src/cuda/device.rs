@@ -9,9 +9,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::sys::CUdevice_attribute;
-
-use super::driver;
+use super::driver::{self, CUdevice_attribute};
 use crate::{Error, Result};
 
 /// A CUDA device of this process, by ordinal (as numbered under this process's
@@ -124,8 +122,9 @@ impl Device {
         format_uuid(&self.inner.uuid)
     }
 
-    /// A raw `cuDeviceGetAttribute` value, for attributes this module does not name.
-    pub fn attribute(&self, attribute: CUdevice_attribute) -> Result<i32> {
+    /// A raw `cuDeviceGetAttribute` value (crate-internal: the public API names the capabilities
+    /// it needs, `supports_*`, and exposes no driver type).
+    pub(crate) fn attribute(&self, attribute: CUdevice_attribute) -> Result<i32> {
         driver::device_attribute(self.inner.raw, attribute)
     }
 
@@ -171,7 +170,9 @@ impl Device {
                 _thread: PhantomData,
             });
         }
-        driver::ctx_set_current(ctx)?;
+        // SAFETY: `ctx` is this device's primary context, retained above (or by an earlier call)
+        // and never released, so it is alive for the whole process.
+        unsafe { driver::ctx_set_current(ctx) }?;
         Ok(CurrentContext {
             restore: Some(previous),
             _thread: PhantomData,
@@ -181,6 +182,9 @@ impl Device {
 
 /// While alive, a device's primary context is current on this thread; dropping it restores the
 /// thread's previous context. Not `Send`: the current context is per thread.
+///
+/// Guards live only inside one vmm-core call (they are crate-internal and never handed to user
+/// code), and they nest: an inner guard restores what the outer one made current.
 #[derive(Debug)]
 #[must_use = "the context is current only while the guard lives"]
 pub(crate) struct CurrentContext {
@@ -191,7 +195,13 @@ pub(crate) struct CurrentContext {
 impl Drop for CurrentContext {
     fn drop(&mut self) {
         if let Some(previous) = self.restore.take() {
-            let _ = driver::ctx_set_current(previous);
+            // SAFETY: `previous` was current on this thread when the guard was made (null if
+            // none was). A context current on a thread stays alive while it is current, and
+            // between then and now only vmm-core code ran on this thread (the guard never
+            // leaves the vmm-core call that made it), none of which destroys contexts; another
+            // thread destroying a context that is current here breaks the driver's own rule
+            // (`cuCtxDestroy`: no API call may use the context meanwhile).
+            let _ = unsafe { driver::ctx_set_current(previous) };
         }
     }
 }
