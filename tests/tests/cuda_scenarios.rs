@@ -118,15 +118,16 @@ fn grown_two_chunk_buffer_reads_as_one_range(ctx: &Context) {
 fn refuse_malformed(descriptor: IpcDescriptor) {
     let resource = resource();
     let g = descriptor.chunk_sizes()[0];
+    let min = resource.min_granularity();
     let fds: Vec<_> = descriptor.fds().collect();
     let before = open_fds().unwrap();
     // Each case: the layout, and the rule the refusal must name.
     let cases: Vec<(vmm_core::Result<IpcDescriptor>, String)> = vec![
         (
-            IpcDescriptor::from_fds(&fds, &[g / 2], HandleType::PosixFd, g / 2),
+            IpcDescriptor::from_fds(&fds, &[min / 2], HandleType::PosixFd, min / 2),
             format!(
-                "chunk 1 of 1 has size {}, not a multiple of the allocation granularity {g}",
-                g / 2
+                "chunk 1 of 1 has size {}, not a multiple of the allocation granularity {min}",
+                min / 2
             ),
         ),
         (

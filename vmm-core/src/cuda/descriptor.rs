@@ -399,7 +399,12 @@ mod tests {
         let back: IpcDescriptor = crate::wire::decode(encoded.bytes(), fds).unwrap();
         assert_eq!((back.chunk_sizes(), back.size()), (&[G][..], 5));
         assert_eq!(back.handle_type(), HandleType::PosixFd);
-        assert!(serde_json::to_string(&d).is_err());
+        // Any other serde format is refused: an fd number means nothing in another process.
+        let m = serde_json::to_string(&d).unwrap_err().to_string();
+        assert!(
+            m.contains("vmm_core::cuda::IpcDescriptor carries a file descriptor"),
+            "{m}"
+        );
     }
 
     #[test]
