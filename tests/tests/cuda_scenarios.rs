@@ -304,7 +304,8 @@ fn with_context_of(device: &Device, f: impl FnOnce()) {
     // SAFETY: `previous` was current on this thread a moment ago (or null) and nothing here
     // destroyed it.
     check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(previous) });
-    // SAFETY: releases the retain above; vmm-core holds its own retain of this context.
+    // SAFETY: releases the retain above; this thread no longer has `ctx` current and nothing
+    // here uses it again (vmm-core keeps its own retain where it uses a primary context).
     check("cuDevicePrimaryCtxRelease", unsafe {
         sys::cuDevicePrimaryCtxRelease_v2(raw)
     });

@@ -196,11 +196,11 @@ impl Drop for CurrentContext {
     fn drop(&mut self) {
         if let Some(previous) = self.restore.take() {
             // SAFETY: `previous` was current on this thread when the guard was made (null if
-            // none was). A context current on a thread stays alive while it is current, and
-            // between then and now only vmm-core code ran on this thread (the guard never
-            // leaves the vmm-core call that made it), none of which destroys contexts; another
-            // thread destroying a context that is current here breaks the driver's own rule
-            // (`cuCtxDestroy`: no API call may use the context meanwhile).
+            // none was), and is alive still: the guard lives only inside the vmm-core call that
+            // made it, and no vmm-core code destroys or releases a context. A context could
+            // only go away meanwhile if another thread destroyed (or released the last retain
+            // of) a context that this thread is using, which the driver forbids already
+            // (`cuCtxDestroy`: no API call may use the context while it is destroyed).
             let _ = unsafe { driver::ctx_set_current(previous) };
         }
     }

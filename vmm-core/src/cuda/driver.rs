@@ -462,7 +462,8 @@ pub(crate) unsafe fn export_posix_fd(handle: CUmemGenericAllocationHandle) -> Re
     init()?;
     let mut fd: std::ffi::c_int = -1;
     // errno after the call tells a hit fd limit apart from a driver refusal, but only if the
-    // call is what set it: errno is never cleared by a successful call.
+    // call is what set it: nothing clears errno, so an EMFILE left by an earlier failure (of
+    // anything, on this thread) would otherwise read as this call's.
     Errno::set_raw(0);
     // SAFETY: the caller guarantees `handle` is live; for
     // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR the driver writes one `int` through the pointer,
