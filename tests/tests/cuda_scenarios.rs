@@ -4,9 +4,10 @@
 
 use std::time::Duration;
 
+use cudarc::driver::sys;
 use vmm_core::cuda::{
-    Access, Device, HandleType, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer,
-    VirtualMemoryResource,
+    Access, Device, HandleType, IpcDescriptor, Location, PeerAccess, ResourceOptions,
+    VirtualMemoryBuffer, VirtualMemoryResource, importer, set_importer,
 };
 use vmm_core::ipc_test;
 use vmm_core::process::Context;
@@ -117,32 +118,41 @@ fn grown_two_chunk_buffer_reads_as_one_range(ctx: &Context) {
 fn refuse_malformed(descriptor: IpcDescriptor) {
     let resource = resource();
     let g = descriptor.chunk_sizes()[0];
+    let min = resource.min_granularity();
     let fds: Vec<_> = descriptor.fds().collect();
     let before = open_fds().unwrap();
-    let cases: Vec<(&str, vmm_core::Result<IpcDescriptor>)> = vec![
+    // Each case: the layout, and the rule the refusal must name.
+    let cases: Vec<(vmm_core::Result<IpcDescriptor>, String)> = vec![
         (
-            "unaligned chunk",
-            IpcDescriptor::from_fds(&fds, &[g / 2], HandleType::PosixFd, g / 2),
+            IpcDescriptor::from_fds(&fds, &[min / 2], HandleType::PosixFd, min / 2),
+            format!(
+                "chunk 1 of 1 has size {}, not a multiple of the allocation granularity {min}",
+                min / 2
+            ),
         ),
         (
-            "size beyond the chunks",
             IpcDescriptor::from_fds(&fds, &[g], HandleType::PosixFd, g + 1),
+            format!(
+                "size {} exceeds the {g} bytes that its 1 chunk(s) hold",
+                g + 1
+            ),
         ),
         (
-            "chunk and fd counts differ",
             IpcDescriptor::from_fds(&fds, &[g, g], HandleType::PosixFd, g),
+            "1 fd(s) for 2 chunk(s): a descriptor carries exactly one fd per chunk".to_owned(),
         ),
         (
-            "no handle type",
             IpcDescriptor::from_fds(&fds, &[g], HandleType::None, g),
+            "handle type None: only PosixFd descriptors can be imported".to_owned(),
         ),
     ];
-    for (rule, result) in cases {
+    for (result, rule) in cases {
         let refused = result.and_then(|bad| resource.import(&bad));
         match refused {
-            Err(Error::InvalidArgument(message)) => assert!(
-                message.contains("chunk") || message.contains("handle"),
-                "{rule}: {message}"
+            Err(Error::InvalidArgument(message)) => assert_eq!(
+                message,
+                format!("invalid IpcDescriptor: {rule}"),
+                "the refusal names the rule"
             ),
             other => panic!("{rule}: expected InvalidArgument, got {other:?}"),
         }
@@ -171,11 +181,20 @@ fn try_reexport(args: (VirtualMemoryBuffer, Queue<VirtualMemoryBuffer>)) {
     let Err(Error::InvalidArgument(message)) = buf.export() else {
         panic!("re-export must be refused")
     };
-    assert!(message.contains("forward the descriptor"), "{message}");
-    let Err(Error::Serde(message)) = queue.put(&buf) else {
-        panic!("sending an imported buffer must be refused")
-    };
-    assert!(message.contains("cannot be exported again"), "{message}");
+    assert!(
+        message.starts_with("export: an imported buffer cannot be exported again")
+            && message.contains("forward the descriptor"),
+        "{message}"
+    );
+    // Sending exports on the way, so it is refused the same way (the encode's typed error).
+    match queue.put(&buf) {
+        Err(Error::InvalidArgument(message)) => assert!(
+            message.contains("an imported buffer cannot be exported again")
+                && message.contains("forward the descriptor"),
+            "{message}"
+        ),
+        other => panic!("sending an imported buffer must be refused, got {other:?}"),
+    }
 }
 
 #[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc())]
@@ -252,37 +271,109 @@ fn same_process_alias_sees_writes_both_ways(_ctx: &Context) {
     assert!(contents(&alias).iter().all(|&b| b == 0x5A));
 }
 
+/// Panics unless `rc` is success, naming the driver call.
+#[track_caller]
+fn check(call: &str, rc: sys::CUresult) {
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "{call}");
+}
+
+/// Run `f` with `device`'s primary context current on this thread, waiting for its work, then
+/// restore the thread's previous context. The buffer API always makes the buffer's own device
+/// current, so a peer's access through a mapping is driven with the driver directly.
+fn with_context_of(device: &Device, f: impl FnOnce()) {
+    let mut raw = 0;
+    // SAFETY: a live out-pointer; libcuda is loaded and initialised (vmm-core made `device`).
+    check("cuDeviceGet", unsafe {
+        sys::cuDeviceGet(&mut raw, device.ordinal() as i32)
+    });
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: a live out-pointer and a valid device; released below.
+    check("cuDevicePrimaryCtxRetain", unsafe {
+        sys::cuDevicePrimaryCtxRetain(&mut ctx, raw)
+    });
+    let mut previous = std::ptr::null_mut();
+    // SAFETY: a live out-pointer.
+    check("cuCtxGetCurrent", unsafe {
+        sys::cuCtxGetCurrent(&mut previous)
+    });
+    // SAFETY: `ctx` is retained (alive) until the release below.
+    check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) });
+    f();
+    // SAFETY: acts on the current context, `ctx`.
+    check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() });
+    // SAFETY: `previous` was current on this thread a moment ago (or null) and nothing here
+    // destroyed it.
+    check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(previous) });
+    // SAFETY: releases the retain above; this thread no longer has `ctx` current and nothing
+    // here uses it again (vmm-core keeps its own retain where it uses a primary context).
+    check("cuDevicePrimaryCtxRelease", unsafe {
+        sys::cuDevicePrimaryCtxRelease_v2(raw)
+    });
+}
+
 fn import_on_the_other_device(args: (IpcDescriptor, String)) {
     let (descriptor, exporter_uuid) = args;
-    // CUDA_VISIBLE_DEVICES=1,0 here: this process's device 0 is the exporter's device 1.
-    let current = Device::new(0).unwrap();
+    // CUDA_VISIBLE_DEVICES=1,0 here: this process's device 0 is the exporter's device 1, and
+    // the exporter's device 0 (where the memory lives) is device 1.
+    let peer = Device::new(0).unwrap();
     assert_ne!(
-        current.uuid_string(),
+        peer.uuid_string(),
         exporter_uuid,
         "device order was not swapped"
     );
-    let warm = VirtualMemoryResource::new(&current, ResourceOptions::default())
-        .unwrap()
-        .allocate(1)
-        .unwrap();
-    drop(warm);
-    let buf = VirtualMemoryBuffer::import(&descriptor).unwrap();
-    assert_eq!(
-        buf.device().uuid_string(),
-        exporter_uuid,
-        "imported on the exporter's device"
+    let home = Device::by_uuid(&descriptor.device().unwrap().uuid).unwrap();
+    assert_eq!(home.uuid_string(), exporter_uuid);
+    assert_eq!(home.ordinal(), 1);
+
+    // Until one is registered, arriving buffers go to a default resource: no peer access.
+    assert!(
+        importer(&home, Location::Device)
+            .unwrap()
+            .options()
+            .peers
+            .is_empty()
     );
-    assert_eq!(buf.device().ordinal(), 1);
+    // Register an importer that maps arriving buffers for the peer too.
+    set_importer(
+        &VirtualMemoryResource::new(
+            &home,
+            ResourceOptions::default().peer(peer.ordinal(), Access::ReadWrite),
+        )
+        .unwrap(),
+    );
+    assert_eq!(
+        importer(&home, Location::Device).unwrap().options().peers,
+        [PeerAccess {
+            device: peer.ordinal(),
+            access: Access::ReadWrite
+        }]
+    );
+    let buf = VirtualMemoryBuffer::import(&descriptor).unwrap();
+    assert_eq!(buf.device(), &home, "imported on the exporter's device");
     assert_eq!(contents(&buf), pattern(1, buf.size()));
-    // Mapped for the other device too (peer access), with the exporter's device as home.
-    let peer = VirtualMemoryResource::new(
-        buf.device(),
-        ResourceOptions::default().peer(0, Access::ReadWrite),
-    )
-    .unwrap();
-    let mapped = peer.import(&descriptor).unwrap();
-    mapped.write_at(0, &pattern(4, mapped.size())).unwrap();
-    assert_eq!(contents(&buf), pattern(4, buf.size()));
+
+    // The peer device reads and writes through the mapping, with its own context current.
+    let (ptr, size) = (buf.device_ptr(), buf.size());
+    let mut seen = vec![0u8; size];
+    let written = pattern(4, size);
+    with_context_of(&peer, || {
+        // SAFETY: `ptr..ptr + size` is `buf`'s mapping, alive for the call and mapped with
+        // read-write access for `peer`; `seen` is writable for `size` bytes.
+        check("cuMemcpyDtoH (peer)", unsafe {
+            sys::cuMemcpyDtoH_v2(seen.as_mut_ptr().cast(), ptr, size)
+        });
+        // SAFETY: as above; `written` is readable for `size` bytes, and `with_context_of`
+        // synchronises before `buf` can go.
+        check("cuMemcpyHtoD (peer)", unsafe {
+            sys::cuMemcpyHtoD_v2(ptr, written.as_ptr().cast(), size)
+        });
+    });
+    assert_eq!(seen, pattern(1, size), "the peer read the exporter's data");
+    assert_eq!(
+        contents(&buf),
+        written,
+        "the peer's write reached the memory"
+    );
 }
 
 #[ipc_test(skip_unless = vmm_core::testing::cuda_devices(2))]

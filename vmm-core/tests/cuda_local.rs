@@ -4,11 +4,13 @@
 //! Each test first checks `cuda_vmm_ipc()`: without a usable GPU it prints one
 //! `SKIP <test>: <reason>` line and passes, unless `VMM_REQUIRE_GPU=1`, which makes it fail.
 
+use std::collections::BTreeSet;
 use std::sync::{Mutex, MutexGuard};
 
 use vmm_core::Error;
 use vmm_core::cuda::{
-    Device, HandleType, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource,
+    Device, Granularity, HandleType, IpcDescriptor, Location, ResourceOptions, VirtualMemoryBuffer,
+    VirtualMemoryResource, importer, set_importer,
 };
 use vmm_core::testing::{cuda_vmm_ipc, skip_unless};
 
@@ -33,6 +35,24 @@ fn read(buf: &VirtualMemoryBuffer, offset: usize, len: usize) -> Vec<u8> {
     let mut out = vec![0; len];
     buf.read_at(offset, &mut out).unwrap();
     out
+}
+
+/// The rule text of an `InvalidArgument` (any other outcome fails the test).
+#[track_caller]
+fn invalid<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> String {
+    match result {
+        Err(Error::InvalidArgument(message)) => message,
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
+/// The parts of an `Error::Ipc` (any other outcome fails the test).
+#[track_caller]
+fn ipc<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> (String, String, Error) {
+    match result {
+        Err(Error::Ipc { op, step, source }) => (op.into_owned(), step, *source),
+        other => panic!("expected Error::Ipc, got {other:?}"),
+    }
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -64,12 +84,13 @@ fn allocate_fill_and_copy() {
     assert_eq!(read(&buf, g - 5_000, data.len()), data);
     assert_eq!(read(&buf, g - 5_001, 1), [0xab]);
 
-    let m = buf
-        .read_at(buf.size() - 1, &mut [0; 2])
-        .unwrap_err()
-        .to_string();
-    assert!(m.contains("out of bounds"), "{m}");
-    assert!(buf.write_at(usize::MAX, &[1]).is_err());
+    let m = invalid(buf.read_at(buf.size() - 1, &mut [0; 2]));
+    assert!(
+        m.starts_with("read_at: 2 bytes at offset") && m.contains("out of bounds"),
+        "{m}"
+    );
+    let m = invalid(buf.write_at(usize::MAX, &[1]));
+    assert!(m.starts_with("write_at: 1 bytes at offset"), "{m}");
 
     let empty = r.allocate(0).unwrap();
     assert_eq!((empty.size(), empty.device_ptr()), (0, 0));
@@ -148,16 +169,25 @@ fn grow_in_place_and_relocated_read_as_one_range() {
     assert_eq!(read(&imported, 0, 3 * g), read(&c, 0, 3 * g));
 
     // Grow keeps rules: no shrinking, same handle type, no growing an import.
-    let m = r.grow(&c, g).unwrap_err().to_string();
-    assert!(m.contains("never shrinks"), "{m}");
+    let m = invalid(r.grow(&c, g));
+    assert!(
+        m.starts_with("grow: ") && m.contains("never shrinks"),
+        "{m}"
+    );
     let none = VirtualMemoryResource::new(
         &Device::new(0).unwrap(),
         ResourceOptions::default().handle_type(HandleType::None),
     )
     .unwrap();
-    let m = none.grow(&c, 4 * g).unwrap_err().to_string();
-    assert!(m.contains("handle type"), "{m}");
-    assert!(r.grow(&imported, 4 * g).is_err());
+    let m = invalid(none.grow(&c, 4 * g));
+    assert!(m.contains("the handle type cannot change"), "{m}");
+    let m = invalid(r.grow(&imported, 4 * g));
+    assert!(m.contains("an imported buffer cannot be grown"), "{m}");
+    let m = invalid(none.allocate(1).unwrap().export());
+    assert!(
+        m.contains("handle type None") && m.contains("HandleType::PosixFd"),
+        "{m}"
+    );
     // Within capacity: the same mapping, a larger size.
     let small = r.allocate(1).unwrap();
     let same = r.grow(&small, g).unwrap();
@@ -208,13 +238,19 @@ fn imported_buffer_cannot_be_exported_again() {
     let a = r.allocate(1).unwrap();
     let b = r.import(&a.export().unwrap()).unwrap();
     let fds = open_fds();
-    let m = b.export().unwrap_err().to_string();
+    let m = invalid(b.export());
     assert!(
-        m.contains("imported") && m.contains("forward the descriptor") && m.contains("copy"),
+        m.starts_with("export: an imported buffer cannot be exported again")
+            && m.contains("forward the descriptor")
+            && m.contains("copy"),
         "{m}"
     );
-    let m = vmm_core::wire::encode(&b).unwrap_err().to_string();
-    assert!(m.contains("forward the descriptor"), "{m}");
+    let m = invalid(vmm_core::wire::encode(&b).map(|e| e.fd_count()));
+    assert!(
+        m.starts_with("vmm_core::cuda::VirtualMemoryBuffer: an imported buffer cannot be")
+            && m.contains("forward the descriptor"),
+        "{m}"
+    );
     assert_eq!(open_fds(), fds, "a refused export takes no fd");
 }
 
@@ -230,22 +266,48 @@ fn malformed_descriptors_are_refused_and_nothing_stays_mapped() {
     let fd = good.fds().next().unwrap();
     let baseline = open_fds();
 
-    let invalid = |d: &IpcDescriptor, expect: &str| {
-        let err = r.import(d).unwrap_err();
-        assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
-        assert!(err.to_string().contains(expect), "{err}");
+    let refused = |d: &IpcDescriptor, expect: &str| {
+        let m = invalid(r.import(d));
+        assert!(
+            m.starts_with("invalid IpcDescriptor: ") && m.contains(expect),
+            "{m}"
+        );
     };
-    invalid(
+    // Layouts that from_fds accepts (it knows no granularity) but import refuses.
+    refused(
         &IpcDescriptor::from_fds(&[fd], &[g + 1], HandleType::PosixFd, 1).unwrap(),
-        "chunk 1 of 1 has size",
+        &format!(
+            "chunk 1 of 1 has size {}, not a multiple of the allocation granularity {g}",
+            g + 1
+        ),
     );
-    invalid(
+    refused(
         &IpcDescriptor::from_fds(&[fd, fd], &[g, g / 2], HandleType::PosixFd, 1).unwrap(),
-        "chunk 2 of 2 has size",
+        &format!("chunk 2 of 2 has size {}, not a multiple", g / 2),
     );
-    assert!(IpcDescriptor::from_fds(&[fd], &[g], HandleType::PosixFd, g + 1).is_err());
-    assert!(IpcDescriptor::from_fds(&[fd], &[g, g], HandleType::PosixFd, g).is_err());
-    assert!(IpcDescriptor::from_fds(&[fd], &[g], HandleType::None, g).is_err());
+    // Layouts refused already when the descriptor is built.
+    let m = invalid(IpcDescriptor::from_fds(
+        &[fd],
+        &[g],
+        HandleType::PosixFd,
+        g + 1,
+    ));
+    assert!(
+        m.contains(&format!("size {} exceeds the {g} bytes", g + 1)),
+        "{m}"
+    );
+    let m = invalid(IpcDescriptor::from_fds(
+        &[fd],
+        &[g, g],
+        HandleType::PosixFd,
+        g,
+    ));
+    assert!(m.contains("1 fd(s) for 2 chunk(s)"), "{m}");
+    let m = invalid(IpcDescriptor::from_fds(&[fd], &[g], HandleType::None, g));
+    assert!(
+        m.contains("only PosixFd descriptors can be imported"),
+        "{m}"
+    );
 
     // Valid layout, but the fd is no CUDA allocation: refused by the driver at the first step.
     let file = std::fs::File::open("/proc/self/stat").unwrap();
@@ -256,16 +318,24 @@ fn malformed_descriptors_are_refused_and_nothing_stays_mapped() {
         2 * g,
     )
     .unwrap();
-    let m = r.import(&not_cuda).unwrap_err().to_string();
-    assert!(m.contains("while importing chunk 2 of 2"), "{m}");
+    let (op, step, source) = ipc(r.import(&not_cuda));
+    assert_eq!(op, "import");
+    assert_eq!(step, format!("while importing chunk 2 of 2 ({g} bytes)"));
+    assert!(
+        matches!(&source, Error::Cuda { call, .. } if call == "cuMemImportFromShareableHandle"),
+        "{source:?}"
+    );
     drop((not_cuda, file));
 
     // The descriptor claims more than the chunk holds: fails at map time, rolled back.
-    let too_big = IpcDescriptor::from_fds(&[fd], &[2 * g], HandleType::PosixFd, 2 * g).unwrap();
-    let m = r.import(&too_big).unwrap_err().to_string();
-    assert!(m.contains("chunk 1 of 1"), "{m}");
+    let twice = 2 * a.chunk_sizes()[0];
+    let too_big = IpcDescriptor::from_fds(&[fd], &[twice], HandleType::PosixFd, twice).unwrap();
+    let (op, step, source) = ipc(r.import(&too_big));
+    eprintln!("oversized chunk refused {step}: {source}");
+    assert_eq!(op, "import");
+    assert_eq!(step, format!("while mapping chunk 1 of 1 ({twice} bytes)"));
+    assert!(matches!(source, Error::Cuda { .. }), "{source:?}");
     drop(too_big);
-    eprintln!("oversized chunk refused: {m}");
 
     assert_eq!(open_fds(), baseline, "failed imports leave no fd behind");
     // The exporter's memory is untouched and still importable.
@@ -315,8 +385,39 @@ fn fds_exist_only_while_a_descriptor_lives() {
     assert_eq!(open_fds(), baseline);
 }
 
+/// The open fd numbers of this process, from `/proc/self/fd`, without the listing's own.
+fn open_fd_numbers() -> BTreeSet<u64> {
+    // The listing takes the lowest free number: find it first, so it can be left out.
+    let probe = std::fs::File::open("/dev/null").unwrap();
+    let listing_fd = std::os::fd::AsRawFd::as_raw_fd(&probe) as u64;
+    drop(probe);
+    let mut numbers: BTreeSet<u64> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .map(|entry| {
+            entry
+                .unwrap()
+                .file_name()
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    numbers.remove(&listing_fd);
+    numbers
+}
+
+/// The soft `RLIMIT_NOFILE` under which exactly `free` more fds can be opened (the limit caps fd
+/// numbers, not the count, so holes below the highest open fd count too).
+fn limit_leaving(free: usize) -> u64 {
+    let open = open_fd_numbers();
+    let last_free = (0..).filter(|n| !open.contains(n)).nth(free - 1).unwrap();
+    last_free + 1
+}
+
 #[test]
-fn export_at_the_fd_limit_names_rlimit_nofile_and_leaks_nothing() {
+fn export_at_the_fd_limit_is_fd_limit_and_leaks_nothing() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
     let Some(_gpu) = require_gpu() else {
         return;
     };
@@ -328,31 +429,120 @@ fn export_at_the_fd_limit_names_rlimit_nofile_and_leaks_nothing() {
     }
     drop(buf.export().unwrap()); // warm up the export path
     let baseline = open_fds();
-    let mut old = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: plain getrlimit/setrlimit on valid pointers; the limit is restored below, and
-    // the other tests of this file are serialised by `SERIAL`.
-    unsafe { assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut old), 0) };
-    // Room for two more fds: chunks 1 and 2 export, chunk 3 hits the limit.
-    let low = libc::rlimit {
-        rlim_cur: baseline as libc::rlim_t + 2,
-        rlim_max: old.rlim_max,
-    };
-    // SAFETY: as above.
-    unsafe { assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &low), 0) };
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    // Room for two more fds: chunks 1 and 2 export, a later one hits the limit. The other
+    // tests of this file are serialised by `SERIAL`; the limit is restored before any assert.
+    let low = limit_leaving(2);
+    assert!(low < soft, "the limit {soft} leaves fewer than 2 fds free");
+    setrlimit(Resource::RLIMIT_NOFILE, low, hard).unwrap();
     let result = buf.export();
-    // SAFETY: as above.
-    unsafe { assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &old), 0) };
-    let m = result.unwrap_err().to_string();
-    eprintln!("export at the fd limit: {m}");
-    assert!(m.contains("RLIMIT_NOFILE") && m.contains("of 4"), "{m}");
+    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+    let (op, step, source) = ipc(result);
+    eprintln!("export at the fd limit fails {step}: {source}");
+    assert_eq!(op, "export");
+    assert!(
+        step.starts_with("while exporting chunk ") && step.ends_with(&format!(" of 4 ({g} bytes)")),
+        "{step}"
+    );
+    let Error::FdLimit { op, soft_limit, .. } = &source else {
+        panic!("expected FdLimit, got {source:?}")
+    };
+    assert_eq!(*soft_limit, low, "the limit in force when export failed");
+    assert!(op.contains("cuMemExportToShareableHandle"), "{op}");
+    assert!(source.to_string().contains("RLIMIT_NOFILE"), "{source}");
     assert_eq!(
         open_fds(),
         baseline,
         "a failed export closes the fds it took"
     );
+    // With the limit restored, the same buffer exports.
+    assert_eq!(buf.export().unwrap().fds().count(), 4);
+}
+
+/// Restores the default importer of device 0 when dropped, so that a failing test leaves the
+/// other tests of this process the importer they expect.
+struct RestoreDefaultImporter(VirtualMemoryResource);
+
+impl Drop for RestoreDefaultImporter {
+    fn drop(&mut self) {
+        set_importer(&self.0);
+    }
+}
+
+#[test]
+fn arriving_buffers_are_imported_into_the_registered_importer() {
+    let Some(_gpu) = require_gpu() else {
+        return;
+    };
+    let device = Device::new(0).unwrap();
+    let r = resource();
+    let g = r.granularity();
+    let a = r.allocate(2 * g).unwrap();
+    a.write_at(0, &pattern(2 * g, 7)).unwrap();
+
+    // Unregistered: a default-options resource (no peers, no alignment, no hint).
+    let default = importer(&device, Location::Device).unwrap();
+    assert_eq!(default.options(), &ResourceOptions::default());
+    assert_eq!(default.device(), &device);
+    let plain = VirtualMemoryBuffer::import(&a.export().unwrap()).unwrap();
+    assert!(plain.is_imported());
+    assert_eq!(read(&plain, 0, 2 * g), pattern(2 * g, 7));
+
+    // Registered: every arriving buffer is imported into it. Its alignment shows on each
+    // reservation it makes (a hint could be ignored; an alignment is kept). 64 MiB is 32
+    // granules: three imports in a row (whose reservations would otherwise lie a few granules
+    // apart) all landing on it by chance is not a plausible way for this test to pass.
+    const ALIGN: usize = 64 << 20;
+    let options = ResourceOptions::default()
+        .granularity(Granularity::Minimum)
+        .alignment(ALIGN);
+    let custom = VirtualMemoryResource::new(&device, options.clone()).unwrap();
+    let restore = RestoreDefaultImporter(default);
+    set_importer(&custom);
+    assert_eq!(
+        importer(&device, Location::Device).unwrap().options(),
+        &options
+    );
+
+    let imported = VirtualMemoryBuffer::import(&a.export().unwrap()).unwrap();
+    assert_eq!(
+        imported.device_ptr() % ALIGN as u64,
+        0,
+        "{:#x}",
+        imported.device_ptr()
+    );
+    assert_eq!(read(&imported, 0, 2 * g), pattern(2 * g, 7));
+
+    // A buffer decoded from wire goes the same way.
+    let encoded = vmm_core::wire::encode(&a).unwrap();
+    let fds = encoded
+        .fds()
+        .map(|fd| fd.try_clone_to_owned().unwrap())
+        .collect();
+    let decoded: VirtualMemoryBuffer = vmm_core::wire::decode(encoded.bytes(), fds).unwrap();
+    drop(encoded);
+    assert!(decoded.is_imported());
+    assert_eq!(
+        decoded.device_ptr() % ALIGN as u64,
+        0,
+        "{:#x}",
+        decoded.device_ptr()
+    );
+    decoded.write_at(g - 2, b"wire").unwrap();
+    assert_eq!(read(&a, g - 2, 4), b"wire");
+
+    // And through the trait shared with host buffers.
+    let via_trait =
+        <VirtualMemoryBuffer as vmm_core::SharedBuffer>::import(&a.export().unwrap()).unwrap();
+    assert_eq!(via_trait.device_ptr() % ALIGN as u64, 0);
+
+    // Registering again replaces it; buffers imported already keep their mapping.
+    drop(restore);
+    assert_eq!(
+        importer(&device, Location::Device).unwrap().options(),
+        &ResourceOptions::default()
+    );
+    assert_eq!(read(&imported, g - 2, 4), b"wire");
 }
 
 /// vmm-core makes its device's context current only for the calls that need it, and leaves the

@@ -1,13 +1,22 @@
-//! [`VirtualMemoryBuffer`]: a contiguous device address range made of chunks.
+//! [`VirtualMemoryBuffer`]: a contiguous device address range made of chunks; its copies, its
+//! export, and how it is sent (as a fresh export).
+//!
+//! How a buffer is received (imported into this process's importer) is
+//! [`importer`](super::importer)'s job, beside the registry it reads.
 
 use std::sync::Arc;
 
+use serde::Serialize;
+use serde::ser::Serializer;
+
+use super::descriptor::{DeviceIdentity, IpcDescriptor, chunk_name, ipc_error};
 use super::device::Device;
 use super::driver::{self, CUdeviceptr};
 use super::handle::{Allocation, Segment};
-use super::resource::{HandleType, Location, VirtualMemoryResource};
-use crate::Result;
-use crate::share::check_range;
+use super::options::{HandleType, Location};
+use crate::share::{IMPORTED_CANNOT_EXPORT, check_range};
+use crate::wire::{FdOwner, serialize_error};
+use crate::{Error, Result};
 
 /// A range of device virtual memory backed by one or more chunks mapped back to back.
 ///
@@ -31,12 +40,12 @@ struct Inner {
 }
 
 impl VirtualMemoryBuffer {
-    pub(crate) fn empty(resource: &VirtualMemoryResource, imported: bool) -> Self {
-        Self::from_segments(resource, Vec::new(), 0, imported)
-    }
-
+    /// A buffer of `size` bytes over `segments` (contiguous, in address order; none for an
+    /// empty buffer), mapped for `device`.
     pub(crate) fn from_segments(
-        resource: &VirtualMemoryResource,
+        device: &Device,
+        location: Location,
+        handle_type: HandleType,
         segments: Vec<Arc<Segment>>,
         size: usize,
         imported: bool,
@@ -45,9 +54,9 @@ impl VirtualMemoryBuffer {
             inner: Arc::new(Inner {
                 segments,
                 size,
-                device: resource.device().clone(),
-                location: resource.options().location,
-                handle_type: resource.options().handle_type,
+                device: device.clone(),
+                location,
+                handle_type,
                 imported,
             }),
         }
@@ -91,7 +100,9 @@ impl VirtualMemoryBuffer {
     }
 
     /// The device address of the first byte (0 for an empty buffer), for kernels and
-    /// other libraries.
+    /// other libraries. It stays mapped while this buffer or a clone of it lives: work queued
+    /// on it must have finished before the last one is dropped (vmm-core's own copies wait for
+    /// theirs before returning).
     pub fn device_ptr(&self) -> u64 {
         self.inner.segments.first().map_or(0, |s| s.ptr())
     }
@@ -126,8 +137,11 @@ impl VirtualMemoryBuffer {
         self.inner.handle_type
     }
 
-    /// Whether this buffer came from [`VirtualMemoryResource::import`]: such a buffer cannot
-    /// be exported again (forward its descriptor instead).
+    /// Whether this buffer was imported (by [`VirtualMemoryResource::import`],
+    /// [`VirtualMemoryBuffer::import`] or on arrival over [`wire`](crate::wire)): such a buffer
+    /// cannot be exported again (forward its descriptor instead).
+    ///
+    /// [`VirtualMemoryResource::import`]: super::VirtualMemoryResource::import
     pub fn is_imported(&self) -> bool {
         self.inner.imported || self.chunks().any(|c| c.is_imported())
     }
@@ -139,12 +153,17 @@ impl VirtualMemoryBuffer {
     /// The pieces of `offset..offset+len` that fall in each chunk: (device address, offset
     /// into the range, length). Copies go chunk by chunk so no driver call spans two
     /// allocations.
-    fn pieces(&self, offset: usize, len: usize) -> Vec<(CUdeviceptr, usize, usize)> {
+    fn pieces(
+        &self,
+        offset: usize,
+        len: usize,
+    ) -> impl Iterator<Item = (CUdeviceptr, usize, usize)> + use<> {
         pieces(
             self.mapped().map(|(ptr, chunk)| (ptr, chunk.size())),
             offset,
             len,
         )
+        .into_iter()
     }
 
     /// Set every byte to `byte`; returns once the device has done it.
@@ -153,10 +172,17 @@ impl VirtualMemoryBuffer {
             return Ok(());
         }
         let _current = self.inner.device.make_current()?;
-        for (ptr, _, len) in self.pieces(0, self.inner.size) {
-            driver::memset_d8(ptr, byte, len)?;
-        }
-        driver::ctx_synchronize()
+        let queued = self
+            .pieces(0, self.inner.size)
+            .try_for_each(|(ptr, _, len)| {
+                // SAFETY: `pieces` gives ranges inside this buffer's own mappings, which `self`
+                // keeps alive; the buffer's device (current, above) has read-write access to every
+                // mapping of its resource; and the memset finishes before this returns (the
+                // synchronise below runs whether or not a later memset failed).
+                unsafe { driver::memset_d8(ptr, byte, len) }
+            });
+        let synchronised = driver::ctx_synchronize();
+        queued.and(synchronised)
     }
 
     /// Copy `src` to `offset`; returns once the data is on the device (visible to importers).
@@ -166,10 +192,17 @@ impl VirtualMemoryBuffer {
             return Ok(());
         }
         let _current = self.inner.device.make_current()?;
-        for (ptr, at, len) in self.pieces(offset, src.len()) {
-            driver::memcpy_htod(ptr, &src[at..at + len])?;
-        }
-        driver::ctx_synchronize()
+        let queued = self
+            .pieces(offset, src.len())
+            .try_for_each(|(ptr, at, len)| {
+                // SAFETY: `pieces` gives ranges inside this buffer's own mappings (bounds checked
+                // above), which `self` keeps alive; the buffer's device (current, above) has
+                // read-write access; and the copy finishes before this returns (the synchronise
+                // below runs whether or not a later copy failed).
+                unsafe { driver::memcpy_htod(ptr, &src[at..at + len]) }
+            });
+        let synchronised = driver::ctx_synchronize();
+        queued.and(synchronised)
     }
 
     /// Copy from `offset` into `dst`, after all earlier work on the device finished.
@@ -179,14 +212,90 @@ impl VirtualMemoryBuffer {
             return Ok(());
         }
         let _current = self.inner.device.make_current()?;
-        for (ptr, at, len) in self.pieces(offset, dst.len()) {
-            driver::memcpy_dtoh(&mut dst[at..at + len], ptr)?;
+        self.pieces(offset, dst.len())
+            .try_for_each(|(ptr, at, len)| {
+                // SAFETY: `pieces` gives ranges inside this buffer's own mappings (bounds checked
+                // above), which `self` keeps alive; the buffer's device (current, above) has
+                // read-write access; the copy is synchronous.
+                unsafe { driver::memcpy_dtoh(&mut dst[at..at + len], ptr) }
+            })
+    }
+
+    /// Export for another process: one fresh fd per chunk, owned by the returned descriptor.
+    /// The buffer keeps nothing; each call makes new fds.
+    ///
+    /// Refused ([`Error::InvalidArgument`]) for an imported buffer and for one allocated with
+    /// [`HandleType::None`]. A chunk that cannot be exported fails the whole export with an
+    /// [`Error::Ipc`] naming the chunk, whose source is [`Error::FdLimit`] when the process is
+    /// at its fd limit; the fds taken so far are closed.
+    pub fn export(&self) -> Result<IpcDescriptor> {
+        if self.is_imported() {
+            return Err(Error::InvalidArgument(format!(
+                "export: {IMPORTED_CANNOT_EXPORT}"
+            )));
         }
-        Ok(())
+        if self.handle_type() != HandleType::PosixFd {
+            return Err(Error::InvalidArgument(format!(
+                "export: the buffer was allocated with handle type {:?}; create its \
+                 VirtualMemoryResource with HandleType::PosixFd to share it",
+                self.handle_type()
+            )));
+        }
+        let chunks: Vec<&Arc<Allocation>> = self.chunks().collect();
+        let count = chunks.len();
+        let _current = if count > 0 {
+            Some(self.device().make_current()?)
+        } else {
+            None
+        };
+        // Fds taken so far are closed by the partial `Vec`'s drop if one fails.
+        let fds = chunks
+            .iter()
+            .enumerate()
+            .map(|(index, chunk)| {
+                chunk.export_posix_fd().map_err(|e| {
+                    let step =
+                        format!("while exporting {}", chunk_name(index, count, chunk.size()));
+                    ipc_error("export", step, e)
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(IpcDescriptor::exported(
+            fds,
+            chunks.iter().map(|c| c.size()).collect(),
+            self.handle_type(),
+            self.size(),
+            DeviceIdentity {
+                ordinal: self.device().ordinal(),
+                uuid: *self.device().uuid(),
+            },
+            self.location(),
+        ))
     }
 }
 
-/// Checks `offset..offset+len` against `size`, naming the operation.
+impl FdOwner for VirtualMemoryBuffer {
+    const WHAT: &'static str = "vmm_core::cuda::VirtualMemoryBuffer";
+}
+
+/// Sending a buffer exports it on the way: the message takes the fresh fds (in the
+/// [`IpcDescriptor`]'s form), the buffer keeps none. Imported buffers are refused
+/// ([`Error::InvalidArgument`]; forward their descriptor instead), as is serialising outside
+/// a [`wire`](crate::wire) transport. The receiving side is described on the `Deserialize` impl.
+impl Serialize for VirtualMemoryBuffer {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        if self.is_imported() {
+            return Err(serialize_error::<S>(Error::InvalidArgument(format!(
+                "{}: {IMPORTED_CANNOT_EXPORT}",
+                Self::WHAT
+            ))));
+        }
+        self.export()
+            .map_err(serialize_error::<S>)?
+            .serialize_given::<VirtualMemoryBuffer, S>(serializer)
+    }
+}
+
 /// Split `offset..offset+len` over chunks given as (address, size), in order.
 fn pieces(
     chunks: impl Iterator<Item = (CUdeviceptr, usize)>,
@@ -213,27 +322,24 @@ fn pieces(
 
 #[cfg(test)]
 mod tests {
-    use super::{VirtualMemoryBuffer, check_range, pieces};
+    use super::{check_range, pieces};
+    use crate::Error;
 
     #[test]
     fn ranges_are_bounds_checked() {
         check_range("read_at", 0, 10, 10).unwrap();
         check_range("read_at", 10, 0, 10).unwrap();
-        let m = check_range("read_at", 5, 6, 10).unwrap_err().to_string();
+        let err = check_range("read_at", 5, 6, 10).unwrap_err();
         assert!(
-            m.contains("read_at: 6 bytes at offset 5 are out of bounds of the 10-byte"),
-            "{m}"
+            matches!(&err, Error::InvalidArgument(m)
+                if m == "read_at: 6 bytes at offset 5 are out of bounds of the 10-byte buffer"),
+            "{err:?}"
         );
-        assert!(check_range("write_at", usize::MAX, 1, 10).is_err());
-    }
-
-    #[test]
-    fn buffers_can_cross_threads() {
-        fn send_sync<T: Send + Sync>() {}
-        send_sync::<VirtualMemoryBuffer>();
-        send_sync::<super::super::VirtualMemoryResource>();
-        send_sync::<super::super::IpcDescriptor>();
-        send_sync::<super::super::Device>();
+        let err = check_range("write_at", usize::MAX, 1, 10).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument(m) if m.starts_with("write_at: 1 bytes at")),
+            "{err:?}"
+        );
     }
 
     #[test]

@@ -9,9 +9,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::sys::CUdevice_attribute;
-
-use super::driver;
+use super::driver::{self, CUdevice_attribute};
 use crate::{Error, Result};
 
 /// A CUDA device of this process, by ordinal (as numbered under this process's
@@ -124,8 +122,9 @@ impl Device {
         format_uuid(&self.inner.uuid)
     }
 
-    /// A raw `cuDeviceGetAttribute` value, for attributes this module does not name.
-    pub fn attribute(&self, attribute: CUdevice_attribute) -> Result<i32> {
+    /// A raw `cuDeviceGetAttribute` value (crate-internal: the public API names the capabilities
+    /// it needs, `supports_*`, and exposes no driver type).
+    pub(crate) fn attribute(&self, attribute: CUdevice_attribute) -> Result<i32> {
         driver::device_attribute(self.inner.raw, attribute)
     }
 
@@ -171,7 +170,9 @@ impl Device {
                 _thread: PhantomData,
             });
         }
-        driver::ctx_set_current(ctx)?;
+        // SAFETY: `ctx` is this device's primary context, retained above (or by an earlier call)
+        // and never released, so it is alive for the whole process.
+        unsafe { driver::ctx_set_current(ctx) }?;
         Ok(CurrentContext {
             restore: Some(previous),
             _thread: PhantomData,
@@ -181,6 +182,9 @@ impl Device {
 
 /// While alive, a device's primary context is current on this thread; dropping it restores the
 /// thread's previous context. Not `Send`: the current context is per thread.
+///
+/// Guards live only inside one vmm-core call (they are crate-internal and never handed to user
+/// code), and they nest: an inner guard restores what the outer one made current.
 #[derive(Debug)]
 #[must_use = "the context is current only while the guard lives"]
 pub(crate) struct CurrentContext {
@@ -191,7 +195,13 @@ pub(crate) struct CurrentContext {
 impl Drop for CurrentContext {
     fn drop(&mut self) {
         if let Some(previous) = self.restore.take() {
-            let _ = driver::ctx_set_current(previous);
+            // SAFETY: `previous` was current on this thread when the guard was made (null if
+            // none was), and is alive still: the guard lives only inside the vmm-core call that
+            // made it, and no vmm-core code destroys or releases a context. A context could
+            // only go away meanwhile if another thread destroyed (or released the last retain
+            // of) a context that this thread is using, which the driver forbids already
+            // (`cuCtxDestroy`: no API call may use the context while it is destroyed).
+            let _ = unsafe { driver::ctx_set_current(previous) };
         }
     }
 }
@@ -260,11 +270,23 @@ mod tests {
 
     #[test]
     fn without_a_gpu_availability_and_constructors_are_errors() {
-        if availability().is_ok() {
+        let Err(reason) = availability() else {
             return;
-        }
-        let reason = availability().unwrap_err();
+        };
         assert!(!reason.is_empty());
-        assert!(Device::new(0).is_err());
+        match Device::count() {
+            // No driver (or cuInit failed): every constructor says so.
+            Err(err) => {
+                assert!(matches!(err, Error::CudaUnavailable(_)), "{err:?}");
+                assert!(matches!(Device::new(0), Err(Error::CudaUnavailable(_))));
+            }
+            Ok(0) => assert!(
+                matches!(Device::new(0), Err(Error::InvalidArgument(m))
+                    if m.contains("device ordinal 0 does not exist")),
+                "{reason}"
+            ),
+            // A device without VMM or POSIX-fd support: it exists, it just cannot share.
+            Ok(_) => assert!(reason.contains("does not support"), "{reason}"),
+        }
     }
 }

@@ -1,9 +1,19 @@
 //! The driver layer: one thin checked wrapper per CUDA driver call that `cuda` uses.
 //!
-//! This is the only module of `cuda` with `unsafe`. Every wrapper initialises the driver first
-//! (once per process, after checking that libcuda loads, so a machine without it gets an `Err`
-//! rather than cudarc's panic), passes only pointers to live locals, and turns a non-success
-//! `CUresult` into [`Error::Cuda`] carrying the call's name and the error's name.
+//! This is the only module of `cuda` that calls into the driver. Every wrapper initialises the
+//! driver first (once per process, after checking that libcuda loads, so a machine without it
+//! gets an `Err` rather than cudarc's panic), passes only pointers to live locals, and turns a
+//! non-success `CUresult` into [`Error::Cuda`] carrying the call's name and the error's name.
+//!
+//! It sees only driver types (`CUdeviceptr`, `CUmemLocation`, ...): the API's own types
+//! ([`Location`](super::Location), [`Access`](super::Access)) are translated above it.
+//!
+//! Safety is owned where the precondition is: a wrapper whose soundness depends on what its
+//! arguments name (a handle that must still be live, a device range that must be mapped, a
+//! context that must not be destroyed) is an `unsafe fn` whose `# Safety` section says exactly
+//! what the caller guarantees; each call site says why it holds there. Wrappers that take only
+//! plain values, fds the type system keeps open, and out-pointers to locals are safe: the driver
+//! checks such arguments itself.
 //!
 //! Calls that need a current context (copies, memsets, VMM calls) leave that to the caller
 //! ([`super::device::Device::make_current`]); these wrappers only translate.
@@ -13,8 +23,8 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys;
+use nix::errno::Errno;
 
-use super::resource::Location;
 use crate::{Error, Result};
 
 pub(crate) use sys::{
@@ -168,12 +178,17 @@ pub(crate) fn ctx_get_current() -> Result<Context> {
     Ok(Context(ctx))
 }
 
-/// `cuCtxSetCurrent`.
-pub(crate) fn ctx_set_current(ctx: Context) -> Result<()> {
+/// `cuCtxSetCurrent`: bind `ctx` to the calling thread (a null context unbinds).
+///
+/// # Safety
+///
+/// `ctx` must be null or a context that is alive for the whole call: a primary context that is
+/// still retained, or a context nobody has destroyed (`cuCtxDestroy`) or released since it was
+/// read with [`ctx_get_current`]. The driver cannot check a destroyed context's handle; using
+/// one is use after free inside the driver.
+pub(crate) unsafe fn ctx_set_current(ctx: Context) -> Result<()> {
     init()?;
-    // SAFETY: `ctx` is a retained primary context (never released), or the context that was
-    // current on this thread when a `CurrentContext` guard was made and that the guard now
-    // restores (null unbinds); the driver validates the handle either way.
+    // SAFETY: the caller guarantees `ctx` is null or a live context; the call takes it by value.
     check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx.0) })
 }
 
@@ -212,15 +227,17 @@ pub(crate) fn device_location(ordinal: i32) -> CUmemLocation {
     }
 }
 
-/// The driver's form of `location`; `device` is the ordinal that [`Location::Device`] means.
-pub(crate) fn to_sys_location(location: Location, device: i32) -> CUmemLocation {
-    match location {
-        Location::Device => device_location(device),
-        Location::HostNuma(node) => CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA,
-            id: node,
-        },
+/// A host location on NUMA node `node`.
+pub(crate) fn host_numa_location(node: i32) -> CUmemLocation {
+    CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA,
+        id: node,
     }
+}
+
+/// Whether two driver locations are the same place.
+pub(crate) fn same_location(a: &CUmemLocation, b: &CUmemLocation) -> bool {
+    a.type_ == b.type_ && a.id == b.id
 }
 
 /// A readable form of a driver location, for errors: `device 1`, `host NUMA node 0`.
@@ -279,10 +296,18 @@ pub(crate) fn mem_create(
     Ok(handle)
 }
 
-/// `cuMemRelease`.
-pub(crate) fn mem_release(handle: CUmemGenericAllocationHandle) -> Result<()> {
+/// `cuMemRelease`: give up one reference to a physical allocation (the memory itself is freed
+/// once no mapping of it is left either).
+///
+/// # Safety
+///
+/// `handle` must have come from [`mem_create`] or [`import_posix_fd`] in this process and not
+/// have been released yet, and the caller must not use it again: allocation handles are the
+/// driver's pointers, so a second release (or a release of a handle the driver has since
+/// handed out again to someone else) frees what another owner still uses.
+pub(crate) unsafe fn mem_release(handle: CUmemGenericAllocationHandle) -> Result<()> {
     init()?;
-    // SAFETY: the caller (an RAII handle) releases each handle it created or imported once.
+    // SAFETY: the caller guarantees `handle` is live and released only by this call.
     check("cuMemRelease", unsafe { sys::cuMemRelease(handle) })
 }
 
@@ -301,88 +326,148 @@ pub(crate) fn address_reserve(
     Ok(ptr)
 }
 
-/// `cuMemAddressFree`, with exactly the pointer and size that `address_reserve` gave.
-pub(crate) fn address_free(ptr: CUdeviceptr, size: usize) -> Result<()> {
+/// `cuMemAddressFree`: give an address range back.
+///
+/// # Safety
+///
+/// `ptr` and `size` must be exactly what one [`address_reserve`] returned and was asked for,
+/// the range must not have been freed yet, nothing may be mapped in it any more (every
+/// [`mem_map`] in it undone by [`mem_unmap`]), and nobody may use an address in it afterwards:
+/// the driver may hand the range out again, to this process's next reservation or to another
+/// library's.
+pub(crate) unsafe fn address_free(ptr: CUdeviceptr, size: usize) -> Result<()> {
     init()?;
-    // SAFETY: the caller (an RAII handle) frees each reservation once, nothing mapped in it.
+    // SAFETY: the caller guarantees an exact, live, unmapped reservation that it gives up.
     check("cuMemAddressFree", unsafe {
         sys::cuMemAddressFree(ptr, size)
     })
 }
 
-/// `cuMemMap` of all of `handle` at `ptr`.
-pub(crate) fn mem_map(
+/// `cuMemMap`: map all `size` bytes of `handle` at `ptr`.
+///
+/// # Safety
+///
+/// - `ptr..ptr + size` must lie inside a reservation the caller owns (from [`address_reserve`],
+///   not yet freed, and not to be freed before the range is unmapped), and nothing may be
+///   mapped there yet: mapping over another owner's range would make its addresses show this
+///   memory.
+/// - `handle` must be a live allocation (see [`mem_release`]). Its size need not be known: the
+///   driver refuses to map more than the allocation holds (an imported chunk's size is only
+///   what the exporter claimed).
+pub(crate) unsafe fn mem_map(
     ptr: CUdeviceptr,
     size: usize,
     handle: CUmemGenericAllocationHandle,
 ) -> Result<()> {
     init()?;
-    // SAFETY: `ptr..ptr+size` lies in a live reservation (the caller's RAII handle holds it).
+    // SAFETY: the caller guarantees an owned, unmapped range and a live handle.
     check("cuMemMap", unsafe {
         sys::cuMemMap(ptr, size, 0, handle, 0)
     })
 }
 
 /// `cuMemUnmap`.
-pub(crate) fn mem_unmap(ptr: CUdeviceptr, size: usize) -> Result<()> {
+///
+/// # Safety
+///
+/// `ptr..ptr + size` must be exactly a range the caller mapped with one [`mem_map`] and has not
+/// unmapped, and no work that touches it may still be queued, nor any address in it be used
+/// afterwards (until it is mapped again).
+pub(crate) unsafe fn mem_unmap(ptr: CUdeviceptr, size: usize) -> Result<()> {
     init()?;
-    // SAFETY: the caller (an RAII handle) unmaps exactly the range it mapped, once.
+    // SAFETY: the caller guarantees an exact mapping of its own that nothing uses any more.
     check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr, size) })
 }
 
 /// `cuMemSetAccess` for every descriptor in `descs`.
-pub(crate) fn mem_set_access(
+///
+/// # Safety
+///
+/// `ptr..ptr + size` must be mapped (by [`mem_map`]) by the caller, who keeps the mapping for
+/// the whole call: access is per mapping, and granting it on a range someone else mapped
+/// changes who may read and write their memory.
+pub(crate) unsafe fn mem_set_access(
     ptr: CUdeviceptr,
     size: usize,
     descs: &[CUmemAccessDesc],
 ) -> Result<()> {
     init()?;
-    // SAFETY: `descs` is a live slice of `descs.len()` initialised descriptors.
+    // SAFETY: the caller guarantees the range is its own live mapping; `descs` is a live
+    // slice of `descs.len()` initialised descriptors.
     check("cuMemSetAccess", unsafe {
         sys::cuMemSetAccess(ptr, size, descs.as_ptr(), descs.len())
     })
 }
 
-/// `cuMemsetD8_v2` (asynchronous for device memory: callers synchronise).
-pub(crate) fn memset_d8(ptr: CUdeviceptr, byte: u8, count: usize) -> Result<()> {
+/// `cuMemsetD8_v2`: set `count` bytes at `ptr` to `byte`. Asynchronous for device memory.
+///
+/// # Safety
+///
+/// `ptr..ptr + count` must lie inside one mapping that the current context's device may write,
+/// and the caller must keep that mapping alive until the memset has finished (it synchronises,
+/// [`ctx_synchronize`], before the mapping can be unmapped, also when a later call fails).
+pub(crate) unsafe fn memset_d8(ptr: CUdeviceptr, byte: u8, count: usize) -> Result<()> {
     init()?;
-    // SAFETY: the caller checked `ptr..ptr+count` lies in one mapped chunk it keeps alive.
+    // SAFETY: the caller guarantees a writable mapped range that outlives the queued work.
     check("cuMemsetD8_v2", unsafe {
         sys::cuMemsetD8_v2(ptr, byte, count)
     })
 }
 
-/// `cuMemcpyHtoD_v2` from `src`.
-pub(crate) fn memcpy_htod(dst: CUdeviceptr, src: &[u8]) -> Result<()> {
+/// `cuMemcpyHtoD_v2` from `src` to `dst`. From pageable memory the call returns once `src` is
+/// staged; the write to the device may still be under way.
+///
+/// # Safety
+///
+/// `dst..dst + src.len()` must lie inside one mapping that the current context's device may
+/// write, and the caller must keep that mapping alive until the copy has finished (it
+/// synchronises, [`ctx_synchronize`], before the mapping can be unmapped, also when a later
+/// call fails).
+pub(crate) unsafe fn memcpy_htod(dst: CUdeviceptr, src: &[u8]) -> Result<()> {
     init()?;
-    // SAFETY: `src` is live for the call (pageable copies are staged before return); the
-    // caller checked `dst..dst+src.len()` lies in one mapped chunk it keeps alive.
+    // SAFETY: `src` is live and readable for `src.len()` bytes for the call (pageable copies
+    // are staged before return); the caller guarantees the device range.
     check("cuMemcpyHtoD_v2", unsafe {
         sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast::<c_void>(), src.len())
     })
 }
 
-/// `cuMemcpyDtoH_v2` into `dst` (synchronous for pageable memory).
-pub(crate) fn memcpy_dtoh(dst: &mut [u8], src: CUdeviceptr) -> Result<()> {
+/// `cuMemcpyDtoH_v2` from `src` into `dst` (synchronous: to pageable memory it returns once
+/// the data is in `dst`).
+///
+/// # Safety
+///
+/// `src..src + dst.len()` must lie inside one mapping that the current context's device may
+/// read, kept alive by the caller for the call.
+pub(crate) unsafe fn memcpy_dtoh(dst: &mut [u8], src: CUdeviceptr) -> Result<()> {
     init()?;
-    // SAFETY: `dst` is live and writable for `dst.len()` bytes; the caller checked
-    // `src..src+dst.len()` lies in one mapped chunk it keeps alive.
+    // SAFETY: `dst` is live and writable for `dst.len()` bytes, and the driver writes no more;
+    // the caller guarantees the device range.
     check("cuMemcpyDtoH_v2", unsafe {
         sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast::<c_void>(), src, dst.len())
     })
 }
 
+const EXPORT_CALL: &str = "cuMemExportToShareableHandle";
+
 /// `cuMemExportToShareableHandle` as a POSIX fd, owned (and made close-on-exec) at once.
 ///
-/// On failure also returns the `errno` seen right after the call, which tells a hit fd limit
-/// (`EMFILE`) apart from a driver refusal.
-pub(crate) fn export_posix_fd(
-    handle: CUmemGenericAllocationHandle,
-) -> std::result::Result<OwnedFd, (Error, std::io::Error)> {
-    init().map_err(|e| (e, std::io::Error::from_raw_os_error(0)))?;
+/// A failure because the process is at its fd limit is [`Error::FdLimit`] (see
+/// [`export_failure`]); any other failure is the call's [`Error::Cuda`].
+///
+/// # Safety
+///
+/// `handle` must be a live allocation (see [`mem_release`]) for the whole call.
+pub(crate) unsafe fn export_posix_fd(handle: CUmemGenericAllocationHandle) -> Result<OwnedFd> {
+    init()?;
     let mut fd: std::ffi::c_int = -1;
-    // SAFETY: for CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR the driver writes an `int` through
-    // the pointer; `fd` is a live `c_int`.
+    // errno after the call tells a hit fd limit apart from a driver refusal, but only if the
+    // call is what set it: nothing clears errno, so an EMFILE left by an earlier failure (of
+    // anything, on this thread) would otherwise read as this call's.
+    Errno::set_raw(0);
+    // SAFETY: the caller guarantees `handle` is live; for
+    // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR the driver writes one `int` through the pointer,
+    // and `fd` is a live `c_int`.
     let rc = unsafe {
         sys::cuMemExportToShareableHandle(
             (&mut fd as *mut std::ffi::c_int).cast::<c_void>(),
@@ -391,21 +476,42 @@ pub(crate) fn export_posix_fd(
             0,
         )
     };
-    let errno = std::io::Error::last_os_error();
-    check("cuMemExportToShareableHandle", rc).map_err(|e| (e, errno))?;
+    let errno = Errno::last_raw();
+    if let Err(error) = check(EXPORT_CALL, rc) {
+        return Err(export_failure(error, errno, crate::limits::open_fds));
+    }
     if fd < 0 {
-        return Err((
-            Error::CudaContract {
-                call: "cuMemExportToShareableHandle".into(),
-                detail: format!("gave fd {fd}"),
-            },
-            std::io::Error::from_raw_os_error(libc::EBADF),
-        ));
+        return Err(Error::CudaContract {
+            call: EXPORT_CALL.into(),
+            detail: format!("gave fd {fd}"),
+        });
     }
     // SAFETY: on success the driver hands the caller a new open fd that nothing else owns.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    set_cloexec(&fd).map_err(|e| (e, std::io::Error::from_raw_os_error(0)))?;
+    set_cloexec(&fd)?;
     Ok(fd)
+}
+
+/// The error for a failed export: [`Error::FdLimit`] when the process ran out of fds, else
+/// `error` (the call's own).
+///
+/// The driver reports a hit fd limit as an ordinary failure; what tells it apart is `errno`
+/// right after the call (cleared before it) being `EMFILE`, or, since the driver need not leave
+/// errno behind, `count_fds` (which needs an fd itself: `/proc/self/fd`) failing with `EMFILE`.
+fn export_failure(
+    error: Error,
+    errno: i32,
+    count_fds: impl FnOnce() -> std::io::Result<usize>,
+) -> Error {
+    let at_limit =
+        errno == libc::EMFILE || count_fds().is_err_and(|e| e.raw_os_error() == Some(libc::EMFILE));
+    if at_limit {
+        crate::limits::fd_limit_error(format!(
+            "{EXPORT_CALL} needs a fresh fd for each exported chunk ({error})"
+        ))
+    } else {
+        error
+    }
 }
 
 /// The driver does not promise `O_CLOEXEC`; every fd of this crate is close-on-exec.
@@ -417,6 +523,10 @@ fn set_cloexec(fd: &OwnedFd) -> Result<()> {
 }
 
 /// `cuMemImportFromShareableHandle` of a POSIX fd; the driver does not take the fd.
+///
+/// Safe: `fd` is open for the call (the borrow says so), and the driver checks that it is an
+/// exported allocation: any other fd is refused with an error (`CUDA_ERROR_INVALID_VALUE` or
+/// similar), which is how a forged descriptor ends.
 pub(crate) fn import_posix_fd(fd: BorrowedFd<'_>) -> Result<CUmemGenericAllocationHandle> {
     init()?;
     let mut handle = 0;
@@ -433,12 +543,17 @@ pub(crate) fn import_posix_fd(fd: BorrowedFd<'_>) -> Result<CUmemGenericAllocati
 }
 
 /// `cuMemGetAllocationPropertiesFromHandle`.
-pub(crate) fn allocation_properties(
+///
+/// # Safety
+///
+/// `handle` must be a live allocation (see [`mem_release`]) for the whole call.
+pub(crate) unsafe fn allocation_properties(
     handle: CUmemGenericAllocationHandle,
 ) -> Result<CUmemAllocationProp> {
     init()?;
     let mut prop = allocation_prop(device_location(-1), false);
-    // SAFETY: `prop` is a live, initialised out-struct of the right type.
+    // SAFETY: the caller guarantees `handle` is live; `prop` is a live, initialised
+    // out-struct of the right type.
     check("cuMemGetAllocationPropertiesFromHandle", unsafe {
         sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, handle)
     })?;
@@ -470,12 +585,62 @@ mod tests {
         let file = std::fs::File::open("/proc/self/stat").unwrap();
         assert!(fd_flags(file.as_raw_fd()).is_ok());
         // Numbers that no test opens (a just-closed one could be reused by a parallel test).
-        let m = fd_flags(-1).unwrap_err().to_string();
+        for closed in [-1, i32::MAX - 7] {
+            let err = fd_flags(closed).unwrap_err();
+            assert!(
+                matches!(&err, Error::Os { op, .. } if op == &format!("fcntl({closed}, F_GETFD)")),
+                "{err:?}"
+            );
+            assert_eq!(err.raw_os_error(), Some(libc::EBADF));
+        }
+    }
+
+    fn refused() -> Error {
+        Error::Cuda {
+            call: EXPORT_CALL.into(),
+            name: "CUDA_ERROR_INVALID_VALUE".to_owned(),
+            code: 1,
+        }
+    }
+
+    fn emfile() -> std::io::Result<usize> {
+        Err(std::io::Error::from_raw_os_error(libc::EMFILE))
+    }
+
+    #[test]
+    fn export_at_the_fd_limit_is_fd_limit() {
+        // errno says EMFILE: the fd count is not even needed.
+        let err = export_failure(refused(), libc::EMFILE, || unreachable!());
+        let Error::FdLimit { op, soft_limit, .. } = &err else {
+            panic!("{err:?}")
+        };
         assert!(
-            m.contains("F_GETFD") && m.contains("Bad file descriptor"),
-            "{m}"
+            op.contains(EXPORT_CALL)
+                && op.contains("a fresh fd for each exported chunk")
+                && op.contains("CUDA_ERROR_INVALID_VALUE"),
+            "{op}"
         );
-        assert!(fd_flags(i32::MAX - 7).is_err());
+        assert_eq!(*soft_limit, crate::limits::nofile_soft_limit());
+        assert!(err.to_string().contains("RLIMIT_NOFILE"), "{err}");
+        // errno left clear, but not even /proc/self/fd can be opened.
+        let err = export_failure(refused(), 0, emfile);
+        assert!(matches!(err, Error::FdLimit { .. }), "{err:?}");
+        assert_eq!(err.raw_os_error(), Some(libc::EMFILE));
+    }
+
+    #[test]
+    fn other_export_failures_stay_the_drivers() {
+        let err = export_failure(refused(), 0, || Ok(10));
+        assert!(
+            matches!(&err, Error::Cuda { call, name, code: 1 }
+                if call == EXPORT_CALL && name == "CUDA_ERROR_INVALID_VALUE"),
+            "{err:?}"
+        );
+        // Another errno (stale or not) and another failure to count are not the fd limit.
+        let err = export_failure(refused(), libc::ENOMEM, || {
+            Err(std::io::Error::from_raw_os_error(libc::EACCES))
+        });
+        assert!(matches!(err, Error::Cuda { .. }), "{err:?}");
     }
 
     #[test]
@@ -485,7 +650,10 @@ mod tests {
             return;
         }
         let err = init().unwrap_err();
-        assert!(err.to_string().contains("libcuda"), "{err}");
-        assert!(device_count().is_err());
+        assert!(
+            matches!(&err, Error::CudaUnavailable(reason) if reason.contains("libcuda")),
+            "{err:?}"
+        );
+        assert!(matches!(device_count(), Err(Error::CudaUnavailable(_))));
     }
 }

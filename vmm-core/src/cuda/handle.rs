@@ -2,6 +2,10 @@
 //! mapping. Each undoes exactly what it did when dropped, so a sequence of steps that fails part
 //! way rolls back by dropping what it built, in reverse order of construction.
 //!
+//! These types are where the driver layer's `unsafe` preconditions are discharged: each owns
+//! exactly one driver object, so "this handle is live", "this range is exactly the one reserved"
+//! and "nothing is mapped in it any more" follow from ownership and drop order.
+//!
 //! Drop errors cannot be returned; they are ignored (the driver reports them only for handles
 //! it no longer knows, which these types never produce).
 
@@ -17,6 +21,8 @@ use crate::Result;
 /// `cuMemRelease`. Shared (`Arc`) by every mapping of it, so grown buffers can reuse chunks.
 #[derive(Debug)]
 pub(crate) struct Allocation {
+    /// Live as long as `self`: made by a constructor, released only by `Drop`, never handed
+    /// out, so a driver call made while `self` is borrowed may rely on it.
     handle: CUmemGenericAllocationHandle,
     size: usize,
     imported: bool,
@@ -53,8 +59,19 @@ impl Allocation {
         })
     }
 
-    pub(crate) fn handle(&self) -> CUmemGenericAllocationHandle {
-        self.handle
+    /// `cuMemExportToShareableHandle` of this allocation as a fresh POSIX fd.
+    pub(crate) fn export_posix_fd(&self) -> Result<std::os::fd::OwnedFd> {
+        let _current = self.device.make_current()?;
+        // SAFETY: `self.handle` is live while `self` is borrowed (see the field).
+        unsafe { driver::export_posix_fd(self.handle) }
+    }
+
+    /// The driver's location of the memory (`cuMemGetAllocationPropertiesFromHandle`): where an
+    /// imported chunk really lives.
+    pub(crate) fn location(&self) -> Result<driver::CUmemLocation> {
+        let _current = self.device.make_current()?;
+        // SAFETY: `self.handle` is live while `self` is borrowed (see the field).
+        unsafe { driver::allocation_properties(self.handle) }.map(|prop| prop.location)
     }
 
     pub(crate) fn size(&self) -> usize {
@@ -70,7 +87,11 @@ impl Allocation {
 impl Drop for Allocation {
     fn drop(&mut self) {
         let _current = self.device.make_current();
-        let _ = driver::mem_release(self.handle);
+        // SAFETY: `handle` came from `cuMemCreate` or `cuMemImportFromShareableHandle` in a
+        // constructor of this value, which alone owns it; this drop is its only release and
+        // nothing uses it afterwards. (Mappings hold an `Arc<Allocation>`, so none of this
+        // value's mappings is left either, though the driver would allow that.)
+        let _ = unsafe { driver::mem_release(self.handle) };
     }
 }
 
@@ -106,7 +127,13 @@ impl Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         let _current = self.device.make_current();
-        let _ = driver::address_free(self.ptr, self.size);
+        // SAFETY: `ptr` and `size` are exactly what `cuMemAddressReserve` returned and was asked
+        // for in `new`, freed only here. Nothing is mapped in the range any more: the only
+        // mappings made in a reservation are a `Segment`'s, made by `Segment::map` at offsets
+        // inside it, and a segment drops its mappings before its reservation (field order);
+        // a reservation without a segment never had a mapping. The buffers that use the
+        // addresses hold the segment, so none is left either.
+        let _ = unsafe { driver::address_free(self.ptr, self.size) };
     }
 }
 
@@ -122,15 +149,27 @@ pub(crate) struct Mapping {
 
 impl Mapping {
     /// Map all of `allocation` at `ptr` and grant `access`. If granting fails the map is undone.
-    pub(crate) fn new(
+    ///
+    /// Private to this module: [`Segment::map`] is the only way to make a mapping, so every
+    /// mapping lies in a reservation that outlives it.
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + allocation.size()` must lie inside a reservation that outlives the returned
+    /// mapping, with nothing else mapped in that part of it for as long as the mapping lives.
+    unsafe fn new(
         ptr: CUdeviceptr,
         allocation: Arc<Allocation>,
         access: &[CUmemAccessDesc],
     ) -> Result<Self> {
         let _current = allocation.device.make_current()?;
-        driver::mem_map(ptr, allocation.size, allocation.handle)?;
+        // SAFETY: the caller guarantees the range lies in a reservation that outlives this
+        // mapping, free of other mappings; `allocation.handle` is live (we hold the `Arc`).
+        unsafe { driver::mem_map(ptr, allocation.size, allocation.handle) }?;
+        // From here on, dropping `mapping` (on the error below) unmaps the range.
         let mapping = Mapping { ptr, allocation };
-        driver::mem_set_access(mapping.ptr, mapping.allocation.size, access)?;
+        // SAFETY: the range was just mapped by this mapping, which lives for the call.
+        unsafe { driver::mem_set_access(mapping.ptr, mapping.allocation.size, access) }?;
         Ok(mapping)
     }
 
@@ -146,7 +185,12 @@ impl Mapping {
 impl Drop for Mapping {
     fn drop(&mut self) {
         let _current = self.allocation.device.make_current();
-        let _ = driver::mem_unmap(self.ptr, self.allocation.size);
+        // SAFETY: exactly the range `new` mapped, unmapped only here. Nothing uses it any more:
+        // mappings live in a `Segment`, which buffers share through an `Arc`, so this runs
+        // when the last buffer that could copy to or from these addresses is gone; every
+        // buffer operation waits for its device work before it returns, and work a user queued
+        // on `VirtualMemoryBuffer::device_ptr` must have finished by then (documented there).
+        let _ = unsafe { driver::mem_unmap(self.ptr, self.allocation.size) };
     }
 }
 
@@ -174,7 +218,10 @@ impl Segment {
         let mut offset = 0usize;
         for (index, chunk) in chunks.into_iter().enumerate() {
             let size = chunk.size;
-            if offset + size > segment.reservation.size {
+            if offset
+                .checked_add(size)
+                .is_none_or(|end| end > segment.reservation.size)
+            {
                 return Err((
                     index,
                     crate::Error::InvalidArgument(format!(
@@ -184,8 +231,13 @@ impl Segment {
                     )),
                 ));
             }
-            let mapping = Mapping::new(segment.reservation.ptr + offset as u64, chunk, access)
-                .map_err(|e| (index, e))?;
+            // SAFETY: `offset + size` fits the reservation (checked above), and the chunks are
+            // mapped at increasing, non-overlapping offsets, so this range is free; the
+            // reservation outlives the mapping, since the segment owns both and drops its
+            // mappings first (field order), also when this loop returns early.
+            let mapping =
+                unsafe { Mapping::new(segment.reservation.ptr + offset as u64, chunk, access) }
+                    .map_err(|e| (index, e))?;
             segment.mappings.push(mapping);
             offset += size;
         }

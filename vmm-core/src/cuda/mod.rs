@@ -1,10 +1,11 @@
 //! CUDA virtual-memory (VMM) buffers that can be shared with other processes by fd.
 //!
-//! Layered like cudarc: a private `driver` module wraps each driver call (the only `unsafe`), the
-//! handle layer owns one driver object each (allocation, reservation, mapping) and undoes it on
-//! drop, and the API on top is [`VirtualMemoryResource`] (allocate, grow, import),
-//! [`VirtualMemoryBuffer`] (a contiguous range of chunks; export) and [`IpcDescriptor`] (the
-//! fds and sizes that carry a buffer to another process).
+//! The API: [`VirtualMemoryResource`] allocates, grows and imports [`VirtualMemoryBuffer`]s on
+//! one [`Device`] with fixed [`ResourceOptions`]; a buffer is a contiguous range of chunks that
+//! [`export`](VirtualMemoryBuffer::export)s to an [`IpcDescriptor`] (one fd per chunk, the only
+//! thing that crosses a process boundary); [`set_importer`] and [`importer`] say which resource
+//! buffers that arrive in this process (over [`wire`](crate::wire), or through
+//! [`VirtualMemoryBuffer::import`]) are imported into.
 //!
 //! ```no_run
 //! use vmm_core::cuda::{Device, ResourceOptions, VirtualMemoryResource};
@@ -15,20 +16,38 @@
 //! let alias = resource.import(&descriptor)?; // same memory, another address
 //! # Ok::<(), vmm_core::Error>(())
 //! ```
+//!
+//! # Layout
+//!
+//! Layered like cudarc (sys, then result, then safe types). Each module has one job, and each
+//! uses only the modules listed before it:
+//!
+//! | module | job |
+//! | --- | --- |
+//! | `driver` | one checked wrapper per driver call; driver types only. Wrappers whose soundness depends on what their arguments name are `unsafe fn`s with a `# Safety` section |
+//! | `device` | [`Device`]: identity, capabilities, the primary context made current per call |
+//! | `handle` | RAII over one driver object each (allocation, reservation, mapping, a segment of mappings): where the driver's `unsafe` contracts are discharged, by ownership and drop order |
+//! | `options` | [`ResourceOptions`] and its enums: plain data, checked before any driver call, translated to driver types here |
+//! | `descriptor` | [`IpcDescriptor`], [`DeviceIdentity`], the layout rules a descriptor from another process must meet, its serde form |
+//! | `buffer` | [`VirtualMemoryBuffer`]: copies, [`export`](VirtualMemoryBuffer::export), sending (`Serialize`) |
+//! | `resource` | [`VirtualMemoryResource`]: allocate, grow, [`import`](VirtualMemoryResource::import) (validate, import, reserve, map, set access, or roll back) |
+//! | `importer` | the receiving side: [`set_importer`], [`importer`], [`VirtualMemoryBuffer::import`], and the buffer's `Deserialize` |
 
 mod buffer;
+mod descriptor;
 mod device;
 mod driver;
 mod handle;
-mod ipc;
+mod importer;
+mod options;
 mod resource;
 
 pub use buffer::VirtualMemoryBuffer;
+pub use descriptor::{DeviceIdentity, IpcDescriptor};
 pub use device::{Device, availability};
-pub use ipc::{DeviceIdentity, IpcDescriptor};
-pub use resource::{
-    Access, Granularity, HandleType, Location, PeerAccess, ResourceOptions, VirtualMemoryResource,
-};
+pub use importer::{importer, set_importer};
+pub use options::{Access, Granularity, HandleType, Location, PeerAccess, ResourceOptions};
+pub use resource::VirtualMemoryResource;
 
 impl crate::SharedBuffer for VirtualMemoryBuffer {
     type Descriptor = IpcDescriptor;
@@ -45,6 +64,7 @@ impl crate::SharedBuffer for VirtualMemoryBuffer {
         VirtualMemoryBuffer::export(self)
     }
 
+    /// Into this process's [`importer`] (see [`VirtualMemoryBuffer::import`]).
     fn import(descriptor: &IpcDescriptor) -> crate::Result<Self> {
         VirtualMemoryBuffer::import(descriptor)
     }
@@ -59,5 +79,19 @@ impl crate::SharedBuffer for VirtualMemoryBuffer {
 
     fn read_at(&self, offset: usize, out: &mut [u8]) -> crate::Result<()> {
         VirtualMemoryBuffer::read_at(self, offset, out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn api_types_can_cross_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<VirtualMemoryBuffer>();
+        send_sync::<VirtualMemoryResource>();
+        send_sync::<IpcDescriptor>();
+        send_sync::<Device>();
     }
 }

@@ -1,208 +1,16 @@
-//! [`VirtualMemoryResource`]: where and how buffers are allocated, and how they grow.
+//! [`VirtualMemoryResource`]: where and how buffers are allocated, how they grow, and how a
+//! descriptor from another process is imported (validated, then mapped, or rolled back).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
-
-use serde::{Deserialize, Serialize};
+use std::os::fd::{AsFd, AsRawFd};
+use std::sync::Arc;
 
 use super::buffer::VirtualMemoryBuffer;
-use super::device::Device;
+use super::descriptor::{IpcDescriptor, chunk_name, ipc_error, validate_layout};
+use super::device::{Device, format_uuid};
 use super::driver::{self, CUmemAccessDesc, CUmemLocation};
 use super::handle::{Allocation, Reservation, Segment};
+use super::options::{Access, Granularity, HandleType, Location, ResourceOptions};
 use crate::{Error, Result};
-
-/// Where the physical memory of a resource's chunks lives.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Location {
-    /// In the resource's device memory.
-    #[default]
-    Device,
-    /// In host memory on this NUMA node, mapped for the device (needs driver support:
-    /// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`).
-    HostNuma(i32),
-}
-
-/// How chunks can be shared with other processes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum HandleType {
-    /// Not shareable: the driver may then use cheaper allocations. `export` is refused.
-    None,
-    /// Shareable as a POSIX file descriptor per chunk (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`).
-    #[default]
-    PosixFd,
-}
-
-impl HandleType {
-    /// The driver's `CUmemAllocationHandleType` value.
-    pub fn to_raw(self) -> u32 {
-        match self {
-            HandleType::None => 0,
-            HandleType::PosixFd => 1,
-        }
-    }
-
-    /// From the driver's value; Win32, fabric and other handle types are refused, since this
-    /// crate moves handles only as POSIX fds.
-    pub fn from_raw(raw: u32) -> Result<Self> {
-        match raw {
-            0 => Ok(HandleType::None),
-            1 => Ok(HandleType::PosixFd),
-            other => Err(Error::InvalidArgument(format!(
-                "handle type {other} is not supported: only None (0) and PosixFd (1) are"
-            ))),
-        }
-    }
-}
-
-/// What a peer device may do with a resource's memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Access {
-    /// Read and write.
-    ReadWrite,
-    /// Read only.
-    Read,
-    /// No access (the same as not listing the peer).
-    None,
-}
-
-/// Access for one peer device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct PeerAccess {
-    /// The peer's ordinal in this process.
-    pub device: usize,
-    /// What it may do.
-    pub access: Access,
-}
-
-/// Which allocation granularity rounds sizes: the driver's minimum, or its recommended one
-/// (which may be larger and faster).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub enum Granularity {
-    /// `CU_MEM_ALLOC_GRANULARITY_MINIMUM`.
-    Minimum,
-    /// `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`.
-    #[default]
-    Recommended,
-}
-
-/// How a [`VirtualMemoryResource`] allocates. `Default` gives device memory shareable by fd.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ResourceOptions {
-    /// Where the memory lives.
-    pub location: Location,
-    /// How chunks are shared ([`HandleType::PosixFd`] to export).
-    pub handle_type: HandleType,
-    /// Other devices that get access to every mapping (the resource's device always has
-    /// read-write access).
-    pub peers: Vec<PeerAccess>,
-    /// Which granularity sizes round up to.
-    pub granularity: Granularity,
-    /// Where to ask the driver to reserve addresses (a hint; it may reserve elsewhere).
-    pub address_hint: Option<u64>,
-    /// The alignment of reserved address ranges (a power of two).
-    pub alignment: Option<usize>,
-}
-
-impl ResourceOptions {
-    /// Set [`ResourceOptions::location`].
-    pub fn location(mut self, location: Location) -> Self {
-        self.location = location;
-        self
-    }
-
-    /// Set [`ResourceOptions::handle_type`].
-    pub fn handle_type(mut self, handle_type: HandleType) -> Self {
-        self.handle_type = handle_type;
-        self
-    }
-
-    /// Add a peer device and its access.
-    pub fn peer(mut self, device: usize, access: Access) -> Self {
-        self.peers.push(PeerAccess { device, access });
-        self
-    }
-
-    /// Set [`ResourceOptions::granularity`].
-    pub fn granularity(mut self, granularity: Granularity) -> Self {
-        self.granularity = granularity;
-        self
-    }
-
-    /// Set [`ResourceOptions::address_hint`].
-    pub fn address_hint(mut self, hint: u64) -> Self {
-        self.address_hint = Some(hint);
-        self
-    }
-
-    /// Set [`ResourceOptions::alignment`].
-    pub fn alignment(mut self, alignment: usize) -> Self {
-        self.alignment = Some(alignment);
-        self
-    }
-
-    /// Refuse contradictory options before any driver call; errors name the option.
-    pub(crate) fn check(&self, own_device: usize, device_count: usize) -> Result<()> {
-        let bad = |message: String| Err(Error::InvalidArgument(message));
-        if let Location::HostNuma(node) = self.location
-            && node < 0
-        {
-            return bad(format!(
-                "option `location`: host NUMA node {node} is invalid (must be >= 0)"
-            ));
-        }
-        for (index, peer) in self.peers.iter().enumerate() {
-            if peer.device == own_device {
-                return bad(format!(
-                    "option `peers`: device {own_device} is the resource's own device, which \
-                     always has read-write access; list only other devices"
-                ));
-            }
-            if peer.device >= device_count {
-                return bad(format!(
-                    "option `peers`: device {} does not exist (this process sees {device_count} \
-                     device(s))",
-                    peer.device
-                ));
-            }
-            if self.peers[..index].iter().any(|p| p.device == peer.device) {
-                return bad(format!(
-                    "option `peers`: device {} is listed more than once",
-                    peer.device
-                ));
-            }
-        }
-        if let Some(alignment) = self.alignment
-            && !alignment.is_power_of_two()
-        {
-            return bad(format!(
-                "option `alignment`: {alignment} is not a power of two"
-            ));
-        }
-        if let (Some(hint), Some(alignment)) = (self.address_hint, self.alignment)
-            && hint % alignment as u64 != 0
-        {
-            return bad(format!(
-                "option `address_hint`: {hint:#x} is not a multiple of option `alignment` \
-                 ({alignment:#x})"
-            ));
-        }
-        Ok(())
-    }
-
-    /// Checks that need the granularity (known once the driver answered).
-    pub(crate) fn check_granularity(&self, granularity: usize) -> Result<()> {
-        if let Some(hint) = self.address_hint
-            && hint % granularity as u64 != 0
-        {
-            return Err(Error::InvalidArgument(format!(
-                "option `address_hint`: {hint:#x} is not a multiple of the allocation \
-                 granularity ({granularity:#x})"
-            )));
-        }
-        Ok(())
-    }
-}
 
 /// `size` rounded up to a multiple of `granularity`, or an error naming what overflowed.
 pub(crate) fn round_up(size: usize, granularity: usize) -> Result<usize> {
@@ -219,6 +27,12 @@ pub(crate) fn round_up(size: usize, granularity: usize) -> Result<usize> {
 
 /// Allocates [`VirtualMemoryBuffer`]s on one device with fixed options, grows them, and imports
 /// buffers exported by other processes (see [`VirtualMemoryResource::import`]).
+///
+/// The options apply to every buffer the resource makes, imported ones included: the peers'
+/// access is granted on each mapping, and `alignment` and `address_hint` shape each
+/// reservation. To choose the resource that buffers arriving over [`wire`](crate::wire) (or
+/// through [`VirtualMemoryBuffer::import`]) are imported into, see
+/// [`set_importer`](super::set_importer).
 ///
 /// Cheap to clone; buffers do not borrow it.
 #[derive(Debug, Clone)]
@@ -280,7 +94,7 @@ impl VirtualMemoryResource {
             }
         }
         let _current = device.make_current()?;
-        let location = driver::to_sys_location(options.location, device.ordinal_i32());
+        let location = options.location.to_driver(device.ordinal_i32());
         let prop = driver::allocation_prop(location, options.handle_type == HandleType::PosixFd);
         let min_granularity = driver::allocation_granularity(&prop, false)?;
         let granularity = match options.granularity {
@@ -308,24 +122,6 @@ impl VirtualMemoryResource {
         })
     }
 
-    /// The process-wide resource with default options (and `location`) for `device`, created on
-    /// first use: what buffers arriving over `wire` are imported into.
-    pub fn default_for(device: &Device, location: Location) -> Result<Self> {
-        static CACHE: OnceLock<Mutex<HashMap<(usize, Location), VirtualMemoryResource>>> =
-            OnceLock::new();
-        let mut cache = CACHE
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let key = (device.ordinal(), location);
-        if let Some(resource) = cache.get(&key) {
-            return Ok(resource.clone());
-        }
-        let resource = Self::new(device, ResourceOptions::default().location(location))?;
-        cache.insert(key, resource.clone());
-        Ok(resource)
-    }
-
     /// The device this resource allocates on (and imports for).
     pub fn device(&self) -> &Device {
         &self.inner.device
@@ -346,16 +142,32 @@ impl VirtualMemoryResource {
         self.inner.min_granularity
     }
 
-    pub(crate) fn sys_location(&self) -> &CUmemLocation {
-        &self.inner.location
-    }
-
-    pub(crate) fn access(&self) -> &[CUmemAccessDesc] {
-        &self.inner.access
-    }
-
     fn alignment(&self) -> usize {
         self.inner.options.alignment.unwrap_or(0)
+    }
+
+    /// A fresh reservation of `size` bytes with this resource's alignment and address hint.
+    fn reserve(&self, size: usize) -> Result<Reservation> {
+        let options = &self.inner.options;
+        Reservation::new(
+            &self.inner.device,
+            size,
+            self.alignment(),
+            options.address_hint.unwrap_or(0),
+        )
+    }
+
+    /// A buffer of this resource made of `segments`.
+    fn buffer(&self, segments: Vec<Arc<Segment>>, size: usize) -> VirtualMemoryBuffer {
+        let options = &self.inner.options;
+        VirtualMemoryBuffer::from_segments(
+            &self.inner.device,
+            options.location,
+            options.handle_type,
+            segments,
+            size,
+            false,
+        )
     }
 
     fn new_chunk(&self, size: usize) -> Result<Arc<Allocation>> {
@@ -375,23 +187,13 @@ impl VirtualMemoryResource {
     pub fn allocate(&self, size: usize) -> Result<VirtualMemoryBuffer> {
         let inner = &self.inner;
         if size == 0 {
-            return Ok(VirtualMemoryBuffer::empty(self, false));
+            return Ok(self.buffer(Vec::new(), 0));
         }
         let rounded = round_up(size, inner.granularity)?;
         let chunk = self.new_chunk(rounded)?;
-        let reservation = Reservation::new(
-            &inner.device,
-            rounded,
-            self.alignment(),
-            inner.options.address_hint.unwrap_or(0),
-        )?;
+        let reservation = self.reserve(rounded)?;
         let segment = Segment::map(reservation, [chunk], &inner.access).map_err(|(_, e)| e)?;
-        Ok(VirtualMemoryBuffer::from_segments(
-            self,
-            vec![Arc::new(segment)],
-            size,
-            false,
-        ))
+        Ok(self.buffer(vec![Arc::new(segment)], size))
     }
 
     /// A new buffer of `new_size` bytes whose first `buf.size()` bytes are `buf`'s memory.
@@ -456,121 +258,138 @@ impl VirtualMemoryResource {
                     .map_err(|(_, e)| e)?;
                 let mut segments = buf.segments().to_vec();
                 segments.push(Arc::new(segment));
-                return Ok(VirtualMemoryBuffer::from_segments(
-                    self, segments, new_size, false,
-                ));
+                return Ok(self.buffer(segments, new_size));
             }
             // Elsewhere: not adjacent, so give it back and relocate.
             drop(reservation);
         }
-        let reservation = Reservation::new(
-            &inner.device,
-            capacity + extra,
-            self.alignment(),
-            inner.options.address_hint.unwrap_or(0),
-        )?;
+        let reservation = self.reserve(capacity + extra)?;
         let chunks: Vec<Arc<Allocation>> = buf.chunks().cloned().chain([chunk]).collect();
         let segment = Segment::map(reservation, chunks, &inner.access).map_err(|(_, e)| e)?;
-        Ok(VirtualMemoryBuffer::from_segments(
-            self,
-            vec![Arc::new(segment)],
-            new_size,
-            false,
-        ))
+        Ok(self.buffer(vec![Arc::new(segment)], new_size))
+    }
+
+    /// Map a buffer exported by another process (or by this one: that gives an alias at a new
+    /// address) into this resource: on its device, with its peers' access, in a reservation
+    /// with its `alignment` and `address_hint`.
+    ///
+    /// Every field of `descriptor` is checked before the first driver call (the layout against
+    /// this resource's minimum granularity, each fd, and the exporter's device and location
+    /// against this resource's); a failure later undoes all steps and is an [`Error::Ipc`]
+    /// naming the chunk and step. The result holds no fd: drop `descriptor` once imported.
+    pub fn import(&self, descriptor: &IpcDescriptor) -> Result<VirtualMemoryBuffer> {
+        let sizes = descriptor.chunk_sizes();
+        let count = sizes.len();
+        let total = validate_layout(
+            descriptor.handle_type(),
+            descriptor.fds().count(),
+            sizes,
+            descriptor.size(),
+            self.min_granularity(),
+        )?;
+        for (index, fd) in descriptor.fds().enumerate() {
+            if let Err(e) = driver::fd_flags(fd.as_raw_fd()) {
+                return Err(Error::InvalidArgument(format!(
+                    "invalid IpcDescriptor: chunk {} of {count}: fd {} is not open ({e})",
+                    index + 1,
+                    fd.as_raw_fd()
+                )));
+            }
+        }
+        self.check_origin(descriptor)?;
+        let imported = |segments, size| {
+            VirtualMemoryBuffer::from_segments(
+                self.device(),
+                descriptor.location(),
+                descriptor.handle_type(),
+                segments,
+                size,
+                true,
+            )
+        };
+        if count == 0 {
+            return Ok(imported(Vec::new(), 0));
+        }
+        // Every check above ran before this, the first driver call.
+        let device = self.device();
+        let _current = device
+            .make_current()
+            .map_err(|e| ipc_error("import", "while making the device current".into(), e))?;
+        let mut chunks = Vec::with_capacity(count);
+        for (index, (fd, &size)) in descriptor.fds().zip(sizes).enumerate() {
+            let step = |verb: &str| format!("while {verb} {}", chunk_name(index, count, size));
+            let chunk = Allocation::import(device, fd.as_fd(), size)
+                .map_err(|e| ipc_error("import", step("importing"), e))?;
+            let there = chunk
+                .location()
+                .map_err(|e| ipc_error("import", step("checking the location of"), e))?;
+            let here = &self.inner.location;
+            if !driver::same_location(&there, here) {
+                return Err(ipc_error(
+                    "import",
+                    step("checking the location of"),
+                    Error::InvalidArgument(format!(
+                        "the chunk lives on {}, but this resource maps {} ({}); import with a \
+                         VirtualMemoryResource for the chunk's device",
+                        driver::describe_location(&there),
+                        driver::describe_location(here),
+                        device.name()
+                    )),
+                ));
+            }
+            chunks.push(Arc::new(chunk));
+        }
+        let reservation = self.reserve(total).map_err(|e| {
+            ipc_error(
+                "import",
+                format!("while reserving {total} bytes for {count} chunk(s)"),
+                e,
+            )
+        })?;
+        let segment =
+            Segment::map(reservation, chunks, &self.inner.access).map_err(|(index, e)| {
+                ipc_error(
+                    "import",
+                    format!("while mapping {}", chunk_name(index, count, sizes[index])),
+                    e,
+                )
+            })?;
+        Ok(imported(vec![Arc::new(segment)], descriptor.size()))
+    }
+
+    /// Refuse, before any driver call, a descriptor from another device or location.
+    fn check_origin(&self, descriptor: &IpcDescriptor) -> Result<()> {
+        let here = self.device();
+        if let Some(from) = descriptor.device()
+            && descriptor.location() == Location::Device
+            && &from.uuid != here.uuid()
+        {
+            return Err(Error::InvalidArgument(format!(
+                "invalid IpcDescriptor: its chunks live on the exporter's device {} ({}), but \
+                 this resource is on device {} ({}, {}); import with a VirtualMemoryResource \
+                 for that device",
+                from.ordinal,
+                format_uuid(&from.uuid),
+                here.ordinal(),
+                here.name(),
+                here.uuid_string()
+            )));
+        }
+        if descriptor.location() != self.options().location {
+            return Err(Error::InvalidArgument(format!(
+                "invalid IpcDescriptor: its location is {:?}, this resource's option `location` \
+                 is {:?}",
+                descriptor.location(),
+                self.options().location
+            )));
+        }
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn message(result: Result<()>) -> String {
-        result.unwrap_err().to_string()
-    }
-
-    #[test]
-    fn default_options_are_consistent() {
-        ResourceOptions::default().check(0, 1).unwrap();
-        ResourceOptions::default()
-            .peer(1, Access::Read)
-            .alignment(1 << 21)
-            .address_hint(1 << 30)
-            .check(0, 2)
-            .unwrap();
-    }
-
-    #[test]
-    fn own_device_as_peer_is_refused() {
-        let m = message(ResourceOptions::default().peer(0, Access::Read).check(0, 2));
-        assert!(
-            m.contains("option `peers`") && m.contains("own device"),
-            "{m}"
-        );
-    }
-
-    #[test]
-    fn missing_peer_is_refused() {
-        let m = message(ResourceOptions::default().peer(3, Access::Read).check(0, 2));
-        assert!(
-            m.contains("option `peers`") && m.contains("device 3 does not exist"),
-            "{m}"
-        );
-    }
-
-    #[test]
-    fn duplicate_peer_is_refused() {
-        let m = message(
-            ResourceOptions::default()
-                .peer(1, Access::Read)
-                .peer(1, Access::ReadWrite)
-                .check(0, 2),
-        );
-        assert!(
-            m.contains("option `peers`") && m.contains("more than once"),
-            "{m}"
-        );
-    }
-
-    #[test]
-    fn alignment_must_be_a_power_of_two() {
-        let m = message(ResourceOptions::default().alignment(3).check(0, 1));
-        assert!(m.contains("option `alignment`"), "{m}");
-        let m = message(ResourceOptions::default().alignment(0).check(0, 1));
-        assert!(m.contains("option `alignment`"), "{m}");
-    }
-
-    #[test]
-    fn hint_must_match_alignment_and_granularity() {
-        let m = message(
-            ResourceOptions::default()
-                .alignment(1 << 21)
-                .address_hint(4096)
-                .check(0, 1),
-        );
-        assert!(
-            m.contains("option `address_hint`") && m.contains("`alignment`"),
-            "{m}"
-        );
-        let m = message(
-            ResourceOptions::default()
-                .address_hint(4096)
-                .check_granularity(1 << 21),
-        );
-        assert!(
-            m.contains("option `address_hint`") && m.contains("granularity"),
-            "{m}"
-        );
-    }
-
-    #[test]
-    fn negative_numa_node_is_refused() {
-        let m = message(
-            ResourceOptions::default()
-                .location(Location::HostNuma(-1))
-                .check(0, 1),
-        );
-        assert!(m.contains("option `location`"), "{m}");
-    }
 
     #[test]
     fn rounding() {
@@ -579,23 +398,18 @@ mod tests {
         assert_eq!(round_up(G, G).unwrap(), G);
         assert_eq!(round_up(G + 1, G).unwrap(), 2 * G);
         assert_eq!(round_up(0, G).unwrap(), 0);
-        let m = round_up(usize::MAX - 5, G).unwrap_err().to_string();
-        assert!(m.contains("overflows"), "{m}");
+        assert!(
+            matches!(round_up(usize::MAX - 5, G), Err(Error::InvalidArgument(m))
+                if m.contains("overflows when rounded up to the allocation granularity")),
+        );
     }
 
     #[test]
-    fn handle_types_other_than_none_and_posix_fd_are_refused() {
-        assert_eq!(HandleType::from_raw(1).unwrap(), HandleType::PosixFd);
-        assert_eq!(HandleType::from_raw(0).unwrap(), HandleType::None);
-        let m = HandleType::from_raw(8).unwrap_err().to_string();
-        assert!(m.contains("handle type 8"), "{m}");
-    }
-
-    #[test]
-    fn without_a_gpu_resource_construction_is_an_error() {
-        if super::super::availability().is_ok() {
+    fn without_a_driver_devices_are_an_error_not_a_panic() {
+        let Err(err) = Device::count() else {
             return;
-        }
-        assert!(Device::new(0).is_err());
+        };
+        assert!(matches!(err, Error::CudaUnavailable(_)), "{err:?}");
+        assert!(matches!(Device::new(0), Err(Error::CudaUnavailable(_))));
     }
 }

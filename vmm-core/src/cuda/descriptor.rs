@@ -1,22 +1,18 @@
-//! Export and import: [`IpcDescriptor`], the only thing that carries a buffer across processes.
+//! [`IpcDescriptor`]: the only thing that carries a buffer across processes, and its rules.
 //!
-//! A descriptor is data from another process: [`VirtualMemoryResource::import`] validates every
-//! field before the first driver call, and undoes everything if a later step fails.
+//! A descriptor is data from another process. [`validate_layout`] checks everything but the
+//! fds themselves, before any driver call; errors name the chunk and the rule. On the wire a
+//! descriptor is a few plain fields and its fds out of band, one per chunk; its handle type
+//! travels as the driver's number, and an unknown one is refused on arrival.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
 
 use serde::de::Deserializer;
 use serde::ser::Serializer;
 use serde::{Deserialize, Serialize};
 
-use super::buffer::VirtualMemoryBuffer;
-use super::device::Device;
-use super::driver;
-use super::handle::{Allocation, Reservation, Segment};
-use super::resource::{HandleType, Location, VirtualMemoryResource};
-use crate::share::IMPORTED_CANNOT_EXPORT;
-use crate::wire::{FdIn, FdOut, FdOwner, deserialize_error, serialize_error};
+use super::options::{HandleType, Location};
+use crate::wire::{FdIn, FdOut, FdOwner, deserialize_error};
 use crate::{Error, Result};
 
 /// Which device exported a descriptor: the ordinal in the exporter (for messages) and the UUID
@@ -33,7 +29,10 @@ pub struct DeviceIdentity {
 ///
 /// It alone owns the fds; dropping it closes them. Send it with `vmm_core::wire` (the fds go
 /// out of band), or take the fds and sizes apart for a transport of your own and rebuild it
-/// on the other side with [`IpcDescriptor::from_fds`].
+/// on the other side with [`IpcDescriptor::from_fds`]. Import it with
+/// [`VirtualMemoryResource::import`](super::VirtualMemoryResource::import), or with
+/// [`VirtualMemoryBuffer::import`](super::VirtualMemoryBuffer::import) into this process's
+/// importer for its device.
 #[derive(Debug)]
 pub struct IpcDescriptor {
     fds: Vec<OwnedFd>,
@@ -107,7 +106,8 @@ impl IpcDescriptor {
         self.handle_type
     }
 
-    /// The exporting device, when the descriptor came from [`VirtualMemoryBuffer::export`].
+    /// The exporting device, when the descriptor came from
+    /// [`VirtualMemoryBuffer::export`](super::VirtualMemoryBuffer::export).
     pub fn device(&self) -> Option<DeviceIdentity> {
         self.device
     }
@@ -115,6 +115,41 @@ impl IpcDescriptor {
     /// Where the exporter's memory lives.
     pub fn location(&self) -> Location {
         self.location
+    }
+
+    /// The descriptor of a fresh export: `fds` (one per chunk, in chunk order) are the
+    /// exporter's new fds, which the descriptor now owns.
+    pub(crate) fn exported(
+        fds: Vec<OwnedFd>,
+        chunk_sizes: Vec<usize>,
+        handle_type: HandleType,
+        size: usize,
+        device: DeviceIdentity,
+        location: Location,
+    ) -> IpcDescriptor {
+        debug_assert_eq!(fds.len(), chunk_sizes.len());
+        IpcDescriptor {
+            fds,
+            chunk_sizes,
+            handle_type,
+            size,
+            device: Some(device),
+            location,
+        }
+    }
+
+    /// Serialise in the descriptor's form, giving its fds to the message (which closes them
+    /// once sent): how a buffer travels, as a fresh export that nobody else keeps. `O` names the
+    /// type being sent, for errors.
+    pub(crate) fn serialize_given<O: FdOwner, S: Serializer>(
+        mut self,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        let fds = std::mem::take(&mut self.fds)
+            .into_iter()
+            .map(FdOut::<O>::given)
+            .collect();
+        Wire::new(&self, fds).serialize(serializer)
     }
 }
 
@@ -169,11 +204,12 @@ pub(crate) fn validate_layout(
 }
 
 /// `chunk i of n (size bytes)`, the way every import and export error names a chunk.
-fn chunk_name(index: usize, count: usize, size: usize) -> String {
+pub(crate) fn chunk_name(index: usize, count: usize, size: usize) -> String {
     format!("chunk {} of {count} ({size} bytes)", index + 1)
 }
 
-fn ipc_error(op: &'static str, step: String, source: Error) -> Error {
+/// An [`Error::Ipc`]: `op` (`"export"` or `"import"`) failed at `step` because of `source`.
+pub(crate) fn ipc_error(op: &'static str, step: String, source: Error) -> Error {
     Error::Ipc {
         op: op.into(),
         step,
@@ -181,185 +217,9 @@ fn ipc_error(op: &'static str, step: String, source: Error) -> Error {
     }
 }
 
-/// The error for a failed export of one chunk: [`Error::FdLimit`] when the process ran out of
-/// fds (the driver reports that as an ordinary failure; `errno` tells it apart).
-fn export_failure(source: Error, errno: std::io::Error) -> Error {
-    let at_limit = |e: &std::io::Error| e.raw_os_error() == Some(libc::EMFILE);
-    // The driver may not leave errno behind; a failed count of /proc/self/fd says it too.
-    if at_limit(&errno) || crate::limits::open_fds().is_err_and(|e| at_limit(&e)) {
-        return crate::limits::fd_limit_error(format!(
-            "exporting needs one fresh fd per chunk ({source})"
-        ));
-    }
-    source
-}
-
-impl VirtualMemoryBuffer {
-    /// Export for another process: one fresh fd per chunk, owned by the returned descriptor.
-    /// The buffer keeps nothing; each call makes new fds.
-    pub fn export(&self) -> Result<IpcDescriptor> {
-        if self.is_imported() {
-            return Err(Error::InvalidArgument(format!(
-                "export: {IMPORTED_CANNOT_EXPORT}"
-            )));
-        }
-        if self.handle_type() != HandleType::PosixFd {
-            return Err(Error::InvalidArgument(format!(
-                "export: the buffer was allocated with handle type {:?}; create its \
-                 VirtualMemoryResource with HandleType::PosixFd to share it",
-                self.handle_type()
-            )));
-        }
-        let chunks: Vec<&Arc<Allocation>> = self.chunks().collect();
-        let count = chunks.len();
-        let mut fds = Vec::with_capacity(count);
-        let _current = if count > 0 {
-            Some(self.device().make_current()?)
-        } else {
-            None
-        };
-        for (index, chunk) in chunks.iter().enumerate() {
-            // Fds taken so far are closed by `fds`' drop if this returns early.
-            let fd = driver::export_posix_fd(chunk.handle()).map_err(|(e, errno)| {
-                ipc_error(
-                    "export",
-                    format!("while exporting {}", chunk_name(index, count, chunk.size())),
-                    export_failure(e, errno),
-                )
-            })?;
-            fds.push(fd);
-        }
-        Ok(IpcDescriptor {
-            fds,
-            chunk_sizes: chunks.iter().map(|c| c.size()).collect(),
-            handle_type: self.handle_type(),
-            size: self.size(),
-            device: Some(DeviceIdentity {
-                ordinal: self.device().ordinal(),
-                uuid: *self.device().uuid(),
-            }),
-            location: self.location(),
-        })
-    }
-}
-
-impl VirtualMemoryResource {
-    /// Map a buffer exported by another process (or this one: that gives an alias at a new
-    /// address). Every field of `descriptor` is checked before the first driver call; a failure
-    /// later undoes all steps and names the chunk and step. The result holds no fd: drop
-    /// `descriptor` once imported.
-    pub fn import(&self, descriptor: &IpcDescriptor) -> Result<VirtualMemoryBuffer> {
-        let count = descriptor.chunk_sizes.len();
-        let total = validate_layout(
-            descriptor.handle_type,
-            descriptor.fds.len(),
-            &descriptor.chunk_sizes,
-            descriptor.size,
-            self.min_granularity(),
-        )?;
-        for (index, fd) in descriptor.fds.iter().enumerate() {
-            if let Err(e) = driver::fd_flags(fd.as_raw_fd()) {
-                return Err(Error::InvalidArgument(format!(
-                    "invalid IpcDescriptor: chunk {} of {count}: fd {} is not open ({e})",
-                    index + 1,
-                    fd.as_raw_fd()
-                )));
-            }
-        }
-        self.check_origin(descriptor)?;
-        if count == 0 {
-            return Ok(VirtualMemoryBuffer::empty(self, true));
-        }
-        let device = self.device();
-        // Every check above ran before this, the first driver call.
-        let _current = device
-            .make_current()
-            .map_err(|e| ipc_error("import", "while making the device current".into(), e))?;
-        let mut chunks = Vec::with_capacity(count);
-        for (index, (fd, &size)) in descriptor
-            .fds
-            .iter()
-            .zip(&descriptor.chunk_sizes)
-            .enumerate()
-        {
-            let step = |verb: &str| format!("while {verb} {}", chunk_name(index, count, size));
-            let chunk = Allocation::import(device, fd.as_fd(), size)
-                .map_err(|e| ipc_error("import", step("importing"), e))?;
-            let prop = driver::allocation_properties(chunk.handle())
-                .map_err(|e| ipc_error("import", step("checking the location of"), e))?;
-            let here = self.sys_location();
-            if prop.location.type_ != here.type_ || prop.location.id != here.id {
-                return Err(ipc_error(
-                    "import",
-                    step("checking the location of"),
-                    Error::InvalidArgument(format!(
-                        "the chunk lives on {}, but this resource maps {} ({}); import with a \
-                         VirtualMemoryResource for the chunk's device",
-                        driver::describe_location(&prop.location),
-                        driver::describe_location(here),
-                        device.name()
-                    )),
-                ));
-            }
-            chunks.push(Arc::new(chunk));
-        }
-        let reservation = Reservation::new(device, total, 0, 0).map_err(|e| {
-            ipc_error(
-                "import",
-                format!("while reserving {total} bytes for {count} chunk(s)"),
-                e,
-            )
-        })?;
-        let segment = Segment::map(reservation, chunks, self.access()).map_err(|(index, e)| {
-            ipc_error(
-                "import",
-                format!(
-                    "while mapping {}",
-                    chunk_name(index, count, descriptor.chunk_sizes[index])
-                ),
-                e,
-            )
-        })?;
-        Ok(VirtualMemoryBuffer::from_segments(
-            self,
-            vec![Arc::new(segment)],
-            descriptor.size,
-            true,
-        ))
-    }
-
-    /// Refuse, before any driver call, a descriptor from another device or location.
-    fn check_origin(&self, descriptor: &IpcDescriptor) -> Result<()> {
-        let here = self.device();
-        if let Some(from) = descriptor.device
-            && descriptor.location == Location::Device
-            && &from.uuid != here.uuid()
-        {
-            return Err(Error::InvalidArgument(format!(
-                "invalid IpcDescriptor: its chunks live on the exporter's device {} ({}), but \
-                 this resource is on device {} ({}, {}); import with a VirtualMemoryResource \
-                 for that device",
-                from.ordinal,
-                super::device::format_uuid(&from.uuid),
-                here.ordinal(),
-                here.name(),
-                here.uuid_string()
-            )));
-        }
-        if descriptor.location != self.options().location {
-            return Err(Error::InvalidArgument(format!(
-                "invalid IpcDescriptor: its location is {:?}, this resource's option `location` \
-                 is {:?}",
-                descriptor.location,
-                self.options().location
-            )));
-        }
-        Ok(())
-    }
-}
-
 /// The descriptor's serde form: plain fields, then the fds (out of band, by index).
 #[derive(Serialize, Deserialize)]
+#[cfg_attr(test, derive(Clone))]
 #[serde(rename = "IpcDescriptor")]
 struct Wire<F> {
     handle_type: u32,
@@ -370,15 +230,8 @@ struct Wire<F> {
     fds: Vec<F>,
 }
 
-const DESCRIPTOR: &str = "vmm_core::cuda::IpcDescriptor";
-const BUFFER: &str = "vmm_core::cuda::VirtualMemoryBuffer";
-
 impl FdOwner for IpcDescriptor {
-    const WHAT: &'static str = DESCRIPTOR;
-}
-
-impl FdOwner for VirtualMemoryBuffer {
-    const WHAT: &'static str = BUFFER;
+    const WHAT: &'static str = "vmm_core::cuda::IpcDescriptor";
 }
 
 fn to_u64(values: &[usize]) -> Vec<u64> {
@@ -442,54 +295,21 @@ impl<'de> Deserialize<'de> for IpcDescriptor {
     }
 }
 
-impl VirtualMemoryBuffer {
-    /// Import `descriptor` into the process-wide default resource for its device (found by
-    /// UUID, so device renumbering between processes does not matter), initialising CUDA here
-    /// if needed. For other options, use [`VirtualMemoryResource::import`].
-    pub fn import(descriptor: &IpcDescriptor) -> Result<VirtualMemoryBuffer> {
-        let device = match descriptor.device {
-            Some(identity) => Device::by_uuid(&identity.uuid)?,
-            None => Device::new(0)?,
-        };
-        VirtualMemoryResource::default_for(&device, descriptor.location)?.import(descriptor)
-    }
-}
-
-/// Sending a buffer exports it on the way: the message takes the fresh fds, the buffer keeps
-/// none. Imported buffers are refused (forward their descriptor instead).
-impl Serialize for VirtualMemoryBuffer {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        if self.is_imported() {
-            return Err(serialize_error::<S>(Error::InvalidArgument(format!(
-                "{BUFFER}: {IMPORTED_CANNOT_EXPORT}"
-            ))));
-        }
-        let mut descriptor = self.export().map_err(serialize_error::<S>)?;
-        let fds = std::mem::take(&mut descriptor.fds)
-            .into_iter()
-            .map(FdOut::<VirtualMemoryBuffer>::given)
-            .collect();
-        Wire::new(&descriptor, fds).serialize(serializer)
-    }
-}
-
-/// Receiving a buffer imports it into the process-wide default resource for its device
-/// (found by UUID), initialising CUDA here if needed. The received fds are closed once mapped.
-impl<'de> Deserialize<'de> for VirtualMemoryBuffer {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let descriptor = IpcDescriptor::deserialize(deserializer)?;
-        VirtualMemoryBuffer::import(&descriptor).map_err(deserialize_error::<D>)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const G: usize = 2 << 20;
 
+    /// The rule text of an `InvalidArgument` (any other outcome fails the test).
     fn err(result: Result<usize>) -> String {
-        result.unwrap_err().to_string()
+        match result {
+            Err(Error::InvalidArgument(m)) => {
+                assert!(m.starts_with("invalid IpcDescriptor: "), "{m}");
+                m
+            }
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
     }
 
     #[test]
@@ -558,11 +378,11 @@ mod tests {
         let d = IpcDescriptor::from_fds(&[file.as_fd()], &[G], HandleType::PosixFd, G).unwrap();
         let dup = d.fds().next().unwrap().as_raw_fd();
         assert_ne!(dup, file.as_raw_fd());
-        assert!(driver::fd_flags(dup).is_ok());
+        assert!(super::super::driver::fd_flags(dup).is_ok());
         assert_eq!((d.chunk_sizes(), d.size(), d.device()), (&[G][..], G, None));
-        let m = IpcDescriptor::from_fds(&[file.as_fd()], &[G, G], HandleType::PosixFd, G)
-            .unwrap_err()
-            .to_string();
+        let m = err(
+            IpcDescriptor::from_fds(&[file.as_fd()], &[G, G], HandleType::PosixFd, G).map(|_| 0),
+        );
         assert!(m.contains("1 fd(s) for 2 chunk(s)"), "{m}");
     }
 
@@ -579,7 +399,12 @@ mod tests {
         let back: IpcDescriptor = crate::wire::decode(encoded.bytes(), fds).unwrap();
         assert_eq!((back.chunk_sizes(), back.size()), (&[G][..], 5));
         assert_eq!(back.handle_type(), HandleType::PosixFd);
-        assert!(serde_json::to_string(&d).is_err());
+        // Any other serde format is refused: an fd number means nothing in another process.
+        let m = serde_json::to_string(&d).unwrap_err().to_string();
+        assert!(
+            m.contains("vmm_core::cuda::IpcDescriptor carries a file descriptor"),
+            "{m}"
+        );
     }
 
     #[test]
@@ -593,9 +418,22 @@ mod tests {
             fds: vec![],
         };
         let bytes = postcard::to_stdvec(&wire).unwrap();
-        let m = crate::wire::decode::<IpcDescriptor>(&bytes, Vec::new())
-            .unwrap_err()
-            .to_string();
-        assert!(m.contains("handle type 2"), "{m}");
+        let err = crate::wire::decode::<IpcDescriptor>(&bytes, Vec::new()).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument(m)
+                if m.contains("handle type 2 is not supported")
+                    && m.contains("only None (0) and PosixFd (1)")),
+            "{err:?}"
+        );
+        // The two known values arrive as the handle types they name.
+        for handle_type in [HandleType::None, HandleType::PosixFd] {
+            let wire: Wire<u32> = Wire {
+                handle_type: handle_type.to_raw(),
+                ..wire.clone()
+            };
+            let bytes = postcard::to_stdvec(&wire).unwrap();
+            let back = crate::wire::decode::<IpcDescriptor>(&bytes, Vec::new()).unwrap();
+            assert_eq!(back.handle_type(), handle_type);
+        }
     }
 }

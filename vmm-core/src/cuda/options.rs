@@ -1,0 +1,335 @@
+//! What a [`VirtualMemoryResource`](super::VirtualMemoryResource) is configured with: where
+//! memory lives, how it is shared, who else may access it, and how addresses are reserved.
+//!
+//! Plain data, checked before any driver call; the one bridge to the driver is
+//! [`Location::to_driver`], the translation the driver layer itself does not know.
+
+use serde::{Deserialize, Serialize};
+
+use super::driver::{self, CUmemLocation};
+use crate::{Error, Result};
+
+/// Where the physical memory of a resource's chunks lives.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Location {
+    /// In the resource's device memory.
+    #[default]
+    Device,
+    /// In host memory on this NUMA node, mapped for the device (needs driver support:
+    /// `CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`).
+    HostNuma(i32),
+}
+
+impl Location {
+    /// The driver's form of this location for a resource on device `ordinal` (which
+    /// [`Location::Device`] means).
+    pub(crate) fn to_driver(self, ordinal: i32) -> CUmemLocation {
+        match self {
+            Location::Device => driver::device_location(ordinal),
+            Location::HostNuma(node) => driver::host_numa_location(node),
+        }
+    }
+}
+
+/// How chunks can be shared with other processes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum HandleType {
+    /// Not shareable: the driver may then use cheaper allocations. `export` is refused.
+    None,
+    /// Shareable as a POSIX file descriptor per chunk (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`).
+    #[default]
+    PosixFd,
+}
+
+impl HandleType {
+    /// The driver's `CUmemAllocationHandleType` value: how a descriptor's handle type travels
+    /// (crate-internal; the public API names handle types only by this enum).
+    pub(crate) fn to_raw(self) -> u32 {
+        match self {
+            HandleType::None => 0,
+            HandleType::PosixFd => 1,
+        }
+    }
+
+    /// From the driver's value, as a descriptor arrives; Win32, fabric and other handle types
+    /// are refused, since this crate moves handles only as POSIX fds.
+    pub(crate) fn from_raw(raw: u32) -> Result<Self> {
+        match raw {
+            0 => Ok(HandleType::None),
+            1 => Ok(HandleType::PosixFd),
+            other => Err(Error::InvalidArgument(format!(
+                "handle type {other} is not supported: only None (0) and PosixFd (1) are"
+            ))),
+        }
+    }
+}
+
+/// What a peer device may do with a resource's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// Read and write.
+    ReadWrite,
+    /// Read only.
+    Read,
+    /// No access (the same as not listing the peer).
+    None,
+}
+
+/// Access for one peer device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PeerAccess {
+    /// The peer's ordinal in this process.
+    pub device: usize,
+    /// What it may do.
+    pub access: Access,
+}
+
+/// Which allocation granularity rounds sizes: the driver's minimum, or its recommended one
+/// (which may be larger and faster).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Granularity {
+    /// `CU_MEM_ALLOC_GRANULARITY_MINIMUM`.
+    Minimum,
+    /// `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`.
+    #[default]
+    Recommended,
+}
+
+/// How a [`VirtualMemoryResource`](super::VirtualMemoryResource) allocates, imports and
+/// reserves addresses. `Default` gives device memory shareable by fd.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResourceOptions {
+    /// Where the memory lives.
+    pub location: Location,
+    /// How chunks are shared ([`HandleType::PosixFd`] to export).
+    pub handle_type: HandleType,
+    /// Other devices that get access to every mapping (the resource's device always has
+    /// read-write access).
+    pub peers: Vec<PeerAccess>,
+    /// Which granularity sizes round up to.
+    pub granularity: Granularity,
+    /// Where to ask the driver to reserve addresses, for allocations and imports alike (a hint;
+    /// it may reserve elsewhere).
+    pub address_hint: Option<u64>,
+    /// The alignment of reserved address ranges, for allocations and imports alike (a power of
+    /// two).
+    pub alignment: Option<usize>,
+}
+
+impl ResourceOptions {
+    /// Set [`ResourceOptions::location`].
+    pub fn location(mut self, location: Location) -> Self {
+        self.location = location;
+        self
+    }
+
+    /// Set [`ResourceOptions::handle_type`].
+    pub fn handle_type(mut self, handle_type: HandleType) -> Self {
+        self.handle_type = handle_type;
+        self
+    }
+
+    /// Add a peer device and its access.
+    pub fn peer(mut self, device: usize, access: Access) -> Self {
+        self.peers.push(PeerAccess { device, access });
+        self
+    }
+
+    /// Set [`ResourceOptions::granularity`].
+    pub fn granularity(mut self, granularity: Granularity) -> Self {
+        self.granularity = granularity;
+        self
+    }
+
+    /// Set [`ResourceOptions::address_hint`].
+    pub fn address_hint(mut self, hint: u64) -> Self {
+        self.address_hint = Some(hint);
+        self
+    }
+
+    /// Set [`ResourceOptions::alignment`].
+    pub fn alignment(mut self, alignment: usize) -> Self {
+        self.alignment = Some(alignment);
+        self
+    }
+
+    /// Refuse contradictory options before any driver call; errors name the option.
+    pub(crate) fn check(&self, own_device: usize, device_count: usize) -> Result<()> {
+        let bad = |message: String| Err(Error::InvalidArgument(message));
+        if let Location::HostNuma(node) = self.location
+            && node < 0
+        {
+            return bad(format!(
+                "option `location`: host NUMA node {node} is invalid (must be >= 0)"
+            ));
+        }
+        for (index, peer) in self.peers.iter().enumerate() {
+            if peer.device == own_device {
+                return bad(format!(
+                    "option `peers`: device {own_device} is the resource's own device, which \
+                     always has read-write access; list only other devices"
+                ));
+            }
+            if peer.device >= device_count {
+                return bad(format!(
+                    "option `peers`: device {} does not exist (this process sees {device_count} \
+                     device(s))",
+                    peer.device
+                ));
+            }
+            if self.peers[..index].iter().any(|p| p.device == peer.device) {
+                return bad(format!(
+                    "option `peers`: device {} is listed more than once",
+                    peer.device
+                ));
+            }
+        }
+        if let Some(alignment) = self.alignment
+            && !alignment.is_power_of_two()
+        {
+            return bad(format!(
+                "option `alignment`: {alignment} is not a power of two"
+            ));
+        }
+        if let (Some(hint), Some(alignment)) = (self.address_hint, self.alignment)
+            && hint % alignment as u64 != 0
+        {
+            return bad(format!(
+                "option `address_hint`: {hint:#x} is not a multiple of option `alignment` \
+                 ({alignment:#x})"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks that need the granularity (known once the driver answered).
+    pub(crate) fn check_granularity(&self, granularity: usize) -> Result<()> {
+        if let Some(hint) = self.address_hint
+            && hint % granularity as u64 != 0
+        {
+            return Err(Error::InvalidArgument(format!(
+                "option `address_hint`: {hint:#x} is not a multiple of the allocation \
+                 granularity ({granularity:#x})"
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rule text of an `InvalidArgument` (any other outcome fails the test).
+    fn message(result: Result<()>) -> String {
+        match result {
+            Err(Error::InvalidArgument(m)) => m,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn default_options_are_consistent() {
+        ResourceOptions::default().check(0, 1).unwrap();
+        ResourceOptions::default()
+            .peer(1, Access::Read)
+            .alignment(1 << 21)
+            .address_hint(1 << 30)
+            .check(0, 2)
+            .unwrap();
+    }
+
+    #[test]
+    fn own_device_as_peer_is_refused() {
+        let m = message(ResourceOptions::default().peer(0, Access::Read).check(0, 2));
+        assert!(
+            m.contains("option `peers`") && m.contains("own device"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn missing_peer_is_refused() {
+        let m = message(ResourceOptions::default().peer(3, Access::Read).check(0, 2));
+        assert!(
+            m.contains("option `peers`") && m.contains("device 3 does not exist"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn duplicate_peer_is_refused() {
+        let m = message(
+            ResourceOptions::default()
+                .peer(1, Access::Read)
+                .peer(1, Access::ReadWrite)
+                .check(0, 2),
+        );
+        assert!(
+            m.contains("option `peers`") && m.contains("more than once"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn alignment_must_be_a_power_of_two() {
+        let m = message(ResourceOptions::default().alignment(3).check(0, 1));
+        assert!(m.contains("option `alignment`"), "{m}");
+        let m = message(ResourceOptions::default().alignment(0).check(0, 1));
+        assert_eq!(m, "option `alignment`: 0 is not a power of two");
+    }
+
+    #[test]
+    fn hint_must_match_alignment_and_granularity() {
+        let m = message(
+            ResourceOptions::default()
+                .alignment(1 << 21)
+                .address_hint(4096)
+                .check(0, 1),
+        );
+        assert!(
+            m.contains("option `address_hint`") && m.contains("`alignment`"),
+            "{m}"
+        );
+        let m = message(
+            ResourceOptions::default()
+                .address_hint(4096)
+                .check_granularity(1 << 21),
+        );
+        assert!(
+            m.contains("option `address_hint`") && m.contains("granularity"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn negative_numa_node_is_refused() {
+        let m = message(
+            ResourceOptions::default()
+                .location(Location::HostNuma(-1))
+                .check(0, 1),
+        );
+        assert!(
+            m.contains("option `location`") && m.contains("NUMA node -1 is invalid"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn handle_types_other_than_none_and_posix_fd_are_refused() {
+        assert_eq!(HandleType::from_raw(1).unwrap(), HandleType::PosixFd);
+        assert_eq!(HandleType::from_raw(0).unwrap(), HandleType::None);
+        let m = message(HandleType::from_raw(8).map(drop));
+        assert_eq!(
+            m,
+            "handle type 8 is not supported: only None (0) and PosixFd (1) are"
+        );
+        for handle_type in [HandleType::None, HandleType::PosixFd] {
+            assert_eq!(
+                HandleType::from_raw(handle_type.to_raw()).unwrap(),
+                handle_type
+            );
+        }
+    }
+}
