@@ -85,7 +85,8 @@ impl Settings {
             .warm_up_time(warm_up)
             .measurement_time(measure)
             .sample_size(20)
-            .without_plots()
+            // Plots stay on: criterion's HTML report (gnuplot where installed, else plotters)
+            // lands in `$CARGO_TARGET_DIR/criterion/report/index.html`.
             .configure_from_args()
     }
 }

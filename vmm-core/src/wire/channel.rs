@@ -8,8 +8,8 @@
 use std::cell::RefCell;
 use std::fs::File;
 use std::io::{IoSlice, Write};
-use std::os::unix::fs::FileExt;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
