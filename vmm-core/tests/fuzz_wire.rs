@@ -367,8 +367,12 @@ fn hostile_packets_and_fds_never_panic_or_leak() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0x5eed_f022);
     let (a, b) = Channel::pair().expect("pair");
-    // Warm every lazily opened thing (per-thread buffers, probes) before counting.
+    // Warm every lazily opened thing before counting: per-thread buffers, the shm probe, and
+    // (where there is a GPU) CUDA itself, whose first use opens driver fds and maps memory
+    // for the life of the process; arriving buffers are imported through this importer.
     let _ = vmm_core::shm::buffers_hold_no_fd();
+    let _ = vmm_core::cuda::Device::new(0)
+        .and_then(|device| vmm_core::cuda::importer(&device, vmm_core::cuda::Location::Device));
     a.send(b"warm", &[]).unwrap();
     b.recv(None).unwrap();
     let started = Instant::now();
