@@ -23,13 +23,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::oob;
-use super::sys;
+use super::sys::{self, MAX_FDS};
 use crate::{Error, Result};
 
-/// The most fds one message can carry: the kernel's `SCM_MAX_FD`.
-///
-/// A payload larger than [`INLINE_MAX`] uses one of them for its memfd, leaving 252.
-pub const MAX_FDS: usize = 253;
 
 /// Payloads up to this many bytes travel inside the packet; larger ones in a sealed memfd.
 pub const INLINE_MAX: usize = 64 * 1024;

@@ -5,7 +5,12 @@
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
-use super::channel::MAX_FDS;
+
+/// The most fds one message can carry: the kernel's `SCM_MAX_FD`.
+///
+/// A payload larger than [`INLINE_MAX`](super::INLINE_MAX) uses one of them for its memfd,
+/// leaving 252.
+pub const MAX_FDS: usize = 253;
 
 /// What one `recvmsg` gave: the payload length, the message flags, and the fds, already owned.
 #[derive(Debug)]
