@@ -12,7 +12,7 @@ mod queue;
 mod sys;
 
 pub(crate) use channel::wait_hangup;
-pub use channel::{Channel, INLINE_MAX, MAX_MESSAGE, Message};
+pub use channel::{Channel, INLINE_MAX, MAX_MESSAGE, Message, SPIN_VAR};
 pub use sys::MAX_FDS;
 pub use fd::Fd;
 pub(crate) use fd::{FdIn, FdOut, FdOwner};
