@@ -67,8 +67,12 @@ pub fn default_timeout() -> Duration {
     try_default_timeout().unwrap_or_else(|error| {
         static WARNED: std::sync::Once = std::sync::Once::new();
         WARNED.call_once(|| {
+            let why = match &error {
+                Error::InvalidArgument(why) => why.clone(),
+                other => other.to_string(),
+            };
             eprintln!(
-                "vmm-ipc: ignoring {error}; using {} s",
+                "vmm-ipc: ignoring {why}; using {} s",
                 FALLBACK_TIMEOUT.as_secs()
             )
         });
@@ -96,9 +100,14 @@ pub struct Context {
 impl Context {
     /// A context for `method`, with the [default timeout](default_timeout).
     pub fn new(method: StartMethod) -> Self {
+        Self::with_method_and_timeout(method, default_timeout())
+    }
+
+    /// A context for `method` with `timeout`, the environment not consulted.
+    pub(crate) fn with_method_and_timeout(method: StartMethod, timeout: Duration) -> Self {
         Context {
             method,
-            timeout: default_timeout(),
+            timeout,
             env: Vec::new(),
             registry: None,
         }

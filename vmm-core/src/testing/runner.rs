@@ -27,9 +27,8 @@ where
             .unwrap_or_else(|e| panic!("{name} ({}) cannot run: {e}", spec.method)),
     };
     let registry = Arc::new(Registry::default());
-    let ctx = Context::new(spec.method)
-        .with_timeout(timeout)
-        .with_registry(Arc::clone(&registry));
+    let ctx =
+        Context::with_method_and_timeout(spec.method, timeout).with_registry(Arc::clone(&registry));
 
     // The body runs on its own thread, named like the test (children take the running test's
     // name from the thread), so that the test can end at its timeout even if the body blocks.
