@@ -54,15 +54,15 @@ fn demo_leftover_child(ctx: &Context) {
     drop(child);
 }
 
-#[test]
-fn leftover_child_fails_the_test() {
-    let output = run_own_test("demo_leftover_child::forkserver", &[]);
+#[rstest::rstest]
+#[case("spawn")]
+#[case("forkserver")]
+fn leftover_child_fails_the_test(#[case] method: &str) {
+    let output = run_own_test(&format!("demo_leftover_child::{method}"), &[]);
     let text = text(&output);
     assert!(!output.status.success(), "{text}");
-    assert!(
-        text.contains("was still running when its Process was dropped"),
-        "{text}"
-    );
+    let line = format!("({method}) was still running when its Process was dropped");
+    assert!(text.contains(&line), "{line:?} missing from:\n{text}");
 }
 
 #[ipc_test(skip_unless = false)]
