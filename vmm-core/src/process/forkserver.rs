@@ -52,7 +52,7 @@ fn running(slot: &mut Option<Server>) -> Result<&Server> {
     // A server that died since the last request has hung up its end: replace it now, rather
     // than send it a request first.
     if let Some(server) = slot.as_ref()
-        && wire::wait_hangup(server.requests.as_fd(), Some(Instant::now())).unwrap_or(true)
+        && wire::wait_hangup(server.requests.as_fd(), Some(Instant::now())).unwrap_or(false)
     {
         let pid = server.pid;
         let why = end(pid);
