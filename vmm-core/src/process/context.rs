@@ -279,7 +279,7 @@ mod tests {
         ] {
             assert_eq!(parse_timeout(value).unwrap(), Duration::MAX, "{value}");
         }
-        // The largest whole number of seconds a Duration holds is still itself.
+        // Large but representable: kept as it is.
         assert_eq!(
             parse_timeout("1e9").unwrap(),
             Duration::from_secs(1_000_000_000)
