@@ -18,15 +18,16 @@ pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
 /// Run one test of the current test binary in a subprocess (with `--ignored`, so the
 /// demonstration tests that fail on purpose can be ignored in normal runs), and return its output.
 pub fn run_own_test(name: &str, env: &[(&str, Option<&str>)]) -> Output {
+    run_own_tests(&["--exact", name, "--test-threads=1"], env)
+}
+
+/// Run the ignored tests of the current test binary that `args` select (a name filter, and
+/// libtest options such as `--test-threads=8`) in one subprocess, and return its output.
+/// `env` sets (`Some`) or removes (`None`) environment variables.
+pub fn run_own_tests(args: &[&str], env: &[(&str, Option<&str>)]) -> Output {
     let exe = std::env::current_exe().expect("current test executable");
     let mut command = Command::new(exe);
-    command.args([
-        "--exact",
-        name,
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ]);
+    command.args(["--ignored", "--nocapture"]).args(args);
     for (key, value) in env {
         match value {
             Some(value) => command.env(key, value),

@@ -70,13 +70,6 @@ fn fd_count_returns_to_baseline(ctx: &Context) {
     );
 }
 
-/// Shared tests overlap; the thread_unsafe one above asserts it saw none of them.
-#[ipc_test]
-fn shared_tests_run_concurrently(_ctx: &Context) {
-    assert!(vmm_core::testing::running_ipc_tests() >= 1);
-    std::thread::sleep(Duration::from_millis(50));
-}
-
 mod composed {
     use rstest::rstest;
     use vmm_core::process::Context;

@@ -477,7 +477,10 @@ fn queue_delivers_each_item_to_exactly_one_getter(
     assert_eq!(all, expected, "every item exactly once");
 }
 
-fn receive_with_too_few_fd_slots(args: (Queue<Vec<Fd>>, Queue<String>)) {
+/// What the receiver saw: the receive's error (if it failed), and its open fds before and after.
+type Received = (Option<Error>, usize, usize);
+
+fn receive_with_too_few_fd_slots(args: (Queue<Vec<Fd>>, Queue<Received>)) {
     let (queue, report) = args;
     let open = vmm_core::testing::open_fds().unwrap();
     // Take every free fd slot but two: the 10 fds that arrive do not fit, so the kernel
@@ -493,14 +496,14 @@ fn receive_with_too_few_fd_slots(args: (Queue<Vec<Fd>>, Queue<String>)) {
     let outcome = queue.get(TIMEOUT);
     drop(fillers);
     let after = vmm_core::testing::open_fds().unwrap();
-    let text = match outcome {
-        Ok(fds) => format!("unexpectedly received {} fds", fds.len()),
-        Err(e) => format!("{e} | fds before {open}, after {after}"),
+    let error = match outcome {
+        Ok(fds) => panic!("unexpectedly received {} fds", fds.len()),
+        Err(e) => e,
     };
-    report.put(&text).unwrap();
+    report.put(&(Some(error), open, after)).unwrap();
 }
 
-fn with_fd_limit(args: (u64, Queue<Vec<Fd>>, Queue<String>)) {
+fn with_fd_limit(args: (u64, Queue<Vec<Fd>>, Queue<Received>)) {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
     setrlimit(Resource::RLIMIT_NOFILE, args.0, hard).unwrap();
@@ -521,15 +524,20 @@ fn truncated_control_message_is_an_error_and_leaks_nothing(
     let fds: Vec<Fd> = (0..10).map(|i| Fd::from(memfd_holding(i))).collect();
     queue.put(&fds).unwrap();
     child.join(TIMEOUT).unwrap();
-    let text = report.get(TIMEOUT).unwrap();
-    assert!(text.contains("MSG_CTRUNC"), "{text}");
-    let (before, after) = text
-        .rsplit_once("fds before ")
-        .unwrap()
-        .1
-        .split_once(", after ")
-        .unwrap();
-    assert_eq!(before, after, "fds leaked by a truncated message: {text}");
+    let (error, before, after) = report.get(TIMEOUT).unwrap();
+    // The rule broken: the fds did not all arrive, and those that did were closed.
+    match error {
+        Some(Error::Protocol(message)) => {
+            for needle in ["MSG_CTRUNC", "did not all arrive", "were closed"] {
+                assert!(
+                    message.contains(needle),
+                    "{needle:?} missing from: {message}"
+                );
+            }
+        }
+        other => panic!("expected the receive's Protocol error (MSG_CTRUNC), got {other:?}"),
+    }
+    assert_eq!(before, after, "fds leaked by a truncated message");
 }
 
 #[test]

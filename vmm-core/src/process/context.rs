@@ -17,13 +17,67 @@ use super::{entry, forkserver, sys};
 use crate::wire::{self, Channel};
 use crate::{Error, Result};
 
-/// The default child timeout: `VMM_CHILD_TIMEOUT` seconds if set (a positive number), else 60 s.
+/// The variable that sets the [default timeout](default_timeout), in seconds.
+pub const TIMEOUT_VAR: &str = "VMM_CHILD_TIMEOUT";
+
+/// The timeout when [`TIMEOUT_VAR`] is not set (or, for [`default_timeout`], is invalid).
+pub const FALLBACK_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Parse a timeout in seconds, as [`TIMEOUT_VAR`] gives it: a positive decimal number
+/// (`30`, `0.5`, `1e3`). A number too large for a [`Duration`] (`1e30`, `inf`) saturates to
+/// `Duration::MAX`, which every wait in vmm-core treats as "forever". Zero, a negative number,
+/// NaN or anything that is not a number is [`Error::InvalidArgument`], naming the rule.
+pub fn parse_timeout(value: &str) -> Result<Duration> {
+    let refuse = |why: &str| {
+        Err(Error::InvalidArgument(format!(
+            "{TIMEOUT_VAR}={value:?}: {why}; give a positive number of seconds (such as 30, \
+             0.5 or inf)"
+        )))
+    };
+    let Ok(secs) = value.trim().parse::<f64>() else {
+        return refuse("not a number of seconds");
+    };
+    if secs.is_nan() {
+        return refuse("not a number of seconds (NaN)");
+    }
+    if secs <= 0.0 {
+        return refuse("a timeout must be positive");
+    }
+    // Finite and too large, or infinite: forever.
+    Ok(Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX))
+}
+
+/// The default child timeout from the environment: [`TIMEOUT_VAR`] parsed by
+/// [`parse_timeout`] if it is set, else [`FALLBACK_TIMEOUT`] (60 s). An invalid value is
+/// [`Error::InvalidArgument`]; `#[ipc_test]` fails a test with it rather than guess.
+pub fn try_default_timeout() -> Result<Duration> {
+    match std::env::var(TIMEOUT_VAR) {
+        Ok(value) => parse_timeout(&value),
+        Err(std::env::VarError::NotPresent) => Ok(FALLBACK_TIMEOUT),
+        Err(std::env::VarError::NotUnicode(value)) => Err(Error::InvalidArgument(format!(
+            "{TIMEOUT_VAR}={value:?}: not a number of seconds (not even UTF-8)"
+        ))),
+    }
+}
+
+/// The default child timeout: [`try_default_timeout`], or for an invalid `VMM_CHILD_TIMEOUT`
+/// 60 s, after one line on stderr that says so (`vmm-ipc: ignoring VMM_CHILD_TIMEOUT=...`).
+/// `inf` and values too large for a [`Duration`] mean `Duration::MAX`: forever.
 pub fn default_timeout() -> Duration {
-    std::env::var("VMM_CHILD_TIMEOUT")
-        .ok()
-        .and_then(|s| s.trim().parse::<f64>().ok())
-        .filter(|secs| secs.is_finite() && *secs > 0.0)
-        .map_or(Duration::from_secs(60), Duration::from_secs_f64)
+    try_default_timeout().unwrap_or_else(|error| {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            let why = match &error {
+                Error::InvalidArgument(why) => why.clone(),
+                other => other.to_string(),
+            };
+            eprintln!(
+                "vmm-ipc: ignoring {why}; using {} s",
+                FALLBACK_TIMEOUT.as_secs()
+            )
+        });
+        FALLBACK_TIMEOUT
+    })
 }
 
 /// Starts children with one start method.
@@ -46,9 +100,14 @@ pub struct Context {
 impl Context {
     /// A context for `method`, with the [default timeout](default_timeout).
     pub fn new(method: StartMethod) -> Self {
+        Self::with_method_and_timeout(method, default_timeout())
+    }
+
+    /// A context for `method` with `timeout`, the environment not consulted.
+    pub(crate) fn with_method_and_timeout(method: StartMethod, timeout: Duration) -> Self {
         Context {
             method,
-            timeout: default_timeout(),
+            timeout,
             env: Vec::new(),
             registry: None,
         }
@@ -64,7 +123,7 @@ impl Context {
         self.timeout
     }
 
-    /// Use `timeout` for [`Process::wait`].
+    /// Use `timeout` for [`Process::wait`] (`Duration::MAX`: wait forever).
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -89,6 +148,13 @@ impl Context {
     /// elsewhere (in a shared library) is refused with [`Error::InvalidArgument`] before
     /// anything is started. `args` travels serialised, its fds out of band: pass a clone of
     /// anything the parent keeps (buffers and queues are reference-counted handles).
+    ///
+    /// `Ok` means the child is running (or has run) `f` and is held by the returned
+    /// [`Process`]. `Err` means `f` never runs: a child that was already made when the error
+    /// happened (a forkserver fork whose reply could not be received at the fd limit, say)
+    /// never gets its start message and exits without running it. (A child that dies before
+    /// its start message is sent, because it never reached its entry say, is returned: it ran
+    /// nothing, and [`Process::join`] reports how it ended.)
     pub fn spawn<A>(&self, f: fn(A), args: A) -> Result<Process>
     where
         A: Serialize + DeserializeOwned,
@@ -116,12 +182,7 @@ impl Context {
             args: encoded.bytes().to_vec(),
         };
         let (ours, theirs) = Channel::pair()?;
-        // Queued before the child exists: it reads it as soon as it reaches its entry.
         let start = wire::encode(&start)?;
-        let fds: Vec<_> = encoded.fds().collect();
-        ours.send(start.bytes(), &fds)?;
-        drop(encoded);
-
         let stdout = output_memfd(c"vmm-ipc-child-stdout")?;
         let stderr = output_memfd(c"vmm-ipc-child-stderr")?;
         let (pid, pidfd) = match self.method {
@@ -133,7 +194,9 @@ impl Context {
                     test_name: current_test_name(),
                     env: self.env.clone(),
                 })?;
-                (pid, None)
+                // Ours until reaped, so the pid is still this child. Without a pidfd (at the
+                // fd limit) the child is watched by polling `waitpid`.
+                (pid, sys::pidfd_open(pid).ok())
             }
             StartMethod::Forkserver => {
                 let theirs = theirs.into_fd();
@@ -142,18 +205,36 @@ impl Context {
         };
         let pidfd = pidfd.map(Arc::new);
         let fate = Arc::new(FateCell::default());
-        if let Some(registry) = &self.registry {
-            registry.track(pid, self.method, Arc::clone(&fate), pidfd.as_ref());
-        }
-        Ok(Process::new(
+        let process = Process::new(
             pid,
             self.method,
             ours,
             (stdout, stderr),
             pidfd,
-            fate,
+            Arc::clone(&fate),
             self.timeout,
-        ))
+        );
+        // The child does nothing until its start message arrives, and it is sent only now that
+        // the child is known and held by `process`: if anything above failed, the child (if
+        // one was made: a forkserver fork whose reply could not be read, say) sees its channel
+        // close and exits without running `f`. So `Err` from here means `f` never runs.
+        let fds: Vec<_> = encoded.fds().collect();
+        match process.send_start(start.bytes(), &fds) {
+            // Disconnected: the child is already gone (it died starting, or never reached its
+            // entry); it cannot run `f`, and `join` tells its story.
+            Ok(()) | Err(Error::Disconnected(_)) => {}
+            Err(error) => {
+                process.abandon();
+                return Err(error);
+            }
+        }
+        drop(fds);
+        drop(encoded);
+        if let Some(registry) = &self.registry {
+            let pidfd = process.pidfd();
+            registry.track(pid, self.method, fate, pidfd);
+        }
+        Ok(process)
     }
 }
 
@@ -164,4 +245,66 @@ fn output_memfd(name: &std::ffi::CStr) -> Result<OwnedFd> {
 
 fn dup(fd: &OwnedFd) -> Result<OwnedFd> {
     fd.try_clone().map_err(|e| Error::io("dup", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal(value: &str) -> String {
+        match parse_timeout(value) {
+            Err(Error::InvalidArgument(message)) => message,
+            other => panic!("{value:?}: expected InvalidArgument, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn ordinary_timeouts_parse_as_seconds() {
+        assert_eq!(parse_timeout("30").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_timeout(" 0.5 ").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_timeout("1e3").unwrap(), Duration::from_secs(1000));
+    }
+
+    #[test]
+    fn huge_and_infinite_timeouts_saturate_to_forever() {
+        for value in [
+            "1e30",
+            "18446744073709551616", // 2^64
+            "1.8446744073709552e19",
+            "1e308",
+            "inf",
+            "+inf",
+            "infinity",
+            "Infinity",
+        ] {
+            assert_eq!(parse_timeout(value).unwrap(), Duration::MAX, "{value}");
+        }
+        // Large but representable: kept as it is.
+        assert_eq!(
+            parse_timeout("1e9").unwrap(),
+            Duration::from_secs(1_000_000_000)
+        );
+    }
+
+    #[test]
+    fn timeouts_that_make_no_sense_are_refused_naming_the_rule() {
+        for (value, rule) in [
+            ("2^64", "not a number of seconds"),
+            ("abc", "not a number of seconds"),
+            ("", "not a number of seconds"),
+            ("30s", "not a number of seconds"),
+            ("NaN", "NaN"),
+            ("-1", "must be positive"),
+            ("-inf", "must be positive"),
+            ("0", "must be positive"),
+            ("-0", "must be positive"),
+        ] {
+            let message = refusal(value);
+            assert!(message.contains(rule), "{value:?}: {message}");
+            assert!(
+                message.contains(&format!("{TIMEOUT_VAR}={value:?}")),
+                "{value:?}: {message}"
+            );
+        }
+    }
 }

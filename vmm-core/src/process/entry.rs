@@ -51,17 +51,20 @@ fn record_panics() {
 }
 
 /// Run the child: take the start message, acknowledge, run the function, report, exit.
+///
+/// The start message comes once the parent holds this child; until then the child waits. A
+/// channel that closes first means the parent's `spawn` failed: exit without running anything.
 pub(crate) fn run_child(channel: Channel, method: StartMethod) -> ! {
-    let Ok(message) = channel.recv(None) else {
-        // The parent went away before sending the start message.
-        std::process::exit(EXIT_NO_START);
-    };
-    let start: Start = match wire::decode(&message.bytes, Vec::new()) {
-        Ok(start) => start,
-        Err(e) => {
-            eprintln!("vmm-ipc: malformed start message: {e}");
-            std::process::exit(EXIT_NO_START);
-        }
+    let (message, start) = match channel.recv(None) {
+        Ok(message) => match wire::decode::<Start>(&message.bytes, Vec::new()) {
+            Ok(start) => (message, start),
+            Err(error) => not_started(&channel, error),
+        },
+        // The parent gave up on this child before sending the start message.
+        Err(Error::Disconnected(_)) => std::process::exit(EXIT_NO_START),
+        // A start message that could not be taken: its fds do not fit under this process's fd
+        // limit (MSG_CTRUNC), say.
+        Err(error) => not_started(&channel, error),
     };
     if channel.send_value(&Report::Started).is_err() {
         std::process::exit(EXIT_NO_START);
@@ -77,6 +80,24 @@ pub(crate) fn run_child(channel: Channel, method: StartMethod) -> ! {
             error,
         },
     };
+    finish(channel, outcome)
+}
+
+/// The start message arrived but could not be taken: say so, and why, then exit.
+fn not_started(channel: &Channel, error: Error) -> ! {
+    if channel.send_value(&Report::Started).is_err() {
+        std::process::exit(EXIT_NO_START);
+    }
+    let outcome = Outcome::NotRun {
+        stage: NotRunStage::StartMessage,
+        error,
+    };
+    let _ = channel.send_value(&Report::Finished(outcome));
+    std::process::exit(EXIT_NOT_RUN)
+}
+
+/// Report how the function ended and exit with the matching code.
+fn finish(channel: Channel, outcome: Outcome) -> ! {
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
     let code = match &outcome {

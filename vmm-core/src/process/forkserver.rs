@@ -5,7 +5,7 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitStatus, waitpid};
@@ -49,6 +49,16 @@ pub fn forkserver_pid() -> Option<u32> {
 }
 
 fn running(slot: &mut Option<Server>) -> Result<&Server> {
+    // A server that died since the last request has hung up its end: replace it now, rather
+    // than send it a request first.
+    if let Some(server) = slot.as_ref()
+        && wire::wait_hangup(server.requests.as_fd(), Some(Instant::now())).unwrap_or(false)
+    {
+        let pid = server.pid;
+        let why = end(pid);
+        eprintln!("vmm-ipc: the forkserver (pid {pid}) is gone ({why}); starting a new one");
+        *slot = None;
+    }
     if slot.is_none() {
         *slot = Some(start()?);
     }
@@ -123,9 +133,26 @@ pub(crate) fn fork(
                     "the forkserver (pid {pid}) died while forking a child ({why}), twice in a row"
                 )));
             }
+            // A server that does not answer in time is stuck; a late answer would be taken for
+            // the next request's. Replace it.
+            Err(Error::Timeout { what, after }) => {
+                let pid = server.pid;
+                let why = end(pid);
+                *slot = None;
+                return Err(Error::Forkserver(format!(
+                    "the forkserver (pid {pid}) did not answer a fork request ({what} timed out \
+                     after {after:?}); it was killed ({why}) with the children it had forked, and \
+                     the next request starts a new one"
+                )));
+            }
             Err(e) => return Err(e),
         }
     }
+}
+
+/// Whether this process cannot open one more fd (`EMFILE`).
+fn at_fd_limit() -> bool {
+    crate::limits::open_fds().is_err_and(|e| e.raw_os_error() == Some(libc::EMFILE))
 }
 
 fn request(
@@ -138,11 +165,24 @@ fn request(
         parent: getpid().as_raw(),
     };
     let encoded = wire::encode(&request)?;
-    server.requests.send(
+    server.requests.send_timeout(
         encoded.bytes(),
         &[channel.as_fd(), stdout.as_fd(), stderr.as_fd()],
+        Some(SERVER_TIMEOUT),
     )?;
-    let reply = server.requests.recv(Some(SERVER_TIMEOUT))?;
+    let reply = match server.requests.recv(Some(SERVER_TIMEOUT)) {
+        Ok(reply) => reply,
+        // The reply carries a pidfd; at the fd limit it cannot be installed (MSG_CTRUNC). The
+        // child was forked, but it never gets its start message (see `Context::spawn`): it
+        // exits without running its function, and the server reaps it.
+        Err(Error::Protocol(why)) if at_fd_limit() => {
+            return Err(crate::limits::fd_limit_error(format!(
+                "receiving the forkserver's reply, which carries a pidfd for the new child \
+                 (that child will exit without running its function; {why})"
+            )));
+        }
+        Err(e) => return Err(e),
+    };
     match wire::decode::<ForkReply>(&reply.bytes, Vec::new())? {
         ForkReply::Forked { pid } => Ok((Pid::from_raw(pid), reply.fds.into_iter().next())),
         // The server's own error: `Error::Os` for a failed fork (its errno, say EAGAIN at a

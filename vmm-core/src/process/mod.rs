@@ -28,9 +28,14 @@
 //! - **forkserver**: one server per parent, started lazily by spawn, CUDA-free and
 //!   single-threaded, forks each child on request and reports its exit status.
 //!
-//! Either way the parent sends a start message (the argument, fds out of band) on the child's
-//! own socketpair, the child acknowledges, runs `f(arg)` and reports how it ended. A child dies
-//! with its parent (`PR_SET_PDEATHSIG`), and a dropped, unjoined [`Process`] kills and reaps it.
+//! Either way, once the child exists and the parent holds it in a [`Process`], the parent sends
+//! a start message (the argument, fds out of band) on the child's own socketpair; the child
+//! waits for it, acknowledges, runs `f(arg)` and reports how it ended. A child whose start
+//! message never comes (because `spawn` failed after it was made) exits without running `f`,
+//! so a `spawn` that returns `Err` never runs `f`. A child dies with its parent
+//! (`PR_SET_PDEATHSIG`), and a dropped, unjoined [`Process`] kills and reaps it; the parent
+//! watches the child process itself, so no use of its channel can keep a join from its
+//! deadline or leave a zombie.
 
 // Inside, each file one job; dependencies point down this list, never back up:
 // - context: `Context` (what the parent does to start a child), default_timeout
@@ -57,7 +62,9 @@ mod status;
 mod sys;
 mod tracker;
 
-pub use context::{Context, default_timeout};
+pub use context::{
+    Context, FALLBACK_TIMEOUT, TIMEOUT_VAR, default_timeout, parse_timeout, try_default_timeout,
+};
 pub use forkserver::{ensure_running, forkserver_pid};
 pub use handle::Process;
 pub use method::StartMethod;

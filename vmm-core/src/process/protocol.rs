@@ -10,7 +10,8 @@ use crate::Error;
 /// `spawn:<channel fd>:<parent pid>` or `forkserver:<channel fd>:<parent pid>`.
 pub(crate) const ROLE_VAR: &str = "VMM_IPC_CHILD";
 
-/// Parent -> child, first message on the child's channel; the argument's fds ride along.
+/// Parent -> child, first message on the child's channel, sent once the parent holds the child
+/// (the child waits for it); the argument's fds ride along.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Start {
     /// Offset of `sys::layout_probe` in the parent, to check that the child runs the same image.
@@ -29,7 +30,8 @@ pub(crate) struct Start {
 /// Child (or, for `Exited`, the forkserver) -> parent.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum Report {
-    /// The child reached its entry and took its start message.
+    /// The child reached its entry and read its start message (a start message it could not
+    /// take is reported next, as `Finished(NotRun)`).
     Started,
     /// The child's function returned or panicked, or could not run; the child exits next.
     Finished(Outcome),

@@ -77,6 +77,11 @@ pub(crate) fn serve(requests: Channel) -> ! {
             match requests.try_recv() {
                 Ok(Some(message)) => fork_one(message, &requests, &mut children, &old_mask),
                 Ok(None) => {}
+                // A request that could not be taken whole (its fds do not fit under this
+                // server's fd limit: MSG_CTRUNC) was consumed: refuse it, and serve on.
+                Err(error @ Error::Protocol(_)) => {
+                    let _ = requests.send_value(&ForkReply::Failed(error));
+                }
                 // The parent is gone: take the children with us.
                 Err(_) => shutdown(&mut children),
             }

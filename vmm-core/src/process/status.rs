@@ -62,6 +62,8 @@ pub(crate) enum NotRunStage {
     Environment,
     /// Receiving (deserialising, importing) its argument.
     Argument,
+    /// Receiving its start message (the argument's fds did not fit under its fd limit, say).
+    StartMessage,
 }
 
 impl fmt::Display for NotRunStage {
@@ -70,6 +72,7 @@ impl fmt::Display for NotRunStage {
             NotRunStage::Entry => "could not find it",
             NotRunStage::Environment => "could not set its environment",
             NotRunStage::Argument => "could not receive its argument",
+            NotRunStage::StartMessage => "could not receive its start message",
         })
     }
 }
@@ -101,10 +104,35 @@ pub struct ChildError {
     not_run_stage: Option<NotRunStage>,
     /// The timeout that expired, if it was killed for taking too long.
     pub timed_out: Option<Duration>,
+    /// How the child broke the protocol on its channel, if it did: the first packet that was
+    /// not one of its reports (undecodable, truncated, or a report sent twice), and how many
+    /// more followed. Such a child fails even if its function returned and it exited with 0.
+    pub protocol_violation: Option<String>,
+    /// The program the child was running instead of this executable, if it was seen to have
+    /// replaced itself by `exec` (so its function never returned).
+    pub exec_program: Option<String>,
+    /// Extra facts for `Display` (what the parent observed).
+    observed_notes: Vec<String>,
+    /// Whether the child reported how its function ended (for `Display`).
+    reported: bool,
     /// Everything it wrote to stdout.
     pub stdout: String,
     /// Everything it wrote to stderr.
     pub stderr: String,
+}
+
+/// What the parent saw of a child besides its reports: the facts a [`ChildError`] adds to
+/// them.
+#[derive(Debug, Default)]
+pub(crate) struct Observed {
+    /// See [`ChildError::protocol_violation`].
+    pub protocol_violation: Option<String>,
+    /// See [`ChildError::exec_program`].
+    pub exec_program: Option<String>,
+    /// Why the exit status is unknown, when it is.
+    pub status_unknown: Option<String>,
+    /// The child closed its channel while it was still running.
+    pub channel_closed_early: bool,
 }
 
 /// How the child's function ended, as the child reports it.
@@ -129,14 +157,27 @@ impl ChildError {
         (status, started): (Option<ExitStatus>, bool),
         outcome: Option<Outcome>,
         timed_out: Option<Duration>,
+        observed: Observed,
         (stdout, stderr): (String, String),
     ) -> ChildError {
+        let reported = outcome.is_some();
         let (panic_message, panic_location, not_run) = match outcome {
             Some(Outcome::Panicked { message, location }) => (Some(message), location, None),
             Some(Outcome::NotRun { stage, error }) => (None, None, Some((stage, Box::new(error)))),
             Some(Outcome::Returned) | None => (None, None, None),
         };
         let (not_run_stage, not_run) = not_run.unzip();
+        let mut observed_notes = Vec::new();
+        if let Some(why) = observed.status_unknown {
+            observed_notes.push(format!("exit status unknown: {why}"));
+        }
+        if observed.channel_closed_early && observed.exec_program.is_none() {
+            observed_notes.push(
+                "it closed its channel while still running (an exec, or a close of an fd it \
+                 does not own), so it could not report how its function ended"
+                    .to_owned(),
+            );
+        }
         ChildError {
             method,
             pid,
@@ -147,6 +188,10 @@ impl ChildError {
             not_run,
             not_run_stage,
             timed_out,
+            protocol_violation: observed.protocol_violation,
+            exec_program: observed.exec_program,
+            observed_notes,
+            reported,
             stdout,
             stderr,
         }
@@ -181,15 +226,40 @@ impl fmt::Display for ChildError {
                 None => write!(f, ": its function did not run: {why}")?,
             }
         }
+        if let Some(violation) = &self.protocol_violation {
+            write!(
+                f,
+                "\n  it broke the protocol on its channel (it wrote to the socket vmm-core \
+                 reports on): {violation}"
+            )?;
+        }
+        if let Some(program) = &self.exec_program {
+            write!(
+                f,
+                "\n  it replaced itself with another program by exec ({program}), so its \
+                 function never returned"
+            )?;
+        }
         if let Some(after) = self.timed_out {
             write!(f, "\n  timed out after {after:?} and was killed")?;
         }
-        match self.status {
-            Some(status) => write!(f, "\n  {status}")?,
-            None => write!(
+        if let Some(status) = self.status {
+            write!(f, "\n  {status}")?;
+        }
+        for note in &self.observed_notes {
+            write!(f, "\n  {note}")?;
+        }
+        if self.started
+            && !self.reported
+            && self.timed_out.is_none()
+            && self.exec_program.is_none()
+            && self.status.is_some()
+        {
+            write!(
                 f,
-                "\n  exit status unknown (the forkserver died before reporting it)"
-            )?,
+                "\n  it ended without reporting how its function ended (it called exit, or \
+                 was killed)"
+            )?;
         }
         if !self.started {
             write!(

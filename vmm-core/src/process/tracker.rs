@@ -1,10 +1,11 @@
 //! Which children a scope (one `#[ipc_test]`) started, so that none outlives it unnoticed.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
@@ -100,7 +101,9 @@ impl Registry {
     }
 
     /// End the scope: kill and reap children still running (their `Process` was leaked, or the
-    /// scope timed out while they ran), and describe every child that was left running.
+    /// scope timed out while they ran), and describe every child that was left running. A
+    /// child is said to have been killed only once it is seen dead (reaped, or its pidfd
+    /// readable), at most [`KILL_CONFIRM`] after the signal.
     pub(crate) fn finish(&self, timed_out: bool) -> Vec<String> {
         self.kill_running();
         let entries = std::mem::take(&mut *self.entries.lock().unwrap_or_else(|e| e.into_inner()));
@@ -109,18 +112,29 @@ impl Registry {
             let (pid, method) = (entry.pid, entry.method);
             match entry.fate.get() {
                 Fate::Running => {
-                    if method == StartMethod::Spawn {
-                        reap_within(pid, Duration::from_secs(5));
-                    }
+                    let dead = match method {
+                        StartMethod::Spawn => reap_within(pid, KILL_CONFIRM),
+                        StartMethod::Forkserver => match entry.pidfd.as_ref().and_then(Weak::upgrade) {
+                            Some(pidfd) => exits_within(&pidfd, KILL_CONFIRM),
+                            None => None,
+                        },
+                    };
                     entry.fate.set(Fate::Reaped);
-                    problems.push(if timed_out {
-                        format!("child {pid} ({method}) was still running at the timeout; it has been killed")
+                    let when = if timed_out {
+                        "was still running at the timeout"
                     } else {
-                        format!(
-                            "child {pid} ({method}) was still running when the test ended (its \
-                             Process was never dropped or joined); it has been killed"
-                        )
-                    });
+                        "was still running when the test ended (its Process was never dropped \
+                         or joined)"
+                    };
+                    let end = match dead {
+                        Some(true) => "it has been killed".to_owned(),
+                        Some(false) => format!(
+                            "it was sent SIGKILL but was still alive {KILL_CONFIRM:?} later"
+                        ),
+                        None => "it was sent SIGKILL (its death could not be watched: no pidfd)"
+                            .to_owned(),
+                    };
+                    problems.push(format!("child {pid} ({method}) {when}; {end}"));
                 }
                 Fate::DroppedRunning => problems.push(format!(
                     "child {pid} ({method}) was still running when its Process was dropped; join it, \
@@ -133,12 +147,32 @@ impl Registry {
     }
 }
 
-fn reap_within(pid: Pid, limit: Duration) {
+/// How long [`Registry::finish`] waits to see a killed child dead.
+const KILL_CONFIRM: Duration = Duration::from_secs(5);
+
+/// Reap `pid` (a child of ours) within `limit`: `Some(true)` once reaped (or already gone).
+fn reap_within(pid: Pid, limit: Duration) -> Option<bool> {
     let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
+    loop {
         match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::StillAlive) => std::thread::sleep(Duration::from_millis(1)),
-            _ => return,
+            Ok(WaitStatus::StillAlive) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(1))
+            }
+            Ok(WaitStatus::StillAlive) => return Some(false),
+            _ => return Some(true),
+        }
+    }
+}
+
+/// Whether the process behind `pidfd` exits within `limit` (its pidfd becomes readable).
+fn exits_within(pidfd: &OwnedFd, limit: Duration) -> Option<bool> {
+    let ms = u16::try_from(limit.as_millis()).unwrap_or(u16::MAX);
+    let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
+    loop {
+        match poll(&mut fds, PollTimeout::from(ms)) {
+            Ok(n) => return Some(n > 0),
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(_) => return None,
         }
     }
 }

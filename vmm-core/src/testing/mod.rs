@@ -4,7 +4,9 @@
 //! Environment:
 //! - `VMM_REQUIRE_GPU=1` turns every skip into a failure with the same reason.
 //! - `VMM_SKIP_LOG=<file>` appends every `SKIP <test>: <reason>` line to that file.
-//! - `VMM_CHILD_TIMEOUT=<secs>` is the default timeout of a test and of its children's joins.
+//! - `VMM_CHILD_TIMEOUT=<secs>` is the default timeout of a test and of its children's joins
+//!   (see [`parse_timeout`](crate::process::parse_timeout): `inf` is no timeout; a value that
+//!   is not a positive number fails every `#[ipc_test]` that runs, naming the value).
 
 mod exclusive;
 mod fds;

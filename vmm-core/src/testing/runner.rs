@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::spec::Spec;
 use super::{exclusive, skip};
-use crate::process::{Context, Registry, default_timeout};
+use crate::process::{Context, Registry, try_default_timeout};
 
 pub(crate) fn run<Q, B>(spec: Spec, requirement: Q, body: B)
 where
@@ -19,13 +19,16 @@ where
         return;
     }
     let _turn = exclusive::take_turn(spec.thread_unsafe.is_some());
-    let timeout = spec
-        .timeout_secs
-        .map_or_else(default_timeout, Duration::from_secs);
+    // An invalid VMM_CHILD_TIMEOUT fails the test rather than run it under a guessed timeout.
+    // `inf`, or a value too large to represent, is Duration::MAX: no timeout.
+    let timeout = match spec.timeout_secs {
+        Some(secs) => Duration::from_secs(secs),
+        None => try_default_timeout()
+            .unwrap_or_else(|e| panic!("{name} ({}) cannot run: {e}", spec.method)),
+    };
     let registry = Arc::new(Registry::default());
-    let ctx = Context::new(spec.method)
-        .with_timeout(timeout)
-        .with_registry(Arc::clone(&registry));
+    let ctx =
+        Context::with_method_and_timeout(spec.method, timeout).with_registry(Arc::clone(&registry));
 
     // The body runs on its own thread, named like the test (children take the running test's
     // name from the thread), so that the test can end at its timeout even if the body blocks.
