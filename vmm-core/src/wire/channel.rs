@@ -26,7 +26,6 @@ use super::oob;
 use super::sys::{self, MAX_FDS};
 use crate::{Error, Result};
 
-
 /// Payloads up to this many bytes travel inside the packet; larger ones in a sealed memfd.
 pub const INLINE_MAX: usize = 64 * 1024;
 
@@ -600,7 +599,11 @@ mod tests {
         let err = b.recv(Some(Duration::ZERO)).unwrap_err();
         assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
         // Far below the window's cap (10 ms): the deadline bounds the spin too.
-        assert!(started.elapsed() < Duration::from_millis(5), "{:?}", started.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_millis(5),
+            "{:?}",
+            started.elapsed()
+        );
     }
 
     #[test]

@@ -13,7 +13,6 @@ mod sys;
 
 pub(crate) use channel::wait_hangup;
 pub use channel::{Channel, INLINE_MAX, MAX_MESSAGE, Message, SPIN_VAR};
-pub use sys::MAX_FDS;
 pub use fd::Fd;
 pub(crate) use fd::{FdIn, FdOut, FdOwner};
 pub use oob::{
@@ -21,3 +20,4 @@ pub use oob::{
     serialize_owned_fd,
 };
 pub use queue::Queue;
+pub use sys::MAX_FDS;

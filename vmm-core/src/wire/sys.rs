@@ -5,7 +5,6 @@
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
-
 /// The most fds one message can carry: the kernel's `SCM_MAX_FD`.
 ///
 /// A payload larger than [`INLINE_MAX`](super::INLINE_MAX) uses one of them for its memfd,
