@@ -1,84 +1,20 @@
 //! [`Context`]: how children are started, and what each is given.
 
-use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use nix::sys::memfd::{MFdFlags, memfd_create};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::handle::Process;
-use super::launch::{self, Launch, current_test_name};
+use super::launch::{self, Launch, Made, current_test_name, dup, output_memfds};
 use super::method::StartMethod;
-use super::protocol::Start;
+use super::protocol::{Begin, Start};
+use super::timeout::default_timeout;
 use super::tracker::{FateCell, Registry};
-use super::{entry, forkserver, sys};
+use super::{entry, forkserver, sys, warm};
 use crate::wire::{self, Channel};
 use crate::{Error, Result};
-
-/// The variable that sets the [default timeout](default_timeout), in seconds.
-pub const TIMEOUT_VAR: &str = "VMM_CHILD_TIMEOUT";
-
-/// The timeout when [`TIMEOUT_VAR`] is not set (or, for [`default_timeout`], is invalid).
-pub const FALLBACK_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Parse a timeout in seconds, as [`TIMEOUT_VAR`] gives it: a positive decimal number
-/// (`30`, `0.5`, `1e3`). A number too large for a [`Duration`] (`1e30`, `inf`) saturates to
-/// `Duration::MAX`, which every wait in vmm-core treats as "forever". Zero, a negative number,
-/// NaN or anything that is not a number is [`Error::InvalidArgument`], naming the rule.
-pub fn parse_timeout(value: &str) -> Result<Duration> {
-    let refuse = |why: &str| {
-        Err(Error::InvalidArgument(format!(
-            "{TIMEOUT_VAR}={value:?}: {why}; give a positive number of seconds (such as 30, \
-             0.5 or inf)"
-        )))
-    };
-    let Ok(secs) = value.trim().parse::<f64>() else {
-        return refuse("not a number of seconds");
-    };
-    if secs.is_nan() {
-        return refuse("not a number of seconds (NaN)");
-    }
-    if secs <= 0.0 {
-        return refuse("a timeout must be positive");
-    }
-    // Finite and too large, or infinite: forever.
-    Ok(Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX))
-}
-
-/// The default child timeout from the environment: [`TIMEOUT_VAR`] parsed by
-/// [`parse_timeout`] if it is set, else [`FALLBACK_TIMEOUT`] (60 s). An invalid value is
-/// [`Error::InvalidArgument`]; `#[ipc_test]` fails a test with it rather than guess.
-pub fn try_default_timeout() -> Result<Duration> {
-    match std::env::var(TIMEOUT_VAR) {
-        Ok(value) => parse_timeout(&value),
-        Err(std::env::VarError::NotPresent) => Ok(FALLBACK_TIMEOUT),
-        Err(std::env::VarError::NotUnicode(value)) => Err(Error::InvalidArgument(format!(
-            "{TIMEOUT_VAR}={value:?}: not a number of seconds (not even UTF-8)"
-        ))),
-    }
-}
-
-/// The default child timeout: [`try_default_timeout`], or for an invalid `VMM_CHILD_TIMEOUT`
-/// 60 s, after one line on stderr that says so (`vmm-ipc: ignoring VMM_CHILD_TIMEOUT=...`).
-/// `inf` and values too large for a [`Duration`] mean `Duration::MAX`: forever.
-pub fn default_timeout() -> Duration {
-    try_default_timeout().unwrap_or_else(|error| {
-        static WARNED: std::sync::Once = std::sync::Once::new();
-        WARNED.call_once(|| {
-            let why = match &error {
-                Error::InvalidArgument(why) => why.clone(),
-                other => other.to_string(),
-            };
-            eprintln!(
-                "vmm-ipc: ignoring {why}; using {} s",
-                FALLBACK_TIMEOUT.as_secs()
-            )
-        });
-        FALLBACK_TIMEOUT
-    })
-}
 
 /// Starts children with one start method.
 ///
@@ -173,47 +109,32 @@ impl Context {
         )?;
 
         let encoded = wire::encode(&args)?;
-        let start = Start {
+        let start = Begin::Once(Start {
             layout: sys::code_offset(sys::layout_probe as fn() -> usize as usize),
             trampoline: sys::code_offset(trampoline as usize),
             func: sys::code_offset(f as usize),
             method: self.method,
             env: self.env.clone(),
             args: encoded.bytes().to_vec(),
-        };
-        let (ours, theirs) = Channel::pair()?;
+        });
         let start = wire::encode(&start)?;
-        let stdout = output_memfd(c"vmm-ipc-child-stdout")?;
-        let stderr = output_memfd(c"vmm-ipc-child-stderr")?;
-        let (pid, pidfd) = match self.method {
-            StartMethod::Spawn => {
-                let pid = launch::launch(Launch {
-                    role: "spawn",
-                    channel: theirs.into_fd(),
-                    output: Some((dup(&stdout)?, dup(&stderr)?)),
-                    test_name: current_test_name(),
-                    env: self.env.clone(),
-                })?;
-                // Ours until reaped, so the pid is still this child. Without a pidfd (at the
-                // fd limit) the child is watched by polling `waitpid`.
-                (pid, sys::pidfd_open(pid).ok())
-            }
-            StartMethod::Forkserver => {
-                let theirs = theirs.into_fd();
-                forkserver::fork(&theirs, &stdout, &stderr)?
-            }
-        };
-        let pidfd = pidfd.map(Arc::new);
+        let made = make(self.method, &self.env, current_test_name())?;
+        let ready = made.ready;
+        let pid = made.pid;
+        let pidfd = made.pidfd.map(Arc::new);
         let fate = Arc::new(FateCell::default());
-        let process = Process::new(
+        let mut process = Process::new(
             pid,
             self.method,
-            ours,
-            (stdout, stderr),
+            made.channel,
+            (made.stdout, made.stderr),
             pidfd,
             Arc::clone(&fate),
             self.timeout,
         );
+        if ready {
+            process.set_ready_seen();
+        }
         // The child does nothing until its start message arrives, and it is sent only now that
         // the child is known and held by `process`: if anything above failed, the child (if
         // one was made: a forkserver fork whose reply could not be read, say) sees its channel
@@ -238,73 +159,52 @@ impl Context {
     }
 }
 
-fn output_memfd(name: &std::ffi::CStr) -> Result<OwnedFd> {
-    memfd_create(name, MFdFlags::MFD_CLOEXEC)
-        .map_err(|e| Error::errno("memfd_create(child output)", e))
-}
-
-fn dup(fd: &OwnedFd) -> Result<OwnedFd> {
-    fd.try_clone().map_err(|e| Error::io("dup", e))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn refusal(value: &str) -> String {
-        match parse_timeout(value) {
-            Err(Error::InvalidArgument(message)) => message,
-            other => panic!("{value:?}: expected InvalidArgument, got {other:?}"),
+/// Make a child with `method` that waits for its first message. `env` reaches a spawned or
+/// warm child at exec (a forkserver child sets it from its start message); `test_name` is the
+/// running test, for a spawned child's argv.
+pub(crate) fn make(
+    method: StartMethod,
+    env: &[(String, String)],
+    test_name: Option<String>,
+) -> Result<Made> {
+    match method {
+        StartMethod::Spawn => {
+            let (ours, theirs) = Channel::pair()?;
+            let (stdout, stderr) = output_memfds()?;
+            let pid = launch::launch(Launch {
+                role: "spawn",
+                role_arg: None,
+                channel: theirs.into_fd(),
+                output: Some((dup(&stdout)?, dup(&stderr)?)),
+                test_name,
+                env: env.to_vec(),
+            })?;
+            // Ours until reaped, so the pid is still this child. Without a pidfd (at the fd
+            // limit) the child is watched by polling `waitpid`.
+            let pidfd = sys::pidfd_open(pid).ok();
+            Ok(Made {
+                pid,
+                pidfd,
+                channel: ours,
+                stdout,
+                stderr,
+                ready: false,
+            })
         }
-    }
-
-    #[test]
-    fn ordinary_timeouts_parse_as_seconds() {
-        assert_eq!(parse_timeout("30").unwrap(), Duration::from_secs(30));
-        assert_eq!(parse_timeout(" 0.5 ").unwrap(), Duration::from_millis(500));
-        assert_eq!(parse_timeout("1e3").unwrap(), Duration::from_secs(1000));
-    }
-
-    #[test]
-    fn huge_and_infinite_timeouts_saturate_to_forever() {
-        for value in [
-            "1e30",
-            "18446744073709551616", // 2^64
-            "1.8446744073709552e19",
-            "1e308",
-            "inf",
-            "+inf",
-            "infinity",
-            "Infinity",
-        ] {
-            assert_eq!(parse_timeout(value).unwrap(), Duration::MAX, "{value}");
+        StartMethod::Forkserver => {
+            let (ours, theirs) = Channel::pair()?;
+            let (stdout, stderr) = output_memfds()?;
+            let theirs = theirs.into_fd();
+            let (pid, pidfd) = forkserver::fork(&theirs, &stdout, &stderr)?;
+            Ok(Made {
+                pid,
+                pidfd,
+                channel: ours,
+                stdout,
+                stderr,
+                ready: false,
+            })
         }
-        // Large but representable: kept as it is.
-        assert_eq!(
-            parse_timeout("1e9").unwrap(),
-            Duration::from_secs(1_000_000_000)
-        );
-    }
-
-    #[test]
-    fn timeouts_that_make_no_sense_are_refused_naming_the_rule() {
-        for (value, rule) in [
-            ("2^64", "not a number of seconds"),
-            ("abc", "not a number of seconds"),
-            ("", "not a number of seconds"),
-            ("30s", "not a number of seconds"),
-            ("NaN", "NaN"),
-            ("-1", "must be positive"),
-            ("-inf", "must be positive"),
-            ("0", "must be positive"),
-            ("-0", "must be positive"),
-        ] {
-            let message = refusal(value);
-            assert!(message.contains(rule), "{value:?}: {message}");
-            assert!(
-                message.contains(&format!("{TIMEOUT_VAR}={value:?}")),
-                "{value:?}: {message}"
-            );
-        }
+        StartMethod::Warm => warm::take(env),
     }
 }

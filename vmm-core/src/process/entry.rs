@@ -1,63 +1,42 @@
-//! A child's life once it has its channel: take the start message, acknowledge, run the
-//! function through its trampoline, report how it ended, exit.
+//! A child's life once it has its channel: (for a warm child: warm up and say so,) take the
+//! start message, acknowledge, run the function through its trampoline, report how it ended,
+//! exit. A child whose first message makes it a pool worker goes on in `worker`.
 
 use std::ffi::OsStr;
 use std::io::Write;
 use std::os::fd::OwnedFd;
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::Mutex;
 
-use nix::sys::signal::Signal;
-use nix::unistd::{Pid, getppid};
-
+use super::child::{
+    EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED, panic_report, record_panics, warm_up,
+};
 use super::method::StartMethod;
-use super::protocol::{Report, Start};
+use super::protocol::{Begin, Report, Start};
 use super::status::{NotRunStage, Outcome};
-use super::sys;
+use super::{sys, worker};
 use crate::wire::{self, Channel};
 use crate::{Error, Result};
 
-/// Exit codes of a child that did not get as far as its function.
-pub(crate) const EXIT_ORPHANED: i32 = 120;
-pub(crate) const EXIT_NO_START: i32 = 121;
-pub(crate) const EXIT_PANICKED: i32 = 101;
-pub(crate) const EXIT_NOT_RUN: i32 = 122;
-
-/// Be killed when `parent` dies; exit now if it already has.
-pub(crate) fn die_with(parent: Pid) {
-    let _ = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL);
-    if getppid() != parent {
-        std::process::exit(EXIT_ORPHANED);
+/// A warm child: initialise CUDA for `devices`, say so, then wait for the start message like
+/// any child (or become a pool worker).
+pub(crate) fn run_warm(channel: Channel, devices: &[usize]) -> ! {
+    warm_up(devices);
+    if channel.send_value(&Report::Ready).is_err() {
+        // The parent dropped this child while it warmed up.
+        std::process::exit(EXIT_NO_START);
     }
-}
-
-/// The first panic of this child, recorded by the hook for the report.
-static FIRST_PANIC: Mutex<Option<(String, Option<String>)>> = Mutex::new(None);
-
-fn record_panics() {
-    let default = panic::take_hook();
-    panic::set_hook(Box::new(move |info| {
-        let message = info
-            .payload_as_str()
-            .map_or_else(|| "Box<dyn Any>".to_owned(), str::to_owned);
-        let location = info
-            .location()
-            .map(|l| format!("{}:{}:{}", l.file(), l.line(), l.column()));
-        if let Ok(mut first) = FIRST_PANIC.lock() {
-            first.get_or_insert((message, location));
-        }
-        default(info);
-    }));
+    run_child(channel, StartMethod::Warm)
 }
 
 /// Run the child: take the start message, acknowledge, run the function, report, exit.
 ///
 /// The start message comes once the parent holds this child; until then the child waits. A
-/// channel that closes first means the parent's `spawn` failed: exit without running anything.
+/// channel that closes first means the parent's `spawn` failed (or a warm child was never
+/// used): exit without running anything.
 pub(crate) fn run_child(channel: Channel, method: StartMethod) -> ! {
-    let (message, start) = match channel.recv(None) {
-        Ok(message) => match wire::decode::<Start>(&message.bytes, Vec::new()) {
-            Ok(start) => (message, start),
+    let (message, begin) = match channel.recv(None) {
+        Ok(message) => match wire::decode::<Begin>(&message.bytes, Vec::new()) {
+            Ok(begin) => (message, begin),
             Err(error) => not_started(&channel, error),
         },
         // The parent gave up on this child before sending the start message.
@@ -65,6 +44,10 @@ pub(crate) fn run_child(channel: Channel, method: StartMethod) -> ! {
         // A start message that could not be taken: its fds do not fit under this process's fd
         // limit (MSG_CTRUNC), say.
         Err(error) => not_started(&channel, error),
+    };
+    let start = match begin {
+        Begin::Once(start) => start,
+        Begin::Serve(serve) => worker::serve(channel, &serve),
     };
     if channel.send_value(&Report::Started).is_err() {
         std::process::exit(EXIT_NO_START);
@@ -84,7 +67,7 @@ pub(crate) fn run_child(channel: Channel, method: StartMethod) -> ! {
 }
 
 /// The start message arrived but could not be taken: say so, and why, then exit.
-fn not_started(channel: &Channel, error: Error) -> ! {
+pub(crate) fn not_started(channel: &Channel, error: Error) -> ! {
     if channel.send_value(&Report::Started).is_err() {
         std::process::exit(EXIT_NO_START);
     }
@@ -114,7 +97,7 @@ fn finish(channel: Channel, outcome: Outcome) -> ! {
 ///
 /// A spawned child already has them (they were in its environment at exec); a forkserver child
 /// sets them here, as a fork of a single-threaded server that has started no thread yet.
-fn set_env(env: &[(String, String)]) -> Result<()> {
+pub(crate) fn set_env(env: &[(String, String)]) -> Result<()> {
     let missing: Vec<(String, String)> = env
         .iter()
         .filter(|(key, value)| std::env::var_os(key).as_deref() != Some(OsStr::new(value)))
@@ -166,15 +149,7 @@ fn run_function(start: &Start, fds: Vec<OwnedFd>) -> Outcome {
             error,
         },
         Err(payload) => {
-            let recorded = FIRST_PANIC.lock().ok().and_then(|mut first| first.take());
-            let (message, location) = recorded.unwrap_or_else(|| {
-                let message = payload
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| payload.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "Box<dyn Any>".to_owned());
-                (message, None)
-            });
+            let (message, location) = panic_report(payload.as_ref());
             Outcome::Panicked { message, location }
         }
     }

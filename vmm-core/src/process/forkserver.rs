@@ -69,6 +69,7 @@ fn start() -> Result<Server> {
     let (requests, theirs) = Channel::pair()?;
     let pid = launch(Launch {
         role: "forkserver",
+        role_arg: None,
         channel: theirs.into_fd(),
         output: None,
         test_name: current_test_name(),

@@ -70,6 +70,8 @@ pub struct Process {
     fate: Arc<FateCell>,
     default_timeout: Duration,
     started: bool,
+    /// A warm child's `Ready` report was seen (it may come before `Started`, once).
+    ready_seen: bool,
     outcome: Option<Outcome>,
     status: Option<ExitStatus>,
     /// Why the exit status will never be known, once that is certain.
@@ -105,6 +107,7 @@ impl Process {
             fate,
             default_timeout,
             started: false,
+            ready_seen: method != StartMethod::Warm,
             outcome: None,
             status: None,
             status_unknown: None,
@@ -123,6 +126,11 @@ impl Process {
         fds: &[std::os::fd::BorrowedFd<'_>],
     ) -> Result<()> {
         self.channel.send(bytes, fds)
+    }
+
+    /// A warm child whose `Ready` report the pool already took: another one is out of turn.
+    pub(crate) fn set_ready_seen(&mut self) {
+        self.ready_seen = true;
     }
 
     /// The child will never get its start message: kill and reap it, as intended (no fate to
@@ -162,7 +170,7 @@ impl Process {
         }
         match &self.pidfd {
             Some(pidfd) => sys::pidfd_kill(pidfd),
-            None if self.method == StartMethod::Spawn => match kill(self.pid, Signal::SIGKILL) {
+            None if self.method.is_direct_child() => match kill(self.pid, Signal::SIGKILL) {
                 Ok(()) | Err(Errno::ESRCH) => Ok(()),
                 Err(e) => Err(Error::errno(format!("kill({}, SIGKILL)", self.pid), e)),
             },
@@ -216,6 +224,7 @@ impl Process {
             exec_program: self.exec_program.take(),
             status_unknown: self.status_unknown.take(),
             channel_closed_early: self.channel_closed_early,
+            notes: Vec::new(),
         };
         Err(Error::Child(Box::new(ChildError::new(
             (self.method, self.pid()),
@@ -267,7 +276,7 @@ impl Process {
     /// forkserver child's status will never come. Records what it learns.
     fn end_known(&mut self) -> bool {
         match self.method {
-            StartMethod::Spawn => {
+            StartMethod::Spawn | StartMethod::Warm => {
                 if self.fate.get() == Fate::Reaped {
                     self.status_unknown = Some(
                         "the test's registry killed and reaped it, its Process having outlived \
@@ -333,7 +342,7 @@ impl Process {
             let grace_end = at + STATUS_REPORT_GRACE;
             until = Some(until.map_or(grace_end, |d| d.min(grace_end)));
         }
-        if self.method == StartMethod::Spawn && pidfd.is_none() {
+        if self.method.is_direct_child() && pidfd.is_none() {
             tick = Some(REAP_POLL);
         }
         let mut fds = Vec::with_capacity(2);
@@ -422,6 +431,7 @@ impl Process {
             }
         };
         match report {
+            Report::Ready if !self.ready_seen && !self.started => self.ready_seen = true,
             Report::Started if !self.started => self.started = true,
             Report::Finished(outcome) if self.outcome.is_none() => self.outcome = Some(outcome),
             Report::Exited(status)
@@ -458,7 +468,7 @@ impl Process {
     /// Watching failed: end the child as surely as possible and record why.
     fn give_up(&mut self, why: String) {
         let _ = self.signal_kill();
-        if self.method == StartMethod::Spawn && self.fate.get() != Fate::Reaped {
+        if self.method.is_direct_child() && self.fate.get() != Fate::Reaped {
             // SIGKILLed: this blocks only until the kernel has ended it.
             if let Ok(status) = reap(self.pid) {
                 self.status = Some(status);

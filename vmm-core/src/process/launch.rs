@@ -12,20 +12,25 @@ use std::os::unix::ffi::OsStrExt;
 use std::sync::OnceLock;
 use std::sync::mpsc::{self, Sender};
 
-use nix::fcntl::OFlag;
+use nix::fcntl::{FcntlArg, OFlag, fcntl};
 use nix::spawn::{PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags, posix_spawn};
+use nix::sys::memfd::{MFdFlags, memfd_create};
 use nix::sys::signal::SigSet;
 use nix::sys::stat::Mode;
 use nix::unistd::{Pid, getpid};
 
 use super::protocol::ROLE_VAR;
+use crate::wire::Channel;
 use crate::{Error, Result};
 
 /// What to start: a child or a forkserver, and what it inherits.
 #[derive(Debug)]
 pub(crate) struct Launch {
-    /// `spawn` or `forkserver`.
+    /// `spawn`, `forkserver` or `warm`.
     pub role: &'static str,
+    /// What follows the parent's pid in the role variable, if anything (a warm child's
+    /// devices).
+    pub role_arg: Option<String>,
     /// The child's end of its channel; inherited at the same number.
     pub channel: OwnedFd,
     /// Where the child's stdout and stderr go; `None` inherits the parent's.
@@ -62,6 +67,18 @@ fn launcher() -> Result<&'static Sender<Job>> {
         })
         .as_ref()
         .map_err(|e| Error::Forkserver(e.clone()))
+}
+
+/// Start `launch` from the launcher thread, then (still on that thread) hand the outcome to
+/// `then`; returns once the job is queued. `then` must not wait for anything that waits for the
+/// launcher thread (a synchronous [`launch`]): it would wait for itself.
+pub(crate) fn launch_then(
+    launch: Launch,
+    then: impl FnOnce(Result<Pid>) + Send + 'static,
+) -> Result<()> {
+    launcher()?
+        .send(Box::new(move || then(spawn_now(launch))))
+        .map_err(|_| Error::Forkserver("the launcher thread is gone".into()))
 }
 
 /// Start `launch` from the launcher thread and return the child's pid.
@@ -130,9 +147,12 @@ fn spawn_now(launch: Launch) -> Result<Pid> {
     for (key, value) in &launch.env {
         env.push(cstring(format!("{key}={value}").as_bytes())?);
     }
-    env.push(cstring(
-        format!("{ROLE_VAR}={}:{channel}:{}", launch.role, getpid()).as_bytes(),
-    )?);
+    let mut role = format!("{ROLE_VAR}={}:{channel}:{}", launch.role, getpid());
+    if let Some(arg) = &launch.role_arg {
+        role.push(':');
+        role.push_str(arg);
+    }
+    env.push(cstring(role.as_bytes())?);
 
     posix_spawn(c"/proc/self/exe", &actions, &attr, &argv, &env).map_err(|e| {
         Error::errno(
@@ -141,4 +161,42 @@ fn spawn_now(launch: Launch) -> Result<Pid> {
         )
     })
     // `launch` drops here: the parent's copies of the child's channel and output fds close.
+}
+
+/// A child that exists and has not been given its first message yet: ours to reap (spawn,
+/// warm) or the forkserver's. It waits for a [`Begin`] on `channel`.
+#[derive(Debug)]
+pub(crate) struct Made {
+    pub pid: Pid,
+    /// A pidfd for it, where one could be had.
+    pub pidfd: Option<OwnedFd>,
+    /// The parent's end of its channel.
+    pub channel: Channel,
+    /// Its stdout and stderr (memfds, `O_APPEND`).
+    pub stdout: OwnedFd,
+    pub stderr: OwnedFd,
+    /// Its `Ready` report (a warm child's) has been read already.
+    pub ready: bool,
+}
+
+/// A child's stdout and stderr: memfds, CLOEXEC, opened for appending (so that a pool can empty
+/// them between tasks while the child keeps writing at their end).
+pub(crate) fn output_memfds() -> Result<(OwnedFd, OwnedFd)> {
+    Ok((
+        output_memfd(c"vmm-ipc-child-stdout")?,
+        output_memfd(c"vmm-ipc-child-stderr")?,
+    ))
+}
+
+fn output_memfd(name: &std::ffi::CStr) -> Result<OwnedFd> {
+    let fd = memfd_create(name, MFdFlags::MFD_CLOEXEC)
+        .map_err(|e| Error::errno("memfd_create(child output)", e))?;
+    // The status flags belong to the open file, which the child's stdout (a dup) shares.
+    fcntl(&fd, FcntlArg::F_SETFL(OFlag::O_APPEND))
+        .map_err(|e| Error::errno("fcntl(F_SETFL, O_APPEND) on child output", e))?;
+    Ok(fd)
+}
+
+pub(crate) fn dup(fd: &OwnedFd) -> Result<OwnedFd> {
+    fd.try_clone().map_err(|e| Error::io("dup", e))
 }

@@ -1,4 +1,4 @@
-//! Start methods (spawn, forkserver), [`Process`], and the child entry.
+//! Start methods (spawn, forkserver, warm), [`Process`], [`Pool`], and the child entry.
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -27,6 +27,33 @@
 //!   every executable linking vmm-core carries), so no test harness runs in it.
 //! - **forkserver**: one server per parent, started lazily by spawn, CUDA-free and
 //!   single-threaded, forks each child on request and reports its exit status.
+//! - **warm**: a child started the way spawn starts one, but ahead of need: it waits in this
+//!   process's [warm pool](warm_pool) with CUDA already initialised (where there is a GPU; the
+//!   devices and the pool's depth are [`WarmOptions`]), and `spawn` hands it the function. It
+//!   still runs exactly one function, so the isolation is spawn's; only the start-up moved off
+//!   the critical path. A replacement starts in the background; a waiting child that died is
+//!   found, reaped and replaced, never handed out.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use vmm_core::process::{Context, StartMethod, warm_pool};
+//!
+//! fn child(n: u32) {
+//!     assert_eq!(n, 7); // CUDA is initialised here already, on a GPU machine
+//! }
+//!
+//! fn main() -> vmm_core::Result<()> {
+//!     vmm_core::process::init();
+//!     warm_pool()?; // optional: start the pool now and wait until it is ready
+//!     let ctx = Context::new(StartMethod::Warm);
+//!     ctx.spawn(child, 7)?.join(Duration::from_secs(10))?;
+//!     Ok(())
+//! }
+//! ```
+//!
+//! For programs that run many short jobs, a [`Pool`] keeps warm workers that run one task after
+//! another (`fn(A) -> R`, typed results; whatever a task's argument carries is released when the
+//! task ends).
 //!
 //! Either way, once the child exists and the parent holds it in a [`Process`], the parent sends
 //! a start message (the argument, fds out of band) on the child's own socketpair; the child
@@ -38,38 +65,57 @@
 //! deadline or leave a zombie.
 
 // Inside, each file one job; dependencies point down this list, never back up:
-// - context: `Context` (what the parent does to start a child), default_timeout
+// - pool: `Pool` and `TaskHandle` (the parent's side of reusable workers)
+// - context: `Context` (what the parent does to start a child), `make` (a child of any
+//   method, waiting for its first message)
 // - handle: `Process` (the parent's handle: join, kill, reap)
+// - warm: the warm pool (children waiting, refilled on the launcher thread)
 // - forkserver: the parent's side of the forkserver (start it, ask it for a child)
 // - role: the pre-`main` hook and `init`: a started process takes its role
 // - server: the forkserver's own loop (forks children)
-// - entry: a child's life: start message, trampoline, report, exit
-// - launch: posix_spawn of /proc/self/exe on the launcher thread; the running test's name
+// - entry: a child's life: (warm-up,) start message, trampoline, report, exit
+// - worker: a pool worker's life: warm-up, then tasks until the channel closes
+// - child: what every child does (exit codes, die with the parent, record panics, warm up)
+// - launch: posix_spawn of /proc/self/exe on the launcher thread; the running test's name;
+//   `Made` (a child waiting for its first message) and its output memfds
 // - tracker: which children a test started (`#[ipc_test]`'s registry)
 // - protocol: the messages; status: ExitStatus, ChildError, a child's outcome
+// - timeout: `VMM_CHILD_TIMEOUT`, default_timeout
 // - method: StartMethod
 // - sys: the thin unsafe layer (fork, fd renumbering, pidfds, code addresses, environment)
+mod child;
 mod context;
 mod entry;
 mod forkserver;
 mod handle;
 mod launch;
 mod method;
+mod pool;
 mod protocol;
 mod role;
 mod server;
 mod status;
 mod sys;
+mod timeout;
 mod tracker;
+mod warm;
+mod worker;
 
-pub use context::{
-    Context, FALLBACK_TIMEOUT, TIMEOUT_VAR, default_timeout, parse_timeout, try_default_timeout,
-};
+pub use context::Context;
 pub use forkserver::{ensure_running, forkserver_pid};
 pub use handle::Process;
 pub use method::StartMethod;
+pub use pool::{Pool, TaskHandle};
 pub use role::init;
 pub use status::{ChildError, ExitStatus};
+pub use timeout::{
+    FALLBACK_TIMEOUT, TIMEOUT_VAR, default_timeout, parse_timeout, try_default_timeout,
+};
+pub use warm::{
+    DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, WarmOptions, set_warm_options, warm_options, warm_pids,
+    warm_pool,
+};
 
 pub(crate) use launch::current_test_name;
 pub(crate) use tracker::Registry;
+pub(crate) use warm::{prestart as prestart_warm_pool, quiesce as quiesce_warm_pool};

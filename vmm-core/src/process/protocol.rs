@@ -3,15 +3,27 @@
 use serde::{Deserialize, Serialize};
 
 use super::method::StartMethod;
-use super::status::{ExitStatus, Outcome};
+use super::status::{ExitStatus, NotRunStage, Outcome};
 use crate::Error;
 
 /// The environment variable that tells a process started by vmm-core its role:
-/// `spawn:<channel fd>:<parent pid>` or `forkserver:<channel fd>:<parent pid>`.
+/// `spawn:<channel fd>:<parent pid>`, `forkserver:<channel fd>:<parent pid>` or
+/// `warm:<channel fd>:<parent pid>:<devices>` (`devices`: the CUDA ordinals to initialise while
+/// waiting, comma-separated, possibly none).
 pub(crate) const ROLE_VAR: &str = "VMM_IPC_CHILD";
 
 /// Parent -> child, first message on the child's channel, sent once the parent holds the child
-/// (the child waits for it); the argument's fds ride along.
+/// (the child waits for it).
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum Begin {
+    /// Run one function and exit; the argument's fds ride along.
+    Once(Start),
+    /// Become a [`Pool`](super::Pool) worker: warm up, say [`Report::Serving`], then run
+    /// [`Task`]s until the channel closes.
+    Serve(Serve),
+}
+
+/// What a single-use child runs.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Start {
     /// Offset of `sys::layout_probe` in the parent, to check that the child runs the same image.
@@ -27,9 +39,32 @@ pub(crate) struct Start {
     pub args: Vec<u8>,
 }
 
+/// How a pool worker prepares.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Serve {
+    /// The CUDA devices (ordinals) whose primary context the worker retains before it serves.
+    pub devices: Vec<usize>,
+}
+
+/// Parent -> pool worker: one task; the argument's fds ride along.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Task {
+    /// As in [`Start`].
+    pub layout: isize,
+    /// Offset of the monomorphised task trampoline (`fn(A) -> R`).
+    pub trampoline: isize,
+    /// Offset of the user's `fn(A) -> R`.
+    pub func: isize,
+    /// The argument, postcard with fds out of band.
+    pub args: Vec<u8>,
+}
+
 /// Child (or, for `Exited`, the forkserver) -> parent.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum Report {
+    /// A warm child has initialised CUDA (or found none to initialise) and waits for its
+    /// [`Begin`].
+    Ready,
     /// The child reached its entry and read its start message (a start message it could not
     /// take is reported next, as `Finished(NotRun)`).
     Started,
@@ -37,6 +72,29 @@ pub(crate) enum Report {
     Finished(Outcome),
     /// The forkserver reaped the child.
     Exited(ExitStatus),
+    /// A pool worker is warm and waits for tasks.
+    Serving,
+    /// A pool worker's task ended. With `Returned`, the message's fds are the result's.
+    TaskDone(TaskOutcome),
+}
+
+/// How one pool task ended, as the worker reports it.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum TaskOutcome {
+    /// The function returned this result (postcard, fds out of band).
+    Returned(Vec<u8>),
+    /// The function returned, but its result could not be sent (an fd-backed value that could
+    /// not be serialised, more fds than a message carries): the error, as raised. The worker
+    /// serves on.
+    Unsendable(Error),
+    /// The function panicked; the worker exits next.
+    Panicked {
+        message: String,
+        location: Option<String>,
+    },
+    /// The function could not run (its argument could not be received, say): the worker's own
+    /// error. The worker serves on.
+    NotRun { stage: NotRunStage, error: Error },
 }
 
 /// Parent -> forkserver: fork a child. Fds: the child's channel, its stdout, its stderr.

@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use nix::unistd::Pid;
 
-use super::entry::{self, EXIT_NO_START};
+use super::child::{self, EXIT_NO_START};
+use super::entry;
 use super::method::StartMethod;
 use super::protocol::ROLE_VAR;
 use super::{server, sys};
@@ -59,13 +60,13 @@ pub fn init() {
 
 fn take_role(value: &str) {
     let parsed = (|| {
-        let mut parts = value.splitn(3, ':');
+        let mut parts = value.splitn(4, ':');
         let kind = parts.next()?;
         let fd = parts.next()?.parse().ok()?;
         let parent = parts.next()?.parse().ok()?;
-        Some((kind, fd, Pid::from_raw(parent)))
+        Some((kind, fd, Pid::from_raw(parent), parts.next()))
     })();
-    let Some((kind, fd, parent)) = parsed else {
+    let Some((kind, fd, parent, arg)) = parsed else {
         eprintln!("vmm-ipc: ignoring malformed {ROLE_VAR}={value:?}");
         return;
     };
@@ -83,13 +84,25 @@ fn take_role(value: &str) {
             std::process::exit(EXIT_NO_START);
         }
     };
-    entry::die_with(parent);
+    child::die_with(parent);
     match kind {
         "spawn" => entry::run_child(channel, StartMethod::Spawn),
         "forkserver" => server::serve(channel),
+        "warm" => {
+            let devices = parse_devices(arg.unwrap_or(""));
+            entry::run_warm(channel, &devices)
+        }
         other => {
             eprintln!("vmm-ipc: unknown role {other:?} in {ROLE_VAR}");
             std::process::exit(EXIT_NO_START);
         }
     }
+}
+
+/// A warm child's devices, as the role variable lists them (`0,1`; empty for none). Entries
+/// that are not numbers are ignored: warming up is an optimisation, never a reason to fail.
+fn parse_devices(list: &str) -> Vec<usize> {
+    list.split(',')
+        .filter_map(|d| d.trim().parse().ok())
+        .collect()
 }

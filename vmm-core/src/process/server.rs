@@ -16,7 +16,8 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Pid, getpid};
 
-use super::entry::{self, EXIT_NO_START};
+use super::child::{self, EXIT_NO_START};
+use super::entry;
 use super::method::StartMethod;
 use super::protocol::{ForkReply, ForkRequest, Report};
 use super::status::ExitStatus;
@@ -157,7 +158,7 @@ fn fork_one(
             let Ok(channel) = (unsafe { sys::adopt_inherited_fd(3) }) else {
                 std::process::exit(EXIT_NO_START);
             };
-            entry::die_with(server);
+            child::die_with(server);
             entry::run_child(Channel::from_fd(channel), StartMethod::Forkserver)
         }
         Ok(ForkResult::Parent { child }) => {

@@ -133,6 +133,8 @@ pub(crate) struct Observed {
     pub status_unknown: Option<String>,
     /// The child closed its channel while it was still running.
     pub channel_closed_early: bool,
+    /// Anything else worth saying (what a pool worker was doing, say), one line each.
+    pub notes: Vec<String>,
 }
 
 /// How the child's function ended, as the child reports it.
@@ -178,6 +180,7 @@ impl ChildError {
                     .to_owned(),
             );
         }
+        observed_notes.extend(observed.notes);
         ChildError {
             method,
             pid,

@@ -136,6 +136,18 @@ pub(crate) fn pidfd_open(pid: Pid) -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// A new eventfd (counter 0), CLOEXEC and non-blocking: a wake-up a poller can wait on.
+pub(crate) fn eventfd() -> Result<OwnedFd> {
+    // SAFETY: eventfd takes a counter value and flags and returns a new fd or -1; it touches no
+    // memory.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(Error::last_os("eventfd"));
+    }
+    // SAFETY: the kernel just returned this fd; nothing else knows it yet.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 /// Send SIGKILL through a pidfd: cannot hit a recycled pid.
 pub(crate) fn pidfd_kill(pidfd: &OwnedFd) -> Result<()> {
     // SAFETY: pidfd_send_signal with a valid pidfd, a signal number, no siginfo, no flags; it
@@ -274,6 +286,37 @@ pub(crate) fn check_main_text(address: usize, what: &str) -> Result<()> {
 pub(crate) type Trampoline =
     unsafe fn(func: usize, args: &[u8], fds: Vec<OwnedFd>) -> Result<(), Error>;
 
+/// The trampoline every pool task runs: deserialise the argument, call the user's function,
+/// serialise its result. `Err` when the argument could not be received; `Ok(Err)` when the
+/// result could not be serialised; else the result's bytes and its fds (owned copies).
+///
+/// Its contract (`unsafe`): `func` is the address, in this process, of a `fn(A) -> R` for the
+/// `A` and `R` this trampoline was instantiated with.
+pub(crate) type TaskTrampoline = unsafe fn(
+    func: usize,
+    args: &[u8],
+    fds: Vec<OwnedFd>,
+)
+    -> Result<Result<(Vec<u8>, Vec<OwnedFd>), Error>, Error>;
+
+/// The addresses here of a trampoline and a function whose offsets the parent sent, once the
+/// layout check passes. `layout` is the parent's offset of [`layout_probe`]; a mismatch is
+/// refused.
+fn resolve_addresses(layout: isize, trampoline: isize, func: isize) -> Result<(usize, usize)> {
+    let here = code_offset(layout_probe as fn() -> usize as usize);
+    if here != layout {
+        return Err(Error::Protocol(format!(
+            "the child runs a different executable image than its parent (layout {here} vs \
+             {layout}); was the binary rebuilt while the test ran?"
+        )));
+    }
+    let base = code_base as fn() -> usize as usize;
+    Ok((
+        base.wrapping_add(trampoline as usize),
+        base.wrapping_add(func as usize),
+    ))
+}
+
 /// Turn offsets received from the parent back into the trampoline and the user function's
 /// address.
 ///
@@ -289,21 +332,30 @@ pub(crate) unsafe fn resolve_entry(
     trampoline: isize,
     func: isize,
 ) -> Result<(Trampoline, usize)> {
-    let here = code_offset(layout_probe as fn() -> usize as usize);
-    if here != layout {
-        return Err(Error::Protocol(format!(
-            "the child runs a different executable image than its parent (layout {here} vs \
-             {layout}); was the binary rebuilt while the test ran?"
-        )));
-    }
-    let base = code_base as fn() -> usize as usize;
-    let trampoline_addr = base.wrapping_add(trampoline as usize);
+    let (trampoline, func) = resolve_addresses(layout, trampoline, func)?;
     // SAFETY: the caller guarantees that `trampoline` is the offset of a `Trampoline` in the
     // main executable, measured in a process running this image, and the main executable's
     // code keeps its layout relative to `code_base`, so base + offset is that function here.
-    let trampoline: Trampoline =
-        unsafe { std::mem::transmute::<usize, Trampoline>(trampoline_addr) };
-    Ok((trampoline, base.wrapping_add(func as usize)))
+    let trampoline: Trampoline = unsafe { std::mem::transmute::<usize, Trampoline>(trampoline) };
+    Ok((trampoline, func))
+}
+
+/// [`resolve_entry`] for a pool task: the trampoline is a [`TaskTrampoline`].
+///
+/// # Safety
+/// As [`resolve_entry`], with "[`TaskTrampoline`]" for "[`Trampoline`]".
+pub(crate) unsafe fn resolve_task_entry(
+    layout: isize,
+    trampoline: isize,
+    func: isize,
+) -> Result<(TaskTrampoline, usize)> {
+    let (trampoline, func) = resolve_addresses(layout, trampoline, func)?;
+    // SAFETY: the caller guarantees that `trampoline` is the offset of a `TaskTrampoline` in
+    // the main executable, measured in a process running this image, so base + offset is that
+    // function here (as in `resolve_entry`).
+    let trampoline: TaskTrampoline =
+        unsafe { std::mem::transmute::<usize, TaskTrampoline>(trampoline) };
+    Ok((trampoline, func))
 }
 
 /// Call a `fn(A)` given its address.
@@ -314,6 +366,17 @@ pub(crate) unsafe fn resolve_entry(
 pub(crate) unsafe fn call_fn_at<A>(address: usize, arg: A) {
     // SAFETY: the caller guarantees that `address` is a `fn(A)` in this process.
     let f: fn(A) = unsafe { std::mem::transmute::<usize, fn(A)>(address) };
+    f(arg)
+}
+
+/// Call a `fn(A) -> R` given its address.
+///
+/// # Safety
+/// `address` must be the address, in this process, of a function of type `fn(A) -> R` with
+/// these exact `A` and `R`.
+pub(crate) unsafe fn call_task_fn_at<A, R>(address: usize, arg: A) -> R {
+    // SAFETY: the caller guarantees that `address` is a `fn(A) -> R` in this process.
+    let f: fn(A) -> R = unsafe { std::mem::transmute::<usize, fn(A) -> R>(address) };
     f(arg)
 }
 

@@ -92,7 +92,7 @@ impl Registry {
             let _ = match entry.pidfd.as_ref().and_then(Weak::upgrade) {
                 Some(pidfd) => sys::pidfd_kill(&pidfd),
                 // Unreaped children of ours: the pid cannot have been reused.
-                None if entry.method == StartMethod::Spawn => {
+                None if entry.method.is_direct_child() => {
                     kill(entry.pid, Signal::SIGKILL).map_err(|e| crate::Error::errno("kill", e))
                 }
                 None => Ok(()),
@@ -113,7 +113,7 @@ impl Registry {
             match entry.fate.get() {
                 Fate::Running => {
                     let dead = match method {
-                        StartMethod::Spawn => reap_within(pid, KILL_CONFIRM),
+                        StartMethod::Spawn | StartMethod::Warm => reap_within(pid, KILL_CONFIRM),
                         StartMethod::Forkserver => match entry.pidfd.as_ref().and_then(Weak::upgrade) {
                             Some(pidfd) => exits_within(&pidfd, KILL_CONFIRM),
                             None => None,

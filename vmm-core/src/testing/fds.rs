@@ -10,10 +10,12 @@ pub fn open_fds() -> Result<usize> {
     crate::limits::open_fds().map_err(|e| Error::io("read_dir(/proc/self/fd)", e))
 }
 
-/// [`open_fds`] once it has stopped changing: the same count three times in a row, a
-/// millisecond apart (other threads may be closing fds, for example a child's reaper), or the
-/// last count after one second.
+/// [`open_fds`] once it has stopped changing: after the [warm pool](crate::process::warm_pool)'s
+/// replacements in flight have been launched (each adds the fds of the child it replaces), the
+/// same count three times in a row, a millisecond apart (other threads may be closing fds, for
+/// example a child's reaper), or the last count after one second.
 pub fn settled_open_fds() -> Result<usize> {
+    crate::process::quiesce_warm_pool();
     let deadline = Instant::now() + Duration::from_secs(1);
     let mut last = open_fds()?;
     let mut same = 1;

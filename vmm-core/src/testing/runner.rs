@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use super::spec::Spec;
 use super::{exclusive, skip};
-use crate::process::{Context, Registry, try_default_timeout};
+use crate::process::{
+    Context, Registry, StartMethod, prestart_warm_pool, try_default_timeout, warm_pool,
+};
 
 pub(crate) fn run<Q, B>(spec: Spec, requirement: Q, body: B)
 where
@@ -26,6 +28,18 @@ where
         None => try_default_timeout()
             .unwrap_or_else(|e| panic!("{name} ({}) cannot run: {e}", spec.method)),
     };
+    if spec.method == StartMethod::Warm {
+        if spec.thread_unsafe.is_some() {
+            // A test that runs alone may count fds: the pool is full and ready before it starts,
+            // as `ensure_running` makes the forkserver's fd part of the baseline.
+            if let Err(e) = warm_pool() {
+                panic!("{name} ({}) cannot warm the pool: {e}", spec.method);
+            }
+        } else {
+            // Beside other tests: have children on their way, without waiting for a full pool.
+            prestart_warm_pool();
+        }
+    }
     let registry = Arc::new(Registry::default());
     let ctx =
         Context::with_method_and_timeout(spec.method, timeout).with_registry(Arc::clone(&registry));

@@ -1,0 +1,171 @@
+//! A pool worker's life (the child side of [`Pool`](super::Pool)): warm up, say it serves, then
+//! run one task after another until the parent closes the channel.
+//!
+//! Each task's argument is received (fds imported) for that task alone and moved into the
+//! function, so whatever it holds (a mapping, an fd) is released when the function returns;
+//! the result is serialised and dropped before the report goes out. A task that panics ends the
+//! worker (its state may be broken): it reports the panic and exits, and the parent replaces it.
+
+use std::io::Write;
+use std::os::fd::{AsFd, OwnedFd};
+use std::panic::{self, AssertUnwindSafe};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::child::{self, EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED};
+use super::protocol::{Report, Serve, Task, TaskOutcome};
+use super::status::NotRunStage;
+use super::sys;
+use crate::wire::{self, Channel};
+use crate::{Error, Result};
+
+/// Serve tasks on `channel` until it closes. Never returns.
+pub(crate) fn serve(channel: Channel, serve: &Serve) -> ! {
+    child::warm_up(&serve.devices);
+    child::record_panics();
+    if channel.send_value(&Report::Serving).is_err() {
+        std::process::exit(EXIT_NO_START);
+    }
+    loop {
+        let message = match channel.recv(None) {
+            Ok(message) => message,
+            // The pool was dropped (or replaced this worker): done.
+            Err(Error::Disconnected(_)) => std::process::exit(0),
+            // A task that could not be taken (its fds do not fit under this process's fd
+            // limit, say): report it, then go on (the packet was consumed).
+            Err(error) => {
+                report(
+                    &channel,
+                    TaskOutcome::NotRun {
+                        stage: NotRunStage::StartMessage,
+                        error,
+                    },
+                    &[],
+                );
+                continue;
+            }
+        };
+        let task = match wire::decode::<Task>(&message.bytes, Vec::new()) {
+            Ok(task) => task,
+            Err(error) => {
+                report(
+                    &channel,
+                    TaskOutcome::NotRun {
+                        stage: NotRunStage::StartMessage,
+                        error,
+                    },
+                    &[],
+                );
+                continue;
+            }
+        };
+        run_task(&channel, &task, message.fds);
+    }
+}
+
+/// Run one task and report how it ended; exit if it panicked.
+fn run_task(channel: &Channel, task: &Task, fds: Vec<OwnedFd>) {
+    // SAFETY: `task` arrived on the channel our parent handed down at exec or fork; only the
+    // parent holds its other end. The parent built it in `Pool::submit` from
+    // `task_trampoline::<A, R>` (a `TaskTrampoline`), after `check_main_text` found that
+    // trampoline in the main executable's code, with `code_offset` in a process running this
+    // executable.
+    let entry = unsafe { sys::resolve_task_entry(task.layout, task.trampoline, task.func) };
+    let (trampoline, func) = match entry {
+        Ok(entry) => entry,
+        Err(error) => {
+            let stage = NotRunStage::Entry;
+            return report(channel, TaskOutcome::NotRun { stage, error }, &[]);
+        }
+    };
+    // A panic an earlier task caught itself must not be taken for this task's.
+    let _ = child::take_recorded_panic();
+    // SAFETY: `Pool::submit` computed `task.func` from its `f: fn(A) -> R` and
+    // `task.trampoline` from `task_trampoline::<A, R>` with the same `A` and `R`, both checked
+    // to lie in the main executable's code, whose layout is the same here
+    // (`resolve_task_entry` checked it); so `func` is a `fn(A) -> R` for the trampoline's types.
+    let called = panic::catch_unwind(AssertUnwindSafe(|| unsafe {
+        trampoline(func, &task.args, fds)
+    }));
+    match called {
+        Ok(Ok(Ok((bytes, fds)))) => {
+            let fds: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
+            report(channel, TaskOutcome::Returned(bytes), &fds);
+        }
+        Ok(Ok(Err(error))) => report(channel, TaskOutcome::Unsendable(error), &[]),
+        Ok(Err(error)) => {
+            let stage = NotRunStage::Argument;
+            report(channel, TaskOutcome::NotRun { stage, error }, &[]);
+        }
+        Err(payload) => {
+            let (message, location) = child::panic_report(payload.as_ref());
+            // The payload may own anything; dropping it could panic again. Leave it.
+            std::mem::forget(payload);
+            report(channel, TaskOutcome::Panicked { message, location }, &[]);
+            std::process::exit(EXIT_PANICKED);
+        }
+    }
+}
+
+/// Send a task's report (after flushing what the task printed, so that the parent reads it
+/// with the report). A result whose fds cannot be sent (more than a message carries) is
+/// reported as [`TaskOutcome::Unsendable`] instead. A report that cannot be sent at all ends
+/// the worker: the parent sees it die and fails the task.
+fn report(channel: &Channel, outcome: TaskOutcome, fds: &[std::os::fd::BorrowedFd<'_>]) {
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    let sent = wire::encode(&Report::TaskDone(outcome)).and_then(|encoded| {
+        if encoded.fd_count() != 0 {
+            return Err(Error::Protocol(
+                "a task report carries fds of its own".into(),
+            ));
+        }
+        channel.send(encoded.bytes(), fds)
+    });
+    match sent {
+        Ok(()) => {}
+        Err(Error::Disconnected(_)) => std::process::exit(0),
+        Err(error) if !fds.is_empty() => report(channel, TaskOutcome::Unsendable(error), &[]),
+        Err(error) => {
+            eprintln!("vmm-ipc: a pool worker could not report its task: {error}");
+            std::process::exit(EXIT_NOT_RUN)
+        }
+    }
+}
+
+/// The function every pool task runs first: receive the argument, call the user's
+/// `fn(A) -> R`, serialise the result (and drop it). `Err`: the argument could not be received;
+/// `Ok(Err)`: the result could not be serialised.
+///
+/// # Safety
+/// `func` must be the address, in this process, of a function of type `fn(A) -> R` with these
+/// `A` and `R`.
+pub(crate) unsafe fn task_trampoline<A, R>(
+    func: usize,
+    args: &[u8],
+    fds: Vec<OwnedFd>,
+) -> Result<Result<(Vec<u8>, Vec<OwnedFd>)>>
+where
+    A: DeserializeOwned,
+    R: Serialize,
+{
+    let arg: A = wire::decode(args, fds)?;
+    // SAFETY: the caller guarantees that `func` is a `fn(A) -> R` with these `A` and `R`.
+    let result: R = unsafe { sys::call_task_fn_at::<A, R>(func, arg) };
+    Ok(encode_owned(&result))
+}
+
+/// A value's bytes and owned copies of its fds, so that the value can be dropped before they
+/// are sent.
+pub(crate) fn encode_owned<T: Serialize + ?Sized>(value: &T) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
+    let encoded = wire::encode(value)?;
+    let fds = encoded
+        .fds()
+        .map(|fd| {
+            fd.try_clone_to_owned()
+                .map_err(|e| Error::io("dup(an fd of a pool task's value)", e))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((encoded.bytes().to_vec(), fds))
+}
