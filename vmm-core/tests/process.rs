@@ -1,4 +1,5 @@
-//! vmm-core's own cross-process tests: every scenario under both start methods.
+//! vmm-core's own cross-process tests: every scenario under both cold start methods, and the
+//! ones where it could differ under warm too.
 
 use std::collections::BTreeSet;
 use std::ffi::c_void;
@@ -47,7 +48,7 @@ fn read_back_and_reply(buf: HostBuffer) {
 
 #[rstest]
 fn host_buffer_as_argument(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
 ) {
     let _guard = shared();
     let buf = HostBuffer::new(1 << 20).unwrap();
@@ -68,7 +69,7 @@ fn read_from_queue(queue: Queue<HostBuffer>) {
 
 #[rstest]
 fn host_buffer_through_queue(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
 ) {
     let _guard = shared();
     let queue = Queue::new().unwrap();
@@ -84,7 +85,7 @@ fn host_buffer_through_queue(
 
 #[rstest]
 fn fd_count_returns_to_baseline(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
 ) {
     let _guard = exclusive();
     ensure_running().unwrap();
@@ -125,7 +126,7 @@ fn panics(message: String) {
 
 #[rstest]
 fn child_panic_is_reported(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
 ) {
     let _guard = shared();
     let child = Context::new(method)
@@ -177,7 +178,7 @@ fn alive(pid: u32) -> bool {
 
 #[rstest]
 fn hanging_child_is_killed_at_timeout(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
 ) {
     let _guard = shared();
     let child = Context::new(method).spawn(hang, ()).unwrap();
@@ -327,8 +328,8 @@ fn middle(args: (StartMethod, HostDescriptor, Queue<u32>)) {
 
 #[rstest]
 fn nested_children(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] outer: StartMethod,
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] inner: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] outer: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] inner: StartMethod,
 ) {
     let _guard = shared();
     let buf = HostBuffer::new(4096).unwrap();
@@ -359,7 +360,7 @@ fn report_and_hang(queue: Queue<u32>) {
 
 #[rstest]
 fn children_die_with_their_parent(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
 ) {
     let _guard = shared();
     let queue = Queue::new().unwrap();
@@ -728,7 +729,7 @@ fn report_env(queue: Queue<Option<String>>) {
 
 #[rstest]
 fn with_env_reaches_the_child_before_its_function(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
 ) {
     let _guard = shared();
     let queue = Queue::new().unwrap();

@@ -1,6 +1,6 @@
 //! Faults and hostile children: whatever a child does to its channel, whatever dies when, a join
 //! returns by its deadline, no child is left a zombie or an orphan, and a failed spawn runs
-//! nothing. Each scenario under both start methods where the method matters.
+//! nothing. Each scenario under every start method where the method matters.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
@@ -74,7 +74,7 @@ fn assert_reaped(pid: u32, method: StartMethod) {
         "child {pid} ({method}) is still in the process table, state {:?}",
         state(pid)
     );
-    if method == StartMethod::Spawn {
+    if method != StartMethod::Forkserver {
         assert_eq!(
             waitpid(Pid::from_raw(pid as i32), Some(WaitPidFlag::WNOHANG)),
             Err(Errno::ECHILD),
@@ -148,7 +148,7 @@ fn assert_protocol_violation(result: vmm_core::Result<ExitStatus>, method: Start
 
 #[rstest]
 fn a_child_that_writes_garbage_on_its_channel_is_reaped_and_fails(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
 ) {
     let _guard = shared();
     let child = Context::new(method)
@@ -161,7 +161,7 @@ fn a_child_that_writes_garbage_on_its_channel_is_reaped_and_fails(
 
 #[rstest]
 fn a_dropped_child_that_wrote_garbage_on_its_channel_is_reaped(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
 ) {
     let _guard = shared();
     let child = Context::new(method)
@@ -170,7 +170,7 @@ fn a_dropped_child_that_wrote_garbage_on_its_channel_is_reaped(
     let pid = child.pid();
     // Let it finish first: the drop must then reap an exited child, not kill a running one.
     match method {
-        StartMethod::Spawn => {
+        StartMethod::Spawn | StartMethod::Warm => {
             let deadline = Instant::now() + TIMEOUT;
             while state(pid) != Some('Z') && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(5));
@@ -190,7 +190,7 @@ fn exec_sleep(_: ()) {
 
 #[rstest]
 fn join_returns_by_its_deadline_when_the_child_execs(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
 ) {
     let _guard = shared();
     let child = Context::new(method).spawn(exec_sleep, ()).unwrap();
@@ -254,7 +254,7 @@ fn kill_stray(pid_file: &Path) {
 
 #[rstest]
 fn join_returns_by_its_deadline_when_a_grandchild_holds_the_channel(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
     #[values(false, true)] hang_after: bool,
 ) {
     let _guard = shared();
@@ -361,7 +361,7 @@ fn spawn_near_the_fd_limit(args: (StartMethod, String)) {
 
 #[rstest]
 fn a_spawn_that_fails_at_the_fd_limit_never_runs_its_function(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
 ) {
     let _guard = shared();
     let dir = scratch_path(&format!("markers-{method}"));
@@ -380,7 +380,7 @@ fn a_spawn_that_fails_at_the_fd_limit_never_runs_its_function(
 
 #[rstest]
 fn duration_max_is_forever_for_join_wait_and_with_timeout(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
 ) {
     let _guard = shared();
     let ctx = Context::new(method);

@@ -1,0 +1,475 @@
+//! `Pool` on the host path, under every start method: typed results, arguments imported for
+//! the task and released when it ends (fds and mappings counted in the worker between tasks),
+//! a panicking or dying worker fails only its own task and is replaced, timeouts and
+//! cancellation kill the task's worker, dropping the pool kills and reaps every worker.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use rstest::rstest;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use vmm_core::Error;
+use vmm_core::process::{Pool, StartMethod, ensure_running, warm_pool};
+use vmm_core::shm::{HostBuffer, HostDescriptor};
+use vmm_core::testing::settled_open_fds;
+use vmm_core::wire::Queue;
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Tests that count this process's fds run alone; the rest share.
+static EXCLUSIVE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    EXCLUSIVE.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn exclusive() -> std::sync::RwLockWriteGuard<'static, ()> {
+    EXCLUSIVE.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `/proc/<pid>/stat`'s state letter, or `None` once the pid is gone.
+fn state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+fn dead_within(pid: u32, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while state(pid).is_some_and(|s| s != 'Z') {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
+fn square(n: u64) -> (u32, u64) {
+    (std::process::id(), n * n)
+}
+
+#[rstest]
+fn tasks_return_typed_results_from_the_workers(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+) {
+    let _guard = shared();
+    let pool = Pool::new(method, 2).unwrap();
+    assert_eq!(pool.method(), method);
+    let workers: BTreeSet<u32> = pool.pids().into_iter().collect();
+    assert_eq!(workers.len(), 2);
+    let tasks: Vec<_> = (0..8u64).map(|n| pool.submit(square, n).unwrap()).collect();
+    let mut ran_in = BTreeSet::new();
+    for (n, task) in tasks.into_iter().enumerate() {
+        let (pid, squared) = task.join(TIMEOUT).unwrap();
+        assert_eq!(squared, (n * n) as u64);
+        ran_in.insert(pid);
+    }
+    assert!(
+        ran_in.is_subset(&workers),
+        "tasks ran outside the workers: {ran_in:?} vs {workers:?}"
+    );
+    assert!(!ran_in.contains(&std::process::id()));
+    // The workers were reused: no task needed a new process.
+    assert_eq!(pool.pids().into_iter().collect::<BTreeSet<_>>(), workers);
+}
+
+/// This worker's open fds and memfd mappings (HostBuffers are memfds).
+fn counts() -> (usize, usize) {
+    let fds = std::fs::read_dir("/proc/self/fd").unwrap().count() - 1;
+    let maps = std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|line| line.contains("memfd:"))
+        .count();
+    (fds, maps)
+}
+
+fn report_counts(_: ()) -> (usize, usize) {
+    counts()
+}
+
+/// Fill the buffer and report the counts while it is held.
+fn fill_and_count(args: (HostBuffer, u8)) -> (usize, usize) {
+    args.0.fill(args.1).unwrap();
+    counts()
+}
+
+/// Hold the descriptor (one fd) and the buffer imported from it; report the counts.
+fn import_and_count(descriptor: HostDescriptor) -> (usize, usize) {
+    let buf = HostBuffer::import(&descriptor).unwrap();
+    assert_eq!(buf.to_vec()[0], 0x11);
+    counts()
+}
+
+/// Give back a descriptor of a fresh buffer: a result that carries an fd.
+fn make_buffer(len: usize) -> HostDescriptor {
+    let buf = HostBuffer::new(len).unwrap();
+    buf.fill(0x77).unwrap();
+    buf.export().unwrap()
+}
+
+#[rstest]
+fn arguments_are_imported_for_the_task_and_released_when_it_ends(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+) {
+    let _guard = shared();
+    let pool = Pool::new(method, 1).unwrap();
+    let baseline = pool
+        .submit(report_counts, ())
+        .unwrap()
+        .join(TIMEOUT)
+        .unwrap();
+    let buf = HostBuffer::new(1 << 20).unwrap();
+    for round in 0..3u8 {
+        let during = pool
+            .submit(fill_and_count, (buf.clone(), round))
+            .unwrap()
+            .join(TIMEOUT)
+            .unwrap();
+        assert_eq!(
+            during.1,
+            baseline.1 + 1,
+            "the buffer was mapped in the worker while the task ran"
+        );
+        assert!(buf.to_vec().iter().all(|&b| b == round));
+        let after = pool
+            .submit(report_counts, ())
+            .unwrap()
+            .join(TIMEOUT)
+            .unwrap();
+        assert_eq!(
+            after, baseline,
+            "the task's buffer outlived it in the worker"
+        );
+    }
+    buf.fill(0x11).unwrap();
+    let during = pool
+        .submit(import_and_count, buf.export().unwrap())
+        .unwrap()
+        .join(TIMEOUT)
+        .unwrap();
+    assert_eq!(during.1, baseline.1 + 1);
+    assert!(
+        during.0 > baseline.0,
+        "the descriptor's fd was held in the task"
+    );
+    let after = pool
+        .submit(report_counts, ())
+        .unwrap()
+        .join(TIMEOUT)
+        .unwrap();
+    assert_eq!(after, baseline, "the descriptor's fd outlived the task");
+    // A result can carry fds too.
+    let descriptor = pool
+        .submit(make_buffer, 4096)
+        .unwrap()
+        .join(TIMEOUT)
+        .unwrap();
+    let made = HostBuffer::import(&descriptor).unwrap();
+    assert!(made.to_vec().iter().all(|&b| b == 0x77));
+    let after = pool
+        .submit(report_counts, ())
+        .unwrap()
+        .join(TIMEOUT)
+        .unwrap();
+    assert_eq!(after, baseline, "the result's buffer outlived the task");
+}
+
+fn print_and_return(word: String) -> String {
+    println!("task says {word}");
+    word
+}
+
+fn print_and_panic(word: String) -> String {
+    println!("task says {word}");
+    panic!("task panicked on {word}");
+}
+
+#[rstest]
+fn a_panicking_task_fails_alone_and_its_worker_is_replaced(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+) {
+    let _guard = shared();
+    let pool = Pool::new(method, 2).unwrap();
+    let before: BTreeSet<u32> = pool.pids().into_iter().collect();
+    let ok = pool.submit(print_and_return, "first".into()).unwrap();
+    assert_eq!(ok.join(TIMEOUT).unwrap(), "first");
+    let failing = pool.submit(print_and_panic, "second".into()).unwrap();
+    let others: Vec<_> = (0..4)
+        .map(|i| pool.submit(print_and_return, format!("other {i}")).unwrap())
+        .collect();
+    let Err(Error::Child(failure)) = failing.join(TIMEOUT) else {
+        panic!("a panicking task must fail with Error::Child")
+    };
+    assert_eq!(failure.method, method);
+    assert_eq!(
+        failure.panic_message.as_deref(),
+        Some("task panicked on second")
+    );
+    assert!(
+        failure
+            .panic_location
+            .as_deref()
+            .is_some_and(|l| l.contains("pool.rs")),
+        "{failure}"
+    );
+    assert_eq!(
+        failure.status.and_then(|s| s.code()),
+        Some(101),
+        "{failure}"
+    );
+    assert!(failure.stdout.contains("task says second"), "{failure}");
+    assert!(
+        !failure.stdout.contains("first") && !failure.stdout.contains("other"),
+        "another task's output was blamed on this one: {failure}"
+    );
+    assert!(failure.to_string().contains("Pool worker"), "{failure}");
+    let dead = failure.pid;
+    assert!(before.contains(&dead));
+    for (i, task) in others.into_iter().enumerate() {
+        assert_eq!(task.join(TIMEOUT).unwrap(), format!("other {i}"));
+    }
+    let after: BTreeSet<u32> = pool.pids().into_iter().collect();
+    assert_eq!(after.len(), 2, "the panicked worker was replaced");
+    assert!(!after.contains(&dead));
+    assert_eq!(state(dead), None, "the panicked worker was not reaped");
+}
+
+fn die_by_signal(_: ()) -> u32 {
+    kill(Pid::this(), Signal::SIGKILL).unwrap();
+    unreachable!("killed")
+}
+
+fn my_pid(_: ()) -> u32 {
+    std::process::id()
+}
+
+#[rstest]
+fn a_worker_that_dies_fails_its_task_with_how_it_died(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+) {
+    let _guard = shared();
+    let pool = Pool::new(method, 1).unwrap();
+    let first = pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap();
+    let Err(Error::Child(failure)) = pool.submit(die_by_signal, ()).unwrap().join(TIMEOUT) else {
+        panic!("a dying worker must fail its task with Error::Child")
+    };
+    assert_eq!(failure.pid, first);
+    assert_eq!(
+        failure.status.and_then(|s| s.signal()),
+        Some(9),
+        "{failure}"
+    );
+    assert!(failure.panic_message.is_none());
+    assert!(
+        failure
+            .to_string()
+            .contains("it ended without reporting how its function ended"),
+        "{failure}"
+    );
+    let next = pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap();
+    assert_ne!(next, first, "the task ran on the replacement");
+    assert_eq!(state(first), None, "the dead worker was not reaped");
+}
+
+#[rstest]
+fn a_worker_killed_while_idle_is_replaced_before_its_next_task(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+) {
+    let _guard = shared();
+    let pool = Pool::new(method, 1).unwrap();
+    let idle = pool.pids()[0];
+    kill(Pid::from_raw(idle as i32), Signal::SIGKILL).unwrap();
+    assert!(dead_within(idle, TIMEOUT));
+    let ran_in = pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap();
+    assert_ne!(ran_in, idle);
+    assert_eq!(pool.pids(), [ran_in]);
+    assert!(
+        dead_within(idle, Duration::from_secs(5)) && state(idle).is_none(),
+        "the dead idle worker was not reaped"
+    );
+}
+
+fn hang(started: Queue<u32>) -> u32 {
+    started.put(&std::process::id()).unwrap();
+    std::thread::sleep(Duration::from_secs(600));
+    0
+}
+
+#[rstest]
+fn a_task_past_its_timeout_is_killed_with_its_worker(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+) {
+    let _guard = shared();
+    let pool = Pool::new(method, 1).unwrap();
+    let started = Queue::new().unwrap();
+    let hanging = pool.submit(hang, started.clone()).unwrap();
+    // A second task waits for the only worker: at its deadline it is cancelled, not run.
+    let waiting = pool.submit(my_pid, ()).unwrap();
+    let worker = started.get(TIMEOUT).unwrap();
+    let t = Instant::now();
+    match waiting.join(Duration::from_millis(200)) {
+        Err(Error::Timeout { what, .. }) => assert!(what.contains("free worker"), "{what}"),
+        other => panic!("a queued task past its deadline is Error::Timeout, got {other:?}"),
+    }
+    assert!(t.elapsed() < Duration::from_secs(5));
+    let t = Instant::now();
+    let Err(Error::Child(failure)) = hanging.join(Duration::from_millis(300)) else {
+        panic!("a running task past its deadline is Error::Child")
+    };
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "join overran its deadline"
+    );
+    assert_eq!(failure.timed_out, Some(Duration::from_millis(300)));
+    assert_eq!(
+        failure.status.and_then(|s| s.signal()),
+        Some(9),
+        "{failure}"
+    );
+    assert_eq!(failure.pid, worker);
+    assert_eq!(state(worker), None, "the killed worker was not reaped");
+    // The pool goes on with a replacement.
+    assert_ne!(
+        pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap(),
+        worker
+    );
+}
+
+#[rstest]
+fn dropping_an_unjoined_handle_cancels_its_task(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+) {
+    let _guard = shared();
+    let pool = Pool::new(method, 1).unwrap();
+    let started = Queue::new().unwrap();
+    let hanging = pool.submit(hang, started.clone()).unwrap();
+    let worker = started.get(TIMEOUT).unwrap();
+    drop(hanging);
+    assert_eq!(
+        state(worker),
+        None,
+        "the cancelled task's worker was not reaped"
+    );
+    assert_ne!(
+        pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap(),
+        worker
+    );
+}
+
+#[rstest]
+fn dropping_the_pool_kills_and_reaps_every_worker(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+) {
+    let _guard = shared();
+    let pool = Pool::new(method, 3).unwrap();
+    let pids = pool.pids();
+    assert_eq!(pids.len(), 3);
+    let started = Queue::new().unwrap();
+    let hanging = pool.submit(hang, started.clone()).unwrap();
+    started.get(TIMEOUT).unwrap();
+    let queued: Vec<_> = (0..5).map(|_| pool.submit(my_pid, ()).unwrap()).collect();
+    drop(pool);
+    for pid in &pids {
+        assert_eq!(
+            state(*pid),
+            None,
+            "worker {pid} survived its pool (or is a zombie)"
+        );
+    }
+    match hanging.join(TIMEOUT) {
+        Err(Error::Disconnected(why)) => assert!(why.contains("Pool was dropped"), "{why}"),
+        other => panic!("the running task must fail with the pool, got {other:?}"),
+    }
+    // The queued ones either ran before the drop or fail with it.
+    for task in queued {
+        match task.join(TIMEOUT) {
+            Ok(pid) => assert!(pids.contains(&pid)),
+            Err(Error::Disconnected(_)) => {}
+            Err(other) => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+/// An argument that is refused on arrival, as an import that fails would be.
+struct Refused;
+
+impl Serialize for Refused {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_unit()
+    }
+}
+
+impl<'de> Deserialize<'de> for Refused {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        <()>::deserialize(deserializer)?;
+        Err(vmm_core::wire::deserialize_error::<D>(
+            Error::InvalidArgument("refused on arrival".into()),
+        ))
+    }
+}
+
+fn never_runs(_: Refused) -> u32 {
+    unreachable!("the argument is refused before the function runs")
+}
+
+#[rstest]
+fn an_argument_the_worker_cannot_receive_fails_the_task_not_the_worker(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+) {
+    let _guard = shared();
+    let pool = Pool::new(method, 1).unwrap();
+    let worker = pool.pids()[0];
+    let Err(Error::Child(failure)) = pool.submit(never_runs, Refused).unwrap().join(TIMEOUT) else {
+        panic!("an argument that cannot be received fails the task")
+    };
+    assert!(
+        matches!(failure.not_run.as_deref(), Some(Error::InvalidArgument(m)) if m == "refused on arrival"),
+        "{failure}"
+    );
+    assert_eq!(
+        pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap(),
+        worker
+    );
+}
+
+#[test]
+fn a_pool_needs_a_worker_and_a_function_of_this_executable() {
+    let _guard = shared();
+    assert!(matches!(
+        Pool::new(StartMethod::Spawn, 0),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[rstest]
+fn the_parents_fds_are_stable_across_tasks_and_replacements(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+) {
+    let _guard = exclusive();
+    ensure_running().unwrap();
+    warm_pool().unwrap();
+    let pool = Pool::new(method, 2).unwrap();
+    let buf = HostBuffer::new(1 << 16).unwrap();
+    let before = settled_open_fds().unwrap();
+    for round in 0..4u8 {
+        pool.submit(fill_and_count, (buf.clone(), round))
+            .unwrap()
+            .join(TIMEOUT)
+            .unwrap();
+    }
+    assert!(
+        pool.submit(print_and_panic, "x".into())
+            .unwrap()
+            .join(TIMEOUT)
+            .is_err()
+    );
+    pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap();
+    assert_eq!(
+        settled_open_fds().unwrap(),
+        before,
+        "the pool's fds changed"
+    );
+}

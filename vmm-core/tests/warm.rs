@@ -1,0 +1,312 @@
+//! `StartMethod::Warm` on the host path: children started ahead of need, each running one
+//! function; a waiting child that died is replaced, never handed out; the pool's fds are stable
+//! once it is warm; waiting children die with their parent.
+//!
+//! Every test here uses the one process-wide warm pool, so they take turns (the pool's pids
+//! are compared before and after).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use vmm_core::Error;
+use vmm_core::process::{
+    Context, DEFAULT_DEPTH, StartMethod, WarmOptions, set_warm_options, warm_options, warm_pids,
+    warm_pool,
+};
+use vmm_core::shm::HostBuffer;
+use vmm_core::testing::settled_open_fds;
+use vmm_core::wire::Queue;
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One test at a time: they all look at the one warm pool.
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Use `depth` (no CUDA devices: this is the host path) until dropped, then the environment's
+/// options again.
+struct Depth;
+
+impl Depth {
+    fn set(depth: usize) -> Depth {
+        set_warm_options(WarmOptions::new().with_depth(depth));
+        Depth
+    }
+}
+
+impl Drop for Depth {
+    fn drop(&mut self) {
+        set_warm_options(WarmOptions::from_env().unwrap());
+    }
+}
+
+/// `/proc/<pid>/stat`'s state letter, or `None` once the pid is gone.
+fn state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+/// Wait up to `limit` until `pid` is dead: a zombie (with `zombie_ok`) or gone.
+fn dead_within(pid: u32, limit: Duration, zombie_ok: bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        match state(pid) {
+            None => return true,
+            Some('Z') if zombie_ok => return true,
+            Some(_) if Instant::now() >= deadline => return false,
+            Some(_) => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+}
+
+/// How many times this process ran `count_runs`: a warm child that ran two functions would say 2.
+static RUNS: AtomicUsize = AtomicUsize::new(0);
+
+fn count_runs(queue: Queue<(u32, usize)>) {
+    let runs = RUNS.fetch_add(1, Ordering::SeqCst) + 1;
+    queue.put(&(std::process::id(), runs)).unwrap();
+}
+
+#[test]
+fn a_warm_child_was_waiting_runs_one_function_and_is_replaced() {
+    let _turn = turn();
+    let _depth = Depth::set(2);
+    let waiting = warm_pool().unwrap();
+    assert_eq!(waiting.len(), 2);
+    let queue = Queue::new().unwrap();
+    let ctx = Context::new(StartMethod::Warm);
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let child = ctx.spawn(count_runs, queue.clone()).unwrap();
+        let pid = child.pid();
+        child.join(TIMEOUT).unwrap();
+        let (ran_in, runs) = queue.get(TIMEOUT).unwrap();
+        assert_eq!(ran_in, pid, "the function ran in the child handed out");
+        assert_eq!(runs, 1, "a warm child runs exactly one function");
+        assert_eq!(state(pid), None, "the child was reaped");
+        seen.push(pid);
+    }
+    assert!(
+        waiting.contains(&seen[0]),
+        "the first child was one that waited: {seen:?} vs {waiting:?}"
+    );
+    seen.dedup();
+    assert_eq!(seen.len(), 3, "every spawn got a fresh process");
+    let refilled = warm_pool().unwrap();
+    assert_eq!(refilled.len(), waiting.len(), "the pool was refilled");
+    assert!(refilled.iter().all(|pid| !seen.contains(pid)));
+}
+
+fn noop(_: ()) {}
+
+#[test]
+fn a_waiting_child_that_died_is_replaced_and_never_handed_out() {
+    let _turn = turn();
+    let _depth = Depth::set(2);
+    let waiting = warm_pool().unwrap();
+    assert_eq!(waiting.len(), 2);
+    let victim = waiting[0];
+    kill(Pid::from_raw(victim as i32), Signal::SIGKILL).unwrap();
+    assert!(
+        dead_within(victim, TIMEOUT, true),
+        "the killed child did not die"
+    );
+    let child = Context::new(StartMethod::Warm).spawn(noop, ()).unwrap();
+    assert_ne!(child.pid(), victim, "a dead child was handed out");
+    assert_eq!(child.pid(), waiting[1], "the live waiting child was used");
+    child.join(TIMEOUT).unwrap();
+    assert_eq!(state(victim), None, "the dead waiting child was reaped");
+    let refilled = warm_pool().unwrap();
+    assert_eq!(refilled.len(), 2);
+    assert!(!refilled.contains(&victim) && !refilled.contains(&waiting[1]));
+}
+
+#[test]
+fn every_waiting_child_dead_still_starts_one() {
+    let _turn = turn();
+    let _depth = Depth::set(2);
+    let waiting = warm_pool().unwrap();
+    for &pid in &waiting {
+        kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
+    }
+    for &pid in &waiting {
+        assert!(dead_within(pid, TIMEOUT, true));
+    }
+    let queue = Queue::new().unwrap();
+    let child = Context::new(StartMethod::Warm)
+        .spawn(count_runs, queue.clone())
+        .unwrap();
+    assert!(!waiting.contains(&child.pid()));
+    child.join(TIMEOUT).unwrap();
+    assert_eq!(queue.get(TIMEOUT).unwrap().1, 1);
+    for &pid in &waiting {
+        assert_eq!(state(pid), None, "dead waiting child {pid} was not reaped");
+    }
+}
+
+fn fill(buf: HostBuffer) {
+    buf.fill(0x5C).unwrap();
+}
+
+#[test]
+fn fds_are_stable_once_the_pool_is_warm() {
+    let _turn = turn();
+    let _depth = Depth::set(2);
+    warm_pool().unwrap();
+    let buf = HostBuffer::new(1 << 16).unwrap();
+    let before = settled_open_fds().unwrap();
+    let ctx = Context::new(StartMethod::Warm);
+    for _ in 0..3 {
+        ctx.spawn(fill, buf.clone()).unwrap().join(TIMEOUT).unwrap();
+    }
+    assert!(buf.to_vec().iter().all(|&b| b == 0x5C));
+    assert_eq!(
+        settled_open_fds().unwrap(),
+        before,
+        "taking warm children changed the parent's fds"
+    );
+    // A waiting child that dies is replaced by one with the same fds' worth.
+    let victim = warm_pids()[0];
+    kill(Pid::from_raw(victim as i32), Signal::SIGKILL).unwrap();
+    assert!(dead_within(victim, TIMEOUT, true));
+    ctx.spawn(noop, ()).unwrap().join(TIMEOUT).unwrap();
+    warm_pool().unwrap();
+    assert_eq!(settled_open_fds().unwrap(), before);
+}
+
+fn panics(message: String) {
+    println!("about to panic");
+    panic!("{message}");
+}
+
+#[test]
+fn a_warm_childs_panic_comes_back_with_its_method() {
+    let _turn = turn();
+    let Err(Error::Child(failure)) = Context::new(StartMethod::Warm)
+        .spawn(panics, "warm words".to_owned())
+        .unwrap()
+        .join(TIMEOUT)
+    else {
+        panic!("the panic must fail the join")
+    };
+    assert_eq!(failure.method, StartMethod::Warm);
+    assert_eq!(failure.panic_message.as_deref(), Some("warm words"));
+    assert!(failure.stdout.contains("about to panic"), "{failure}");
+    assert!(
+        failure.to_string().contains("start method warm"),
+        "{failure}"
+    );
+}
+
+fn hang(_: ()) {
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+#[test]
+fn a_hanging_warm_child_is_killed_at_its_timeout_and_reaped() {
+    let _turn = turn();
+    let child = Context::new(StartMethod::Warm).spawn(hang, ()).unwrap();
+    let pid = child.pid();
+    let started = Instant::now();
+    let Err(Error::Child(failure)) = child.join(Duration::from_millis(300)) else {
+        panic!("must time out")
+    };
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(failure.timed_out, Some(Duration::from_millis(300)));
+    assert_eq!(failure.status.and_then(|s| s.signal()), Some(9));
+    assert_eq!(state(pid), None, "the killed child was not reaped");
+    // Dropped unjoined: killed and reaped too.
+    let child = Context::new(StartMethod::Warm).spawn(hang, ()).unwrap();
+    let pid = child.pid();
+    child.kill().unwrap();
+    drop(child);
+    assert_eq!(state(pid), None);
+}
+
+fn report_env(queue: Queue<Option<String>>) {
+    queue.put(&std::env::var("VMM_WARM_TEST_ENV").ok()).unwrap();
+}
+
+#[test]
+fn a_context_with_env_gets_children_started_with_it() {
+    let _turn = turn();
+    let queue = Queue::new().unwrap();
+    let ctx = Context::new(StartMethod::Warm);
+    for value in ["one", "two"] {
+        ctx.clone()
+            .with_env("VMM_WARM_TEST_ENV", value)
+            .spawn(report_env, queue.clone())
+            .unwrap()
+            .join(TIMEOUT)
+            .unwrap();
+        assert_eq!(queue.get(TIMEOUT).unwrap().as_deref(), Some(value));
+    }
+    ctx.spawn(report_env, queue.clone())
+        .unwrap()
+        .join(TIMEOUT)
+        .unwrap();
+    assert_eq!(queue.get(TIMEOUT).unwrap(), None);
+}
+
+#[test]
+fn options_set_the_depth() {
+    let _turn = turn();
+    set_warm_options(WarmOptions::new().with_depth(3).with_devices([]));
+    assert_eq!(warm_pool().unwrap().len(), 3);
+    assert_eq!(warm_options().devices(), &[] as &[usize]);
+    set_warm_options(WarmOptions::new().with_depth(0));
+    assert!(warm_pool().unwrap().is_empty());
+    assert!(
+        warm_pids().is_empty(),
+        "children of the old options were ended"
+    );
+    // With no pool, a warm child is started on demand.
+    Context::new(StartMethod::Warm)
+        .spawn(noop, ())
+        .unwrap()
+        .join(TIMEOUT)
+        .unwrap();
+    assert!(warm_pids().is_empty());
+    set_warm_options(WarmOptions::from_env().unwrap());
+    assert_eq!(
+        warm_options().depth(),
+        std::env::var("VMM_WARM_DEPTH")
+            .ok()
+            .and_then(|d| d.parse().ok())
+            .unwrap_or(DEFAULT_DEPTH)
+    );
+}
+
+fn start_pool_and_hang(queue: Queue<Vec<u32>>) {
+    let pids = warm_pool().unwrap();
+    queue.put(&pids).unwrap();
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+#[test]
+fn waiting_children_die_with_their_parent() {
+    let _turn = turn();
+    let queue = Queue::new().unwrap();
+    let middle = Context::new(StartMethod::Spawn)
+        .spawn(start_pool_and_hang, queue.clone())
+        .unwrap();
+    let pids = queue.get(TIMEOUT).unwrap();
+    assert!(!pids.is_empty());
+    for &pid in &pids {
+        assert!(state(pid).is_some_and(|s| s != 'Z'), "{pid} is not waiting");
+    }
+    middle.kill().unwrap();
+    drop(middle);
+    for &pid in &pids {
+        // Their parent is gone, so they were killed; init reaps them.
+        assert!(
+            dead_within(pid, Duration::from_secs(10), true),
+            "waiting child {pid} outlived its parent"
+        );
+    }
+}
