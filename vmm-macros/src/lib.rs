@@ -18,7 +18,7 @@ mod expand;
 ///     Ok(())
 /// }
 ///
-/// #[vmm_core::ipc_test(methods = [spawn, forkserver], skip_unless = gpu_present(), timeout = 60)]
+/// #[vmm_core::ipc_test(methods = [spawn, forkserver, warm], skip_unless = gpu_present(), timeout = 60)]
 /// fn child_reads_parent_pattern(ctx: &Context) {
 ///     // Start children with `ctx` and check what they see.
 ///     let _ = ctx;
@@ -26,8 +26,9 @@ mod expand;
 /// # fn main() {}
 /// ```
 ///
-/// This defines the tests `child_reads_parent_pattern::spawn` and
-/// `child_reads_parent_pattern::forkserver` (prefixed with the enclosing module's path), ordinary
+/// This defines the tests `child_reads_parent_pattern::spawn`,
+/// `child_reads_parent_pattern::forkserver` and `child_reads_parent_pattern::warm` (prefixed with
+/// the enclosing module's path), ordinary
 /// `#[test]`s that `cargo test` and `cargo nextest` list, filter and run. The function keeps its
 /// name, attributes and visibility; it is the body each generated test runs.
 ///
@@ -46,8 +47,13 @@ mod expand;
 ///
 /// All optional, in any order, each at most once:
 ///
-/// - `methods = [spawn, forkserver]`: the start methods to run under, one test each, in the
-///   given order. Any non-empty subset; the default is both, `spawn` first.
+/// - `methods = [spawn, forkserver, warm]`: the start methods to run under, one test each, in the
+///   given order. Any non-empty subset; the default is `[spawn, forkserver]`. `warm` takes its
+///   children from the process's warm pool (`vmm_core::process::warm_pool`: children started
+///   ahead of need, CUDA initialised where there is a GPU, each still running one function);
+///   its test fills the pool first (and, for a `thread_unsafe` test, waits until it is full, so
+///   that an fd baseline taken in the body includes it). It is opt-in because waiting children
+///   hold GPU memory.
 /// - `skip_unless = EXPR`: evaluated at run time in the parent test process, before any child
 ///   starts; the test is skipped (passes without running the body) unless it is `true` or
 ///   `Ok(())`. With `VMM_REQUIRE_GPU=1` in the environment a skip fails the test instead. `EXPR` is a `bool` or a `Result<(), impl Display>`, typically
@@ -149,7 +155,7 @@ mod expand;
 ///
 /// The `skip_unless` expression is evaluated inside the generated module, which glob-imports the
 /// enclosing module: plain names and `crate::`/`::` paths resolve as written, but inside it the
-/// names `spawn` and `forkserver` are the generated tests and `super::` means the enclosing
+/// names `spawn`, `forkserver` and `warm` are the generated tests and `super::` means the enclosing
 /// module. Write `crate::` paths there if in doubt. (A `crate = PATH` needs no such care: it is
 /// adjusted to resolve as written.)
 ///

@@ -69,6 +69,20 @@ fn with_values(#[ignore] ctx: &Context, #[values(1, 2)] n: u32, #[values("a")] s
     let _ = (ctx, n, s);
 }
 
+/// `warm` among the methods: its test takes a child from the warm pool, which must run the body's
+/// child (the queue proves the function ran there).
+#[vmm_core::ipc_test(methods = [warm, spawn])]
+fn warm_too(ctx: &Context) {
+    fn report(queue: vmm_core::wire::Queue<u32>) {
+        queue.put(&std::process::id()).unwrap();
+    }
+    let queue = vmm_core::wire::Queue::new().unwrap();
+    let child = ctx.spawn(report, queue.clone()).unwrap();
+    let pid = child.pid();
+    child.wait().unwrap();
+    assert_eq!(queue.get(std::time::Duration::from_secs(30)).unwrap(), pid);
+}
+
 /// A facade that re-exports vmm-core, as a crate wrapping it would. `crate = path` names it,
 /// written in any form that resolves next to the function.
 mod facade {
@@ -132,6 +146,8 @@ fn generated_tests_are_listed() {
         "with_cases::case_2_two::spawn",
         "with_values::n_1_1::s_1___a__::spawn",
         "with_values::n_2_2::s_1___a__::spawn",
+        "warm_too::warm",
+        "warm_too::spawn",
         "through_facade::spawn",
         "through_facade_relative::forkserver",
         "through_facade_self::spawn",

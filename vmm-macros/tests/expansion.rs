@@ -150,6 +150,39 @@ fn methods_keep_the_given_order() {
 }
 
 #[test]
+fn warm_is_a_method_and_not_a_default() {
+    let actual = expand(
+        quote!(methods = [warm]),
+        quote!(
+            fn t(ctx: &Context) {}
+        ),
+    );
+    assert!(actual.contains("fn warm ()"), "{actual}");
+    assert!(
+        actual.contains(":: vmm_core :: testing :: __private :: StartMethod :: Warm"),
+        "{actual}"
+    );
+    assert!(!actual.contains("fn spawn"), "{actual}");
+    let default = expand(
+        quote!(),
+        quote!(
+            fn t(ctx: &Context) {}
+        ),
+    );
+    assert!(!default.contains("Warm"), "{default}");
+    let unknown = expand(
+        quote!(methods = [spawn, cold]),
+        quote!(
+            fn t(ctx: &Context) {}
+        ),
+    );
+    assert!(
+        unknown.contains("unknown start method `cold`; expected `spawn`, `forkserver` or `warm`"),
+        "{unknown}"
+    );
+}
+
+#[test]
 fn errors_are_combined_and_keep_only_inert_attributes() {
     let actual = expand(
         quote!(retries = 3, timeout = 0),

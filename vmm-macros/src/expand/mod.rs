@@ -126,7 +126,7 @@ pub(crate) fn expand(
     let body = quote_spanned_path(name);
     let tests = options
         .methods
-        .unwrap_or_else(|| Method::ALL.to_vec())
+        .unwrap_or_else(|| Method::DEFAULT.to_vec())
         .into_iter()
         .map(|method| {
             let test = method.test_name();

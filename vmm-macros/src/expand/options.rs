@@ -13,20 +13,27 @@ use super::Errors;
 /// The option names, in the order the documentation lists them.
 const OPTIONS: &str = "`methods`, `skip_unless`, `thread_unsafe`, `timeout`, `crate`";
 
-/// A start method, in the order the default `methods` list has them.
+/// The valid method names, as error messages list them.
+const METHODS: &str = "`spawn`, `forkserver` or `warm`";
+
+/// A start method.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Method {
     Spawn,
     Forkserver,
+    Warm,
 }
 
 impl Method {
-    pub(super) const ALL: [Method; 2] = [Method::Spawn, Method::Forkserver];
+    /// The methods a test runs under when `methods` is not given, in this order. `warm` is
+    /// opt-in: it keeps children waiting (with a CUDA context each, on a GPU machine).
+    pub(super) const DEFAULT: [Method; 2] = [Method::Spawn, Method::Forkserver];
 
     fn from_name(name: &str) -> Option<Self> {
         match name {
             "spawn" => Some(Method::Spawn),
             "forkserver" => Some(Method::Forkserver),
+            "warm" => Some(Method::Warm),
             _ => None,
         }
     }
@@ -36,6 +43,7 @@ impl Method {
         match self {
             Method::Spawn => format_ident!("spawn"),
             Method::Forkserver => format_ident!("forkserver"),
+            Method::Warm => format_ident!("warm"),
         }
     }
 
@@ -44,6 +52,7 @@ impl Method {
         match self {
             Method::Spawn => format_ident!("Spawn"),
             Method::Forkserver => format_ident!("Forkserver"),
+            Method::Warm => format_ident!("Warm"),
         }
     }
 }
@@ -119,14 +128,14 @@ fn parse_methods(value: &Expr, errors: &mut Errors) -> Option<Vec<Method>> {
     let Expr::Array(array) = value else {
         errors.spanned(
             value,
-            "expected a list of start methods, e.g. `methods = [spawn, forkserver]`",
+            "expected a list of start methods, e.g. `methods = [spawn, forkserver, warm]`",
         );
         return None;
     };
     if array.elems.is_empty() {
         errors.spanned(
             array,
-            "`methods` must name at least one start method: `spawn`, `forkserver`",
+            format_args!("`methods` must name at least one start method: {METHODS}"),
         );
         return None;
     }
@@ -149,14 +158,12 @@ fn parse_methods(value: &Expr, errors: &mut Errors) -> Option<Vec<Method>> {
             Some((ident, None)) => {
                 errors.spanned(
                     elem,
-                    format_args!(
-                        "unknown start method `{ident}`; expected `spawn` or `forkserver`"
-                    ),
+                    format_args!("unknown start method `{ident}`; expected {METHODS}"),
                 );
                 ok = false;
             }
             None => {
-                errors.spanned(elem, "expected a start method: `spawn` or `forkserver`");
+                errors.spanned(elem, format_args!("expected a start method: {METHODS}"));
                 ok = false;
             }
         }
