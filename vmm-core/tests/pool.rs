@@ -75,6 +75,61 @@ fn tasks_return_typed_results_from_the_workers(
     assert_eq!(pool.pids().into_iter().collect::<BTreeSet<_>>(), workers);
 }
 
+#[rstest]
+fn tasks_joined_from_several_threads_all_get_their_own_results(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+) {
+    let _guard = shared();
+    let pool = Pool::new(method, 2).unwrap();
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..6u64)
+            .map(|t| {
+                let pool = &pool;
+                scope.spawn(move || {
+                    // Submitted together, joined in reverse: results arrive for other threads'
+                    // tasks while each thread waits for its own.
+                    let tasks: Vec<_> = (0..5u64)
+                        .map(|i| (t * 100 + i, pool.submit(square, t * 100 + i).unwrap()))
+                        .collect();
+                    for (n, task) in tasks.into_iter().rev() {
+                        assert_eq!(task.join(TIMEOUT).unwrap().1, n * n);
+                    }
+                })
+            })
+            .collect();
+        for thread in threads {
+            thread.join().unwrap();
+        }
+    });
+}
+
+fn sleep_ms(ms: u64) -> u64 {
+    std::thread::sleep(Duration::from_millis(ms));
+    ms
+}
+
+#[rstest]
+fn a_quick_task_is_not_held_up_by_a_slow_one_joined_first(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+) {
+    let _guard = shared();
+    let pool = Pool::new(method, 2).unwrap();
+    let slow = pool.submit(sleep_ms, 2000).unwrap();
+    std::thread::scope(|scope| {
+        // This thread waits first, so it is the one reading the workers.
+        let slow = scope.spawn(move || slow.join(TIMEOUT).unwrap());
+        std::thread::sleep(Duration::from_millis(100));
+        let t = Instant::now();
+        assert_eq!(pool.submit(sleep_ms, 1).unwrap().join(TIMEOUT).unwrap(), 1);
+        assert!(
+            t.elapsed() < Duration::from_millis(1000),
+            "the quick task waited for the slow one: {:?}",
+            t.elapsed()
+        );
+        assert_eq!(slow.join().unwrap(), 2000);
+    });
+}
+
 /// This worker's open fds and memfd mappings (HostBuffers are memfds).
 fn counts() -> (usize, usize) {
     let fds = std::fs::read_dir("/proc/self/fd").unwrap().count() - 1;

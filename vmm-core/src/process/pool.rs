@@ -613,6 +613,8 @@ impl Shared {
         }
         self.replace_dead(inner);
         self.dispatch(inner);
+        // Waiters whose task just finished (or who wait to read the workers) look again.
+        self.changed.notify_all();
     }
 
     /// Take what worker `slot` sent; end it if it died or broke the protocol.
