@@ -52,7 +52,7 @@ fn read_back_and_reply(buf: VirtualMemoryBuffer) {
     buf.write_at(0, &pattern(2, buf.size())).unwrap();
 }
 
-#[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn buffer_as_process_argument(ctx: &Context) {
     let buf = filled(1);
     ctx.spawn(read_back_and_reply, buf.clone())
@@ -62,7 +62,7 @@ fn buffer_as_process_argument(ctx: &Context) {
     assert_eq!(contents(&buf), pattern(2, buf.size()));
 }
 
-#[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn buffer_through_queue(ctx: &Context) {
     let queue: Queue<VirtualMemoryBuffer> = Queue::new().unwrap();
     let child = ctx
@@ -77,7 +77,7 @@ fn buffer_through_queue(ctx: &Context) {
     assert_eq!(contents(&buf), pattern(2, buf.size()));
 }
 
-#[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
+#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
 fn fd_count_returns_to_baseline(ctx: &Context) {
     ensure_running().unwrap();
     let buf = filled(2);
@@ -109,7 +109,7 @@ fn read_grown(buf: VirtualMemoryBuffer) {
     assert_eq!(contents(&buf), pattern(1, 2 * g));
 }
 
-#[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn grown_two_chunk_buffer_reads_as_one_range(ctx: &Context) {
     let buf = filled(2);
     ctx.spawn(read_grown, buf.clone()).unwrap().wait().unwrap();
@@ -167,7 +167,7 @@ fn refuse_malformed(descriptor: IpcDescriptor) {
     assert_eq!(contents(&buf), pattern(1, g));
 }
 
-#[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn malformed_descriptors_are_refused(ctx: &Context) {
     let buf = filled(1);
     ctx.spawn(refuse_malformed, buf.export().unwrap())
@@ -197,7 +197,7 @@ fn try_reexport(args: (VirtualMemoryBuffer, Queue<VirtualMemoryBuffer>)) {
     }
 }
 
-#[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn imported_buffer_is_not_exported_again(ctx: &Context) {
     let buf = filled(1);
     let queue = Queue::new().unwrap();
@@ -229,7 +229,7 @@ fn importer_holds_no_fd(descriptor: IpcDescriptor) {
     assert_eq!(contents(&buf), pattern(1, buf.size()));
 }
 
-#[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
+#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
 fn fds_live_only_in_descriptors(ctx: &Context) {
     ensure_running().unwrap();
     let before = settled_open_fds().unwrap();
@@ -376,7 +376,7 @@ fn import_on_the_other_device(args: (IpcDescriptor, String)) {
     );
 }
 
-#[ipc_test(skip_unless = vmm_core::testing::cuda_devices(2))]
+#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_devices(2))]
 fn two_gpus_import_from_the_other_device_with_peer_access(ctx: &Context) {
     let device = Device::new(0).unwrap();
     let resource = VirtualMemoryResource::new(
