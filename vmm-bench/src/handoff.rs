@@ -27,6 +27,9 @@ use crate::{CHILD_WAIT, Group, Kind, key};
 /// The GPU hand-off group.
 pub const GROUP: &str = "gpu-handoff";
 
+/// The start methods of the live children (a warm child, once started, is a spawned one).
+pub const METHODS: [StartMethod; 2] = [StartMethod::Spawn, StartMethod::Forkserver];
+
 /// What a hand-off child does with an item it received.
 pub trait Handled: Serialize + DeserializeOwned {
     /// Import (if the item is a descriptor), map, drop.
@@ -236,14 +239,14 @@ pub fn bench_raw(
 /// Register the hand-off rows of `group` (descriptor and buffer, both methods, against the
 /// raw-socket baselines); `desc_target` is the descriptor figures' target.
 pub fn rows(group: &str, desc_target: Target) {
-    for method in StartMethod::ALL {
+    for method in METHODS {
         row(
             &key(group, &format!("descriptor/{method}")),
             &key(group, "descriptor/raw-socket"),
             desc_target,
         );
     }
-    for method in StartMethod::ALL {
+    for method in METHODS {
         row(
             &key(group, &format!("buffer/{method}")),
             &key(group, "buffer/raw-socket"),
@@ -262,13 +265,13 @@ pub fn bench_handoffs<D: Handled, B: Handled>(
     (work, fd, size): (RawWork, &OwnedFd, usize),
     mut export: impl FnMut() -> OwnedFd,
 ) {
-    for method in StartMethod::ALL {
+    for method in METHODS {
         bench_live(group, &format!("descriptor/{method}"), method, descriptor);
     }
     bench_raw(group, "descriptor/raw-socket", work, fd, size, |child| {
         child.send(fd, size)
     });
-    for method in StartMethod::ALL {
+    for method in METHODS {
         bench_live(group, &format!("buffer/{method}"), method, buffer);
     }
     bench_raw(group, "buffer/raw-socket", work, fd, size, |child| {

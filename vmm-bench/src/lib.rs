@@ -12,6 +12,7 @@
 pub mod driver;
 pub mod handoff;
 pub mod host;
+pub mod pool;
 pub mod raw;
 pub mod record;
 pub mod report;
@@ -146,6 +147,13 @@ impl<'a> Group<'a> {
         });
     }
 
+    /// Warm-up and measurement times for the figures benched from here on in this group: for
+    /// figures whose untimed setup (a warm pool's refill) takes far longer than what they time,
+    /// which would otherwise run for minutes. Command-line times do not override these.
+    pub fn times(&mut self, warm_up: Duration, measure: Duration) {
+        self.inner.warm_up_time(warm_up).measurement_time(measure);
+    }
+
     /// Close the group.
     pub fn finish(self) {
         self.inner.finish();
@@ -189,12 +197,13 @@ pub fn is_measuring_run() -> bool {
 /// Every group, host groups first; when `gpu` is `Err`, one SKIP line per GPU group up front.
 pub fn run(c: &mut Criterion, gpu: &Result<(), String>) {
     if let Err(reason) = gpu {
-        for group in [driver::GROUP, handoff::GROUP, start::GPU_GROUP] {
+        for group in [driver::GROUP, handoff::GROUP, start::GPU_GROUP, pool::GROUP] {
             skip(group, reason);
         }
     }
     host::driver(c);
     host::handoff(c);
+    pool::host_pool(c);
     start::child_start(c);
     if gpu.is_ok() {
         let cuda = raw::RawCuda::init().unwrap_or_else(|e| {
@@ -202,6 +211,7 @@ pub fn run(c: &mut Criterion, gpu: &Result<(), String>) {
         });
         driver::gpu_driver(c, &cuda);
         handoff::gpu_handoff(c, &cuda);
+        pool::gpu_pool(c, &cuda);
         start::gpu_child(c);
     }
 }

@@ -4,10 +4,16 @@
 //!   `std::process::Command` of `/bin/true` until reaped (the target baseline: fork+exec of a
 //!   tiny program, init_cost.c's `noop`) and, for information, of this bench executable with
 //!   `VMM_BENCH_BASELINE=noop` (which exits right after `init()`: the cost of exec'ing a large
-//!   Rust binary, without vmm-core's protocol).
+//!   Rust binary, without vmm-core's protocol). `warm`: the same from a warm pool that is full
+//!   and ready when the clock starts (`warm_pool()` untimed before each), next to spawn.
 //! - gpu-child: a child that initialises CUDA by importing a descriptor, drops it and exits,
 //!   and join, next to this executable re-run with `VMM_BENCH_BASELINE=cuda-init` (`cuInit` +
-//!   primary context, then exit: init_cost.c's `cuda` child).
+//!   primary context, then exit: init_cost.c's `cuda` child). `warm`: the same child taken
+//!   from a warm pool (CUDA initialised while it waited), next to `spawn` (40x below it is the
+//!   target) and the 5 ms target; `warm-acked` times the same with an ack from the child's
+//!   function, split into `warm-returned` (start until the function returned: the start
+//!   message, the import, the ack) and `warm-exit` (from then until `join` returned: the
+//!   report, the exit with a live CUDA context, the reap).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -17,10 +23,13 @@ use criterion::Criterion;
 use vmm_core::cuda::{
     Device, HandleType, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource,
 };
-use vmm_core::process::{Context, StartMethod, ensure_running};
+use vmm_core::process::{
+    Context, StartMethod, ensure_running, set_warm_options, warm_options, warm_pool,
+};
+use vmm_core::wire::Queue;
 
 use crate::report::{Target, row};
-use crate::{BASELINE_VAR, CHILD_WAIT, Group, Kind, key};
+use crate::{BASELINE_VAR, CHILD_WAIT, Group, Kind, Settings, key, record};
 
 /// The no-op child-start group.
 pub const GROUP: &str = "child-start";
@@ -32,6 +41,33 @@ fn noop(_: ()) {}
 fn gpu_work(descriptor: IpcDescriptor) {
     let buffer = VirtualMemoryBuffer::import(&descriptor).expect("gpu child: import");
     drop(buffer);
+}
+
+fn gpu_work_acked((descriptor, ack): (IpcDescriptor, Queue<u8>)) {
+    gpu_work(descriptor);
+    ack.put(&1).expect("gpu child: ack");
+}
+
+/// Warm-up and measurement for warm figures, whose untimed refill (a fresh process; on a GPU,
+/// its CUDA init) is far longer than what they time.
+fn warm_times() -> (Duration, Duration) {
+    if Settings::from_env().quick {
+        (Duration::from_millis(20), Duration::from_millis(100))
+    } else {
+        (Duration::from_millis(50), Duration::from_millis(400))
+    }
+}
+
+/// The methods whose children start cold.
+const COLD: [StartMethod; 2] = [StartMethod::Spawn, StartMethod::Forkserver];
+
+/// Start + join of a warm child running `f(args)`, timed once the pool is full and ready.
+fn warm_start_join<A>(f: fn(A), args: A) -> Duration
+where
+    A: serde::Serialize + serde::de::DeserializeOwned,
+{
+    warm_pool().expect("warm the pool");
+    start_join(StartMethod::Warm, f, args)
 }
 
 /// `/bin/true` (or `/usr/bin/true`).
@@ -83,6 +119,7 @@ pub fn child_start(c: &mut Criterion) {
         &key(GROUP, "exec-self-noop"),
         Target::None,
     );
+    row(&key(GROUP, "warm"), &key(GROUP, "spawn"), Target::None);
 
     let mut group = Group::new(c, GROUP, Kind::Processes);
     group.bench("spawn", || start_join(StartMethod::Spawn, noop, ()));
@@ -97,19 +134,39 @@ pub fn child_start(c: &mut Criterion) {
     group.bench("exec-self-noop", || {
         run_to_exit(Command::new(&exe).env(BASELINE_VAR, "noop"))
     });
+    // The host path even on a GPU machine: these warm children initialise no CUDA device.
+    let options = warm_options();
+    set_warm_options(options.clone().with_devices([]));
+    let (warm_up, measure) = warm_times();
+    group.times(warm_up, measure);
+    group.bench("warm", || warm_start_join(noop, ()));
+    set_warm_options(options);
     group.finish();
 }
 
-/// A GPU child (start, CUDA init, import, drop, exit) + join, next to a bare CUDA-init process.
+/// A GPU child (start, CUDA init, import, drop, exit) + join, next to a bare CUDA-init process;
+/// and the same child from a warm pool.
 pub fn gpu_child(c: &mut Criterion) {
     let base = key(GPU_GROUP, "cuda-init-process");
-    for method in StartMethod::ALL {
+    for method in COLD {
         row(
             &key(GPU_GROUP, method.name()),
             &base,
             Target::RatioAtMost(1.1),
         );
     }
+    let warm = key(GPU_GROUP, "warm");
+    row(
+        &warm,
+        &key(GPU_GROUP, "spawn"),
+        Target::RatioAtMost(1.0 / 40.0),
+    );
+    row(&warm, &base, Target::Under(5e6));
+    let acked = key(GPU_GROUP, "warm-acked");
+    let (returned, exit) = (key(GPU_GROUP, "warm-returned"), key(GPU_GROUP, "warm-exit"));
+    row(&returned, &acked, Target::None);
+    row(&exit, &acked, Target::None);
+
     let device = Device::new(0).expect("device 0");
     let resource =
         VirtualMemoryResource::new(&device, ResourceOptions::default()).expect("resource");
@@ -118,20 +175,39 @@ pub fn gpu_child(c: &mut Criterion) {
     let descriptor = buffer.export().expect("export");
     let fds: Vec<_> = descriptor.fds().collect();
     let sizes = descriptor.chunk_sizes().to_vec();
+    // A fresh descriptor (dup of the exported fds) per child, untimed.
+    let own =
+        || IpcDescriptor::from_fds(&fds, &sizes, HandleType::PosixFd, size).expect("descriptor");
 
     ensure_running().expect("start the forkserver");
     let mut group = Group::new(c, GPU_GROUP, Kind::Processes);
-    for method in StartMethod::ALL {
-        group.bench(method.name(), || {
-            // A fresh descriptor (dup of the exported fds) per child, untimed.
-            let own = IpcDescriptor::from_fds(&fds, &sizes, HandleType::PosixFd, size)
-                .expect("descriptor");
-            start_join(method, gpu_work, own)
-        });
+    for method in COLD {
+        group.bench(method.name(), || start_join(method, gpu_work, own()));
     }
     let exe = this_exe();
     group.bench("cuda-init-process", || {
         run_to_exit(Command::new(&exe).env(BASELINE_VAR, "cuda-init"))
     });
+    let (warm_up, measure) = warm_times();
+    group.times(warm_up, measure);
+    group.bench("warm", || warm_start_join(gpu_work, own()));
+    let ack = Queue::new().expect("queue");
+    group.bench("warm-acked", || {
+        let args = (own(), ack.clone());
+        warm_pool().expect("warm the pool");
+        let t = Instant::now();
+        let child = Context::new(StartMethod::Warm)
+            .spawn(gpu_work_acked, args)
+            .expect("start child");
+        ack.get(CHILD_WAIT).expect("child ack");
+        let until_returned = t.elapsed();
+        child.join(CHILD_WAIT).expect("join child");
+        let total = t.elapsed();
+        record::measure(&returned, 1, || until_returned);
+        record::measure(&exit, 1, || total - until_returned);
+        total
+    });
     group.finish();
+    // End the waiting children: they hold a CUDA context each.
+    set_warm_options(warm_options());
 }
