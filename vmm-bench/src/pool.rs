@@ -1,9 +1,10 @@
 //! A `Pool` task that carries a descriptor, next to the raw-socket hand-off child.
 //!
 //! - `pool/task-with-descriptor`: a `Pool` of one warm worker (started, and its first import
-//!   made, outside the clock); one iteration is `submit(import_and_drop, descriptor)` + `join`:
-//!   the argument's encoding (its fds duplicated into the task), the send, the worker's
-//!   import + reserve + map + set access + drop, its report (a `()` result) and the decode.
+//!   made, outside the clock); one iteration is `submit(import_and_drop, &descriptor)` +
+//!   `join` of one descriptor exported once: the argument's encoding (its fd duplicated into
+//!   the task, as `sendmsg` duplicates the raw child's), the send, the worker's import +
+//!   reserve + map + set access + drop, its report (a `()` result) and the decode.
 //! - `pool/raw-socket`: raw_vmm.c's child (see `handoff`): `sendmsg` of the fd and size over a
 //!   bare socketpair, the raw calls, a 1-byte ack.
 //!
@@ -11,11 +12,11 @@
 //! where no driver time hides what the pool itself costs.
 
 use std::os::fd::OwnedFd;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use criterion::Criterion;
 use vmm_core::cuda::{
-    Device, HandleType, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource,
+    Device, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource,
 };
 use vmm_core::process::{Pool, StartMethod, set_warm_options, warm_options};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
@@ -39,7 +40,7 @@ fn import_host(descriptor: HostDescriptor) {
 }
 
 /// A warm pool of one worker that has made one import already (untimed).
-fn warm_pool_of_one<D>(task: fn(D), first: D) -> Pool
+fn warm_pool_of_one<D>(task: fn(D), first: &D) -> Pool
 where
     D: serde::Serialize + serde::de::DeserializeOwned,
 {
@@ -51,34 +52,25 @@ where
     pool
 }
 
-/// One timed task: submit `descriptor` (made outside the clock) and join.
-fn timed_task<D>(pool: &Pool, task: fn(D), descriptor: D) -> Duration
-where
-    D: serde::Serialize + serde::de::DeserializeOwned,
-{
-    let t = Instant::now();
-    pool.submit(task, descriptor)
-        .expect("submit")
-        .join(CHILD_WAIT)
-        .expect("join");
-    t.elapsed()
-}
-
 /// Bench the pool figure (its pool started lazily, so a filtered-out figure starts nothing)
 /// and the raw-socket child on `fd`.
 fn bench_pool<D>(
     group: &mut Group<'_>,
     task: fn(D),
-    mut fresh: impl FnMut() -> D,
+    descriptor: &D,
     (work, fd, size): (RawWork, &OwnedFd, usize),
 ) where
     D: serde::Serialize + serde::de::DeserializeOwned,
 {
     let mut pool: Option<Pool> = None;
     group.bench("task-with-descriptor", || {
-        let descriptor = fresh();
-        let pool = pool.get_or_insert_with(|| warm_pool_of_one(task, fresh()));
-        timed_task(pool, task, descriptor)
+        let pool = pool.get_or_insert_with(|| warm_pool_of_one(task, descriptor));
+        let t = Instant::now();
+        pool.submit(task, descriptor)
+            .expect("submit")
+            .join(CHILD_WAIT)
+            .expect("join");
+        t.elapsed()
     });
     drop(pool);
     // The warm pool's waiting children (the worker came from it) would sit beside the baseline:
@@ -103,8 +95,6 @@ pub fn gpu_pool(c: &mut Criterion, cuda: &RawCuda) {
     let size = (2usize << 20).next_multiple_of(resource.granularity());
     let buffer = resource.allocate(size).expect("allocate");
     let descriptor = buffer.export().expect("export");
-    let fds: Vec<_> = descriptor.fds().collect();
-    let sizes = descriptor.chunk_sizes().to_vec();
 
     cuda.make_current();
     let handle = cuda.create(size);
@@ -114,8 +104,7 @@ pub fn gpu_pool(c: &mut Criterion, cuda: &RawCuda) {
     bench_pool(
         &mut group,
         import_gpu,
-        // A fresh descriptor (dup of the exported fds) per task, untimed, as gpu-child does.
-        || IpcDescriptor::from_fds(&fds, &sizes, HandleType::PosixFd, size).expect("descriptor"),
+        &descriptor,
         (RawWork::Gpu, &fd, size),
     );
     group.finish();
@@ -133,12 +122,13 @@ pub fn host_pool(c: &mut Criterion) {
     );
     let size = 2 << 20;
     let buffer = HostBuffer::new(size).expect("host buffer");
+    let descriptor = buffer.export().expect("export");
     let fd = raw::sealed_memfd(size);
     let mut group = Group::new(c, HOST_GROUP, Kind::Processes);
     bench_pool(
         &mut group,
         import_host,
-        || buffer.export().expect("export"),
+        &descriptor,
         (RawWork::Host, &fd, size),
     );
     group.finish();

@@ -216,6 +216,26 @@ fn arguments_are_imported_for_the_task_and_released_when_it_ends(
         .join(TIMEOUT)
         .unwrap();
     assert_eq!(after, baseline, "the descriptor's fd outlived the task");
+    // By reference: one descriptor sent to several tasks (each gets its own copy of the fd).
+    let descriptor = buf.export().unwrap();
+    for _ in 0..3 {
+        let during = pool
+            .submit(import_and_count, &descriptor)
+            .unwrap()
+            .join(TIMEOUT)
+            .unwrap();
+        assert_eq!(during.1, baseline.1 + 1);
+    }
+    drop(descriptor);
+    let after = pool
+        .submit(report_counts, ())
+        .unwrap()
+        .join(TIMEOUT)
+        .unwrap();
+    assert_eq!(
+        after, baseline,
+        "a descriptor sent by reference outlived its task"
+    );
     // A result can carry fds too.
     let descriptor = pool
         .submit(make_buffer, 4096)
@@ -249,9 +269,13 @@ fn a_panicking_task_fails_alone_and_its_worker_is_replaced(
     let _guard = shared();
     let pool = Pool::new(method, 2).unwrap();
     let before: BTreeSet<u32> = pool.pids().into_iter().collect();
-    let ok = pool.submit(print_and_return, "first".into()).unwrap();
+    let ok = pool
+        .submit(print_and_return, String::from("first"))
+        .unwrap();
     assert_eq!(ok.join(TIMEOUT).unwrap(), "first");
-    let failing = pool.submit(print_and_panic, "second".into()).unwrap();
+    let failing = pool
+        .submit(print_and_panic, String::from("second"))
+        .unwrap();
     let others: Vec<_> = (0..4)
         .map(|i| pool.submit(print_and_return, format!("other {i}")).unwrap())
         .collect();
@@ -516,7 +540,7 @@ fn the_parents_fds_are_stable_across_tasks_and_replacements(
             .unwrap();
     }
     assert!(
-        pool.submit(print_and_panic, "x".into())
+        pool.submit(print_and_panic, String::from("x"))
             .unwrap()
             .join(TIMEOUT)
             .is_err()

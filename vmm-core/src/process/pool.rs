@@ -13,6 +13,7 @@
 //! until their result is in or their deadline passes. A worker that dies or panics fails only
 //! the task it was running, with an [`Error::Child`] that says what happened, and is replaced.
 
+use std::borrow::Borrow;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::marker::PhantomData;
@@ -62,7 +63,8 @@ const START_FAILURES_MAX: usize = 3;
 ///     let pool = Pool::new(StartMethod::Warm, 2)?; // two workers, warmed up
 ///     let buf = HostBuffer::new(4096)?;
 ///     buf.fill(1)?;
-///     let tasks = [pool.submit(checksum, buf.clone())?, pool.submit(checksum, buf)?];
+///     // By reference: the argument is serialised at once (a buffer exported on the way).
+///     let tasks = [pool.submit(checksum, &buf)?, pool.submit(checksum, &buf)?];
 ///     for task in tasks {
 ///         assert_eq!(task.join(Duration::from_secs(10))?, 4096);
 ///     }
@@ -238,12 +240,13 @@ impl Pool {
     ///
     /// `f` is a plain `fn` or non-capturing closure compiled into the main executable, as for
     /// [`Context::spawn`](super::Context::spawn); one that is not is refused with
-    /// [`Error::InvalidArgument`] before anything is queued. `args` is serialised now (fds out
-    /// of band: buffers are exported on the way, descriptors' fds duplicated), so the caller
-    /// may drop or reuse what it passed. Dropping the returned handle without joining cancels
-    /// the task: one still queued never runs, a running one is killed with its worker (which
-    /// is replaced).
-    pub fn submit<A, R>(&self, f: fn(A) -> R, args: A) -> Result<TaskHandle<R>>
+    /// [`Error::InvalidArgument`] before anything is queued. `args` is the argument or a
+    /// reference to it (`&descriptor`: one export, sent to many tasks). It is serialised now
+    /// (fds out of band: buffers are exported on the way, descriptors' fds duplicated), so the
+    /// caller may drop or reuse what it passed. Dropping the returned handle without joining
+    /// cancels the task: one still queued never runs, a running one is killed with its worker
+    /// (which is replaced).
+    pub fn submit<A, R>(&self, f: fn(A) -> R, args: impl Borrow<A>) -> Result<TaskHandle<R>>
     where
         A: Serialize + DeserializeOwned,
         R: Serialize + DeserializeOwned,
@@ -259,7 +262,7 @@ impl Pool {
             "the task trampoline for these argument and result types",
         )?;
         // The argument's fds are owned copies (its lent ones duplicated), so it can go now.
-        let (encoded, fds) = worker::encode_owned(&args)?;
+        let (encoded, fds) = worker::encode_owned(args.borrow())?;
         drop(args);
         let task = Task {
             layout: sys::code_offset(sys::layout_probe as fn() -> usize as usize),
