@@ -65,19 +65,16 @@ fn a_thread_unsafe_warm_test_starts_with_the_pool_full(ctx: &Context) {
 /// does anything with CUDA itself (`cuInit` is idempotent; the state query creates nothing).
 fn primary_context_active() -> bool {
     // SAFETY: cuInit takes flags (0); libcuda is present (the test's requirement).
-    assert_eq!(unsafe { sys::cuInit(0) }, sys::CUresult::CUDA_SUCCESS);
+    let rc = unsafe { sys::cuInit(0) };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
     let mut device = 0;
     // SAFETY: a live out-pointer.
-    assert_eq!(
-        unsafe { sys::cuDeviceGet(&mut device, 0) },
-        sys::CUresult::CUDA_SUCCESS
-    );
+    let rc = unsafe { sys::cuDeviceGet(&mut device, 0) };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
     let (mut flags, mut active) = (0u32, 0i32);
     // SAFETY: live out-pointers and a valid device.
-    assert_eq!(
-        unsafe { sys::cuDevicePrimaryCtxGetState(device, &mut flags, &mut active) },
-        sys::CUresult::CUDA_SUCCESS
-    );
+    let rc = unsafe { sys::cuDevicePrimaryCtxGetState(device, &mut flags, &mut active) };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
     active != 0
 }
 
