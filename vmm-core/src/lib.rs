@@ -6,7 +6,8 @@
 //! - [`wire`]: messages that carry file descriptors (SCM_RIGHTS over `SOCK_SEQPACKET`), serde with
 //!   fds out of band, and [`wire::Queue`].
 //! - [`shm`]: host shared memory (memfd) with the export/import model of the CUDA path.
-//! - [`process`]: start methods (spawn, forkserver), [`process::Process`], child entry.
+//! - [`process`]: start methods (spawn, forkserver, warm), [`process::Process`], child entry,
+//!   and [`process::Pool`] (reusable warm workers that run tasks).
 //! - [`testing`]: the runtime behind `#[ipc_test]`: fd accounting, requirement checks.
 //!
 //! Linux only: every channel is an anonymous socketpair and every buffer is shared by fd.

@@ -196,7 +196,7 @@ impl Process {
     /// `join` ends when the child process has exited and its reports are read, whatever else
     /// holds its channel (a process the child forked may keep a copy open; that neither delays
     /// `join` nor fails it). It returns by `timeout` plus the time the kill takes: for a spawned
-    /// child, until the kernel has ended it; for a forkserver child, until the server reports
+    /// or warm child, until the kernel has ended it; for a forkserver child, until the server reports
     /// its exit, at most 5 s after its death (a dead server's children die with it, and their
     /// status is then unknown). A `timeout` too large to represent (`Duration::MAX`) waits
     /// forever.

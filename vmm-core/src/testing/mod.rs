@@ -7,6 +7,8 @@
 //! - `VMM_CHILD_TIMEOUT=<secs>` is the default timeout of a test and of its children's joins
 //!   (see [`parse_timeout`](crate::process::parse_timeout): `inf` is no timeout; a value that
 //!   is not a positive number fails every `#[ipc_test]` that runs, naming the value).
+//! - `VMM_WARM_DEPTH`, `VMM_WARM_DEVICES`: the warm pool that tests under `warm` take their
+//!   children from (see [`WarmOptions`](crate::process::WarmOptions)).
 
 mod exclusive;
 mod fds;
