@@ -419,7 +419,16 @@ fn import_on_the_other_device(args: (IpcDescriptor, String)) {
     let (ptr, size) = (buf.device_ptr(), buf.size());
     let mut seen = vec![0u8; size];
     let written = pattern(4, size);
+    let mut peer_access = 0;
     with_context_of(&peer, || {
+        let location = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: peer.ordinal() as i32,
+        };
+        // SAFETY: live out-pointer and location; `ptr` is `buf`'s mapping, alive for the call.
+        check("cuMemGetAccess (peer)", unsafe {
+            sys::cuMemGetAccess(&mut peer_access, &location, ptr)
+        });
         // SAFETY: `ptr..ptr + size` is `buf`'s mapping, alive for the call and mapped with
         // read-write access for `peer`; `seen` is writable for `size` bytes.
         check("cuMemcpyDtoH (peer)", unsafe {
@@ -431,6 +440,11 @@ fn import_on_the_other_device(args: (IpcDescriptor, String)) {
             sys::cuMemcpyHtoD_v2(ptr, written.as_ptr().cast(), size)
         });
     });
+    assert_eq!(
+        peer_access,
+        sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64,
+        "the importer granted the peer read-write access on the mapping"
+    );
     assert_eq!(seen, pattern(1, size), "the peer read the exporter's data");
     assert_eq!(
         contents(&buf),
