@@ -277,7 +277,17 @@ impl VirtualMemoryResource {
     /// this resource's minimum granularity, each fd, and the exporter's device and location
     /// against this resource's); a failure later undoes all steps and is an [`Error::Ipc`]
     /// naming the chunk and step. The result holds no fd: drop `descriptor` once imported.
+    ///
+    /// A resource created with [`HandleType::None`] imports nothing ([`Error::InvalidArgument`]):
+    /// its buffers are not shareable, and an import is shared memory.
     pub fn import(&self, descriptor: &IpcDescriptor) -> Result<VirtualMemoryBuffer> {
+        if self.inner.options.handle_type != HandleType::PosixFd {
+            return Err(Error::InvalidArgument(format!(
+                "import: this resource's option `handle_type` is {:?}, so its buffers are not \
+                 shareable; import with a VirtualMemoryResource created with HandleType::PosixFd",
+                self.inner.options.handle_type
+            )));
+        }
         let sizes = descriptor.chunk_sizes();
         let count = sizes.len();
         let total = validate_layout(
