@@ -295,6 +295,9 @@ fn importer_holds_no_fd(descriptor: IpcDescriptor) {
 #[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
 fn fds_live_only_in_descriptors(ctx: &Context) {
     ensure_running().unwrap();
+    // Initialise CUDA here first: the driver keeps its own fds (device nodes) for the process's
+    // life, and this test may be the first in the binary to touch the GPU.
+    drop(filled(1));
     let before = settled_open_fds().unwrap();
     let buf = filled(3);
     assert_eq!(open_fds().unwrap(), before, "a buffer holds no fd");
