@@ -29,6 +29,10 @@
 //!   until the importers say they have imported (a reply on your transport, an acknowledgement
 //!   `Queue`).
 //!
+//! A process that exits frees its memory with it, kept buffers included (an fd in flight
+//! would have kept it): a sender that may exit before its receivers have imported should call
+//! `wait_imported` first.
+//!
 //! # Between machines (not tested here)
 //!
 //! This crate is tested on one machine. Between the nodes of an NVLink fabric, NVIDIA's IMEX
