@@ -304,6 +304,19 @@ fn refuse_unshareable(descriptor: IpcDescriptor) {
         "import: this resource's option `handle_type` is None, so its buffers are not \
          shareable; import with a VirtualMemoryResource created with HandleType::PosixFd"
     );
+    // A fabric descriptor is refused the same way, before its (forged) handle reaches the driver.
+    let forged = vmm_core::cuda::FabricDescriptor::from_handles(
+        &[vmm_core::cuda::FabricHandle::from_bytes([0x5a; 64])],
+        &[descriptor.chunk_sizes()[0]],
+        1,
+        *device.uuid(),
+    )
+    .unwrap();
+    assert_eq!(
+        invalid(none.import_fabric(&forged)),
+        "import_fabric: this resource's option `handle_type` is None, so its buffers are not \
+         shareable; import with a VirtualMemoryResource created with HandleType::Fabric"
+    );
     let rule = "export: the buffer was allocated with handle type None; create its \
                 VirtualMemoryResource with HandleType::PosixFd to share it";
     assert_eq!(invalid(unshareable.export()), rule);

@@ -288,7 +288,7 @@ impl VirtualMemoryResource {
     /// A resource created with [`HandleType::None`] imports nothing ([`Error::InvalidArgument`]):
     /// its buffers are not shareable, and an import is shared memory.
     pub fn import(&self, descriptor: &IpcDescriptor) -> Result<VirtualMemoryBuffer> {
-        if self.inner.options.handle_type != HandleType::PosixFd {
+        if self.inner.options.handle_type == HandleType::None {
             return Err(Error::InvalidArgument(format!(
                 "import: this resource's option `handle_type` is {:?}, so its buffers are not \
                  shareable; import with a VirtualMemoryResource created with HandleType::PosixFd",
@@ -337,7 +337,17 @@ impl VirtualMemoryResource {
     /// exporter has released it the import fails (with the driver's error, as an
     /// [`Error::Ipc`] while importing the chunk). A buffer imported already stays valid after the
     /// exporter releases its own.
+    ///
+    /// A resource created with [`HandleType::None`] imports nothing, as for [`Self::import`].
     pub fn import_fabric(&self, descriptor: &FabricDescriptor) -> Result<VirtualMemoryBuffer> {
+        if self.inner.options.handle_type == HandleType::None {
+            return Err(Error::InvalidArgument(
+                "import_fabric: this resource's option `handle_type` is None, so its buffers are \
+                 not shareable; import with a VirtualMemoryResource created with \
+                 HandleType::Fabric"
+                    .into(),
+            ));
+        }
         let sizes = descriptor.chunk_sizes();
         let total = validate_chunks(
             "FabricDescriptor",
