@@ -137,8 +137,8 @@ fn one_fabric_export_serves_many_children_that_acknowledge(ctx: &Context) {
 }
 
 /// Three children importing one fabric export at the same moment: on an H200 (driver 580, an
-/// IMEX channel node but no IMEX service) all three hung in this test (run of 7a3a1f0's
-/// predecessor); `one_fabric_export_serves_many_children_that_acknowledge` imports one at a
+/// IMEX channel node but no IMEX service) all three hung in this test (commit d486547),
+/// `one_fabric_export_serves_many_children_that_acknowledge` imports one at a
 /// time. Kept as a diagnostic, run by name; the children report how far they got.
 #[ipc_test(skip_unless = vmm_core::testing::cuda_fabric(), timeout = 20)]
 #[ignore = "diagnostic: concurrent imports of one fabric export hung on an H200; run by name"]
