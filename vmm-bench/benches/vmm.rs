@@ -13,4 +13,5 @@ fn main() {
     vmm_bench::run(&mut criterion, &gpu);
     criterion.final_summary();
     vmm_bench::report::finish(settings.quick, gpu, vmm_bench::is_measuring_run());
+    vmm_bench::exit_if_fabric_required();
 }

@@ -14,7 +14,8 @@ use criterion::Criterion;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use vmm_core::cuda::{
-    Device, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource,
+    Device, FabricDescriptor, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer,
+    VirtualMemoryResource,
 };
 use vmm_core::process::{Context, Process, StartMethod};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
@@ -39,6 +40,13 @@ pub trait Handled: Serialize + DeserializeOwned {
 impl Handled for IpcDescriptor {
     fn consume(self) {
         let buf = VirtualMemoryBuffer::import(&self).expect("child: import descriptor");
+        drop(buf);
+    }
+}
+
+impl Handled for FabricDescriptor {
+    fn consume(self) {
+        let buf = VirtualMemoryBuffer::import_fabric(&self).expect("child: import fabric");
         drop(buf);
     }
 }
@@ -280,9 +288,18 @@ pub fn bench_handoffs<D: Handled, B: Handled>(
 }
 
 /// One 2 MiB-granularity chunk handed to a live child, under both methods, next to
-/// raw_vmm.c's cross-process loop.
+/// raw_vmm.c's cross-process loop; then `buffer-cold/{method}`: a buffer of which no exported
+/// fd is alive (as in a program that sends and drops), whose export on the way is the cold one
+/// (the `buffer/*` figures export while the descriptor figures' descriptor is alive: warm).
 pub fn gpu_handoff(c: &mut Criterion, cuda: &RawCuda) {
     rows(GROUP, Target::RatioAtMost(1.2));
+    for method in METHODS {
+        row(
+            &key(GROUP, &format!("buffer-cold/{method}")),
+            &key(GROUP, &format!("buffer/{method}")),
+            Target::None,
+        );
+    }
     let device = Device::new(0).expect("device 0");
     let resource =
         VirtualMemoryResource::new(&device, ResourceOptions::default()).expect("resource");
@@ -305,6 +322,11 @@ pub fn gpu_handoff(c: &mut Criterion, cuda: &RawCuda) {
             cuda.export(handle)
         },
     );
+    // Never exported outside the hand-off: each send's export is cold.
+    let cold = Some(resource.allocate(size).expect("allocate"));
+    for method in METHODS {
+        bench_live(&mut group, &format!("buffer-cold/{method}"), method, &cold);
+    }
     group.finish();
     drop(fd);
     cuda.make_current();

@@ -10,6 +10,7 @@
 #![cfg(target_os = "linux")]
 
 pub mod driver;
+pub mod fabric;
 pub mod handoff;
 pub mod host;
 pub mod pool;
@@ -195,9 +196,16 @@ pub fn is_measuring_run() -> bool {
 }
 
 /// Every group, host groups first; when `gpu` is `Err`, one SKIP line per GPU group up front.
+/// The fabric groups run last, where fabric handles can be used; elsewhere (a GPU without
+/// fabric support or without an IMEX channel) each prints one SKIP line and the report says
+/// why (see [`exit_if_fabric_required`]).
 pub fn run(c: &mut Criterion, gpu: &Result<(), String>) {
+    let fabric_groups = [fabric::GROUP, fabric::HANDOFF_GROUP];
     if let Err(reason) = gpu {
-        for group in [driver::GROUP, handoff::GROUP, start::GPU_GROUP, pool::GROUP] {
+        for group in [driver::GROUP, handoff::GROUP, pool::GROUP, start::GPU_GROUP]
+            .into_iter()
+            .chain(fabric_groups)
+        {
             skip(group, reason);
         }
     }
@@ -213,5 +221,34 @@ pub fn run(c: &mut Criterion, gpu: &Result<(), String>) {
         handoff::gpu_handoff(c, &cuda);
         pool::gpu_pool(c, &cuda);
         start::gpu_child(c);
+        match fabric::availability() {
+            Ok(()) => {
+                fabric::gpu_fabric(c, &cuda);
+                fabric::gpu_fabric_handoff(c);
+            }
+            Err(reason) => {
+                for group in fabric_groups {
+                    skip(group, &reason);
+                }
+                report::fabric_skipped(reason);
+            }
+        }
+    }
+}
+
+/// After the report: with [`REQUIRE_GPU_VAR`]`=1`, a GPU run whose fabric groups were skipped
+/// (no fabric support, no IMEX channel) ends the process with exit status 1 and the reason.
+/// Every other figure has run and is in the report by then.
+pub fn exit_if_fabric_required() {
+    if let Some(reason) = report::fabric_skip_reason()
+        && std::env::var(REQUIRE_GPU_VAR).is_ok_and(|v| v == "1")
+    {
+        eprintln!(
+            "vmm-bench: {REQUIRE_GPU_VAR}=1 but the fabric benches ({}, {}) could not run: \
+             {reason}",
+            fabric::GROUP,
+            fabric::HANDOFF_GROUP
+        );
+        std::process::exit(1);
     }
 }

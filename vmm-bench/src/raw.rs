@@ -12,7 +12,7 @@ use std::ptr::NonNull;
 
 use cudarc::driver::sys;
 
-pub use sys::{CUdeviceptr, CUmemGenericAllocationHandle};
+pub use sys::{CUdeviceptr, CUmemFabricHandle, CUmemGenericAllocationHandle};
 
 fn check(call: &str, rc: sys::CUresult) {
     assert!(
@@ -32,6 +32,8 @@ pub fn culib_present() -> bool {
 pub struct RawCuda {
     ctx: sys::CUcontext,
     prop: sys::CUmemAllocationProp,
+    /// The same, shareable by fabric handle instead (`CU_MEM_HANDLE_TYPE_FABRIC`).
+    fabric_prop: sys::CUmemAllocationProp,
     access: sys::CUmemAccessDesc,
     granularity: usize,
 }
@@ -74,9 +76,14 @@ impl RawCuda {
         if rc != sys::CUresult::CUDA_SUCCESS {
             return Err(format!("cuMemGetAllocationGranularity: {rc:?}"));
         }
+        let fabric_prop = sys::CUmemAllocationProp {
+            requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
+            ..prop
+        };
         Ok(RawCuda {
             ctx,
             prop,
+            fabric_prop,
             access,
             granularity,
         })
@@ -137,6 +144,49 @@ impl RawCuda {
                 &mut handle,
                 fd.as_raw_fd() as usize as *mut c_void,
                 sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        });
+        handle
+    }
+
+    /// `cuMemCreate` of an allocation shareable by fabric handle (needs an IMEX channel).
+    pub fn create_fabric(&self, size: usize) -> CUmemGenericAllocationHandle {
+        let mut handle = 0;
+        // SAFETY: `handle` is a live out-pointer and `fabric_prop` a live, initialised struct.
+        check("cuMemCreate (fabric)", unsafe {
+            sys::cuMemCreate(&mut handle, size, &self.fabric_prop, 0)
+        });
+        handle
+    }
+
+    /// `cuMemExportToShareableHandle` as a fabric handle (64 bytes, nothing to close).
+    pub fn export_fabric(&self, handle: CUmemGenericAllocationHandle) -> CUmemFabricHandle {
+        let mut fabric = CUmemFabricHandle { data: [0; 64] };
+        // SAFETY: for fabric handles the driver writes one `CUmemFabricHandle` through the
+        // pointer to live `fabric`; callers pass a live handle.
+        check("cuMemExportToShareableHandle (fabric)", unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&mut fabric as *mut CUmemFabricHandle).cast::<c_void>(),
+                handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
+                0,
+            )
+        });
+        fabric
+    }
+
+    /// `cuMemImportFromShareableHandle` of a fabric handle.
+    pub fn import_fabric(&self, fabric: &CUmemFabricHandle) -> CUmemGenericAllocationHandle {
+        let mut handle = 0;
+        // SAFETY: the driver reads one `CUmemFabricHandle` through the pointer, which points
+        // at a live one it does not keep; `handle` is a live out-pointer.
+        check("cuMemImportFromShareableHandle (fabric)", unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut handle,
+                (fabric as *const CUmemFabricHandle)
+                    .cast_mut()
+                    .cast::<c_void>(),
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
             )
         });
         handle

@@ -47,6 +47,22 @@ struct Row {
 
 static ROWS: Mutex<Vec<Row>> = Mutex::new(Vec::new());
 
+/// Why the fabric groups were skipped on a run whose other GPU groups ran.
+static FABRIC_SKIPPED: Mutex<Option<String>> = Mutex::new(None);
+
+/// Record that the fabric groups were skipped, and why (the table and the JSON say so).
+pub fn fabric_skipped(reason: String) {
+    *FABRIC_SKIPPED.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
+}
+
+/// The reason recorded by [`fabric_skipped`], if any.
+pub fn fabric_skip_reason() -> Option<String> {
+    FABRIC_SKIPPED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
+}
+
 /// Add a row (once per figure/baseline pair; repeated calls are ignored).
 pub fn row(figure: &str, baseline: &str, target: Target) {
     let mut rows = ROWS.lock().unwrap_or_else(|e| e.into_inner());
@@ -82,6 +98,8 @@ struct JsonReport {
     quick: bool,
     /// Why the GPU groups were skipped (`null` when they ran).
     gpu_skipped: Option<String>,
+    /// Why the fabric groups were skipped while the other GPU groups ran (`null` otherwise).
+    fabric_skipped: Option<String>,
     note: &'static str,
     rows: Vec<JsonRow>,
     medians_ns: std::collections::BTreeMap<String, f64>,
@@ -185,6 +203,10 @@ pub fn finish(quick: bool, gpu: Result<(), String>, write_json: bool) {
     if let Err(reason) = &gpu {
         println!("\nGPU figures skipped: {reason}");
     }
+    let fabric_skipped = fabric_skip_reason();
+    if let Some(reason) = &fabric_skipped {
+        println!("\nFabric figures (gpu-fabric, gpu-fabric-handoff) skipped: {reason}");
+    }
     println!();
     if !write_json {
         return;
@@ -197,6 +219,7 @@ pub fn finish(quick: bool, gpu: Result<(), String>, write_json: bool) {
         bench: "vmm-bench",
         quick,
         gpu_skipped: gpu.err(),
+        fabric_skipped,
         note: "medians over every timed iteration (warm-up included) of one run; ratio = \
                figure / baseline",
         rows,

@@ -105,6 +105,31 @@ pub enum Error {
     /// CUDA cannot be used in this process (no libcuda, no device, or a missing capability).
     #[error("CUDA is not available: {0}")]
     CudaUnavailable(String),
+    /// The device cannot share memory by fabric handle: it does not offer the handle type
+    /// (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED` is 0), or the driver refuses a fabric
+    /// allocation as unsupported.
+    #[error(
+        "{device} does not support fabric handles ({detail}); share its memory by POSIX fd \
+         (HandleType::PosixFd) instead"
+    )]
+    FabricUnsupported {
+        /// The device, e.g. `device 0 (NVIDIA H200)`.
+        device: String,
+        /// What said so (the attribute, or the refused call and its error).
+        detail: String,
+    },
+    /// The device supports fabric handles, but this process may not use them: it has no IMEX
+    /// channel (the driver answers `CUDA_ERROR_NOT_PERMITTED`).
+    #[error(
+        "fabric handles on {device} need an IMEX channel, and this process has none \
+         ({detail}). {IMEX_HELP}"
+    )]
+    NoImexChannel {
+        /// The device, e.g. `device 0 (NVIDIA H200)`.
+        device: String,
+        /// The refused call and its error.
+        detail: String,
+    },
     /// An export or import of a buffer failed part way; everything done so far was undone.
     #[error("{op} failed {step}: {source}")]
     Ipc {
@@ -118,6 +143,14 @@ pub enum Error {
         source: Box<Error>,
     },
 }
+
+/// How a process gets an IMEX channel, for [`Error::NoImexChannel`].
+const IMEX_HELP: &str = "The driver grants channels as device nodes under \
+    /dev/nvidia-caps-imex-channels/ (the node must be readable by this process, and passed into \
+    a container). On one machine, as root: maj=$(awk '/nvidia-caps-imex-channels/ {print $1}' \
+    /proc/devices); mkdir -p /dev/nvidia-caps-imex-channels && mknod \
+    /dev/nvidia-caps-imex-channels/channel0 c \"$maj\" 0. Between machines on an NVLink fabric \
+    the channels come from NVIDIA's IMEX service (nvidia-imex), which must be running.";
 
 /// Shorthand for `Result<T, vmm_core::Error>`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -12,7 +12,7 @@ use vmm_core::cuda::{
     Device, Granularity, HandleType, IpcDescriptor, Location, ResourceOptions, VirtualMemoryBuffer,
     VirtualMemoryResource, importer, set_importer,
 };
-use vmm_core::testing::{cuda_vmm_ipc, skip_unless};
+use vmm_core::testing::{cuda_devices, cuda_vmm_ipc, skip_unless};
 
 /// The tests count this process's fds, so they run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -20,7 +20,24 @@ static SERIAL: Mutex<()> = Mutex::new(());
 /// `Some(guard)` when the GPU tests can run; otherwise skips (or fails under
 /// `VMM_REQUIRE_GPU=1`) with the reason.
 fn require_gpu() -> Option<MutexGuard<'static, ()>> {
-    skip_unless(cuda_vmm_ipc()).then(|| SERIAL.lock().unwrap_or_else(|e| e.into_inner()))
+    require(cuda_vmm_ipc())
+}
+
+/// [`require_gpu`] for another requirement (e.g. `cuda_devices(2)`).
+fn require(requirement: Result<(), String>) -> Option<MutexGuard<'static, ()>> {
+    skip_unless(requirement).then(|| SERIAL.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// The start of an address range of at least `granules` of `r`'s granules that nothing holds:
+/// a fresh allocation's range (which the driver chose free), given back at once. A reservation
+/// hinted there finds the range free, and so does one hinted right after a buffer placed there.
+/// The tests of this file run one at a time (`SERIAL`), so nothing else reserves meanwhile.
+fn free_range(r: &VirtualMemoryResource, granules: usize) -> u64 {
+    let g = r.granularity();
+    let probe = r.allocate((granules + 1) * g).unwrap();
+    let start = probe.device_ptr().next_multiple_of(g as u64);
+    drop(probe);
+    start
 }
 
 fn resource() -> VirtualMemoryResource {
@@ -102,65 +119,91 @@ fn allocate_fill_and_copy() {
 }
 
 #[test]
-fn grow_in_place_and_relocated_read_as_one_range() {
+fn grow_in_place_and_by_relocation_are_each_forced() {
     let Some(_gpu) = require_gpu() else {
         return;
     };
+    let device = Device::new(0).unwrap();
     let r = resource();
     let g = r.granularity();
-    let a = r.allocate(g).unwrap();
-    let first = pattern(g, 1);
-    a.write_at(0, &first).unwrap();
+    // Host memory first: between finding a free range and the grows below, nothing else of
+    // this process should be placed (large host allocations are mappings too).
+    let (first, second, third) = (pattern(g, 1), pattern(g, 2), pattern(g, 3));
 
-    let b = r.grow(&a, 2 * g).unwrap();
-    assert_eq!(b.chunk_sizes(), vec![g, g]);
-    let second = pattern(g, 2);
+    // In place: the buffer starts a free range, so the range right after it is free too.
+    let here = VirtualMemoryResource::new(
+        &device,
+        ResourceOptions::default().address_hint(free_range(&r, 8)),
+    )
+    .unwrap();
+    let a = here.allocate(g).unwrap();
+    let b = here.grow(&a, 2 * g).unwrap();
+    // By relocation: another allocation takes the range right after `b` (asked for there; if
+    // the driver put it elsewhere, the assert below says where).
+    let after_b = b.device_ptr() + b.capacity() as u64;
+    let blocker = VirtualMemoryResource::new(
+        &device,
+        ResourceOptions::default()
+            .granularity(Granularity::Minimum)
+            .address_hint(after_b),
+    )
+    .unwrap()
+    .allocate(g)
+    .unwrap();
+    let c = here.grow(&b, 3 * g).unwrap();
+
+    // `a` still holds its range, so a relocated `b` could not start where `a` does.
+    assert_eq!(
+        b.device_ptr(),
+        a.device_ptr(),
+        "with the range after the buffer free, grow is in place (same address)"
+    );
+    assert_eq!(b.chunk_sizes(), vec![g, g], "in place adds one chunk");
+    assert_eq!(b.capacity(), 2 * g);
+    a.write_at(0, &first).unwrap();
     b.write_at(g, &second).unwrap();
     assert_eq!(read(&b, 0, g), first);
     assert_eq!(read(&b, g, g), second);
-    eprintln!(
-        "grow 1: {} (a at {:#x}, b at {:#x})",
-        if a.device_ptr() == b.device_ptr() {
-            "in place"
-        } else {
-            "relocated"
-        },
-        a.device_ptr(),
-        b.device_ptr()
-    );
-    // The input stays valid and shares the first chunk.
+    // The input stays valid and shares the first chunk (the same mapping, in place).
     a.write_at(0, &[9; 16]).unwrap();
     assert_eq!(read(&b, 0, 16), [9; 16]);
     b.write_at(g - 8, &[7; 16]).unwrap(); // across the chunk boundary
     assert_eq!(read(&a, g - 8, 8), [7; 8]);
     assert_eq!(read(&b, g - 8, 16), [7; 16]);
 
-    // Block the range after `b` so the next grow must relocate.
-    let after_b = b.device_ptr() + 2 * g as u64;
-    let blocker = VirtualMemoryResource::new(
-        &Device::new(0).unwrap(),
-        ResourceOptions::default().address_hint(after_b),
-    )
-    .and_then(|blocking| blocking.allocate(g));
-    let blocked = blocker.as_ref().is_ok_and(|x| x.device_ptr() == after_b);
-    let c = r.grow(&b, 3 * g).unwrap();
-    assert_eq!(c.chunk_sizes(), vec![g, g, g]);
-    if blocked {
-        assert_ne!(
-            c.device_ptr(),
-            b.device_ptr(),
-            "grow past a blocker must relocate"
-        );
-    } else {
-        eprintln!("note: the blocker landed elsewhere; relocation not forced");
-    }
-    c.write_at(2 * g, &pattern(g, 3)).unwrap();
+    // `b` still holds its range too: only an in-place grow could keep its address.
+    assert_ne!(
+        c.device_ptr(),
+        b.device_ptr(),
+        "with the range after the buffer taken (wanted at {after_b:#x}, the blocker is at {:#x}), \
+         grow relocates",
+        blocker.device_ptr()
+    );
+    assert_eq!(
+        c.chunk_sizes(),
+        vec![g, g, g],
+        "relocation maps every chunk"
+    );
+    let (c_start, c_end) = (c.device_ptr(), c.device_ptr() + 3 * g as u64);
+    let (b_start, b_end) = (b.device_ptr(), b.device_ptr() + 2 * g as u64);
+    assert!(
+        c_end <= b_start || b_end <= c_start,
+        "the relocated range [{c_start:#x}, {c_end:#x}) is new, apart from [{b_start:#x}, \
+         {b_end:#x})"
+    );
+    c.write_at(2 * g, &third).unwrap();
     let mut whole = read(&b, 0, 2 * g);
-    whole.extend(pattern(g, 3));
-    assert_eq!(read(&c, 0, 3 * g), whole);
-    // Writes through the relocated alias reach the original mapping.
+    whole.extend(&third);
+    assert_eq!(
+        read(&c, 0, 3 * g),
+        whole,
+        "the old chunks read the same at the new address"
+    );
+    // Both old chunks are remapped, not copied: writes through the new range reach the old one.
     c.write_at(0, &[5; 4]).unwrap();
+    c.write_at(2 * g - 4, &[6; 4]).unwrap();
     assert_eq!(read(&a, 0, 4), [5; 4]);
+    assert_eq!(read(&b, 2 * g - 4, 4), [6; 4]);
 
     // A grown buffer exports as its chunks and imports as one contiguous range.
     let d = c.export().unwrap();
@@ -170,34 +213,110 @@ fn grow_in_place_and_relocated_read_as_one_range() {
 
     // Grow keeps rules: no shrinking, same handle type, no growing an import.
     let m = invalid(r.grow(&c, g));
-    assert!(
-        m.starts_with("grow: ") && m.contains("never shrinks"),
-        "{m}"
+    assert_eq!(
+        m,
+        format!(
+            "grow: new size {g} is smaller than the buffer's size {}; grow never shrinks",
+            3 * g
+        )
     );
     let none = VirtualMemoryResource::new(
-        &Device::new(0).unwrap(),
+        &device,
         ResourceOptions::default().handle_type(HandleType::None),
     )
     .unwrap();
     let m = invalid(none.grow(&c, 4 * g));
-    assert!(m.contains("the handle type cannot change"), "{m}");
+    assert_eq!(
+        m,
+        "grow: the buffer's handle type is PosixFd, this resource's option `handle_type` is None; \
+         the handle type cannot change across a grow"
+    );
     let m = invalid(r.grow(&imported, 4 * g));
-    assert!(m.contains("an imported buffer cannot be grown"), "{m}");
+    assert_eq!(
+        m,
+        "grow: an imported buffer cannot be grown: its chunks belong to the exporter; grow it \
+         there and send the new buffer"
+    );
     let m = invalid(none.allocate(1).unwrap().export());
-    assert!(
-        m.contains("handle type None") && m.contains("HandleType::PosixFd"),
-        "{m}"
+    assert_eq!(
+        m,
+        "export: the buffer was allocated with handle type None; create its \
+         VirtualMemoryResource with HandleType::PosixFd to share it"
     );
     // Within capacity: the same mapping, a larger size.
     let small = r.allocate(1).unwrap();
     let same = r.grow(&small, g).unwrap();
     assert_eq!(same.device_ptr(), small.device_ptr());
+    assert_eq!((same.size(), same.chunk_sizes()), (g, vec![g]));
     drop((a, b, blocker));
     assert_eq!(
         read(&c, 0, 4),
         [5; 4],
         "chunks outlive the buffers they came from"
     );
+}
+
+#[test]
+fn grow_onto_another_device_is_refused() {
+    let Some(_gpu) = require(cuda_devices(2)) else {
+        return;
+    };
+    let r = resource();
+    let g = r.granularity();
+    let other =
+        VirtualMemoryResource::new(&Device::new(1).unwrap(), ResourceOptions::default()).unwrap();
+    let buf = r.allocate(g).unwrap();
+    buf.fill(0x3c).unwrap();
+    let before = open_fds();
+    let m = invalid(other.grow(&buf, 2 * g));
+    assert_eq!(
+        m,
+        "grow: the buffer is on device 0, this resource allocates on device 1"
+    );
+    assert_eq!(open_fds(), before, "a refused grow takes no fd");
+    // The buffer is untouched and grows on its own device.
+    let grown = r.grow(&buf, 2 * g).unwrap();
+    assert_eq!(read(&grown, g - 1, 1), [0x3c]);
+}
+
+#[test]
+fn grow_with_another_location_is_refused() {
+    let Some(_gpu) = require_gpu() else {
+        return;
+    };
+    let device = Device::new(0).unwrap();
+    let r = resource();
+    let g = r.granularity();
+    let host_options = ResourceOptions::default()
+        .location(Location::HostNuma(0))
+        // The location rule is checked first; no host chunk is ever made here, so the
+        // handle type that host memory supports does not matter.
+        .handle_type(HandleType::None);
+    if !device.supports_host_numa_vmm().unwrap() {
+        // No resource can have another location on this device: that is refused up front.
+        let m = invalid(VirtualMemoryResource::new(&device, host_options));
+        assert_eq!(
+            m,
+            format!(
+                "option `location`: host NUMA node 0 is not offered by the driver on device 0 \
+                 ({})",
+                device.name()
+            )
+        );
+        eprintln!(
+            "note: device 0 has no host NUMA VMM; only the up-front refusal of the location ran"
+        );
+        return;
+    }
+    let host = VirtualMemoryResource::new(&device, host_options).unwrap();
+    let buf = r.allocate(g).unwrap();
+    let before = open_fds();
+    let m = invalid(host.grow(&buf, 2 * g));
+    assert_eq!(
+        m,
+        "grow: the buffer's location is Device, this resource's option `location` is HostNuma(0)"
+    );
+    assert_eq!(open_fds(), before, "a refused grow takes no fd");
 }
 
 #[test]
@@ -327,21 +446,76 @@ fn malformed_descriptors_are_refused_and_nothing_stays_mapped() {
     );
     drop((not_cuda, file));
 
-    // The descriptor claims more than the chunk holds: fails at map time, rolled back.
-    let twice = 2 * a.chunk_sizes()[0];
-    let too_big = IpcDescriptor::from_fds(&[fd], &[twice], HandleType::PosixFd, twice).unwrap();
-    let (op, step, source) = ipc(r.import(&too_big));
-    eprintln!("oversized chunk refused {step}: {source}");
-    assert_eq!(op, "import");
-    assert_eq!(step, format!("while mapping chunk 1 of 1 ({twice} bytes)"));
-    assert!(matches!(source, Error::Cuda { .. }), "{source:?}");
-    drop(too_big);
+    // A chunk claimed larger than it is fails only at map time: see
+    // `a_map_failure_rolls_back_the_reservation_the_mappings_and_the_fds`.
 
     assert_eq!(open_fds(), baseline, "failed imports leave no fd behind");
     // The exporter's memory is untouched and still importable.
     a.fill(0x42).unwrap();
     let alias = r.import(&good).unwrap();
     assert_eq!(read(&alias, g - 1, 1), [0x42]);
+}
+
+/// The one failure that only the mapping step can find: a descriptor (built from real fds) that
+/// claims a chunk larger than the allocation behind its fd. Nothing before `cuMemMap` can tell:
+/// the driver reports no allocation's size from its handle (`CUmemAllocationProp` has no size),
+/// and `cuMemMap` documents that offset + size must lie within the allocation.
+#[test]
+fn a_map_failure_rolls_back_the_reservation_the_mappings_and_the_fds() {
+    let Some(_gpu) = require_gpu() else {
+        return;
+    };
+    let device = Device::new(0).unwrap();
+    let r = resource();
+    let g = r.granularity();
+    let src = r.grow(&r.allocate(g).unwrap(), 2 * g).unwrap();
+    assert_eq!(src.chunk_sizes(), vec![g, g]);
+    src.write_at(0, &pattern(2 * g, 5)).unwrap();
+    let good = src.export().unwrap();
+    let hint = free_range(&r, 8);
+    let hinted =
+        VirtualMemoryResource::new(&device, ResourceOptions::default().address_hint(hint)).unwrap();
+    // Control: with the range free, the driver reserves an import's range at the hint.
+    let control = hinted.import(&good).unwrap();
+    assert_eq!(
+        control.device_ptr(),
+        hint,
+        "precondition: a reservation hinted at a free range is placed there"
+    );
+    drop(control);
+    let baseline = open_fds();
+
+    // Chunk 2 claims twice its real size: both chunks import, the 3-granule range is reserved,
+    // chunk 1 is mapped, and mapping chunk 2 fails.
+    let fds: Vec<_> = good.fds().collect();
+    let forged = IpcDescriptor::from_fds(&fds, &[g, 2 * g], HandleType::PosixFd, 3 * g).unwrap();
+    assert_eq!(open_fds(), baseline + 2, "the forged descriptor's own fds");
+    let (op, step, source) = ipc(hinted.import(&forged));
+    assert_eq!(op, "import");
+    assert_eq!(
+        step,
+        format!("while mapping chunk 2 of 2 ({} bytes)", 2 * g),
+        "the error names the step and the chunk"
+    );
+    assert!(
+        matches!(&source, Error::Cuda { call, .. } if call == "cuMemMap"),
+        "{source:?}"
+    );
+    assert_eq!(open_fds(), baseline + 2, "the failed import holds no fd");
+    drop(forged);
+    assert_eq!(open_fds(), baseline, "fds back to the baseline");
+
+    // Rolled back: chunk 1 was unmapped and the range given back, so the same import is placed
+    // at the hint again (a range still reserved or mapped there would push it elsewhere).
+    let again = hinted.import(&good).unwrap();
+    assert_eq!(
+        again.device_ptr(),
+        hint,
+        "the failed import left its reservation (or a mapping) at the hint"
+    );
+    assert_eq!(read(&again, 0, 2 * g), pattern(2 * g, 5));
+    // The exporter's memory is untouched.
+    assert_eq!(read(&src, 0, 2 * g), pattern(2 * g, 5));
 }
 
 #[test]

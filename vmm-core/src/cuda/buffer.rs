@@ -4,18 +4,22 @@
 //! How a buffer is received (imported into this process's importer) is
 //! [`importer`](super::importer)'s job, beside the registry it reads.
 
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::Serialize;
-use serde::ser::Serializer;
+use serde::ser::{SerializeTuple, Serializer};
 
 use super::descriptor::{DeviceIdentity, IpcDescriptor, chunk_name, ipc_error};
 use super::device::Device;
 use super::driver::{self, CUdeviceptr};
+use super::fabric::{FabricDescriptor, FabricHandle};
 use super::handle::{Allocation, Segment};
+use super::keeper;
 use super::options::{HandleType, Location};
 use crate::share::{IMPORTED_CANNOT_EXPORT, check_range};
-use crate::wire::{FdOwner, serialize_error};
+use crate::wire::{FdOut, FdOwner, serialize_error};
 use crate::{Error, Result};
 
 /// A range of device virtual memory backed by one or more chunks mapped back to back.
@@ -234,10 +238,15 @@ impl VirtualMemoryBuffer {
                 "export: {IMPORTED_CANNOT_EXPORT}"
             )));
         }
-        if self.handle_type() != HandleType::PosixFd {
+        if !self.handle_type().exports_posix_fd() {
+            let fabric = if self.handle_type().exports_fabric() {
+                " (or share it by fabric handle: export_fabric)"
+            } else {
+                ""
+            };
             return Err(Error::InvalidArgument(format!(
                 "export: the buffer was allocated with handle type {:?}; create its \
-                 VirtualMemoryResource with HandleType::PosixFd to share it",
+                 VirtualMemoryResource with HandleType::PosixFd to share it{fabric}",
                 self.handle_type()
             )));
         }
@@ -263,7 +272,7 @@ impl VirtualMemoryBuffer {
         Ok(IpcDescriptor::exported(
             fds,
             chunks.iter().map(|c| c.size()).collect(),
-            self.handle_type(),
+            HandleType::PosixFd,
             self.size(),
             DeviceIdentity {
                 ordinal: self.device().ordinal(),
@@ -272,16 +281,124 @@ impl VirtualMemoryBuffer {
             self.location(),
         ))
     }
+
+    /// Export for another process as fabric handles: one 64-byte handle per chunk, plain data
+    /// that any transport can carry (see [`FabricDescriptor`], and its module's notes on
+    /// bearer tokens and lifetime: the handles do not keep the memory alive, so keep this
+    /// buffer until every importer has imported). Takes about a microsecond per chunk, where a
+    /// POSIX-fd export takes hundreds.
+    ///
+    /// Refused ([`Error::InvalidArgument`]) for an imported buffer and for one allocated
+    /// without [`HandleType::Fabric`] or [`HandleType::PosixFdAndFabric`]. A chunk that cannot
+    /// be exported fails the whole export with an [`Error::Ipc`] naming the chunk.
+    pub fn export_fabric(&self) -> Result<FabricDescriptor> {
+        if self.is_imported() {
+            return Err(Error::InvalidArgument(format!(
+                "export_fabric: {IMPORTED_CANNOT_EXPORT}"
+            )));
+        }
+        if !self.handle_type().exports_fabric() {
+            return Err(Error::InvalidArgument(format!(
+                "export_fabric: the buffer was allocated with handle type {:?}; create its \
+                 VirtualMemoryResource with HandleType::Fabric (or PosixFdAndFabric) to share \
+                 it by fabric handle",
+                self.handle_type()
+            )));
+        }
+        let count = self.chunks().count();
+        let mut handles = Vec::with_capacity(count);
+        let mut sizes = Vec::with_capacity(count);
+        if count > 0 {
+            // Once for all chunks: a fabric export is about a microsecond.
+            let _current = self.device().make_current()?;
+            for (index, chunk) in self.chunks().enumerate() {
+                let handle = chunk.export_fabric().map_err(|e| {
+                    let step =
+                        format!("while exporting {}", chunk_name(index, count, chunk.size()));
+                    ipc_error("export", step, e)
+                })?;
+                handles.push(FabricHandle::from_bytes(handle));
+                sizes.push(chunk.size());
+            }
+        }
+        Ok(FabricDescriptor::exported(
+            handles,
+            sizes,
+            self.size(),
+            DeviceIdentity {
+                ordinal: self.device().ordinal(),
+                uuid: *self.device().uuid(),
+            },
+            self.location(),
+        ))
+    }
+
+    /// Wait until every receiver this buffer (or a clone of it) was sent to as a fabric buffer
+    /// (a process argument or a [`Queue`](crate::wire::Queue) item, with
+    /// [`HandleType::Fabric`]) is done with it: it has imported the buffer, or failed to, or
+    /// the message was dropped unread. Waits at most `timeout` (`Duration::MAX`: no limit);
+    /// [`Error::Timeout`] says how many are left.
+    ///
+    /// Not needed for the memory's sake: until then the sending process keeps the buffer
+    /// alive by itself (see the buffer's `Serialize` impl), so the
+    /// sender may drop its handles at once. It tells the sender *when*: e.g. before it exits,
+    /// which would free the memory under a receiver that has not imported yet. Returns at once
+    /// for buffers sent by POSIX fd (an fd in flight keeps the memory alive by itself) and for
+    /// buffers never sent.
+    pub fn wait_imported(&self, timeout: Duration) -> Result<()> {
+        keeper::wait_released(self.keeper_key(), timeout)
+    }
+
+    /// How many receivers this buffer (or a clone) was sent to as a fabric buffer and are not
+    /// done with it yet (see [`wait_imported`](Self::wait_imported)).
+    pub fn pending_imports(&self) -> usize {
+        keeper::pending(self.keeper_key())
+    }
+
+    /// What the keeper counts this buffer's sends under: its shared state, which clones share
+    /// and which stays allocated while the keeper holds a clone.
+    fn keeper_key(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+
+    /// Serialise as a fabric buffer: the handle type, the acknowledgement pipe's write end (out
+    /// of band), then the [`FabricDescriptor`] (in band). The pipe's read end and a clone of
+    /// this buffer go to the keeper, which drops the clone once the receiver has closed the
+    /// write end. The fd goes first, so that outside a transport nothing of the descriptor is
+    /// written before the refusal.
+    fn serialize_fabric<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let (reader, writer) = std::io::pipe().map_err(|e| {
+            serialize_error::<S>(Error::io("pipe for a fabric buffer's acknowledgement", e))
+        })?;
+        let mut form = serializer.serialize_tuple(3)?;
+        form.serialize_element(&HandleType::Fabric.to_raw())?;
+        form.serialize_element(&FdOut::<VirtualMemoryBuffer>::given(OwnedFd::from(writer)))?;
+        let descriptor = self.export_fabric().map_err(serialize_error::<S>)?;
+        form.serialize_element(&descriptor)?;
+        let done = form.end()?;
+        keeper::keep_until_closed(self.keeper_key(), Box::new(self.clone()), reader.into())
+            .map_err(serialize_error::<S>)?;
+        Ok(done)
+    }
 }
 
 impl FdOwner for VirtualMemoryBuffer {
     const WHAT: &'static str = "vmm_core::cuda::VirtualMemoryBuffer";
 }
 
-/// Sending a buffer exports it on the way: the message takes the fresh fds (in the
-/// [`IpcDescriptor`]'s form), the buffer keeps none. Imported buffers are refused
-/// ([`Error::InvalidArgument`]; forward their descriptor instead), as is serialising outside
-/// a [`wire`](crate::wire) transport. The receiving side is described on the `Deserialize` impl.
+/// Sending a buffer exports it on the way, as its handle type says:
+/// - [`HandleType::PosixFd`] and [`HandleType::PosixFdAndFabric`]: the message takes fresh fds
+///   (in the [`IpcDescriptor`]'s form), the buffer keeps none; the fds in flight keep the
+///   memory alive until the receiver has imported it.
+/// - [`HandleType::Fabric`]: the message carries the fabric handles in band (in the
+///   [`FabricDescriptor`]'s form) and one acknowledgement fd (whatever the chunk count). The
+///   sending process keeps a clone of the buffer until the receiver has imported it (or failed
+///   to, or the message was dropped unread) and closed that fd, so the sender may drop its own
+///   handles at once, as with fds; [`wait_imported`](Self::wait_imported) waits for it.
+///
+/// Imported buffers are refused ([`Error::InvalidArgument`]; forward their descriptor
+/// instead), as is serialising outside a [`wire`](crate::wire) transport. The receiving side is
+/// described on the `Deserialize` impl.
 impl Serialize for VirtualMemoryBuffer {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         if self.is_imported() {
@@ -289,6 +406,9 @@ impl Serialize for VirtualMemoryBuffer {
                 "{}: {IMPORTED_CANNOT_EXPORT}",
                 Self::WHAT
             ))));
+        }
+        if self.handle_type() == HandleType::Fabric {
+            return self.serialize_fabric(serializer);
         }
         self.export()
             .map_err(serialize_error::<S>)?

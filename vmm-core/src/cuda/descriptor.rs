@@ -178,6 +178,20 @@ pub(crate) fn validate_layout(
             "{fd_count} fd(s) for {count} chunk(s): a descriptor carries exactly one fd per chunk"
         ));
     }
+    validate_chunks("IpcDescriptor", chunk_sizes, size, granularity)
+}
+
+/// The layout rules every descriptor (`what`: its type, for errors) meets: no empty chunk,
+/// each a multiple of `granularity`, a sum that does not overflow and is at least `size`.
+/// Returns the sum of the chunk sizes.
+pub(crate) fn validate_chunks(
+    what: &str,
+    chunk_sizes: &[usize],
+    size: usize,
+    granularity: usize,
+) -> Result<usize> {
+    let bad = |message: String| Err(Error::InvalidArgument(format!("invalid {what}: {message}")));
+    let count = chunk_sizes.len();
     let mut total = 0usize;
     for (index, &chunk) in chunk_sizes.iter().enumerate() {
         let which = format!("chunk {} of {count}", index + 1);
@@ -228,6 +242,35 @@ struct Wire<F> {
     device: Option<DeviceIdentity>,
     location: Location,
     fds: Vec<F>,
+}
+
+/// The descriptor's serde form after its first field (the handle type): how a buffer's
+/// `Deserialize` continues once that field said "POSIX fds" (a buffer's form begins with the
+/// handle type, and a fabric buffer's continues differently). Postcard writes a struct as its
+/// fields back to back, so `(handle_type, PosixRest)` is the same bytes as a [`Wire`].
+#[derive(Deserialize)]
+#[serde(rename = "IpcDescriptor")]
+pub(crate) struct PosixRest {
+    size: u64,
+    chunk_sizes: Vec<u64>,
+    device: Option<DeviceIdentity>,
+    location: Location,
+    fds: Vec<FdIn<IpcDescriptor>>,
+}
+
+impl PosixRest {
+    /// The descriptor whose form began with `handle_type` and went on with `self`.
+    pub(crate) fn into_descriptor(self, handle_type: u32) -> Result<IpcDescriptor> {
+        Wire {
+            handle_type,
+            size: self.size,
+            chunk_sizes: self.chunk_sizes,
+            device: self.device,
+            location: self.location,
+            fds: self.fds,
+        }
+        .into_descriptor()
+    }
 }
 
 impl FdOwner for IpcDescriptor {
@@ -422,7 +465,7 @@ mod tests {
         assert!(
             matches!(&err, Error::InvalidArgument(m)
                 if m.contains("handle type 2 is not supported")
-                    && m.contains("only None (0) and PosixFd (1)")),
+                    && m.contains("only None (0), PosixFd (1), Fabric (8)")),
             "{err:?}"
         );
         // The two known values arrive as the handle types they name.

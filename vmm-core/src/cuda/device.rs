@@ -142,6 +142,17 @@ impl Device {
         )? != 0)
     }
 
+    /// Whether the device offers fabric handles
+    /// (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED`). Using them also needs an IMEX
+    /// channel in this process, which this attribute does not say:
+    /// [`check_fabric`](Self::check_fabric) checks both.
+    pub fn supports_fabric(&self) -> Result<bool> {
+        Ok(
+            self.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)?
+                != 0,
+        )
+    }
+
     /// Whether VMM allocations may live in host NUMA memory for this device.
     pub fn supports_host_numa_vmm(&self) -> Result<bool> {
         Ok(self.attribute(

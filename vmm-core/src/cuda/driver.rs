@@ -199,15 +199,12 @@ pub(crate) fn ctx_synchronize() -> Result<()> {
     check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
 }
 
-/// The allocation properties for `location`, with POSIX-fd export requested when `posix_fd`.
-pub(crate) fn allocation_prop(location: CUmemLocation, posix_fd: bool) -> CUmemAllocationProp {
+/// The allocation properties for `location`, with the export handle types `handle_types` (the
+/// driver's `CUmemAllocationHandleType` bit mask: 0 none, 1 POSIX fd, 8 fabric) requested.
+pub(crate) fn allocation_prop(location: CUmemLocation, handle_types: u32) -> CUmemAllocationProp {
     CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: if posix_fd {
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        } else {
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
-        },
+        requestedHandleTypes: sys::CUmemAllocationHandleType(handle_types),
         location,
         win32HandleMetaData: std::ptr::null_mut(),
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
@@ -301,10 +298,10 @@ pub(crate) fn mem_create(
 ///
 /// # Safety
 ///
-/// `handle` must have come from [`mem_create`] or [`import_posix_fd`] in this process and not
-/// have been released yet, and the caller must not use it again: allocation handles are the
-/// driver's pointers, so a second release (or a release of a handle the driver has since
-/// handed out again to someone else) frees what another owner still uses.
+/// `handle` must have come from [`mem_create`], [`import_posix_fd`] or [`import_fabric`] in this
+/// process and not have been released yet, and the caller must not use it again: allocation
+/// handles are the driver's pointers, so a second release (or a release of a handle the driver
+/// has since handed out again to someone else) frees what another owner still uses.
 pub(crate) unsafe fn mem_release(handle: CUmemGenericAllocationHandle) -> Result<()> {
     init()?;
     // SAFETY: the caller guarantees `handle` is live and released only by this call.
@@ -542,6 +539,67 @@ pub(crate) fn import_posix_fd(fd: BorrowedFd<'_>) -> Result<CUmemGenericAllocati
     Ok(handle)
 }
 
+/// The size of a fabric handle (`CUmemFabricHandle`).
+pub(crate) const FABRIC_HANDLE_LEN: usize = 64;
+
+/// `CUDA_ERROR_NOT_PERMITTED`: what fabric calls answer in a process without an IMEX channel.
+pub(crate) const ERROR_NOT_PERMITTED: u32 = sys::CUresult::CUDA_ERROR_NOT_PERMITTED as u32;
+
+/// `CUDA_ERROR_NOT_SUPPORTED`.
+pub(crate) const ERROR_NOT_SUPPORTED: u32 = sys::CUresult::CUDA_ERROR_NOT_SUPPORTED as u32;
+
+/// `cuMemExportToShareableHandle` as a fabric handle: 64 bytes of plain data (no fd, nothing
+/// to close).
+///
+/// # Safety
+///
+/// `handle` must be a live allocation (see [`mem_release`]) for the whole call.
+pub(crate) unsafe fn export_fabric(
+    handle: CUmemGenericAllocationHandle,
+) -> Result<[u8; FABRIC_HANDLE_LEN]> {
+    init()?;
+    let mut fabric = sys::CUmemFabricHandle {
+        data: [0; FABRIC_HANDLE_LEN],
+    };
+    // SAFETY: the caller guarantees `handle` is live; for CU_MEM_HANDLE_TYPE_FABRIC the driver
+    // writes one `CUmemFabricHandle` (64 bytes) through the pointer, and `fabric` is a live one.
+    check(EXPORT_CALL, unsafe {
+        sys::cuMemExportToShareableHandle(
+            (&mut fabric as *mut sys::CUmemFabricHandle).cast::<c_void>(),
+            handle,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
+            0,
+        )
+    })?;
+    Ok(fabric.data)
+}
+
+/// `cuMemImportFromShareableHandle` of a fabric handle.
+///
+/// Safe: the driver reads the 64 bytes `fabric` points at for the call and checks them: bytes
+/// that name no exported allocation (forged, or of memory the exporter has released) are
+/// refused with an error, which is how a forged descriptor ends.
+pub(crate) fn import_fabric(
+    fabric: &[u8; FABRIC_HANDLE_LEN],
+) -> Result<CUmemGenericAllocationHandle> {
+    init()?;
+    let fabric = sys::CUmemFabricHandle { data: *fabric };
+    let mut handle = 0;
+    // SAFETY: for CU_MEM_HANDLE_TYPE_FABRIC the driver reads one `CUmemFabricHandle` through
+    // the pointer, and `fabric` is a live one that the driver does not keep; `handle` is a live
+    // out-pointer.
+    check("cuMemImportFromShareableHandle", unsafe {
+        sys::cuMemImportFromShareableHandle(
+            &mut handle,
+            (&fabric as *const sys::CUmemFabricHandle)
+                .cast_mut()
+                .cast::<c_void>(),
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
+        )
+    })?;
+    Ok(handle)
+}
+
 /// `cuMemGetAllocationPropertiesFromHandle`.
 ///
 /// # Safety
@@ -551,7 +609,7 @@ pub(crate) unsafe fn allocation_properties(
     handle: CUmemGenericAllocationHandle,
 ) -> Result<CUmemAllocationProp> {
     init()?;
-    let mut prop = allocation_prop(device_location(-1), false);
+    let mut prop = allocation_prop(device_location(-1), 0);
     // SAFETY: the caller guarantees `handle` is live; `prop` is a live, initialised
     // out-struct of the right type.
     check("cuMemGetAllocationPropertiesFromHandle", unsafe {

@@ -17,8 +17,9 @@ use super::driver::{
 };
 use crate::Result;
 
-/// A physical allocation (`cuMemCreate` or `cuMemImportFromShareableHandle`), released with
-/// `cuMemRelease`. Shared (`Arc`) by every mapping of it, so grown buffers can reuse chunks.
+/// A physical allocation (`cuMemCreate` or `cuMemImportFromShareableHandle`, of a POSIX fd or a
+/// fabric handle), released with `cuMemRelease`. Shared (`Arc`) by every mapping of it, so
+/// grown buffers can reuse chunks.
 #[derive(Debug)]
 pub(crate) struct Allocation {
     /// Live as long as `self`: made by a constructor, released only by `Drop`, never handed
@@ -57,6 +58,30 @@ impl Allocation {
             imported: true,
             device: device.clone(),
         })
+    }
+
+    /// Import an exported allocation of `size` bytes from its fabric handle.
+    pub(crate) fn import_fabric(
+        device: &Device,
+        fabric: &[u8; driver::FABRIC_HANDLE_LEN],
+        size: usize,
+    ) -> Result<Self> {
+        let _current = device.make_current()?;
+        let handle = driver::import_fabric(fabric)?;
+        Ok(Allocation {
+            handle,
+            size,
+            imported: true,
+            device: device.clone(),
+        })
+    }
+
+    /// `cuMemExportToShareableHandle` of this allocation as a fabric handle. The caller makes
+    /// the device current (an export of many chunks does it once: a fabric export takes about
+    /// a microsecond, so a context switch per chunk would show).
+    pub(crate) fn export_fabric(&self) -> Result<[u8; driver::FABRIC_HANDLE_LEN]> {
+        // SAFETY: `self.handle` is live while `self` is borrowed (see the field).
+        unsafe { driver::export_fabric(self.handle) }
     }
 
     /// `cuMemExportToShareableHandle` of this allocation as a fresh POSIX fd.

@@ -1,9 +1,12 @@
-//! CUDA virtual-memory (VMM) buffers that can be shared with other processes by fd.
+//! CUDA virtual-memory (VMM) buffers that can be shared with other processes by fd or by
+//! fabric handle.
 //!
 //! The API: [`VirtualMemoryResource`] allocates, grows and imports [`VirtualMemoryBuffer`]s on
 //! one [`Device`] with fixed [`ResourceOptions`]; a buffer is a contiguous range of chunks that
 //! [`export`](VirtualMemoryBuffer::export)s to an [`IpcDescriptor`] (one fd per chunk, the only
-//! thing that crosses a process boundary); [`set_importer`] and [`importer`] say which resource
+//! thing that crosses a process boundary), or, allocated with [`HandleType::Fabric`],
+//! [`export_fabric`](VirtualMemoryBuffer::export_fabric)s to a [`FabricDescriptor`] (one
+//! 64-byte handle per chunk, plain data for any transport; see [`fabric`]); [`set_importer`] and [`importer`] say which resource
 //! buffers that arrive in this process (over [`wire`](crate::wire), or through
 //! [`VirtualMemoryBuffer::import`]) are imported into.
 //!
@@ -29,22 +32,27 @@
 //! | `handle` | RAII over one driver object each (allocation, reservation, mapping, a segment of mappings): where the driver's `unsafe` contracts are discharged, by ownership and drop order |
 //! | `options` | [`ResourceOptions`] and its enums: plain data, checked before any driver call, translated to driver types here |
 //! | `descriptor` | [`IpcDescriptor`], [`DeviceIdentity`], the layout rules a descriptor from another process must meet, its serde form |
-//! | `buffer` | [`VirtualMemoryBuffer`]: copies, [`export`](VirtualMemoryBuffer::export), sending (`Serialize`) |
-//! | `resource` | [`VirtualMemoryResource`]: allocate, grow, [`import`](VirtualMemoryResource::import) (validate, import, reserve, map, set access, or roll back) |
-//! | `importer` | the receiving side: [`set_importer`], [`importer`], [`VirtualMemoryBuffer::import`], and the buffer's `Deserialize` |
+//! | [`fabric`] | [`FabricDescriptor`] (fabric handles: plain data, any transport), its rules and serde form, [`Device::check_fabric`] |
+//! | `keeper` | keeps a fabric buffer in flight alive until its receiver has imported it (one thread per process, started on first use) |
+//! | `buffer` | [`VirtualMemoryBuffer`]: copies, [`export`](VirtualMemoryBuffer::export), [`export_fabric`](VirtualMemoryBuffer::export_fabric), sending (`Serialize`) |
+//! | `resource` | [`VirtualMemoryResource`]: allocate, grow, [`import`](VirtualMemoryResource::import) and [`import_fabric`](VirtualMemoryResource::import_fabric) (validate, import, reserve, map, set access, or roll back) |
+//! | `importer` | the receiving side: [`set_importer`], [`importer`], [`VirtualMemoryBuffer::import`], [`VirtualMemoryBuffer::import_fabric`], and the buffer's `Deserialize` |
 
 mod buffer;
 mod descriptor;
 mod device;
 mod driver;
+pub mod fabric;
 mod handle;
 mod importer;
+mod keeper;
 mod options;
 mod resource;
 
 pub use buffer::VirtualMemoryBuffer;
 pub use descriptor::{DeviceIdentity, IpcDescriptor};
 pub use device::{Device, availability};
+pub use fabric::{FabricDescriptor, FabricHandle, fabric_availability};
 pub use importer::{importer, set_importer};
 pub use options::{Access, Granularity, HandleType, Location, PeerAccess, ResourceOptions};
 pub use resource::VirtualMemoryResource;
@@ -92,6 +100,7 @@ mod tests {
         send_sync::<VirtualMemoryBuffer>();
         send_sync::<VirtualMemoryResource>();
         send_sync::<IpcDescriptor>();
+        send_sync::<FabricDescriptor>();
         send_sync::<Device>();
     }
 }

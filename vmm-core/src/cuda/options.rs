@@ -31,7 +31,23 @@ impl Location {
     }
 }
 
-/// How chunks can be shared with other processes.
+/// How chunks can be shared with other processes: the handle types requested at `cuMemCreate`
+/// (a chunk can only be exported as a type it was created for).
+///
+/// - [`PosixFd`](Self::PosixFd): one fd per chunk, passed over a Unix socket (`SCM_RIGHTS`).
+///   An fd is a capability: only a process that was sent it can use it, and it keeps the memory
+///   alive while it is open. Same machine only.
+/// - [`Fabric`](Self::Fabric): one 64-byte fabric handle per chunk
+///   ([`FabricDescriptor`](super::FabricDescriptor)), plain data that crosses any transport.
+///   It needs an IMEX channel in every process that allocates, exports or imports (see
+///   [`Device::check_fabric`](super::Device::check_fabric)), it is a bearer token (anyone
+///   holding the bytes and a channel can map the memory), and it does not keep the memory
+///   alive.
+/// - [`PosixFdAndFabric`](Self::PosixFdAndFabric): both; [`export`] gives fds,
+///   [`export_fabric`] fabric handles, and a buffer sent as a value travels by fd.
+///
+/// [`export`]: super::VirtualMemoryBuffer::export
+/// [`export_fabric`]: super::VirtualMemoryBuffer::export_fabric
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum HandleType {
@@ -40,26 +56,48 @@ pub enum HandleType {
     /// Shareable as a POSIX file descriptor per chunk (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`).
     #[default]
     PosixFd,
+    /// Shareable as a fabric handle per chunk (`CU_MEM_HANDLE_TYPE_FABRIC`).
+    Fabric,
+    /// Both: `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_FABRIC`.
+    PosixFdAndFabric,
 }
 
 impl HandleType {
-    /// The driver's `CUmemAllocationHandleType` value: how a descriptor's handle type travels
-    /// (crate-internal; the public API names handle types only by this enum).
+    /// Whether chunks of this type can be exported as POSIX fds
+    /// ([`VirtualMemoryBuffer::export`](super::VirtualMemoryBuffer::export)).
+    pub fn exports_posix_fd(self) -> bool {
+        matches!(self, HandleType::PosixFd | HandleType::PosixFdAndFabric)
+    }
+
+    /// Whether chunks of this type can be exported as fabric handles
+    /// ([`VirtualMemoryBuffer::export_fabric`](super::VirtualMemoryBuffer::export_fabric)).
+    pub fn exports_fabric(self) -> bool {
+        matches!(self, HandleType::Fabric | HandleType::PosixFdAndFabric)
+    }
+
+    /// The driver's `CUmemAllocationHandleType` value (a bit mask): what `cuMemCreate` is asked
+    /// for, and how a descriptor's handle type travels (crate-internal; the public API names
+    /// handle types only by this enum).
     pub(crate) fn to_raw(self) -> u32 {
         match self {
             HandleType::None => 0,
             HandleType::PosixFd => 1,
+            HandleType::Fabric => 8,
+            HandleType::PosixFdAndFabric => 1 | 8,
         }
     }
 
-    /// From the driver's value, as a descriptor arrives; Win32, fabric and other handle types
-    /// are refused, since this crate moves handles only as POSIX fds.
+    /// From the driver's value, as a descriptor arrives; Win32 and other handle types are
+    /// refused. (Which type a descriptor may carry is the descriptor's own check.)
     pub(crate) fn from_raw(raw: u32) -> Result<Self> {
         match raw {
             0 => Ok(HandleType::None),
             1 => Ok(HandleType::PosixFd),
+            8 => Ok(HandleType::Fabric),
+            9 => Ok(HandleType::PosixFdAndFabric),
             other => Err(Error::InvalidArgument(format!(
-                "handle type {other} is not supported: only None (0) and PosixFd (1) are"
+                "handle type {other} is not supported: only None (0), PosixFd (1), Fabric (8) \
+                 and PosixFdAndFabric (9) are"
             ))),
         }
     }
@@ -317,19 +355,43 @@ mod tests {
     }
 
     #[test]
-    fn handle_types_other_than_none_and_posix_fd_are_refused() {
+    fn unknown_handle_types_are_refused() {
         assert_eq!(HandleType::from_raw(1).unwrap(), HandleType::PosixFd);
         assert_eq!(HandleType::from_raw(0).unwrap(), HandleType::None);
-        let m = message(HandleType::from_raw(8).map(drop));
-        assert_eq!(
-            m,
-            "handle type 8 is not supported: only None (0) and PosixFd (1) are"
-        );
-        for handle_type in [HandleType::None, HandleType::PosixFd] {
+        for unknown in [2, 4, 16] {
+            let m = message(HandleType::from_raw(unknown).map(drop));
+            assert_eq!(
+                m,
+                format!(
+                    "handle type {unknown} is not supported: only None (0), PosixFd (1), \
+                     Fabric (8) and PosixFdAndFabric (9) are"
+                )
+            );
+        }
+        for handle_type in [
+            HandleType::None,
+            HandleType::PosixFd,
+            HandleType::Fabric,
+            HandleType::PosixFdAndFabric,
+        ] {
             assert_eq!(
                 HandleType::from_raw(handle_type.to_raw()).unwrap(),
                 handle_type
             );
         }
+    }
+
+    #[test]
+    fn handle_types_say_what_they_export() {
+        let exports = |h: HandleType| (h.exports_posix_fd(), h.exports_fabric());
+        assert_eq!(exports(HandleType::None), (false, false));
+        assert_eq!(exports(HandleType::PosixFd), (true, false));
+        assert_eq!(exports(HandleType::Fabric), (false, true));
+        assert_eq!(exports(HandleType::PosixFdAndFabric), (true, true));
+        // The combined type is the driver's bit mask of the two.
+        assert_eq!(
+            HandleType::PosixFdAndFabric.to_raw(),
+            HandleType::PosixFd.to_raw() | HandleType::Fabric.to_raw()
+        );
     }
 }

@@ -1,13 +1,14 @@
 //! [`VirtualMemoryResource`]: where and how buffers are allocated, how they grow, and how a
 //! descriptor from another process is imported (validated, then mapped, or rolled back).
 
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use super::buffer::VirtualMemoryBuffer;
-use super::descriptor::{IpcDescriptor, chunk_name, ipc_error, validate_layout};
+use super::descriptor::{IpcDescriptor, chunk_name, ipc_error, validate_chunks, validate_layout};
 use super::device::{Device, format_uuid};
 use super::driver::{self, CUmemAccessDesc, CUmemLocation};
+use super::fabric::{self, FabricDescriptor};
 use super::handle::{Allocation, Reservation, Segment};
 use super::options::{Access, Granularity, HandleType, Location, ResourceOptions};
 use crate::{Error, Result};
@@ -70,11 +71,16 @@ impl VirtualMemoryResource {
                 "virtual memory management is not supported".to_owned(),
             );
         }
-        if options.handle_type == HandleType::PosixFd && !device.supports_posix_fd()? {
+        if options.handle_type.exports_posix_fd() && !device.supports_posix_fd()? {
             return refuse(
                 "handle_type",
                 "PosixFd handles are not supported; use HandleType::None".to_owned(),
             );
+        }
+        if options.handle_type.exports_fabric() {
+            // A trial allocation: says which is missing, the device's support or this
+            // process's IMEX channel (Error::FabricUnsupported, Error::NoImexChannel).
+            device.check_fabric()?;
         }
         if let Location::HostNuma(node) = options.location {
             match device.supports_host_numa_vmm() {
@@ -95,7 +101,7 @@ impl VirtualMemoryResource {
         }
         let _current = device.make_current()?;
         let location = options.location.to_driver(device.ordinal_i32());
-        let prop = driver::allocation_prop(location, options.handle_type == HandleType::PosixFd);
+        let prop = driver::allocation_prop(location, options.handle_type.to_raw());
         let min_granularity = driver::allocation_granularity(&prop, false)?;
         let granularity = match options.granularity {
             Granularity::Minimum => min_granularity,
@@ -171,15 +177,16 @@ impl VirtualMemoryResource {
     }
 
     fn new_chunk(&self, size: usize) -> Result<Arc<Allocation>> {
-        let prop = driver::allocation_prop(
-            self.inner.location,
-            self.inner.options.handle_type == HandleType::PosixFd,
-        );
-        Ok(Arc::new(Allocation::create(
-            &self.inner.device,
-            size,
-            &prop,
-        )?))
+        let handle_type = self.inner.options.handle_type;
+        let prop = driver::allocation_prop(self.inner.location, handle_type.to_raw());
+        let chunk = Allocation::create(&self.inner.device, size, &prop);
+        match chunk {
+            Ok(chunk) => Ok(Arc::new(chunk)),
+            Err(e) if handle_type.exports_fabric() => {
+                Err(fabric::explain_refusal(e, &self.inner.device))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// A buffer of at least `size` bytes (rounded up to [`Self::granularity`]), one chunk mapped
@@ -277,7 +284,17 @@ impl VirtualMemoryResource {
     /// this resource's minimum granularity, each fd, and the exporter's device and location
     /// against this resource's); a failure later undoes all steps and is an [`Error::Ipc`]
     /// naming the chunk and step. The result holds no fd: drop `descriptor` once imported.
+    ///
+    /// A resource created with [`HandleType::None`] imports nothing ([`Error::InvalidArgument`]):
+    /// its buffers are not shareable, and an import is shared memory.
     pub fn import(&self, descriptor: &IpcDescriptor) -> Result<VirtualMemoryBuffer> {
+        if self.inner.options.handle_type == HandleType::None {
+            return Err(Error::InvalidArgument(format!(
+                "import: this resource's option `handle_type` is {:?}, so its buffers are not \
+                 shareable; import with a VirtualMemoryResource created with HandleType::PosixFd",
+                self.inner.options.handle_type
+            )));
+        }
         let sizes = descriptor.chunk_sizes();
         let count = sizes.len();
         let total = validate_layout(
@@ -296,12 +313,88 @@ impl VirtualMemoryResource {
                 )));
             }
         }
-        self.check_origin(descriptor)?;
+        self.check_origin(
+            "IpcDescriptor",
+            descriptor.device().map(|d| (Some(d.ordinal), d.uuid)),
+            descriptor.location(),
+        )?;
+        let fds: Vec<_> = descriptor.fds().collect();
+        self.import_chunks(
+            (sizes, total, descriptor.size()),
+            (descriptor.location(), HandleType::PosixFd),
+            |device, index, size| Allocation::import(device, fds[index], size),
+        )
+    }
+
+    /// Map a buffer exported as fabric handles (by another process, on this machine, or by
+    /// this one) into this resource, as [`import`](Self::import) does a POSIX-fd one: every
+    /// field is checked before the first driver call, and a failure later undoes all steps
+    /// and is an [`Error::Ipc`] naming the chunk and step.
+    ///
+    /// This process needs an IMEX channel (see [`Device::check_fabric`]): a refused import for
+    /// that reason has [`Error::NoImexChannel`] as its source. The exporter must keep the
+    /// memory until this returns: a fabric handle does not keep memory alive, and once the
+    /// exporter has released it the import fails (with the driver's error, as an
+    /// [`Error::Ipc`] while importing the chunk). A buffer imported already stays valid after the
+    /// exporter releases its own.
+    ///
+    /// A resource created with [`HandleType::None`] imports nothing, as for [`Self::import`].
+    pub fn import_fabric(&self, descriptor: &FabricDescriptor) -> Result<VirtualMemoryBuffer> {
+        if self.inner.options.handle_type == HandleType::None {
+            return Err(Error::InvalidArgument(
+                "import_fabric: this resource's option `handle_type` is None, so its buffers are \
+                 not shareable; import with a VirtualMemoryResource created with \
+                 HandleType::Fabric"
+                    .into(),
+            ));
+        }
+        let sizes = descriptor.chunk_sizes();
+        let total = validate_chunks(
+            "FabricDescriptor",
+            sizes,
+            descriptor.size(),
+            self.min_granularity(),
+        )?;
+        let handles = descriptor.handles();
+        if handles.len() != sizes.len() {
+            // Unreachable through the public API (every constructor checks it); kept so that
+            // indexing below can never go out of bounds.
+            return Err(Error::InvalidArgument(format!(
+                "invalid FabricDescriptor: {} handle(s) for {} chunk(s)",
+                handles.len(),
+                sizes.len()
+            )));
+        }
+        self.check_origin(
+            "FabricDescriptor",
+            Some((descriptor.owner_ordinal(), *descriptor.owner_uuid())),
+            descriptor.location(),
+        )?;
+        self.import_chunks(
+            (sizes, total, descriptor.size()),
+            (descriptor.location(), HandleType::Fabric),
+            |device, index, size| {
+                Allocation::import_fabric(device, handles[index].as_bytes(), size)
+                    .map_err(|e| fabric::explain_refusal(e, device))
+            },
+        )
+    }
+
+    /// The driver steps of an import, after every check: import each chunk with `import_one`
+    /// (device, chunk index, chunk size), check where it lives, reserve `total` bytes, map the
+    /// chunks back to back with this resource's access. Any failure undoes all of it.
+    fn import_chunks(
+        &self,
+        (sizes, total, size): (&[usize], usize, usize),
+        (location, handle_type): (Location, HandleType),
+        mut import_one: impl FnMut(&Device, usize, usize) -> Result<Allocation>,
+    ) -> Result<VirtualMemoryBuffer> {
+        let count = sizes.len();
         let imported = |segments, size| {
             VirtualMemoryBuffer::from_segments(
                 self.device(),
-                descriptor.location(),
-                descriptor.handle_type(),
+                location,
+                handle_type,
                 segments,
                 size,
                 true,
@@ -310,15 +403,16 @@ impl VirtualMemoryResource {
         if count == 0 {
             return Ok(imported(Vec::new(), 0));
         }
-        // Every check above ran before this, the first driver call.
+        // Every check ran before this, the first driver call.
         let device = self.device();
         let _current = device
             .make_current()
             .map_err(|e| ipc_error("import", "while making the device current".into(), e))?;
         let mut chunks = Vec::with_capacity(count);
-        for (index, (fd, &size)) in descriptor.fds().zip(sizes).enumerate() {
-            let step = |verb: &str| format!("while {verb} {}", chunk_name(index, count, size));
-            let chunk = Allocation::import(device, fd.as_fd(), size)
+        for (index, &chunk_size) in sizes.iter().enumerate() {
+            let step =
+                |verb: &str| format!("while {verb} {}", chunk_name(index, count, chunk_size));
+            let chunk = import_one(device, index, chunk_size)
                 .map_err(|e| ipc_error("import", step("importing"), e))?;
             let there = chunk
                 .location()
@@ -354,32 +448,38 @@ impl VirtualMemoryResource {
                     e,
                 )
             })?;
-        Ok(imported(vec![Arc::new(segment)], descriptor.size()))
+        Ok(imported(vec![Arc::new(segment)], size))
     }
 
-    /// Refuse, before any driver call, a descriptor from another device or location.
-    fn check_origin(&self, descriptor: &IpcDescriptor) -> Result<()> {
+    /// Refuse, before any driver call, a descriptor (`what`: its type, for errors) from another
+    /// device or location. `origin` is the exporter's device, where the descriptor names one:
+    /// its ordinal there (if known) and its UUID.
+    fn check_origin(
+        &self,
+        what: &str,
+        origin: Option<(Option<usize>, [u8; 16])>,
+        location: Location,
+    ) -> Result<()> {
         let here = self.device();
-        if let Some(from) = descriptor.device()
-            && descriptor.location() == Location::Device
-            && &from.uuid != here.uuid()
+        if let Some((ordinal, uuid)) = origin
+            && location == Location::Device
+            && &uuid != here.uuid()
         {
+            let ordinal = ordinal.map_or_else(String::new, |o| format!("{o} "));
             return Err(Error::InvalidArgument(format!(
-                "invalid IpcDescriptor: its chunks live on the exporter's device {} ({}), but \
+                "invalid {what}: its chunks live on the exporter's device {ordinal}({}), but \
                  this resource is on device {} ({}, {}); import with a VirtualMemoryResource \
                  for that device",
-                from.ordinal,
-                format_uuid(&from.uuid),
+                format_uuid(&uuid),
                 here.ordinal(),
                 here.name(),
                 here.uuid_string()
             )));
         }
-        if descriptor.location() != self.options().location {
+        if location != self.options().location {
             return Err(Error::InvalidArgument(format!(
-                "invalid IpcDescriptor: its location is {:?}, this resource's option `location` \
-                 is {:?}",
-                descriptor.location(),
+                "invalid {what}: its location is {location:?}, this resource's option \
+                 `location` is {:?}",
                 self.options().location
             )));
         }

@@ -22,5 +22,7 @@ pub mod __private;
 
 pub use exclusive::running_ipc_tests;
 pub use fds::{open_fds, settled_open_fds};
-pub use requirements::{Requirement, cuda_devices, cuda_vmm_ipc, forkserver_available};
+pub use requirements::{
+    Requirement, cuda_devices, cuda_fabric, cuda_vmm_ipc, forkserver_available,
+};
 pub use skip::{REQUIRE_VAR, SKIP_LOG_VAR, skip_unless};

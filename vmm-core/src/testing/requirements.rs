@@ -38,6 +38,13 @@ pub fn cuda_vmm_ipc() -> Result<(), String> {
     crate::cuda::availability()
 }
 
+/// Fabric handles can be used here: [`cuda_vmm_ipc`] holds, device 0 offers fabric handles,
+/// and this process has an IMEX channel (a trial fabric allocation and export succeed; see
+/// `vmm_core::cuda::Device::check_fabric`). The error says which is missing.
+pub fn cuda_fabric() -> Result<(), String> {
+    crate::cuda::fabric_availability()
+}
+
 /// At least `n` CUDA devices with VMM IPC support.
 pub fn cuda_devices(n: usize) -> Result<(), String> {
     cuda_vmm_ipc()?;
