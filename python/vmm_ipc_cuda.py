@@ -47,7 +47,10 @@ class Context:
         self.device = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
         self.context = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
         check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
-        self.uuid = bytes(check(cu.cuDeviceGetUuid(self.device), "cuDeviceGetUuid").bytes)
+        # The _v2 UUID (a MIG instance's own where there is one), as vmm-core names devices;
+        # bindings that no longer have _v2 give that UUID under the plain name.
+        get_uuid = getattr(cu, "cuDeviceGetUuid_v2", None) or cu.cuDeviceGetUuid
+        self.uuid = bytes(check(get_uuid(self.device), "cuDeviceGetUuid").bytes)
         self.granularity = check(
             cu.cuMemGetAllocationGranularity(
                 self.prop(), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
