@@ -202,7 +202,7 @@ fn the_daemon_serves_a_gpu_buffer_to_rust_and_python_clients() {
     let resource =
         VirtualMemoryResource::new(&Device::new(0).unwrap(), ResourceOptions::default()).unwrap();
     let g = resource.granularity();
-    let mut run = |seed: u8| {
+    let run = |seed: u8| {
         let buf = resource
             .grow(&resource.allocate(g).unwrap(), 2 * g)
             .unwrap();
