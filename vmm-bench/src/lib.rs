@@ -10,6 +10,7 @@
 #![cfg(target_os = "linux")]
 
 pub mod driver;
+pub mod endpoint;
 pub mod handoff;
 pub mod host;
 pub mod raw;
@@ -189,12 +190,18 @@ pub fn is_measuring_run() -> bool {
 /// Every group, host groups first; when `gpu` is `Err`, one SKIP line per GPU group up front.
 pub fn run(c: &mut Criterion, gpu: &Result<(), String>) {
     if let Err(reason) = gpu {
-        for group in [driver::GROUP, handoff::GROUP, start::GPU_GROUP] {
+        for group in [
+            driver::GROUP,
+            handoff::GROUP,
+            endpoint::GPU_GROUP,
+            start::GPU_GROUP,
+        ] {
             skip(group, reason);
         }
     }
     host::driver(c);
     host::handoff(c);
+    endpoint::host(c);
     start::child_start(c);
     if gpu.is_ok() {
         let cuda = raw::RawCuda::init().unwrap_or_else(|e| {
@@ -202,6 +209,7 @@ pub fn run(c: &mut Criterion, gpu: &Result<(), String>) {
         });
         driver::gpu_driver(c, &cuda);
         handoff::gpu_handoff(c, &cuda);
+        endpoint::gpu(c);
         start::gpu_child(c);
     }
 }
