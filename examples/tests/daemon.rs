@@ -9,8 +9,8 @@
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
 use std::sync::atomic::AtomicBool;
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use vmm_core::cuda::{Device, ResourceOptions, VirtualMemoryResource};
@@ -36,6 +36,11 @@ fn client_role() {
         Ok(report) => println!("{report}"),
         Err(e) => panic!("vmm-client: {e}"),
     }
+}
+
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn python_dir() -> &'static PathBuf {
@@ -183,6 +188,8 @@ fn serve_to_both(weights: Served, seed: u8, kind: &str, size: usize, within: Dur
 
 #[test]
 fn the_daemon_serves_a_host_buffer_to_rust_and_python_clients() {
+    // Both count fds: one at a time.
+    let _serial = serial();
     if !skip_unless(python3()) {
         return;
     }
@@ -196,6 +203,8 @@ fn the_daemon_serves_a_host_buffer_to_rust_and_python_clients() {
 
 #[test]
 fn the_daemon_serves_a_gpu_buffer_to_rust_and_python_clients() {
+    // Both count fds: one at a time.
+    let _serial = serial();
     if !skip_unless(python_cuda()) {
         return;
     }

@@ -154,6 +154,8 @@ fn uid() -> String {
 
 #[test]
 fn python_unit_tests() {
+    // Every test counts fds or starts processes: one at a time.
+    let _serial = serial();
     if !skip_unless(python3()) {
         return;
     }
@@ -167,10 +169,11 @@ fn python_unit_tests() {
 
 #[test]
 fn a_rust_listener_serves_a_host_buffer_to_the_python_peer() {
+    // Every test counts fds or starts processes: one at a time.
+    let _serial = serial();
     if !skip_unless(python3()) {
         return;
     }
-    let _serial = serial();
     let dir = std::env::temp_dir().join(format!("vmm-peer-owner-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     for name in [unique("host"), Name::path(dir.join("owner.sock"))] {
@@ -197,10 +200,11 @@ fn a_rust_listener_serves_a_host_buffer_to_the_python_peer() {
 
 #[test]
 fn a_python_memfd_exporter_sends_to_a_rust_importer() {
+    // Every test counts fds or starts processes: one at a time.
+    let _serial = serial();
     if !skip_unless(python3()) {
         return;
     }
-    let _serial = serial();
     let name = unique("exporter");
     let before = settled_open_fds().unwrap();
     let listener = Listener::bind(&name).unwrap();
@@ -225,10 +229,11 @@ fn a_python_memfd_exporter_sends_to_a_rust_importer() {
 
 #[test]
 fn a_python_listener_serves_a_rust_client() {
+    // Every test counts fds or starts processes: one at a time.
+    let _serial = serial();
     if !skip_unless(python3()) {
         return;
     }
-    let _serial = serial();
     let name = unique("py-listener");
     let before = settled_open_fds().unwrap();
     let mut child = role("host-listener", &[&name.to_string(), "65536", "40"]);
@@ -272,10 +277,11 @@ fn twice_with_baseline(mut exchange: impl FnMut(u8)) {
 
 #[test]
 fn a_python_cuda_exporter_gives_a_vmm_buffer_to_a_rust_importer() {
+    // Every test counts fds or starts processes: one at a time.
+    let _serial = serial();
     if !skip_unless(python_cuda()) {
         return;
     }
-    let _serial = serial();
     let device = Device::new(0).unwrap();
     twice_with_baseline(|seed| {
         let name = unique("cuda-exporter");
@@ -311,10 +317,11 @@ fn a_python_cuda_exporter_gives_a_vmm_buffer_to_a_rust_importer() {
 
 #[test]
 fn a_rust_vmm_export_is_imported_by_python_cuda_bindings() {
+    // Every test counts fds or starts processes: one at a time.
+    let _serial = serial();
     if !skip_unless(python_cuda()) {
         return;
     }
-    let _serial = serial();
     let resource =
         VirtualMemoryResource::new(&Device::new(0).unwrap(), ResourceOptions::default()).unwrap();
     let g = resource.granularity();
