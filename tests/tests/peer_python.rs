@@ -3,7 +3,8 @@
 //!
 //! Host path (runs everywhere, CI included): a Rust listener serves a memfd buffer to the
 //! Python peer; a Python memfd exporter sends to a Rust importer; a Python listener serves a
-//! Rust client; the peer's own unit tests. GPU (skipped without a GPU, or without
+//! Rust client; the peer's own unit tests, and `vmm_ipc_cuda.py`'s against a fake
+//! `cuda.bindings`. GPU (skipped without a GPU, or without
 //! `cuda.bindings` in `python3`): a `cuda.bindings` exporter gives a VMM buffer to a Rust
 //! importer, and a Rust export is imported by `cuda.bindings`. Each side checks the other's
 //! pattern in its own mapping, and this process's fds end where they started.
@@ -27,6 +28,21 @@ const PEER: &str = include_str!("../../python/vmm_ipc_peer.py");
 const CUDA: &str = include_str!("../../python/vmm_ipc_cuda.py");
 const ROLES: &str = include_str!("../../python/tests/peer_roles.py");
 const UNIT: &str = include_str!("../../python/tests/test_vmm_ipc_peer.py");
+const UNIT_CUDA: &str = include_str!("../../python/tests/test_vmm_ipc_cuda.py");
+const FAKE_CUDA: [(&str, &str); 3] = [
+    (
+        "fake_cuda/cuda/__init__.py",
+        include_str!("../../python/tests/fake_cuda/cuda/__init__.py"),
+    ),
+    (
+        "fake_cuda/cuda/bindings/__init__.py",
+        include_str!("../../python/tests/fake_cuda/cuda/bindings/__init__.py"),
+    ),
+    (
+        "fake_cuda/cuda/bindings/driver.py",
+        include_str!("../../python/tests/fake_cuda/cuda/bindings/driver.py"),
+    ),
+];
 
 fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
@@ -40,13 +56,17 @@ fn python_dir() -> &'static PathBuf {
         let dir = std::env::temp_dir().join(format!("vmm-peer-python-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        for (file, text) in [
+        let files = [
             ("vmm_ipc_peer.py", PEER),
             ("vmm_ipc_cuda.py", CUDA),
             ("peer_roles.py", ROLES),
             ("test_vmm_ipc_peer.py", UNIT),
-        ] {
-            std::fs::write(dir.join(file), text).unwrap();
+            ("test_vmm_ipc_cuda.py", UNIT_CUDA),
+        ];
+        for (file, text) in files.into_iter().chain(FAKE_CUDA) {
+            let path = dir.join(file);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, text).unwrap();
         }
         dir
     })
@@ -159,12 +179,24 @@ fn python_unit_tests() {
     if !skip_unless(python3()) {
         return;
     }
-    let output = python(&["-m", "unittest", "-v", "test_vmm_ipc_peer"])
-        .output()
-        .unwrap();
+    // The protocol peer's tests, and vmm_ipc_cuda's logic against a fake cuda.bindings.
+    let output = python(&[
+        "-m",
+        "unittest",
+        "-v",
+        "test_vmm_ipc_peer",
+        "test_vmm_ipc_cuda",
+    ])
+    .output()
+    .unwrap();
     let out = text(&output);
     assert!(output.status.success(), "{out}");
     assert!(out.contains("\nOK"), "{out}");
+    assert!(
+        out.contains("test_a_two_chunk_export_is_imported_over_an_endpoint")
+            && out.contains("test_a_memfd_travels_both_ways_and_nothing_leaks"),
+        "{out}"
+    );
 }
 
 #[test]
