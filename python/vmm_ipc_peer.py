@@ -98,7 +98,8 @@ def _admits(uids, gids, creds):
 
 def pattern(seed, length):
     """The test pattern both languages use: byte i is (seed + i % 251) mod 256."""
-    return bytes((seed + i % 251) & 0xFF for i in range(length))
+    period = bytes((seed + i) & 0xFF for i in range(251))
+    return (period * (length // 251 + 1))[:length]
 
 
 def _close_all(fds):
