@@ -158,17 +158,28 @@ fn report(mut child: Child, within: Duration) -> String {
 /// client connected throughout; both reports name `kind` and `size`.
 fn serve_to_both(weights: Served, seed: u8, kind: &str, size: usize, within: Duration) {
     let name = Name::abstract_name(format!("vmm-example-daemon-{}-{seed}", std::process::id()));
+    // A connection may stay silent for 30 s: longer than a client waits to be admitted (10 s),
+    // so a daemon that served one connection at a time would fail the clients below.
     let listener = Listener::bind_with(
         &name,
-        ListenerOptions::default().timeout(Some(Duration::from_secs(2))),
+        ListenerOptions::default().timeout(Some(Duration::from_secs(30))),
     )
     .unwrap();
     let mut daemon = Daemon::new();
     daemon.add("weights", weights);
     let stop = AtomicBool::new(false);
+    /// Stops the daemon however the scope ends (a failed assertion included), so that a
+    /// failure fails the test instead of leaving the scope waiting for the daemon forever.
+    struct StopOnDrop<'a>(&'a AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
     std::thread::scope(|scope| {
         let serving = scope.spawn(|| daemon.serve(&listener, &stop));
-        // Connected and admitted, and never says a word.
+        let _stop = StopOnDrop(&stop);
+        // Connected and admitted first, and never says a word while the others are served.
         let silent = Connection::connect(&name).unwrap();
         let (rust, python) = (rust_client(&name, seed), python_client(&name, seed));
         let expected = format!(
