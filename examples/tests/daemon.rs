@@ -10,7 +10,7 @@
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::AtomicBool;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vmm_core::cuda::{Device, ResourceOptions, VirtualMemoryResource};
@@ -43,21 +43,27 @@ fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn python_dir() -> &'static PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("vmm-examples-python-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        for (file, text) in [
-            ("vmm_ipc_peer.py", PEER),
-            ("vmm_ipc_cuda.py", CUDA),
-            ("daemon_client.py", CLIENT),
-        ] {
-            std::fs::write(dir.join(file), text).unwrap();
-        }
-        dir
-    })
+/// The embedded Python files, written to a fresh directory that is removed on drop.
+struct PythonDir(PathBuf);
+
+impl Drop for PythonDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn python_dir() -> PythonDir {
+    let dir = std::env::temp_dir().join(format!("vmm-examples-python-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for (file, text) in [
+        ("vmm_ipc_peer.py", PEER),
+        ("vmm_ipc_cuda.py", CUDA),
+        ("daemon_client.py", CLIENT),
+    ] {
+        std::fs::write(dir.join(file), text).unwrap();
+    }
+    PythonDir(dir)
 }
 
 fn python_ok(code: &str) -> bool {
@@ -111,8 +117,8 @@ fn rust_client(name: &Name, seed: u8) -> Child {
         .unwrap()
 }
 
-fn python_client(name: &Name, seed: u8) -> Child {
-    let dir = python_dir();
+fn python_client(dir: &PythonDir, name: &Name, seed: u8) -> Child {
+    let dir = &dir.0;
     Command::new("python3")
         .args([
             "daemon_client.py",
@@ -157,6 +163,7 @@ fn report(mut child: Child, within: Duration) -> String {
 /// Serve `weights` (pattern of `seed`) to a Rust and a Python client at once, with a silent
 /// client connected throughout; both reports name `kind` and `size`.
 fn serve_to_both(weights: Served, seed: u8, kind: &str, size: usize, within: Duration) {
+    let py = python_dir();
     let name = Name::abstract_name(format!("vmm-example-daemon-{}-{seed}", std::process::id()));
     // A connection may stay silent for 30 s: longer than a client waits to be admitted (10 s),
     // so a daemon that served one connection at a time would fail the clients below.
@@ -181,7 +188,7 @@ fn serve_to_both(weights: Served, seed: u8, kind: &str, size: usize, within: Dur
         let _stop = StopOnDrop(&stop);
         // Connected and admitted first, and never says a word while the others are served.
         let silent = Connection::connect(&name).unwrap();
-        let (rust, python) = (rust_client(&name, seed), python_client(&name, seed));
+        let (rust, python) = (rust_client(&name, seed), python_client(&py, &name, seed));
         let expected = format!(
             "OK weights: {kind}, {size} bytes, from daemon pid {}",
             std::process::id()

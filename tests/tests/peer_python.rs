@@ -15,7 +15,7 @@
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vmm_core::cuda::{Device, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource};
@@ -49,27 +49,37 @@ fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The embedded Python files, written once per process to a fresh directory.
-fn python_dir() -> &'static PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("vmm-peer-python-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let files = [
-            ("vmm_ipc_peer.py", PEER),
-            ("vmm_ipc_cuda.py", CUDA),
-            ("peer_roles.py", ROLES),
-            ("test_vmm_ipc_peer.py", UNIT),
-            ("test_vmm_ipc_cuda.py", UNIT_CUDA),
-        ];
-        for (file, text) in files.into_iter().chain(FAKE_CUDA) {
-            let path = dir.join(file);
-            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-            std::fs::write(path, text).unwrap();
-        }
-        dir
-    })
+/// The embedded Python files, written to a fresh directory that is removed on drop.
+struct PythonDir(PathBuf);
+
+impl Drop for PythonDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn python_dir() -> PythonDir {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "vmm-peer-python-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let files = [
+        ("vmm_ipc_peer.py", PEER),
+        ("vmm_ipc_cuda.py", CUDA),
+        ("peer_roles.py", ROLES),
+        ("test_vmm_ipc_peer.py", UNIT),
+        ("test_vmm_ipc_cuda.py", UNIT_CUDA),
+    ];
+    for (file, text) in files.into_iter().chain(FAKE_CUDA) {
+        let path = dir.join(file);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+    PythonDir(dir)
 }
 
 /// `python3` can run here (3.9+, for socket.send_fds).
@@ -104,8 +114,8 @@ fn python_cuda() -> Result<(), String> {
     }
 }
 
-fn python(args: &[&str]) -> Command {
-    let dir = python_dir();
+fn python(dir: &PythonDir, args: &[&str]) -> Command {
+    let dir = &dir.0;
     let mut command = Command::new("python3");
     command
         .args(args)
@@ -119,10 +129,10 @@ fn python(args: &[&str]) -> Command {
 }
 
 /// `peer_roles.py ROLE ARGS...`, started.
-fn role(role: &str, args: &[&str]) -> Child {
+fn role(dir: &PythonDir, role: &str, args: &[&str]) -> Child {
     let mut all = vec!["peer_roles.py", role];
     all.extend_from_slice(args);
-    python(&all).spawn().unwrap()
+    python(dir, &all).spawn().unwrap()
 }
 
 fn text(output: &Output) -> String {
@@ -180,13 +190,17 @@ fn python_unit_tests() {
         return;
     }
     // The protocol peer's tests, and vmm_ipc_cuda's logic against a fake cuda.bindings.
-    let output = python(&[
-        "-m",
-        "unittest",
-        "-v",
-        "test_vmm_ipc_peer",
-        "test_vmm_ipc_cuda",
-    ])
+    let py = python_dir();
+    let output = python(
+        &py,
+        &[
+            "-m",
+            "unittest",
+            "-v",
+            "test_vmm_ipc_peer",
+            "test_vmm_ipc_cuda",
+        ],
+    )
     .output()
     .unwrap();
     let out = text(&output);
@@ -206,6 +220,7 @@ fn a_rust_listener_serves_a_host_buffer_to_the_python_peer() {
     if !skip_unless(python3()) {
         return;
     }
+    let py = python_dir();
     let dir = std::env::temp_dir().join(format!("vmm-peer-owner-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     for name in [unique("host"), Name::path(dir.join("owner.sock"))] {
@@ -213,7 +228,7 @@ fn a_rust_listener_serves_a_host_buffer_to_the_python_peer() {
         let listener = Listener::bind(&name).unwrap();
         let buf = HostBuffer::new(3 << 20).unwrap();
         buf.write_at(0, &pattern(20, buf.size())).unwrap();
-        let child = role("host-client", &[&name.to_string(), &uid(), "20", "21"]);
+        let child = role(&py, "host-client", &[&name.to_string(), &uid(), "20", "21"]);
         let pid = child.id() as i32;
         let conn = listener.accept(Some(Duration::from_secs(30))).unwrap();
         assert_eq!(conn.peer().pid, pid, "the kernel names the Python process");
@@ -237,11 +252,13 @@ fn a_python_memfd_exporter_sends_to_a_rust_importer() {
     if !skip_unless(python3()) {
         return;
     }
+    let py = python_dir();
     let name = unique("exporter");
     let before = settled_open_fds().unwrap();
     let listener = Listener::bind(&name).unwrap();
     let size = 1_000_003; // not a page multiple: the import maps exactly the size
     let child = role(
+        &py,
         "host-exporter",
         &[&name.to_string(), &uid(), &size.to_string(), "30"],
     );
@@ -266,9 +283,10 @@ fn a_python_listener_serves_a_rust_client() {
     if !skip_unless(python3()) {
         return;
     }
+    let py = python_dir();
     let name = unique("py-listener");
     let before = settled_open_fds().unwrap();
-    let mut child = role("host-listener", &[&name.to_string(), "65536", "40"]);
+    let mut child = role(&py, "host-listener", &[&name.to_string(), "65536", "40"]);
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
     while line.trim() != "READY" {
@@ -314,12 +332,14 @@ fn a_python_cuda_exporter_gives_a_vmm_buffer_to_a_rust_importer() {
     if !skip_unless(python_cuda()) {
         return;
     }
+    let py = python_dir();
     let device = Device::new(0).unwrap();
     twice_with_baseline(|seed| {
         let name = unique("cuda-exporter");
         let listener = Listener::bind(&name).unwrap();
         // Two chunks: the import maps them back to back as one range.
         let child = role(
+            &py,
             "cuda-exporter",
             &[&name.to_string(), &uid(), &seed.to_string(), "2"],
         );
@@ -354,6 +374,7 @@ fn a_rust_vmm_export_is_imported_by_python_cuda_bindings() {
     if !skip_unless(python_cuda()) {
         return;
     }
+    let py = python_dir();
     let resource =
         VirtualMemoryResource::new(&Device::new(0).unwrap(), ResourceOptions::default()).unwrap();
     let g = resource.granularity();
@@ -366,6 +387,7 @@ fn a_rust_vmm_export_is_imported_by_python_cuda_bindings() {
         assert_eq!(buf.chunk_sizes().len(), 2);
         buf.write_at(0, &pattern(seed, buf.size())).unwrap();
         let child = role(
+            &py,
             "cuda-importer",
             &[&name.to_string(), &uid(), &seed.to_string()],
         );
