@@ -10,6 +10,7 @@
 #![cfg(target_os = "linux")]
 
 pub mod driver;
+pub mod endpoint;
 pub mod fabric;
 pub mod handoff;
 pub mod host;
@@ -202,9 +203,15 @@ pub fn is_measuring_run() -> bool {
 pub fn run(c: &mut Criterion, gpu: &Result<(), String>) {
     let fabric_groups = [fabric::GROUP, fabric::HANDOFF_GROUP];
     if let Err(reason) = gpu {
-        for group in [driver::GROUP, handoff::GROUP, pool::GROUP, start::GPU_GROUP]
-            .into_iter()
-            .chain(fabric_groups)
+        for group in [
+            driver::GROUP,
+            handoff::GROUP,
+            pool::GROUP,
+            endpoint::GPU_GROUP,
+            start::GPU_GROUP,
+        ]
+        .into_iter()
+        .chain(fabric_groups)
         {
             skip(group, reason);
         }
@@ -212,6 +219,7 @@ pub fn run(c: &mut Criterion, gpu: &Result<(), String>) {
     host::driver(c);
     host::handoff(c);
     pool::host_pool(c);
+    endpoint::host(c);
     start::child_start(c);
     if gpu.is_ok() {
         let cuda = raw::RawCuda::init().unwrap_or_else(|e| {
@@ -220,6 +228,7 @@ pub fn run(c: &mut Criterion, gpu: &Result<(), String>) {
         driver::gpu_driver(c, &cuda);
         handoff::gpu_handoff(c, &cuda);
         pool::gpu_pool(c, &cuda);
+        endpoint::gpu(c);
         start::gpu_child(c);
         match fabric::availability() {
             Ok(()) => {

@@ -74,6 +74,16 @@ pub enum Error {
         /// The limit that passed.
         after: Duration,
     },
+    /// A named endpoint's peer was not trusted: a client found the listener is not whom it
+    /// expects (by the kernel's credentials for it: a squatter, say), or the listener refused
+    /// the client's credentials. Nothing was sent to the untrusted side.
+    #[error("endpoint {endpoint}: {reason}")]
+    PeerRefused {
+        /// The endpoint's name.
+        endpoint: String,
+        /// Who was refused, by whom, and why.
+        reason: String,
+    },
     /// An argument was refused before anything was done.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -5,12 +5,16 @@
 //!   to an [`cuda::IpcDescriptor`] (one fd per chunk), import in another process.
 //! - [`wire`]: messages that carry file descriptors (SCM_RIGHTS over `SOCK_SEQPACKET`), serde with
 //!   fds out of band, and [`wire::Queue`].
+//! - [`peer`]: the cross-language descriptor protocol (`docs/protocol.md`) on named
+//!   endpoints ([`wire::endpoint`]): CUDA and host descriptors to and from processes vmm-core
+//!   did not start, Python ones included.
 //! - [`shm`]: host shared memory (memfd) with the export/import model of the CUDA path.
 //! - [`process`]: start methods (spawn, forkserver, warm), [`process::Process`], child entry,
 //!   and [`process::Pool`] (reusable warm workers that run tasks).
 //! - [`testing`]: the runtime behind `#[ipc_test]`: fd accounting, requirement checks.
 //!
-//! Linux only: every channel is an anonymous socketpair and every buffer is shared by fd.
+//! Linux only: every buffer is shared by fd, over an anonymous socketpair between processes
+//! vmm-core started, or over a named endpoint that checks the peer's credentials.
 
 #![cfg(target_os = "linux")]
 #![deny(missing_docs)]
@@ -18,6 +22,7 @@
 pub mod cuda;
 mod error;
 mod limits;
+pub mod peer;
 pub mod process;
 mod share;
 pub mod shm;

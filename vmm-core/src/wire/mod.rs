@@ -4,8 +4,11 @@
 //!   to [`MAX_FDS`] fds, received CLOEXEC and owned at once; large payloads ride in a sealed memfd.
 //! - [`encode`]/[`decode`]: postcard with fds out of band, for fd-backed types' serde impls.
 //! - [`Queue`]: typed, cloneable, shared across processes.
+//! - [`endpoint`]: named endpoints (a socket path or an abstract name) that admit a peer by
+//!   the kernel's credentials for it: how a process that vmm-core did not start connects.
 
 mod channel;
+pub mod endpoint;
 mod fd;
 mod oob;
 mod queue;

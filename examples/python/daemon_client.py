@@ -1,0 +1,50 @@
+"""The Python client of vmm-daemon (examples/src/bin/vmm-daemon.rs), on the standard-library
+peer (python/vmm_ipc_peer.py; put that directory on PYTHONPATH).
+
+    python3 daemon_client.py NAME BUFFER [--expect-uid UID] [--check-seed SEED]
+
+Connects (checking the daemon's uid with SO_PEERCRED), asks for the list and for BUFFER, maps it
+(a host memfd with mmap; a CUDA VMM buffer with cuda.bindings, through python/vmm_ipc_cuda.py),
+checks its pattern if asked, and prints one line starting with OK.
+"""
+
+import argparse
+import sys
+
+import vmm_ipc_peer as peer
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("name")
+    parser.add_argument("buffer")
+    parser.add_argument("--expect-uid", type=int)
+    parser.add_argument("--check-seed", type=int)
+    args = parser.parse_args()
+    expect = None if args.expect_uid is None else [args.expect_uid]
+    with peer.connect(args.name, expect_uids=expect) as conn:
+        conn.send_data(b"list")
+        listing = conn.recv_data().decode()
+        conn.send_data(f"get {args.buffer}".encode())
+        reply = conn.recv()
+        if isinstance(reply, peer.Data):
+            sys.exit(f"the daemon says: {bytes(reply).decode()}")
+        with reply as desc:
+            if isinstance(desc, peer.HostDescriptor):
+                kind, view = "host", desc.map()
+                contents = view[:]
+                view.close()
+            else:
+                import vmm_ipc_cuda as vc  # needs cuda.bindings and a GPU
+                ctx = vc.Context(0)
+                mapping = vc.import_descriptor(ctx, desc)
+                kind, contents = "cuda", mapping.read(0, mapping.size)
+                mapping.close()
+        if args.check_seed is not None and contents != peer.pattern(args.check_seed, len(contents)):
+            sys.exit(f"buffer {args.buffer}: not the pattern of seed {args.check_seed}")
+        print(f"OK {args.buffer}: {kind}, {len(contents)} bytes, from daemon pid {conn.peer.pid} "
+              f"(lists: {'; '.join(listing.splitlines())})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+//! A memory-owner daemon and its clients: the shape of a weight or KV-cache service whose
+//! workers were started by someone else (a scheduler, a Python launcher) and connect by name.
+//!
+//! - [`Daemon`] owns named buffers (CUDA VMM buffers where there is a GPU, host memfd buffers
+//!   elsewhere) and serves them on a [`Listener`]: one thread per connection, each bounded by
+//!   the connection's timeout, so a client that connects and says nothing delays no one.
+//! - [`client`] is the Rust client (`src/bin/vmm-client.rs` is a thin `main` over it);
+//!   `python/daemon_client.py` is the Python one, on the standard-library peer.
+//!
+//! The requests are `DATA` messages of docs/protocol.md, UTF-8 text, so any language can send
+//! them: `list` (the reply: one `NAME KIND SIZE` line per buffer), `get NAME` (the reply: the
+//! buffer's descriptor, freshly exported, or `error: ...`).
+
+#![cfg(target_os = "linux")]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use vmm_core::cuda::VirtualMemoryBuffer;
+use vmm_core::peer::Descriptor;
+use vmm_core::shm::HostBuffer;
+use vmm_core::wire::endpoint::{Connection, Listener};
+use vmm_core::{Error, Result};
+
+/// The test pattern of the examples (and of the Python peer): byte `i` is `seed + i % 251`.
+pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| seed.wrapping_add((i % 251) as u8))
+        .collect()
+}
+
+/// A buffer the daemon owns.
+#[derive(Debug, Clone)]
+pub enum Served {
+    /// Host shared memory (memfd).
+    Host(HostBuffer),
+    /// A CUDA VMM buffer.
+    Cuda(VirtualMemoryBuffer),
+}
+
+impl Served {
+    fn kind(&self) -> &'static str {
+        match self {
+            Served::Host(_) => "host",
+            Served::Cuda(_) => "cuda",
+        }
+    }
+
+    fn size(&self) -> usize {
+        match self {
+            Served::Host(b) => b.size(),
+            Served::Cuda(b) => b.size(),
+        }
+    }
+
+    /// A fresh descriptor (its fds are closed once it is sent and dropped).
+    fn export(&self) -> Result<Descriptor> {
+        Ok(match self {
+            Served::Host(b) => b.export()?.into(),
+            Served::Cuda(b) => b.export()?.into(),
+        })
+    }
+}
+
+/// The daemon: named buffers, served to whoever the listener admits.
+#[derive(Debug, Default)]
+pub struct Daemon {
+    buffers: BTreeMap<String, Served>,
+    served: AtomicUsize,
+}
+
+impl Daemon {
+    /// A daemon with no buffers.
+    pub fn new() -> Daemon {
+        Daemon::default()
+    }
+
+    /// Serve `buffer` as `name`.
+    pub fn add(&mut self, name: &str, buffer: Served) {
+        self.buffers.insert(name.to_owned(), buffer);
+    }
+
+    /// How many descriptors it has sent.
+    pub fn served(&self) -> usize {
+        self.served.load(Ordering::Relaxed)
+    }
+
+    /// Accept connections until `stop` is set (checked every 100 ms), each served on its own
+    /// thread; returns once every connection thread has ended (each within its connection's
+    /// timeout). Errors of one connection end that connection only (they are logged).
+    pub fn serve(&self, listener: &Listener, stop: &AtomicBool) -> Result<()> {
+        std::thread::scope(|scope| {
+            while !stop.load(Ordering::Relaxed) {
+                let conn = match listener.accept(Some(Duration::from_millis(100))) {
+                    Ok(conn) => conn,
+                    Err(Error::Timeout { .. }) => continue,
+                    Err(e) => return Err(e),
+                };
+                scope.spawn(move || {
+                    let peer = conn.peer();
+                    if let Err(e) = self.handle(&conn) {
+                        eprintln!("vmm-daemon: connection from {peer}: {e}");
+                    }
+                });
+            }
+            Ok(())
+        })
+    }
+
+    /// Answer one connection's requests until it hangs up (or stays silent past its timeout).
+    pub fn handle(&self, conn: &Connection) -> Result<()> {
+        loop {
+            let request = match conn.recv_data() {
+                Ok(request) => request,
+                Err(Error::Disconnected(_)) => return Ok(()),
+                Err(e) => return Err(e),
+            };
+            let request = String::from_utf8_lossy(&request);
+            let mut words = request.split_whitespace();
+            match (words.next(), words.next()) {
+                (Some("list"), None) => {
+                    let lines: Vec<String> = self
+                        .buffers
+                        .iter()
+                        .map(|(name, b)| format!("{name} {} {}", b.kind(), b.size()))
+                        .collect();
+                    conn.send_data(lines.join("\n").as_bytes())?;
+                }
+                (Some("get"), Some(name)) => match self.buffers.get(name) {
+                    Some(buffer) => {
+                        let descriptor = buffer.export()?;
+                        conn.send_descriptor(&descriptor)?;
+                        self.served.fetch_add(1, Ordering::Relaxed);
+                    }
+                    None => conn.send_data(format!("error: no buffer named {name}").as_bytes())?,
+                },
+                _ => conn.send_data(format!("error: unknown request {request:?}").as_bytes())?,
+            }
+        }
+    }
+}
+
+/// The Rust client.
+pub mod client {
+    use vmm_core::peer::{Descriptor, PeerMessage};
+    use vmm_core::wire::endpoint::{Allow, ConnectOptions, Connection, Name};
+
+    use super::*;
+
+    /// What a client fetched: the buffer, imported and mapped in this process.
+    #[derive(Debug)]
+    pub enum Fetched {
+        /// A host buffer.
+        Host(HostBuffer),
+        /// A CUDA buffer (imported into this process's importer for its device).
+        Cuda(VirtualMemoryBuffer),
+    }
+
+    impl Fetched {
+        /// A copy of the whole buffer.
+        pub fn contents(&self) -> Result<Vec<u8>> {
+            Ok(match self {
+                Fetched::Host(b) => b.to_vec(),
+                Fetched::Cuda(b) => {
+                    let mut out = vec![0u8; b.size()];
+                    b.read_at(0, &mut out)?;
+                    out
+                }
+            })
+        }
+    }
+
+    /// The daemon's `list` reply.
+    pub fn list(conn: &Connection) -> Result<String> {
+        conn.send_data(b"list")?;
+        Ok(String::from_utf8_lossy(&conn.recv_data()?).into_owned())
+    }
+
+    /// Ask for `buffer` and import it.
+    pub fn fetch(conn: &Connection, buffer: &str) -> Result<Fetched> {
+        conn.send_data(format!("get {buffer}").as_bytes())?;
+        match conn.recv_message()? {
+            PeerMessage::Descriptor(Descriptor::Host(d)) => {
+                Ok(Fetched::Host(HostBuffer::import(&d)?))
+            }
+            PeerMessage::Descriptor(Descriptor::Cuda(d)) => {
+                Ok(Fetched::Cuda(VirtualMemoryBuffer::import(&d)?))
+            }
+            PeerMessage::Data(reply) => Err(Error::InvalidArgument(format!(
+                "the daemon says: {}",
+                String::from_utf8_lossy(&reply)
+            ))),
+        }
+    }
+
+    /// `vmm-client NAME BUFFER [--expect-uid UID] [--check-seed SEED]`: connect (checking the
+    /// daemon runs as this uid, or UID), list, fetch BUFFER, check its pattern if asked; the
+    /// report is one line starting with `OK`.
+    pub fn run(args: &[String]) -> Result<String> {
+        let usage = || {
+            Error::InvalidArgument(
+                "usage: vmm-client NAME BUFFER [--expect-uid UID] [--check-seed SEED]".into(),
+            )
+        };
+        let (mut positional, mut expect, mut seed) = (Vec::new(), Allow::same_user(), None);
+        let mut it = args.iter();
+        while let Some(arg) = it.next() {
+            match arg.as_str() {
+                "--expect-uid" => {
+                    let uid = it.next().and_then(|v| v.parse().ok()).ok_or_else(usage)?;
+                    expect = Allow::none().uid(uid);
+                }
+                "--check-seed" => {
+                    seed = Some(
+                        it.next()
+                            .and_then(|v| v.parse::<u8>().ok())
+                            .ok_or_else(usage)?,
+                    );
+                }
+                _ => positional.push(arg.clone()),
+            }
+        }
+        let [name, buffer] = positional.as_slice() else {
+            return Err(usage());
+        };
+        let name: Name = name.as_str().into();
+        let conn = Connection::connect_with(&name, &ConnectOptions::default().expect(expect))?;
+        let listing = list(&conn)?;
+        let fetched = fetch(&conn, buffer)?;
+        let contents = fetched.contents()?;
+        if let Some(seed) = seed
+            && contents != pattern(seed, contents.len())
+        {
+            return Err(Error::InvalidArgument(format!(
+                "buffer {buffer}: its contents are not the pattern of seed {seed}"
+            )));
+        }
+        let kind = match fetched {
+            Fetched::Host(_) => "host",
+            Fetched::Cuda(_) => "cuda",
+        };
+        Ok(format!(
+            "OK {buffer}: {kind}, {} bytes, from daemon {} (lists: {})",
+            contents.len(),
+            conn.peer(),
+            listing.replace('\n', "; ")
+        ))
+    }
+}

@@ -1,0 +1,584 @@
+"""vmm-ipc peer protocol (version 1): a reference peer in standard-library Python (3.9+, Linux).
+
+It speaks the protocol of ``docs/protocol.md`` on a named endpoint (a Unix ``SOCK_SEQPACKET``
+socket by path, or by abstract name ``@name``): the same endpoints Rust's
+``vmm_core::wire::endpoint`` listens and connects on. One message is a 64-byte little-endian
+header, the chunk sizes, a payload, and one fd per chunk in ``SCM_RIGHTS``.
+
+    import vmm_ipc_peer as peer
+
+    with peer.connect("@weights") as conn:          # checks the listener's uid (SO_PEERCRED)
+        conn.send_data(b"get weights")
+        desc = conn.recv_descriptor()              # VmmDescriptor or HostDescriptor; owns fds
+
+Feeding a received ``VmmDescriptor`` to CUDA:
+
+- cuda.core (1.3+): ``VirtualMemoryIPCBufferDescriptor.from_fds(desc.fds, desc.chunk_sizes,
+  size=desc.size)`` duplicates the fds (close ``desc`` afterwards), then
+  ``Buffer.from_ipc_descriptor(resource, descriptor)`` imports into a ``VirtualMemoryResource``
+  of the exporter's device (find it by ``desc.device_uuid``).
+- cuda.bindings: for each fd, ``err, handle = driver.cuMemImportFromShareableHandle(fd,
+  driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)`` (the fd is
+  passed as its value; the driver does not take it over, so close it afterwards); then one
+  ``cuMemAddressReserve(sum(chunk_sizes), ...)``, a ``cuMemMap`` per chunk back to back, and
+  ``cuMemSetAccess``. ``python/vmm_ipc_cuda.py`` does exactly that.
+
+Sending one: ``VmmDescriptor(fds, chunk_sizes, size, device_uuid=...)`` from the fds of
+``cuMemExportToShareableHandle`` (one per chunk, in address order) or from a cuda.core 1.3
+descriptor (``VmmDescriptor.from_cuda_core(d)``), then ``conn.send_descriptor(desc)``.
+
+Security: ``connect`` checks the listener's kernel credentials (``SO_PEERCRED``) against the
+uids and gids it expects (default: this process's uid) before it sends or reads anything, and
+``Listener.accept`` admits only allowed peers (default: this process's uid); nothing a peer
+says about itself is trusted. Every message is checked against the documented limits and the
+fd count the kernel reports, and every received fd is closed when a message is refused.
+"""
+
+import array
+import fcntl
+import mmap
+import os
+import socket
+import stat
+import struct
+import sys
+import time
+from collections import namedtuple
+
+__all__ = [
+    "VERSION", "MAX_CHUNKS", "MAX_DATA", "ProtocolError", "PeerRefused", "PeerClosed",
+    "Credentials", "HostDescriptor", "VmmDescriptor", "Connection", "Listener", "connect",
+    "encode", "decode", "sealed_memfd", "pattern",
+]
+
+MAGIC = b"VMMI"
+VERSION = 1
+#: magic, version, kind, header length, flags, handle type, chunk count, payload length, size,
+#: device UUID, device ordinal, location type, location id, reserved.
+HEADER = struct.Struct("<4sHHHHIIIQ16sIIiI")
+assert HEADER.size == 64
+KIND_HELLO, KIND_REFUSED, KIND_DATA, KIND_CUDA_VMM, KIND_HOST_MEMFD = 1, 2, 3, 4, 5
+KIND_NAMES = {1: "HELLO", 2: "REFUSED", 3: "DATA", 4: "CUDA_VMM", 5: "HOST_MEMFD"}
+FLAG_DEVICE = 0x0001
+HANDLE_TYPE_POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+LOCATION_DEVICE, LOCATION_HOST_NUMA = 0, 1
+MAX_CHUNKS = 253  # the kernel's SCM_MAX_FD
+MAX_DATA = 16 * 1024
+MAX_MESSAGE = HEADER.size + 8 * MAX_CHUNKS + MAX_DATA
+FRAME_INLINE = b"\x00"  # every packet's first byte
+DEFAULT_TIMEOUT = 10.0
+_USIZE_MAX = 2**64 - 1
+
+
+class ProtocolError(Exception):
+    """A message broke the protocol (its fds, if any, are already closed)."""
+
+
+class PeerRefused(Exception):
+    """The other side is not trusted: a listener that is not whom ``connect`` expects (a
+    squatter), or a listener that refused this process."""
+
+
+class PeerClosed(ConnectionError):
+    """The other end closed the connection."""
+
+
+Credentials = namedtuple("Credentials", "pid uid gid")
+
+
+def peer_credentials(sock):
+    """The kernel's credentials for the peer of a connected Unix socket (SO_PEERCRED)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+    return Credentials(*struct.unpack("iII", raw))
+
+
+def _admits(uids, gids, creds):
+    return creds.uid in uids or creds.gid in gids
+
+
+def pattern(seed, length):
+    """The test pattern both languages use: byte i is (seed + i % 251) mod 256."""
+    period = bytes((seed + i) & 0xFF for i in range(251))
+    return (period * (length // 251 + 1))[:length]
+
+
+def _close_all(fds):
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class HostDescriptor:
+    """A host (memfd) buffer's descriptor: one fd (none for an empty buffer) and the size. It
+    owns the fd: ``close()`` (or ``with``) closes it."""
+
+    def __init__(self, fd, size):
+        self.fd, self.size = fd, size
+
+    def encode(self):
+        chunks = [] if self.fd is None else [self.size]
+        data = encode(KIND_HOST_MEMFD, size=self.size, chunk_sizes=chunks)
+        return data, [] if self.fd is None else [self.fd]
+
+    def map(self):
+        """mmap the memfd shared, read-write, after the checks import makes: sealed against
+        shrinking and growing, at least ``size`` bytes. None for an empty buffer."""
+        if self.fd is None:
+            return None
+        try:
+            seals = fcntl.fcntl(self.fd, fcntl.F_GET_SEALS)
+        except OSError as e:
+            raise ProtocolError(f"host descriptor's fd is not a memfd ({e})") from None
+        needed = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+        if seals & needed != needed:
+            raise ProtocolError("host descriptor's memfd is not sealed against resizing")
+        actual = os.fstat(self.fd).st_size
+        if actual < self.size:
+            raise ProtocolError(f"host descriptor says {self.size} bytes, its memfd holds {actual}")
+        return mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"HostDescriptor(fd={self.fd}, size={self.size})"
+
+
+class VmmDescriptor:
+    """A CUDA VMM buffer's descriptor: one exported POSIX fd per chunk (address order), the
+    chunk sizes, the buffer's size (at most their sum), and where the memory lives. It owns the
+    fds: ``close()`` (or ``with``) closes them."""
+
+    def __init__(self, fds, chunk_sizes, size=None, handle_type=HANDLE_TYPE_POSIX_FD,
+                 device_uuid=None, device_ordinal=0, location=("device", 0)):
+        self.fds = list(fds)
+        self.chunk_sizes = [int(s) for s in chunk_sizes]
+        self.size = sum(self.chunk_sizes) if size is None else int(size)
+        self.handle_type = handle_type
+        self.device_uuid = None if device_uuid is None else bytes(device_uuid)
+        self.device_ordinal = device_ordinal
+        self.location = location
+
+    @classmethod
+    def from_cuda_core(cls, descriptor, device_uuid=None, device_ordinal=0):
+        """From a cuda.core (1.3+) ``VirtualMemoryIPCBufferDescriptor``: duplicates of its fds
+        (the cuda.core descriptor keeps its own)."""
+        fds = [os.dup(fd) for fd in descriptor.fds]
+        return cls(fds, descriptor.sizes, descriptor.size, device_uuid=device_uuid,
+                   device_ordinal=device_ordinal)
+
+    def encode(self):
+        kind, node = self.location
+        location = (LOCATION_DEVICE, 0) if kind == "device" else (LOCATION_HOST_NUMA, node)
+        data = encode(KIND_CUDA_VMM, handle_type=self.handle_type, size=self.size,
+                      chunk_sizes=self.chunk_sizes, device_uuid=self.device_uuid,
+                      device_ordinal=self.device_ordinal, location=location)
+        return data, list(self.fds)
+
+    def close(self):
+        _close_all(self.fds)
+        self.fds = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (f"VmmDescriptor(fds={self.fds}, chunk_sizes={self.chunk_sizes}, size={self.size}, "
+                f"device_uuid={self.device_uuid!r}, location={self.location})")
+
+
+def encode(kind, *, handle_type=0, size=0, chunk_sizes=(), device_uuid=None, device_ordinal=0,
+           location=(LOCATION_DEVICE, 0), payload=b""):
+    """One message's bytes (without the packet's frame byte)."""
+    chunk_sizes = list(chunk_sizes)
+    if len(chunk_sizes) > MAX_CHUNKS:
+        raise ValueError(f"at most {MAX_CHUNKS} chunks per message, got {len(chunk_sizes)}")
+    if len(payload) > MAX_DATA:
+        raise ValueError(f"at most {MAX_DATA} payload bytes per message, got {len(payload)}")
+    flags = FLAG_DEVICE if device_uuid is not None else 0
+    uuid = device_uuid if device_uuid is not None else bytes(16)
+    if len(uuid) != 16:
+        raise ValueError("a device UUID is 16 bytes")
+    header = HEADER.pack(MAGIC, VERSION, kind, HEADER.size, flags, handle_type, len(chunk_sizes),
+                         len(payload), size, uuid, device_ordinal if flags else 0, location[0],
+                         location[1], 0)
+    return header + struct.pack(f"<{len(chunk_sizes)}Q", *chunk_sizes) + bytes(payload)
+
+
+class Hello:
+    """The listener admitted this connection."""
+
+
+class Refused:
+    """The listener refused this connection; ``reason`` says why."""
+
+    def __init__(self, reason):
+        self.reason = reason
+
+
+class Data(bytes):
+    """Application bytes (a DATA message)."""
+
+
+def decode(data, fds):
+    """Decode one message (without the frame byte) that arrived with ``fds`` (ints, now owned
+    here). Returns Hello, Refused, Data, VmmDescriptor or HostDescriptor; on any refusal every
+    fd is closed and ProtocolError says which rule was broken (docs/protocol.md's order)."""
+    try:
+        return _decode(bytes(data), list(fds))
+    except ProtocolError:
+        _close_all(fds)
+        raise
+
+
+def _decode(data, fds):
+    n = len(data)
+    if n < 4 or data[:4] != MAGIC:
+        raise ProtocolError(f"not a vmm-ipc peer message: it does not start with b'VMMI' ({n} bytes)")
+    if n < 6:
+        raise ProtocolError(f"{n} bytes end inside the header's version field")
+    (version,) = struct.unpack_from("<H", data, 4)
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported: this peer speaks {VERSION}")
+    if n < HEADER.size:
+        raise ProtocolError(f"{n} bytes: shorter than the {HEADER.size}-byte header")
+    (_, _, kind, header_len, flags, handle_type, count, payload_len, size, uuid, ordinal,
+     location_type, location_id, reserved) = HEADER.unpack_from(data)
+    if kind not in KIND_NAMES:
+        raise ProtocolError(f"unknown message kind {kind}")
+    if header_len != HEADER.size:
+        raise ProtocolError(f"header length {header_len}: version 1 headers are 64 bytes")
+    if flags & ~FLAG_DEVICE:
+        raise ProtocolError(f"unknown flags {flags:#06x}")
+    if reserved:
+        raise ProtocolError("reserved header field is not 0")
+    if count > MAX_CHUNKS:
+        raise ProtocolError(f"{count} chunks: at most {MAX_CHUNKS}")
+    if payload_len > MAX_DATA:
+        raise ProtocolError(f"{payload_len} payload bytes: at most {MAX_DATA}")
+    expected = HEADER.size + 8 * count + payload_len
+    if n != expected:
+        raise ProtocolError(f"its header announces {expected} bytes, the message has {n}")
+    if len(fds) != count:
+        raise ProtocolError(f"{KIND_NAMES[kind]} message with {count} chunk(s) arrived with "
+                            f"{len(fds)} fd(s): one fd per chunk")
+    named = bool(flags & FLAG_DEVICE)
+    if not named and (ordinal or any(uuid)):
+        raise ProtocolError("device fields set without the device flag")
+    if location_type == LOCATION_DEVICE:
+        if location_id:
+            raise ProtocolError("location type 0 (device) with a non-zero id")
+        location = ("device", 0)
+    elif location_type == LOCATION_HOST_NUMA:
+        if location_id < 0:
+            raise ProtocolError(f"host NUMA node {location_id} is negative")
+        location = ("host_numa", location_id)
+    else:
+        raise ProtocolError(f"unknown location type {location_type}")
+    chunks = list(struct.unpack_from(f"<{count}Q", data, HEADER.size))
+    payload = data[HEADER.size + 8 * count:]
+    name = KIND_NAMES[kind]
+    descriptor_fields = handle_type or size or named or location_type or count
+    if kind == KIND_HELLO:
+        if descriptor_fields or payload:
+            raise ProtocolError("HELLO: every field after the header length must be zero")
+        return Hello()
+    if kind in (KIND_REFUSED, KIND_DATA):
+        if descriptor_fields:
+            raise ProtocolError(f"{name}: carries descriptor fields or fds")
+        return Refused(payload.decode("utf-8", "replace")) if kind == KIND_REFUSED else Data(payload)
+    if payload:
+        raise ProtocolError(f"{name}: a descriptor has no payload")
+    if kind == KIND_CUDA_VMM:
+        if handle_type != HANDLE_TYPE_POSIX_FD:
+            raise ProtocolError(f"CUDA_VMM: handle type {handle_type} is not carried by version 1")
+        for i, chunk in enumerate(chunks):
+            if chunk == 0:
+                raise ProtocolError(f"CUDA_VMM: chunk {i + 1} of {count} has size 0")
+        total = sum(chunks)
+        if total > _USIZE_MAX:
+            raise ProtocolError("CUDA_VMM: the sum of chunk sizes overflows")
+        if size > total:
+            raise ProtocolError(f"CUDA_VMM: size {size} exceeds the {total} bytes of its chunks")
+        return VmmDescriptor(fds, chunks, size, handle_type,
+                             bytes(uuid) if named else None, ordinal if named else 0, location)
+    # HOST_MEMFD
+    if handle_type or named or location_type:
+        raise ProtocolError("HOST_MEMFD: handle type, device and location must be zero")
+    if count == 0:
+        if size:
+            raise ProtocolError(f"HOST_MEMFD: size {size} with no fd")
+        return HostDescriptor(None, 0)
+    if count > 1 or chunks[0] != size or size == 0:
+        raise ProtocolError("HOST_MEMFD: one fd whose chunk size equals the (non-zero) size")
+    return HostDescriptor(fds[0], size)
+
+
+def _address(name):
+    """``@name`` is an abstract socket; anything else a path."""
+    if isinstance(name, bytes):
+        name = name.decode()
+    return b"\0" + name[1:].encode() if name.startswith("@") else name
+
+
+class Connection:
+    """An admitted connection: send and receive descriptors and DATA messages. ``peer`` is the
+    kernel's Credentials for the other side. Every send and receive is bounded by ``timeout``
+    (seconds; None for no limit): TimeoutError (socket.timeout) when it passes."""
+
+    def __init__(self, sock, peer, name, timeout=DEFAULT_TIMEOUT):
+        self.sock, self.peer, self.name = sock, peer, name
+        self.sock.settimeout(timeout)
+
+    def _send(self, data, fds=()):
+        if fds:
+            socket.send_fds(self.sock, [FRAME_INLINE, data], list(fds))
+        else:
+            self.sock.sendmsg([FRAME_INLINE, data])
+
+    def send_descriptor(self, descriptor):
+        """Send a VmmDescriptor or HostDescriptor; it keeps its fds (close it afterwards)."""
+        data, fds = descriptor.encode()
+        self._send(data, fds)
+
+    def send_data(self, data):
+        self._send(encode(KIND_DATA, payload=bytes(data)))
+
+    def recv(self):
+        """The next message: Data, VmmDescriptor or HostDescriptor (the caller owns its fds)."""
+        message = self._recv()
+        if isinstance(message, (Hello, Refused)):
+            raise ProtocolError(f"{type(message).__name__.upper()} after the handshake")
+        return message
+
+    def recv_descriptor(self):
+        message = self.recv()
+        if isinstance(message, Data):
+            raise ProtocolError(f"expected a descriptor, got DATA ({len(message)} bytes)")
+        return message
+
+    def recv_data(self):
+        message = self.recv()
+        if not isinstance(message, Data):
+            if hasattr(message, "close"):
+                message.close()
+            raise ProtocolError(f"expected DATA, got {type(message).__name__}")
+        return bytes(message)
+
+    def _recv(self):
+        space = socket.CMSG_SPACE(MAX_CHUNKS * array.array("i").itemsize)
+        msg, ancdata, flags, _ = self.sock.recvmsg(1 + MAX_MESSAGE, space,
+                                                   getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+        fds = array.array("i")
+        for level, kind, cmsg in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(cmsg[:len(cmsg) - len(cmsg) % fds.itemsize])
+        fds = list(fds)
+        if flags & socket.MSG_CTRUNC:
+            _close_all(fds)
+            raise ProtocolError(f"control message truncated: the sender's fds did not all arrive "
+                                f"({len(fds)} did, closed)")
+        if flags & socket.MSG_TRUNC:
+            _close_all(fds)
+            raise ProtocolError(f"packet larger than {1 + MAX_MESSAGE} bytes")
+        if not msg:
+            _close_all(fds)
+            raise PeerClosed(f"endpoint {self.name}: the other end has closed")
+        if msg[0] != 0:
+            _close_all(fds)
+            raise ProtocolError(f"frame byte {msg[0]}: a peer message starts with 0")
+        return decode(msg[1:], fds)
+
+    def close(self):
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def connect(name, expect_uids=None, expect_gids=(), timeout=DEFAULT_TIMEOUT):
+    """Connect to the endpoint ``name`` (a path, or ``@name``), check the listener's kernel
+    credentials before anything is sent or read (default: it must run as this process's uid),
+    and wait to be admitted. PeerRefused when the listener is not expected or refuses us."""
+    uids = [os.geteuid()] if expect_uids is None and not expect_gids else list(expect_uids or ())
+    gids = list(expect_gids)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # close-on-exec (PEP 446)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(_address(name))
+        server = peer_credentials(sock)
+        if not _admits(uids, gids, server):
+            raise PeerRefused(f"endpoint {name}: its listener is pid {server.pid} (uid {server.uid}, "
+                              f"gid {server.gid}), not whom this client expects (uids {uids}, "
+                              f"gids {gids}): another process may have taken the name; nothing "
+                              f"was sent to it")
+        conn = Connection(sock, server, name, timeout)
+        try:
+            first = conn._recv()
+        except PeerClosed:
+            raise PeerRefused(f"endpoint {name}: the listener closed the connection without "
+                              f"admitting it") from None
+        if isinstance(first, Refused):
+            raise PeerRefused(f"endpoint {name}: its listener refused this process: {first.reason}")
+        if not isinstance(first, Hello):
+            if hasattr(first, "close"):
+                first.close()
+            raise ProtocolError(f"endpoint {name}: the listener's first message is not HELLO")
+        return conn
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _check_directory(directory):
+    why = None
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(directory)
+    if stat.S_ISLNK(st.st_mode):
+        why = "is a symbolic link"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = "is not a directory"
+    elif st.st_uid != os.geteuid():
+        why = f"is owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}"
+    elif st.st_mode & 0o077:
+        why = f"has mode {stat.S_IMODE(st.st_mode):04o}: group or others may enter or list it"
+    if why:
+        raise PermissionError(f"endpoint directory {directory}: {why}; a path endpoint lives in a "
+                              f"directory only its owner can enter (0700), or use an abstract name")
+
+
+class Listener:
+    """Listen on ``name`` (a path, or ``@name``) and admit peers by their kernel credentials
+    (default: this process's uid). A path socket is created 0600 in an owner-only directory;
+    a dead listener's socket file is replaced, a live one's never (OSError EADDRINUSE)."""
+
+    def __init__(self, name, allow_uids=None, allow_gids=(), timeout=DEFAULT_TIMEOUT, log=True):
+        self.name, self.timeout, self.log = name, timeout, log
+        self.uids = [os.geteuid()] if allow_uids is None and not allow_gids else list(allow_uids or ())
+        self.gids = list(allow_gids)
+        self.refused = []
+        self._file = None
+        address = _address(name)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            if isinstance(address, str):
+                self._prepare_path(address)
+            self.sock.bind(address)
+            if isinstance(address, str):
+                os.chmod(address, 0o600)
+                st = os.lstat(address)
+                self._file = (address, st.st_dev, st.st_ino)
+            self.sock.listen(128)
+        except BaseException:
+            self.sock.close()
+            raise
+
+    @staticmethod
+    def _prepare_path(path):
+        _check_directory(os.path.dirname(path) or ".")
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise FileExistsError(f"endpoint path {path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        probe.setblocking(False)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)  # a dead listener's file
+            return
+        except (BlockingIOError, OSError):
+            pass
+        finally:
+            probe.close()
+        raise OSError(98, f"{path}: a live listener already serves this name")  # EADDRINUSE
+
+    def accept(self, timeout=None):
+        """The next admitted Connection (refused peers are told, logged, remembered in
+        ``refused`` and skipped). TimeoutError after ``timeout`` seconds (None: forever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"accepting a connection on endpoint {self.name}")
+            self.sock.settimeout(left)
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                raise TimeoutError(f"accepting a connection on endpoint {self.name}") from None
+            creds = peer_credentials(conn)
+            if not _admits(self.uids, self.gids, creds):
+                self.refused.append(creds)
+                try:
+                    conn.setblocking(False)
+                    reason = f"uid {creds.uid} (gid {creds.gid}) is not allowed to connect"
+                    conn.sendmsg([FRAME_INLINE, encode(KIND_REFUSED, payload=reason.encode())])
+                except OSError:
+                    pass
+                conn.close()
+                if self.log:
+                    print(f"vmm_ipc_peer endpoint {self.name}: refused pid {creds.pid} "
+                          f"(uid {creds.uid}, gid {creds.gid})", file=sys.stderr, flush=True)
+                continue
+            try:
+                conn.sendmsg([FRAME_INLINE, encode(KIND_HELLO)])
+            except OSError:
+                conn.close()
+                continue
+            return Connection(conn, creds, self.name, self.timeout)
+
+    def close(self):
+        self.sock.close()
+        if self._file:
+            path, dev, ino = self._file
+            try:
+                st = os.lstat(path)
+                if (st.st_dev, st.st_ino) == (dev, ino):
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+            self._file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def sealed_memfd(size, name="vmm-ipc-peer"):
+    """A memfd of ``size`` bytes sealed against shrinking and growing (what a Rust importer
+    requires before it maps), close-on-exec."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -1,0 +1,142 @@
+//! Who is at the other end of a socket, as the kernel says (`SO_PEERCRED`), and who may be.
+
+use std::fmt;
+use std::os::fd::AsFd;
+
+use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+
+use crate::{Error, Result};
+
+/// This process's effective uid.
+pub(crate) fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// A process's credentials as the kernel recorded them for a Unix socket (`SO_PEERCRED`): for
+/// a client, when it called `connect`; for a listener, when it called `listen`. They are the
+/// effective uid and gid of that moment, translated into this process's user and pid
+/// namespaces (a pid of 0: the peer is in a pid namespace this process cannot see). Nothing the
+/// peer sends can change them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Credentials {
+    /// The process id (at connect or listen time; the process may have exited since).
+    pub pid: i32,
+    /// The effective user id.
+    pub uid: u32,
+    /// The effective (primary) group id.
+    pub gid: u32,
+}
+
+impl Credentials {
+    /// This process's own: its pid, effective uid and effective gid.
+    pub fn of_this_process() -> Credentials {
+        Credentials {
+            pid: nix::unistd::getpid().as_raw(),
+            uid: euid(),
+            // SAFETY: getegid has no preconditions and cannot fail.
+            gid: unsafe { libc::getegid() },
+        }
+    }
+
+    /// The credentials of the peer of a connected Unix socket.
+    pub(crate) fn of_peer(socket: impl AsFd) -> Result<Credentials> {
+        let ucred = getsockopt(&socket, PeerCredentials)
+            .map_err(|e| Error::errno("getsockopt(SO_PEERCRED)", e))?;
+        Ok(Credentials {
+            pid: ucred.pid(),
+            uid: ucred.uid(),
+            gid: ucred.gid(),
+        })
+    }
+}
+
+impl fmt::Display for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "pid {} (uid {}, gid {})", self.pid, self.uid, self.gid)
+    }
+}
+
+/// Which peers an endpoint accepts, by the kernel's credentials for them: a peer is admitted
+/// when its uid is listed, or its (primary) gid is. The default, [`Allow::same_user`], is this
+/// process's effective uid alone.
+///
+/// Supplementary groups are not consulted (`SO_PEERCRED` reports only the primary gid), and
+/// uid 0 gets no exception: root is admitted only if listed.
+///
+/// ```
+/// use vmm_core::wire::endpoint::{Allow, Credentials};
+/// let me = Credentials::of_this_process();
+/// assert!(Allow::same_user().admits(&me));
+/// assert!(!Allow::none().admits(&me));
+/// assert!(Allow::none().uid(me.uid).admits(&me));
+/// assert!(Allow::none().gid(me.gid).admits(&me));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Allow {
+    uids: Vec<u32>,
+    gids: Vec<u32>,
+}
+
+impl Allow {
+    /// This process's effective uid, and nothing else.
+    pub fn same_user() -> Allow {
+        Allow::none().uid(euid())
+    }
+
+    /// Nobody (add uids and gids with [`uid`](Self::uid) and [`gid`](Self::gid)).
+    pub fn none() -> Allow {
+        Allow {
+            uids: Vec::new(),
+            gids: Vec::new(),
+        }
+    }
+
+    /// Also admit `uid`.
+    pub fn uid(mut self, uid: u32) -> Allow {
+        if !self.uids.contains(&uid) {
+            self.uids.push(uid);
+        }
+        self
+    }
+
+    /// Also admit processes whose primary group is `gid`.
+    pub fn gid(mut self, gid: u32) -> Allow {
+        if !self.gids.contains(&gid) {
+            self.gids.push(gid);
+        }
+        self
+    }
+
+    /// The admitted uids.
+    pub fn uids(&self) -> &[u32] {
+        &self.uids
+    }
+
+    /// The admitted gids.
+    pub fn gids(&self) -> &[u32] {
+        &self.gids
+    }
+
+    /// Whether a peer with these credentials is admitted.
+    pub fn admits(&self, peer: &Credentials) -> bool {
+        self.uids.contains(&peer.uid) || self.gids.contains(&peer.gid)
+    }
+}
+
+impl Default for Allow {
+    fn default() -> Self {
+        Allow::same_user()
+    }
+}
+
+impl fmt::Display for Allow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.uids.is_empty(), self.gids.is_empty()) {
+            (true, true) => write!(f, "nobody"),
+            (false, true) => write!(f, "uid {:?}", self.uids),
+            (true, false) => write!(f, "gid {:?}", self.gids),
+            (false, false) => write!(f, "uid {:?} or gid {:?}", self.uids, self.gids),
+        }
+    }
+}
