@@ -230,6 +230,20 @@ impl Channel {
 
     /// Receive one message if one is waiting.
     pub fn try_recv(&self) -> Result<Option<Message>> {
+        match self.try_recv_once()? {
+            Received::Message(message) => Ok(message),
+            // A non-blocking read can report end-of-file while a message that raced with the
+            // hang-up is queued (the kernel finds the queue empty, the peer sends and closes,
+            // then the read sees the shutdown): read once more before believing it. A real
+            // end-of-file reads as one again.
+            Received::EndOfFile => match self.try_recv_once()? {
+                Received::Message(message) => Ok(message),
+                Received::EndOfFile => Err(Error::Disconnected("recv".into())),
+            },
+        }
+    }
+
+    fn try_recv_once(&self) -> Result<Received> {
         // One receive buffer per thread, zeroed once: a message costs a copy of its own length,
         // not a fresh 64 KiB allocation (this is on every hand-off's path).
         thread_local! {
@@ -255,7 +269,7 @@ impl Channel {
             }
         })?;
         let Some((received, tag, payload)) = received else {
-            return Ok(None);
+            return Ok(Received::Message(None));
         };
         let (len, flags, fds) = (
             received.len,
@@ -285,9 +299,9 @@ impl Channel {
                     fds.len()
                 )));
             }
-            return Err(Error::Disconnected("recv".into()));
+            return Ok(Received::EndOfFile);
         };
-        match tag {
+        let message = match tag {
             TAG_INLINE => Ok(Some(Message {
                 bytes: payload,
                 fds,
@@ -304,7 +318,8 @@ impl Channel {
             tag => Err(Error::Protocol(format!(
                 "unknown message tag {tag} ({len} bytes): not sent by vmm_core::wire"
             ))),
-        }
+        };
+        message.map(Received::Message)
     }
 
     /// Serialise `value` (fds out of band) and send it as one message.
@@ -354,6 +369,12 @@ fn spin_window() -> Duration {
             });
         Duration::from_micros(micros.min(10_000))
     })
+}
+
+/// What one non-blocking read gave: a message (or none waiting), or an end-of-file to confirm.
+enum Received {
+    Message(Option<Message>),
+    EndOfFile,
 }
 
 /// When a wait ends: never, or at an instant. A timeout too large to add to now (such as
