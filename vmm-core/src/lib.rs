@@ -2,7 +2,8 @@
 //! runs: one test body, run in real child processes under each start method.
 //!
 //! - [`cuda`]: a safe API over the CUDA driver's virtual-memory calls: allocate, grow, export
-//!   to an [`cuda::IpcDescriptor`] (one fd per chunk), import in another process.
+//!   to an [`cuda::IpcDescriptor`] (one fd per chunk) or a [`cuda::FabricDescriptor`] (plain
+//!   data), import in another process.
 //! - [`wire`]: messages that carry file descriptors (SCM_RIGHTS over `SOCK_SEQPACKET`), serde with
 //!   fds out of band, and [`wire::Queue`].
 //! - [`peer`]: the cross-language descriptor protocol (`docs/protocol.md`) on named
@@ -13,8 +14,9 @@
 //!   and [`process::Pool`] (reusable warm workers that run tasks).
 //! - [`testing`]: the runtime behind `#[ipc_test]`: fd accounting, requirement checks.
 //!
-//! Linux only: every buffer is shared by fd, over an anonymous socketpair between processes
-//! vmm-core started, or over a named endpoint that checks the peer's credentials.
+//! Linux only. A buffer crosses processes as fds, over an anonymous socketpair between processes
+//! vmm-core started or over a named endpoint that checks the peer's credentials, or (fabric
+//! allocations) as fabric handles over any transport you trust.
 
 #![cfg(target_os = "linux")]
 #![deny(missing_docs)]
