@@ -83,8 +83,7 @@ fn assert_reaped(pid: u32, method: StartMethod) {
     }
 }
 
-/// The `SOCK_SEQPACKET` sockets among this process's fds: in a child whose argument carries
-/// none, exactly its channel to the parent (which the runtime knows by number).
+/// The `SOCK_SEQPACKET` sockets among this process's fds.
 fn seqpacket_sockets() -> Vec<RawFd> {
     let mut sockets = Vec::new();
     for entry in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
@@ -101,6 +100,21 @@ fn seqpacket_sockets() -> Vec<RawFd> {
     sockets
 }
 
+/// Of those, the ones whose peer is `parent` (a socketpair's peer credentials are its
+/// creator's): in a child whose argument carries none, exactly its channel to the parent
+/// (which the runtime knows by number). The peer check keeps out sockets that are not
+/// vmm-core's (a warm child on a GPU holds the CUDA driver's too).
+fn channels_to(parent: i32) -> Vec<RawFd> {
+    seqpacket_sockets()
+        .into_iter()
+        .filter(|&fd| {
+            // SAFETY: as in `seqpacket_sockets`: borrowed for one probe of a listed fd.
+            let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+            getsockopt(&borrowed, sockopt::PeerCredentials).is_ok_and(|c| c.pid() == parent)
+        })
+        .collect()
+}
+
 fn raw_packet(fd: RawFd, bytes: &[u8], fds: &[RawFd]) {
     let iov = [std::io::IoSlice::new(bytes)];
     let rights = [ControlMessage::ScmRights(fds)];
@@ -109,8 +123,8 @@ fn raw_packet(fd: RawFd, bytes: &[u8], fds: &[RawFd]) {
 }
 
 /// The child function: write packets that are not reports on its own channel, then return.
-fn scribble_on_own_channel(_: ()) {
-    let sockets = seqpacket_sockets();
+fn scribble_on_own_channel(parent: i32) {
+    let sockets = channels_to(parent);
     assert_eq!(sockets.len(), 1, "expected one channel, found {sockets:?}");
     let channel = sockets[0];
     let stdin = File::open("/dev/null").unwrap();
@@ -152,7 +166,7 @@ fn a_child_that_writes_garbage_on_its_channel_is_reaped_and_fails(
 ) {
     let _guard = shared();
     let child = Context::new(method)
-        .spawn(scribble_on_own_channel, ())
+        .spawn(scribble_on_own_channel, std::process::id() as i32)
         .unwrap();
     let pid = child.pid();
     assert_protocol_violation(child.join(TIMEOUT), method);
@@ -165,7 +179,7 @@ fn a_dropped_child_that_wrote_garbage_on_its_channel_is_reaped(
 ) {
     let _guard = shared();
     let child = Context::new(method)
-        .spawn(scribble_on_own_channel, ())
+        .spawn(scribble_on_own_channel, std::process::id() as i32)
         .unwrap();
     let pid = child.pid();
     // Let it finish first: the drop must then reap an exited child, not kill a running one.
