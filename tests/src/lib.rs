@@ -2,6 +2,8 @@
 
 use std::process::{Command, Output};
 
+use vmm_core::cuda::{VirtualMemoryBuffer, VirtualMemoryResource};
+
 /// The README's Rust examples, compiled (and, where not `no_run`, run) as this crate's doc
 /// tests, so that the README cannot drift from the API.
 #[cfg(doctest)]
@@ -13,6 +15,26 @@ pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| seed.wrapping_add((i % 251) as u8))
         .collect()
+}
+
+/// Every byte of a CUDA buffer, copied to the host.
+pub fn contents(buf: &VirtualMemoryBuffer) -> Vec<u8> {
+    let mut out = vec![0u8; buf.size()];
+    buf.read_at(0, &mut out).unwrap();
+    out
+}
+
+/// A buffer of `resource` made of `chunks` chunks of its granularity (allocated, then grown a
+/// chunk at a time), filled with `pattern(1, ..)`.
+pub fn filled_in(resource: &VirtualMemoryResource, chunks: usize) -> VirtualMemoryBuffer {
+    let g = resource.granularity();
+    let mut buf = resource.allocate(g).unwrap();
+    for n in 2..=chunks {
+        buf = resource.grow(&buf, n * g).unwrap();
+    }
+    assert_eq!(buf.chunk_sizes(), vec![g; chunks]);
+    buf.write_at(0, &pattern(1, buf.size())).unwrap();
+    buf
 }
 
 /// Run one test of the current test binary in a subprocess (with `--ignored`, so the

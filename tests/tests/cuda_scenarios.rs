@@ -19,7 +19,7 @@ use vmm_core::process::{Context, Process};
 use vmm_core::testing::{open_fds, settled_open_fds};
 use vmm_core::wire::{Fd, Queue};
 use vmm_core::{Error, SharedBuffer};
-use vmm_tests::pattern;
+use vmm_tests::{contents, filled_in, pattern};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -27,23 +27,9 @@ fn resource() -> VirtualMemoryResource {
     VirtualMemoryResource::new(&Device::new(0).unwrap(), ResourceOptions::default()).unwrap()
 }
 
-fn contents(buf: &VirtualMemoryBuffer) -> Vec<u8> {
-    let mut out = vec![0u8; buf.size()];
-    buf.read_at(0, &mut out).unwrap();
-    out
-}
-
 /// A buffer of `chunks` chunks of the granularity, filled with `pattern(1, ..)`.
 fn filled(chunks: usize) -> VirtualMemoryBuffer {
-    let resource = resource();
-    let g = resource.granularity();
-    let mut buf = resource.allocate(g).unwrap();
-    for n in 2..=chunks {
-        buf = resource.grow(&buf, n * g).unwrap();
-    }
-    assert_eq!(buf.chunk_sizes(), vec![g; chunks]);
-    buf.write_at(0, &pattern(1, buf.size())).unwrap();
-    buf
+    filled_in(&resource(), chunks)
 }
 
 fn read_back_and_reply(buf: VirtualMemoryBuffer) {

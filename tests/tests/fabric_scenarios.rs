@@ -22,7 +22,7 @@ use vmm_core::process::Context;
 use vmm_core::testing::open_fds;
 use vmm_core::wire::Queue;
 use vmm_core::{Error, Result};
-use vmm_tests::{pattern, text};
+use vmm_tests::{contents, filled_in, pattern, text};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -34,22 +34,9 @@ fn fabric_resource(device: usize, options: ResourceOptions) -> VirtualMemoryReso
     .unwrap()
 }
 
-fn contents(buf: &VirtualMemoryBuffer) -> Vec<u8> {
-    let mut out = vec![0u8; buf.size()];
-    buf.read_at(0, &mut out).unwrap();
-    out
-}
-
 /// A Fabric buffer of `chunks` chunks of the granularity, filled with `pattern(1, ..)`.
 fn filled(chunks: usize) -> VirtualMemoryBuffer {
-    let resource = fabric_resource(0, ResourceOptions::default());
-    let g = resource.granularity();
-    let mut buf = resource.allocate(g).unwrap();
-    for n in 2..=chunks {
-        buf = resource.grow(&buf, n * g).unwrap();
-    }
-    buf.write_at(0, &pattern(1, buf.size())).unwrap();
-    buf
+    filled_in(&fabric_resource(0, ResourceOptions::default()), chunks)
 }
 
 fn read_back_and_reply(buf: VirtualMemoryBuffer) {

@@ -12,7 +12,7 @@ use vmm_core::process::{Pool, StartMethod};
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::{cuda_vmm_ipc, skip_unless};
 use vmm_core::{Error, SharedBuffer};
-use vmm_tests::pattern;
+use vmm_tests::{contents, pattern};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -93,12 +93,6 @@ fn filled(resource: &VirtualMemoryResource, seed: u8) -> VirtualMemoryBuffer {
     let buf = resource.allocate(resource.granularity()).unwrap();
     buf.write_at(0, &pattern(seed, buf.size())).unwrap();
     buf
-}
-
-fn contents(buf: &VirtualMemoryBuffer) -> Vec<u8> {
-    let mut out = vec![0u8; buf.size()];
-    buf.read_at(0, &mut out).unwrap();
-    out
 }
 
 #[rstest]
