@@ -12,65 +12,20 @@
 //! is set; the corpus runs first. The binary has one test, so nothing else opens or closes fds
 //! while it counts.
 
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+mod common;
+
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use nix::fcntl::{FcntlArg, SealFlag, fcntl};
-use nix::sys::memfd::{MFdFlags, memfd_create};
-use nix::sys::socket::{
-    AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, UnixAddr, connect, sendmsg, socket,
-};
+use common::{FdKind, fd_kind, holdings, make, send_raw};
+use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use vmm_core::cuda::VirtualMemoryBuffer;
 use vmm_core::peer::{Descriptor, PeerMessage};
 use vmm_core::shm::HostBuffer;
 use vmm_core::wire::endpoint::{Connection, Listener, ListenerOptions, Name};
-
-#[derive(Debug, Clone)]
-enum FdKind {
-    /// A memfd of this size, sealed against resizing (what a host import accepts).
-    Sealed(u64),
-    Unsealed(u64),
-    Pipe,
-    DevNull,
-    Socket,
-}
-
-fn make(kind: &FdKind) -> OwnedFd {
-    let memfd = |size: u64, sealed: bool| {
-        let fd = memfd_create(c"fuzz", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
-            .expect("memfd");
-        nix::unistd::ftruncate(&fd, size as i64).expect("ftruncate");
-        if sealed {
-            fcntl(
-                &fd,
-                FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SHRINK),
-            )
-            .expect("seal");
-        }
-        fd
-    };
-    match kind {
-        FdKind::Sealed(size) => memfd(*size, true),
-        FdKind::Unsealed(size) => memfd(*size, false),
-        FdKind::Pipe => nix::unistd::pipe().expect("pipe").0,
-        FdKind::DevNull => std::fs::File::open("/dev/null").expect("/dev/null").into(),
-        FdKind::Socket => OwnedFd::from(std::os::unix::net::UnixStream::pair().expect("pair").0),
-    }
-}
-
-fn fd_kind() -> impl Strategy<Value = FdKind> {
-    let memfd_size = prop_oneof![0u64..70_000, Just(1u64 << 40)];
-    prop_oneof![
-        3 => memfd_size.clone().prop_map(FdKind::Sealed),
-        1 => memfd_size.prop_map(FdKind::Unsealed),
-        1 => Just(FdKind::Pipe),
-        1 => Just(FdKind::DevNull),
-        1 => Just(FdKind::Socket),
-    ]
-}
 
 fn size() -> impl Strategy<Value = u64> {
     prop_oneof![
@@ -204,7 +159,7 @@ fn coherent() -> impl Strategy<Value = Packet> {
         .prop_map(|(file, delta, sealed)| {
             let size = file.saturating_add_signed(delta);
             let fd = if sealed {
-                FdKind::Sealed(file)
+                FdKind::SizeSealed(file)
             } else {
                 FdKind::Unsealed(file)
             };
@@ -363,23 +318,6 @@ impl Packet {
     }
 }
 
-fn send_raw(fd: &OwnedFd, bytes: &[u8], fds: &[OwnedFd]) {
-    let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
-    let iov = [std::io::IoSlice::new(bytes)];
-    let cmsgs = [ControlMessage::ScmRights(&raw)];
-    let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsgs };
-    sendmsg::<UnixAddr>(fd.as_raw_fd(), &iov, cmsgs, MsgFlags::empty(), None).expect("sendmsg");
-}
-
-fn holdings() -> (usize, usize) {
-    let fds = vmm_core::testing::open_fds().expect("count fds");
-    let maps = std::fs::read_to_string("/proc/self/maps")
-        .expect("read maps")
-        .lines()
-        .count();
-    (fds, maps)
-}
-
 /// How the inputs ended: refused, DATA, host descriptor (imported), CUDA descriptor.
 static OUTCOMES: [AtomicUsize; 5] = [const { AtomicUsize::new(0) }; 5];
 
@@ -436,10 +374,10 @@ fn run_one(client: &OwnedFd, conn: &Connection, packet: &Packet) -> Result<(), T
     let before = holdings();
     {
         let fds: Vec<OwnedFd> = packet.fds.iter().map(make).collect();
-        send_raw(client, &packet.bytes(), &fds);
+        send_raw(client.as_fd(), &packet.bytes(), &fds);
         drop(fds);
         consume(conn);
-        send_raw(client, &ok_message(), &[]);
+        send_raw(client.as_fd(), &ok_message(), &[]);
         prop_assert_eq!(conn.recv_data().expect("the connection still works"), b"ok");
     }
     let after = holdings();
@@ -481,13 +419,13 @@ fn corpus() -> Vec<Packet> {
         packet(
             header_of(5, 0, 1 << 20),
             vec![1 << 20],
-            vec![FdKind::Sealed(4096)],
+            vec![FdKind::SizeSealed(4096)],
         ),
         // A host descriptor of a sparse 1 TiB memfd: refused or mapped lazily, never read.
         packet(
             header_of(5, 0, 1 << 40),
             vec![1 << 40],
-            vec![FdKind::Sealed(1 << 40)],
+            vec![FdKind::SizeSealed(1 << 40)],
         ),
         // Chunk sizes that overflow when summed.
         packet(
@@ -507,7 +445,7 @@ fn corpus() -> Vec<Packet> {
         packet(
             header_of(4, 1, 2 << 20),
             vec![2 << 20],
-            vec![FdKind::Sealed(2 << 20)],
+            vec![FdKind::SizeSealed(2 << 20)],
         ),
     ]
 }
@@ -547,7 +485,7 @@ fn hostile_peer_messages_never_panic_or_leak() {
     let _ = vmm_core::shm::buffers_hold_no_fd();
     let _ = vmm_core::cuda::Device::new(0)
         .and_then(|device| vmm_core::cuda::importer(&device, vmm_core::cuda::Location::Device));
-    send_raw(&client, &ok_message(), &[]);
+    send_raw(client.as_fd(), &ok_message(), &[]);
     assert_eq!(conn.recv_data().unwrap(), b"ok");
     let started = Instant::now();
     for (i, packet) in corpus().iter().enumerate() {

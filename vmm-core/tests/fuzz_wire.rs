@@ -9,53 +9,18 @@
 //! is set, so CI is repeatable; the corpus below (inputs that broke earlier versions) runs first.
 //! The binary has one test, so nothing else opens or closes fds while it counts.
 
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+mod common;
+
+use std::os::fd::{AsFd, OwnedFd};
 use std::time::Instant;
 
-use nix::fcntl::{FcntlArg, SealFlag, fcntl};
-use nix::sys::memfd::{MFdFlags, memfd_create};
-use nix::sys::socket::{ControlMessage, MsgFlags, UnixAddr, sendmsg};
+use common::{FdKind, fd_kind, holdings, make, send_raw};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use serde::Serialize;
 use vmm_core::cuda::{IpcDescriptor, VirtualMemoryBuffer};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
 use vmm_core::wire::{Channel, Fd, Queue, decode};
-
-/// A kind of fd a hostile peer might attach.
-#[derive(Debug, Clone)]
-enum FdKind {
-    /// A memfd of this size, sealed against writing and resizing (what wire and shm expect).
-    Sealed(u64),
-    /// A memfd of this size, unsealed.
-    Unsealed(u64),
-    Pipe,
-    DevNull,
-    Socket,
-}
-
-fn make(kind: &FdKind) -> OwnedFd {
-    let memfd = |size: u64, sealed: bool| {
-        let fd = memfd_create(c"fuzz", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
-            .expect("memfd");
-        nix::unistd::ftruncate(&fd, size as i64).expect("ftruncate");
-        if sealed {
-            let seals = SealFlag::F_SEAL_WRITE
-                | SealFlag::F_SEAL_GROW
-                | SealFlag::F_SEAL_SHRINK
-                | SealFlag::F_SEAL_SEAL;
-            fcntl(&fd, FcntlArg::F_ADD_SEALS(seals)).expect("seal");
-        }
-        fd
-    };
-    match kind {
-        FdKind::Sealed(size) => memfd(*size, true),
-        FdKind::Unsealed(size) => memfd(*size, false),
-        FdKind::Pipe => nix::unistd::pipe().expect("pipe").0,
-        FdKind::DevNull => std::fs::File::open("/dev/null").expect("/dev/null").into(),
-        FdKind::Socket => OwnedFd::from(std::os::unix::net::UnixStream::pair().expect("pair").0),
-    }
-}
 
 /// Sizes at the edges: empty, small, a page, a granule, huge (sparse), the largest.
 fn size() -> impl Strategy<Value = u64> {
@@ -66,18 +31,6 @@ fn size() -> impl Strategy<Value = u64> {
         Just(2 << 20),
         Just(1 << 40),
         Just(u64::MAX),
-    ]
-}
-
-fn fd_kind() -> impl Strategy<Value = FdKind> {
-    // Memfds are small or sparse: a sealed 1 TiB memfd costs nothing until read.
-    let memfd_size = prop_oneof![0u64..70_000, Just(1u64 << 40)];
-    prop_oneof![
-        memfd_size.clone().prop_map(FdKind::Sealed),
-        memfd_size.prop_map(FdKind::Unsealed),
-        Just(FdKind::Pipe),
-        Just(FdKind::DevNull),
-        Just(FdKind::Socket),
     ]
 }
 
@@ -239,14 +192,6 @@ impl Packet {
     }
 }
 
-fn send_raw(end: &Channel, bytes: &[u8], fds: &[OwnedFd]) {
-    let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
-    let iov = [std::io::IoSlice::new(bytes)];
-    let cmsgs = [ControlMessage::ScmRights(&raw)];
-    let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsgs };
-    sendmsg::<UnixAddr>(end.as_raw_fd(), &iov, cmsgs, MsgFlags::empty(), None).expect("sendmsg");
-}
-
 fn decode_as(target: Target, bytes: &[u8], fds: Vec<OwnedFd>) {
     // Every outcome is fine but a panic; values are dropped at once (unmapping any import).
     let _ = match target {
@@ -269,22 +214,12 @@ fn decode_as(target: Target, bytes: &[u8], fds: Vec<OwnedFd>) {
     };
 }
 
-/// The fds and mappings this process holds now.
-fn holdings() -> (usize, usize) {
-    let fds = vmm_core::testing::open_fds().expect("count fds");
-    let maps = std::fs::read_to_string("/proc/self/maps")
-        .expect("read maps")
-        .lines()
-        .count();
-    (fds, maps)
-}
-
 fn run_one(a: &Channel, b: &Channel, packet: &Packet) -> Result<(), TestCaseError> {
     let before = holdings();
     {
         let (bytes, kinds, target) = packet.wire();
         let fds: Vec<OwnedFd> = kinds.iter().map(make).collect();
-        send_raw(a, &bytes, &fds);
+        send_raw(a.as_fd(), &bytes, &fds);
         drop(fds);
         if let Ok(Some(message)) = b.try_recv()
             && let Some(target) = target
@@ -326,7 +261,7 @@ fn corpus() -> Vec<Packet> {
                 fd: Some(0),
             }),
             flip: None,
-            fds: vec![FdKind::Sealed(4096)],
+            fds: vec![FdKind::SizeSealed(4096)],
             target: Target::HostBuffer,
         },
         // An fd index the message does not carry.
