@@ -18,7 +18,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{FdKind, fd_kind, holdings, make, send_raw};
+use common::{FdKind, fd_kind, holdings, make, send_raw, touch_claimed};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
@@ -335,17 +335,7 @@ fn consume(conn: &Connection) {
         Ok(PeerMessage::Descriptor(Descriptor::Host(d))) => {
             if let Ok(buf) = HostBuffer::import(&d) {
                 OUTCOMES[3].fetch_add(1, Ordering::Relaxed);
-                // Touch the pages the import claims (the first MiB of them, and the last byte):
-                // a mapping past the file's end would fault here. Sparse memfds stay sparse.
-                let mut byte = [0u8; 1];
-                let mut at = 0;
-                while at < buf.size().min(1 << 20) {
-                    buf.read_at(at, &mut byte).expect("in bounds");
-                    at += 4096;
-                }
-                if buf.size() > 0 {
-                    buf.read_at(buf.size() - 1, &mut byte).expect("in bounds");
-                }
+                touch_claimed(&buf);
             }
         }
         Ok(PeerMessage::Descriptor(Descriptor::Cuda(d))) => {

@@ -14,7 +14,7 @@ mod common;
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::Instant;
 
-use common::{FdKind, fd_kind, holdings, make, send_raw};
+use common::{FdKind, fd_kind, holdings, make, send_raw, touch_claimed};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use serde::Serialize;
@@ -196,19 +196,7 @@ fn decode_as(target: Target, bytes: &[u8], fds: Vec<OwnedFd>) {
     // Every outcome is fine but a panic; values are dropped at once (unmapping any import).
     let _ = match target {
         Target::HostDescriptor => decode::<HostDescriptor>(bytes, fds).map(drop),
-        Target::HostBuffer => decode::<HostBuffer>(bytes, fds).map(|b| {
-            // Touch the first pages and the last byte the import claims: a mapping past the
-            // file's end would fault at its end. Not every page: a peer may send a sparse,
-            // sealed memfd of a terabyte, which maps fine (it costs nothing until touched) and
-            // would fill memory if read through.
-            let mut byte = [0u8; 1];
-            for at in (0..b.size().min(64 * 4096)).step_by(4096) {
-                b.read_at(at, &mut byte).expect("in bounds");
-            }
-            if let Some(last) = b.size().checked_sub(1) {
-                b.read_at(last, &mut byte).expect("in bounds");
-            }
-        }),
+        Target::HostBuffer => decode::<HostBuffer>(bytes, fds).map(|b| touch_claimed(&b)),
         Target::IpcDescriptor => decode::<IpcDescriptor>(bytes, fds).map(drop),
         Target::VirtualMemoryBuffer => decode::<VirtualMemoryBuffer>(bytes, fds).map(drop),
         Target::Queue => decode::<Queue<u8>>(bytes, fds).map(drop),

@@ -8,6 +8,7 @@ use nix::fcntl::{FcntlArg, SealFlag, fcntl};
 use nix::sys::memfd::{MFdFlags, memfd_create};
 use nix::sys::socket::{ControlMessage, MsgFlags, UnixAddr, sendmsg};
 use proptest::prelude::*;
+use vmm_core::shm::HostBuffer;
 
 /// A kind of fd a hostile peer might attach.
 #[derive(Debug, Clone)]
@@ -79,4 +80,18 @@ pub fn holdings() -> (usize, usize) {
         .lines()
         .count();
     (fds, maps)
+}
+
+/// Read the pages an imported host buffer claims, the first MiB of them and its last byte: a
+/// mapping past the file's end would fault here. Not every page: a peer may send a sparse,
+/// sealed memfd of a terabyte, which maps fine (nothing is allocated until touched) and would
+/// fill memory if read through.
+pub fn touch_claimed(buf: &HostBuffer) {
+    let mut byte = [0u8; 1];
+    for at in (0..buf.size().min(1 << 20)).step_by(4096) {
+        buf.read_at(at, &mut byte).expect("in bounds");
+    }
+    if let Some(last) = buf.size().checked_sub(1) {
+        buf.read_at(last, &mut byte).expect("in bounds");
+    }
 }
