@@ -92,6 +92,8 @@ fn import_mark_and_ack(args: (FabricDescriptor, usize, u8, Queue<usize>)) {
     buf.write_at(at, &[mark]).unwrap();
     eprintln!("child {}: wrote, acknowledging", std::process::id());
     acks.put(&at).unwrap();
+    drop(buf);
+    eprintln!("child {}: released its import, exiting", std::process::id());
 }
 
 #[ipc_test(skip_unless = vmm_core::testing::cuda_fabric(), timeout = 30)]
@@ -113,7 +115,9 @@ fn one_fabric_export_serves_many_children_that_acknowledge(ctx: &Context) {
         // A descriptor does not keep the memory alive: the exporter keeps `buf` until every
         // child has said it imported.
         acked.push(acks.get(TIMEOUT).unwrap());
+        eprintln!("parent: child {n} acknowledged; waiting for it to exit");
         child.wait().unwrap();
+        eprintln!("parent: child {n} exited");
     }
     acked.sort();
     for (n, at) in acked.into_iter().enumerate() {

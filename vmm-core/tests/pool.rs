@@ -371,6 +371,62 @@ fn a_worker_killed_while_idle_is_replaced_before_its_next_task(
     );
 }
 
+fn count_run(runs: Queue<u32>) -> u32 {
+    runs.put(&std::process::id()).unwrap();
+    std::process::id()
+}
+
+/// A task sent to a worker that dies before taking it off its channel (stopped, then killed:
+/// the task sits unread in its channel) never ran, so it runs on the replacement, once, rather
+/// than failing. A worker that dies after taking its task fails it instead
+/// (`a_worker_that_dies_fails_its_task_with_how_it_died`).
+#[rstest]
+fn a_task_its_worker_died_before_taking_runs_on_the_replacement(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+) {
+    let _guard = shared();
+    let pool = Pool::new(method, 1).unwrap();
+    let stopped = pool.pids()[0];
+    kill(Pid::from_raw(stopped as i32), Signal::SIGSTOP).unwrap();
+    let runs = Queue::new().unwrap();
+    let task = pool.submit(count_run, runs.clone()).unwrap();
+    // The task is in the stopped worker's channel now; it has not taken it.
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        runs.get(Duration::from_millis(10)).is_err(),
+        "a stopped worker ran the task"
+    );
+    kill(Pid::from_raw(stopped as i32), Signal::SIGKILL).unwrap();
+    let ran_in = task.join(TIMEOUT).unwrap();
+    assert_ne!(ran_in, stopped);
+    assert_eq!(runs.get(TIMEOUT).unwrap(), ran_in);
+    assert!(
+        runs.get(Duration::from_millis(100)).is_err(),
+        "the task ran twice"
+    );
+    assert_eq!(pool.pids(), [ran_in]);
+    assert!(
+        dead_within(stopped, Duration::from_secs(5)) && state(stopped).is_none(),
+        "the dead worker was not reaped"
+    );
+}
+
+/// A worker SIGKILLed an instant before a submit: the task may reach its channel before the
+/// kernel has finished it, but it never takes the task, so the task runs elsewhere.
+#[rstest]
+fn a_task_submitted_just_after_its_worker_was_killed_runs_elsewhere(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+) {
+    let _guard = shared();
+    let pool = Pool::new(method, 1).unwrap();
+    for _ in 0..5 {
+        let idle = pool.pids()[0];
+        kill(Pid::from_raw(idle as i32), Signal::SIGKILL).unwrap();
+        let ran_in = pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap();
+        assert_ne!(ran_in, idle);
+    }
+}
+
 fn hang(started: Queue<u32>) -> u32 {
     started.put(&std::process::id()).unwrap();
     std::thread::sleep(Duration::from_secs(600));

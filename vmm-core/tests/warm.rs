@@ -149,6 +149,62 @@ fn every_waiting_child_dead_still_starts_one() {
     }
 }
 
+/// A waiting child SIGKILLed an instant before the take: its pidfd and channel may still be
+/// quiet (the kernel has not finished it), but it cannot answer the pool's ping, so it is never
+/// handed out. On a GPU machine that instant lasts as long as the CUDA teardown.
+#[test]
+fn a_waiting_child_killed_just_before_the_take_is_never_handed_out() {
+    let _turn = turn();
+    let _depth = Depth::set(2);
+    let queue = Queue::new().unwrap();
+    let ctx = Context::new(StartMethod::Warm);
+    for _ in 0..10 {
+        let waiting = warm_pool().unwrap();
+        let victim = waiting[0];
+        kill(Pid::from_raw(victim as i32), Signal::SIGKILL).unwrap();
+        let child = ctx.spawn(count_runs, queue.clone()).unwrap();
+        assert_ne!(child.pid(), victim, "a killed child was handed out");
+        let pid = child.pid();
+        child.join(TIMEOUT).unwrap();
+        assert_eq!(
+            queue.get(TIMEOUT).unwrap(),
+            (pid, 1),
+            "the function ran once, in it"
+        );
+        assert!(
+            dead_within(victim, TIMEOUT, false),
+            "the killed child was not reaped"
+        );
+    }
+}
+
+/// A waiting child that is alive but never answers (stopped) is not handed out either: after
+/// the ping's limit it is killed and reaped, and the next waiting child runs the function.
+#[test]
+fn a_waiting_child_that_never_answers_is_killed_not_handed_out() {
+    let _turn = turn();
+    let _depth = Depth::set(2);
+    let waiting = warm_pool().unwrap();
+    let stopped = waiting[0];
+    kill(Pid::from_raw(stopped as i32), Signal::SIGSTOP).unwrap();
+    let queue = Queue::new().unwrap();
+    let child = Context::new(StartMethod::Warm)
+        .spawn(count_runs, queue.clone())
+        .unwrap();
+    assert_eq!(
+        child.pid(),
+        waiting[1],
+        "the answering child was handed out"
+    );
+    child.join(TIMEOUT).unwrap();
+    assert_eq!(queue.get(TIMEOUT).unwrap(), (waiting[1], 1));
+    assert_eq!(
+        state(stopped),
+        None,
+        "the silent child was killed and reaped"
+    );
+}
+
 fn fill(buf: HostBuffer) {
     buf.fill(0x5C).unwrap();
 }

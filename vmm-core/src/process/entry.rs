@@ -34,20 +34,26 @@ pub(crate) fn run_warm(channel: Channel, devices: &[usize]) -> ! {
 /// channel that closes first means the parent's `spawn` failed (or a warm child was never
 /// used): exit without running anything.
 pub(crate) fn run_child(channel: Channel, method: StartMethod) -> ! {
-    let (message, begin) = match channel.recv(None) {
-        Ok(message) => match wire::decode::<Begin>(&message.bytes, Vec::new()) {
-            Ok(begin) => (message, begin),
+    let (message, start) = loop {
+        let message = match channel.recv(None) {
+            Ok(message) => message,
+            // The parent gave up on this child before sending the start message.
+            Err(Error::Disconnected(_)) => std::process::exit(EXIT_NO_START),
+            // A start message that could not be taken: its fds do not fit under this
+            // process's fd limit (MSG_CTRUNC), say.
             Err(error) => not_started(&channel, error),
-        },
-        // The parent gave up on this child before sending the start message.
-        Err(Error::Disconnected(_)) => std::process::exit(EXIT_NO_START),
-        // A start message that could not be taken: its fds do not fit under this process's fd
-        // limit (MSG_CTRUNC), say.
-        Err(error) => not_started(&channel, error),
-    };
-    let start = match begin {
-        Begin::Once(start) => start,
-        Begin::Serve(serve) => worker::serve(channel, &serve),
+        };
+        match wire::decode::<Begin>(&message.bytes, Vec::new()) {
+            Ok(Begin::Once(start)) => break (message, start),
+            Ok(Begin::Serve(serve)) => worker::serve(channel, serve, message.fds),
+            // The warm pool asks whether this child is alive before it hands it out.
+            Ok(Begin::Ping) => {
+                if channel.send_value(&Report::Pong).is_err() {
+                    std::process::exit(EXIT_NO_START);
+                }
+            }
+            Err(error) => not_started(&channel, error),
+        }
     };
     if channel.send_value(&Report::Started).is_err() {
         std::process::exit(EXIT_NO_START);

@@ -12,6 +12,10 @@
 //! workers' reports, one waiter at a time, and hands each result to its task; the others sleep
 //! until their result is in or their deadline passes. A worker that dies or panics fails only
 //! the task it was running, with an [`Error::Child`] that says what happened, and is replaced.
+//! A worker that dies before it took its task off its channel (killed while idle: such a death
+//! can go unseen for as long as the process's teardown takes) never ran it, and the task goes
+//! to the replacement instead; each worker counts the tasks it takes in shared memory
+//! (`taken`), so the pool knows which case it is.
 
 use std::borrow::Borrow;
 use std::collections::{HashMap, VecDeque};
@@ -35,6 +39,7 @@ use super::launch::current_test_name;
 use super::method::StartMethod;
 use super::protocol::{Begin, Report, Serve, Task, TaskOutcome};
 use super::status::{ChildError, ExitStatus, Observed, Outcome};
+use super::taken::TakenCount;
 use super::timeout::default_timeout;
 use super::{sys, warm, worker};
 use crate::wire::{self, Channel};
@@ -46,6 +51,10 @@ const PLACEHOLDER_TEST: &str = "vmm-ipc-pool-worker";
 /// How many workers in a row may die while starting before the pool stops replacing them and
 /// fails the tasks that wait.
 const START_FAILURES_MAX: usize = 3;
+
+/// How many workers a task is sent to at most: one that dies before taking the task off its
+/// channel (killed while idle, say) leaves it to the next, up to this many times.
+const DELIVERIES_MAX: u32 = 3;
 
 /// Reusable worker processes that run tasks: `fn(A) -> R` with a serde argument and result.
 ///
@@ -80,8 +89,10 @@ const START_FAILURES_MAX: usize = 3;
 ///   buffers and descriptors are imported in the worker for that task and released when it
 ///   ends: no fd or mapping of a task outlives it there.
 /// - [`TaskHandle::join`] gives the result, or the error: a task that panics, or whose worker
-///   dies, fails with [`Error::Child`] (the panic, the exit status, the task's output); its
-///   worker is replaced and the other tasks go on. A task that is still waiting for a worker at
+///   dies while running it, fails with [`Error::Child`] (the panic, the exit status, the task's
+///   output); its worker is replaced and the other tasks go on. A task whose worker died before
+///   taking it runs on the replacement (at most three workers are tried); a task never runs
+///   twice. A task that is still waiting for a worker at
 ///   the deadline is [`Error::Timeout`]; a running one is killed with its worker
 ///   ([`ChildError::timed_out`]).
 /// - Dropping the pool kills and reaps every worker (tasks that had not finished fail with
@@ -146,6 +157,8 @@ struct Queued {
     id: u64,
     bytes: Vec<u8>,
     fds: Vec<OwnedFd>,
+    /// How many workers it was sent to that died before taking it.
+    deliveries: u32,
 }
 
 /// A task's end: its result's bytes and fds, or the error; and what it printed.
@@ -171,6 +184,13 @@ struct Worker {
     stderr: OwnedFd,
     state: WorkerState,
     tasks_done: u64,
+    /// Its count of tasks taken off its channel (it bumps it; read when it dies).
+    taken: TakenCount,
+    /// Tasks sent to it so far.
+    sent: u64,
+    /// The task it runs, kept (with its fds) until it reports: if it dies before taking it, the
+    /// task goes to another worker.
+    in_flight: Option<Queued>,
     /// Its exit status, if the forkserver already reported it.
     exited: Option<ExitStatus>,
 }
@@ -278,7 +298,12 @@ impl Pool {
         let id = inner.next_id;
         inner.next_id += 1;
         inner.tasks.insert(id, TaskState::Queued);
-        inner.queue.push_back(Queued { id, bytes, fds });
+        inner.queue.push_back(Queued {
+            id,
+            bytes,
+            fds,
+            deliveries: 0,
+        });
         self.shared.drive(&mut inner);
         self.shared.wake_driver(&inner);
         drop(inner);
@@ -474,6 +499,8 @@ impl Shared {
     /// Start one worker and send it its `Serve`; it is `Starting` until it says `Serving`.
     fn start_worker(&self) -> Result<Worker> {
         let test_name = self.test_binary.then(|| PLACEHOLDER_TEST.to_owned());
+        let taken = TakenCount::new()?;
+        let taken_fd = taken.export()?;
         let made = context::make(self.method, &[], test_name)?;
         let worker = Worker {
             pid: made.pid,
@@ -483,12 +510,16 @@ impl Shared {
             stderr: made.stderr,
             state: WorkerState::Starting,
             tasks_done: 0,
+            taken,
+            sent: 0,
+            in_flight: None,
             exited: None,
         };
         let serve = Begin::Serve(Serve {
             devices: self.devices.clone(),
         });
-        match worker.channel.send_value(&serve) {
+        let serve = wire::encode(&serve)?;
+        match worker.channel.send(serve.bytes(), &[taken_fd.as_fd()]) {
             // Disconnected: it died already; reading its channel says how.
             Ok(()) | Err(Error::Disconnected(_)) => Ok(worker),
             Err(error) => {
@@ -681,6 +712,7 @@ impl Shared {
                     inner.start_failures = 0;
                 }
                 (Report::TaskDone(outcome), WorkerState::Busy(id)) => {
+                    worker.in_flight = None;
                     let output = take_output(worker);
                     match outcome {
                         TaskOutcome::Returned(bytes) => {
@@ -740,6 +772,15 @@ impl Shared {
         let worker = inner.slots[slot].take().expect("checked above");
         let _ = signal_kill(&worker, self.method);
         match worker.state {
+            WorkerState::Busy(id) if self.never_taken(inner, &worker, id, violation.is_some()) => {
+                // It died before taking the task off its channel (killed while idle, say): the
+                // task never ran; the next worker gets it.
+                let mut worker = worker;
+                let task = worker.in_flight.take().expect("checked by never_taken");
+                self.end_worker(worker, false);
+                inner.tasks.insert(id, TaskState::Queued);
+                inner.queue.push_front(task);
+            }
             WorkerState::Busy(id) => {
                 let mut error = self.failed_task(inner, worker, id, None, Default::default());
                 if let (Some(violation), Error::Child(child)) = (&violation, &mut error) {
@@ -769,6 +810,26 @@ impl Shared {
                 self.end_worker(worker, false);
             }
         }
+    }
+
+    /// Whether dead `worker`, busy with task `id`, never took it off its channel, and the task
+    /// should go to another worker: it still waits for its result (not cancelled, not past its
+    /// deadline), the worker kept to the protocol, and fewer than [`DELIVERIES_MAX`] workers
+    /// died before taking it.
+    fn never_taken(&self, inner: &Inner, worker: &Worker, id: u64, violated: bool) -> bool {
+        !violated
+            && worker.taken.get() < worker.sent
+            && matches!(
+                inner.tasks.get(&id),
+                Some(TaskState::Running {
+                    timed_out: None,
+                    ..
+                })
+            )
+            && worker
+                .in_flight
+                .as_ref()
+                .is_some_and(|task| task.id == id && task.deliveries < DELIVERIES_MAX)
     }
 
     /// End `worker`, which was running task `id`, and make the task's error from what is known
@@ -922,14 +983,19 @@ impl Shared {
             else {
                 return;
             };
-            let task = inner.queue.pop_front().expect("not empty");
+            let mut task = inner.queue.pop_front().expect("not empty");
             let fds: Vec<BorrowedFd<'_>> = task.fds.iter().map(AsFd::as_fd).collect();
             let worker = inner.slots[slot].as_mut().expect("found above");
             match worker.channel.send(&task.bytes, &fds) {
                 Ok(()) => {
-                    worker.state = WorkerState::Busy(task.id);
+                    drop(fds);
+                    let id = task.id;
+                    task.deliveries += 1;
+                    worker.sent += 1;
+                    worker.state = WorkerState::Busy(id);
+                    worker.in_flight = Some(task);
                     inner.tasks.insert(
-                        task.id,
+                        id,
                         TaskState::Running {
                             slot,
                             timed_out: None,

@@ -21,6 +21,11 @@ pub(crate) enum Begin {
     /// Become a [`Pool`](super::Pool) worker: warm up, say [`Report::Serving`], then run
     /// [`Task`]s until the channel closes.
     Serve(Serve),
+    /// Not a beginning: a waiting warm child answers [`Report::Pong`] and waits on. The warm
+    /// pool asks before it hands a child out, since a killed child's pidfd and channel can stay
+    /// quiet for as long as its teardown takes (a CUDA context's can take hundreds of ms), while
+    /// only a live child can answer.
+    Ping,
 }
 
 /// What a single-use child runs.
@@ -39,7 +44,8 @@ pub(crate) struct Start {
     pub args: Vec<u8>,
 }
 
-/// How a pool worker prepares.
+/// How a pool worker prepares. The message carries one fd: the memfd of the worker's
+/// [`TakenCount`](super::taken::TakenCount).
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Serve {
     /// The CUDA devices (ordinals) whose primary context the worker retains before it serves.
@@ -76,6 +82,8 @@ pub(crate) enum Report {
     Serving,
     /// A pool worker's task ended. With `Returned`, the message's fds are the result's.
     TaskDone(TaskOutcome),
+    /// The answer to [`Begin::Ping`]: this child is alive and still waits for its `Begin`.
+    Pong,
 }
 
 /// How one pool task ended, as the worker reports it.

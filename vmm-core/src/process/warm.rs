@@ -6,8 +6,10 @@
 //! and the GPU a primary context per warmed device. Children are launched from the launcher
 //! thread (so that `PR_SET_PDEATHSIG` ties them to this process, not to a short-lived thread),
 //! and a replacement's launch runs there too, after the take has returned. A waiting child that
-//! died is found when the pool is next used (its pidfd is readable, or its channel hung up),
-//! reaped, and replaced; it is never handed out.
+//! died is found when the pool is next used (its pidfd is readable, its channel hung up, or
+//! `/proc` shows it exiting), reaped, and replaced. None is handed out before it answers a
+//! ping, which no dying child can: a killed child's pidfd and channel stay quiet until its
+//! teardown ends, and for one holding a CUDA context that takes hundreds of milliseconds.
 //!
 //! Pools are kept per environment (`Context::with_env`): a child's environment is fixed at its
 //! exec, before CUDA reads variables such as `CUDA_VISIBLE_DEVICES`.
@@ -25,7 +27,7 @@ use nix::unistd::Pid;
 
 use super::launch::{self, Launch, Made, current_test_name, dup, output_memfds};
 use super::method::StartMethod;
-use super::protocol::Report;
+use super::protocol::{Begin, Report};
 use super::status::{ChildError, ExitStatus, Observed};
 use super::sys;
 use super::timeout::default_timeout;
@@ -46,6 +48,10 @@ pub const DEFAULT_DEPTH: usize = 2;
 /// child did not take its role before `main` (the hook disabled), libtest runs nothing and the
 /// child exits without acknowledging, which the parent reports.
 const PLACEHOLDER_TEST: &str = "vmm-ipc-warm-child";
+
+/// How long a ready waiting child has to answer a [`Begin::Ping`] before it is taken for dead.
+/// A live one answers in microseconds; this covers a machine under heavy load.
+const PING_LIMIT: Duration = Duration::from_secs(2);
 
 /// How long [`quiesce`] waits for launches in flight.
 const QUIESCE_LIMIT: Duration = Duration::from_secs(10);
@@ -199,6 +205,45 @@ impl Waiting {
         }
     }
 
+    /// Hand it out if it is alive: it is not exiting (`/proc`), and it answers a
+    /// [`Begin::Ping`] within [`PING_LIMIT`] (a ready child; one still warming up gets the
+    /// default timeout, as its start would). Otherwise it is given back, to be dropped.
+    fn confirm(mut self) -> std::result::Result<Made, Waiting> {
+        if self.check() == Health::Dead || exiting(self.pid()) {
+            return Err(self);
+        }
+        let made = self
+            .made
+            .as_mut()
+            .expect("a waiting child until handed out");
+        let limit = if made.ready {
+            PING_LIMIT
+        } else {
+            default_timeout()
+        };
+        let deadline = Instant::now().checked_add(limit);
+        let Ok(ping) = wire::encode(&Begin::Ping) else {
+            return Err(self);
+        };
+        if made.channel.send(ping.bytes(), &[]).is_err() {
+            return Err(self);
+        }
+        loop {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let Ok(message) = made.channel.recv(left) else {
+                // Hung up (dead), or silent past the limit (stopped, or stuck): not handed out.
+                return Err(self);
+            };
+            match wire::decode::<Report>(&message.bytes, Vec::new()) {
+                Ok(Report::Ready) if !made.ready && message.fds.is_empty() => made.ready = true,
+                Ok(Report::Pong) if made.ready && message.fds.is_empty() => {
+                    return Ok(self.into_made());
+                }
+                _ => return Err(self),
+            }
+        }
+    }
+
     /// Kill (if needed) and reap it; how it ended and what it wrote, for an error.
     fn end(mut self) -> (Pid, Option<ExitStatus>, String, String) {
         let made = self.made.take().expect("a waiting child until handed out");
@@ -215,6 +260,29 @@ impl Drop for Waiting {
             end_child(&made);
         }
     }
+}
+
+/// Whether `pid` (a child of ours, not yet reaped, so the pid is still it) has begun to exit:
+/// its main thread is a zombie or marked exiting (`PF_EXITING` in `/proc/<pid>/stat`'s flags),
+/// while its other threads (a CUDA context's) may still be tearing down.
+fn exiting(pid: Pid) -> bool {
+    const PF_EXITING: u64 = 0x4;
+    // Without /proc nothing is known here; the ping still decides.
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // After the command name (which may hold spaces and parentheses): state, ppid, pgrp,
+    // session, tty_nr, tpgid, flags.
+    let Some((_, fields)) = stat.rsplit_once(')') else {
+        return false;
+    };
+    let mut fields = fields.split_ascii_whitespace();
+    let state = fields.next().unwrap_or("");
+    let flags = fields
+        .nth(5)
+        .and_then(|f| f.parse::<u64>().ok())
+        .unwrap_or(0);
+    matches!(state, "Z" | "X" | "x") || flags & PF_EXITING != 0
 }
 
 /// SIGKILL a child of ours that was never handed out, and reap it.
@@ -442,30 +510,49 @@ pub(crate) fn quiesce() {
 
 /// A ready child from the pool for `env`, else the oldest waiting one, else a new one started
 /// now; a replacement is launched in the background either way.
+///
+/// A waiting child is handed out only once it has answered a [`Begin::Ping`] (after its
+/// `Ready`, for one still warming up): a child killed while it waited can keep its pidfd quiet
+/// and its channel open for as long as its teardown takes, but it can never answer. One that
+/// does not is killed, reaped and replaced, and the next is asked.
 pub(crate) fn take(env: &[(String, String)]) -> Result<Made> {
-    let mut slot = lock();
-    let state = state(&mut slot);
-    let (test_binary, devices) = (state.test_binary, state.options.devices.clone());
-    let bucket = state.buckets.entry(env.to_vec()).or_default();
-    let dead = prune(bucket);
-    let index = bucket
-        .waiting
-        .iter()
-        .position(|w| w.made().ready)
-        .or((!bucket.waiting.is_empty()).then_some(0));
-    let taken = index.and_then(|i| bucket.waiting.remove(i));
-    let refill = plan_refill(state, env);
-    drop(slot);
-    // Replacements first, so that they start while this child runs.
-    let _ = start_launches(refill);
-    drop(dead);
-    match taken {
-        Some(waiting) => Ok(waiting.into_made()),
-        // None waiting (the pool is off, used up, or its children died): start one now.
-        None => {
-            let (launch, pending) = prepare(env, &devices, test_binary)?;
-            let pid = launch::launch(launch)?;
-            Ok(pending.finish(pid))
+    let mut asked = 0;
+    loop {
+        let mut slot = lock();
+        let state = state(&mut slot);
+        let (test_binary, devices) = (state.test_binary, state.options.devices.clone());
+        let depth = state.options.depth;
+        let bucket = state.buckets.entry(env.to_vec()).or_default();
+        let dead = prune(bucket);
+        let index = bucket
+            .waiting
+            .iter()
+            .position(|w| w.made().ready)
+            .or((!bucket.waiting.is_empty()).then_some(0));
+        // Asking more than a pool's worth in one take means they keep dying: start one now.
+        let taken = index
+            .filter(|_| asked <= depth + 1)
+            .and_then(|i| bucket.waiting.remove(i));
+        let refill = plan_refill(state, env);
+        drop(slot);
+        // Replacements first, so that they start while this child runs.
+        let _ = start_launches(refill);
+        drop(dead);
+        match taken {
+            Some(waiting) => match waiting.confirm() {
+                Ok(made) => return Ok(made),
+                // Killed and reaped on drop; ask the next.
+                Err(dead) => {
+                    drop(dead);
+                    asked += 1;
+                }
+            },
+            // None waiting (the pool is off, used up, or its children died): start one now.
+            None => {
+                let (launch, pending) = prepare(env, &devices, test_binary)?;
+                let pid = launch::launch(launch)?;
+                return Ok(pending.finish(pid));
+            }
         }
     }
 }

@@ -17,18 +17,42 @@ use super::child::{self, EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED};
 use super::protocol::{Report, Serve, Task, TaskOutcome};
 use super::status::NotRunStage;
 use super::sys;
+use super::taken::TakenCount;
 use crate::wire::{self, Channel};
 use crate::{Error, Result};
 
-/// Serve tasks on `channel` until it closes. Never returns.
-pub(crate) fn serve(channel: Channel, serve: &Serve) -> ! {
+/// Serve tasks on `channel` until it closes, counting each task taken in the [`TakenCount`]
+/// whose memfd came with `serve` (in `fds`). Never returns.
+pub(crate) fn serve(channel: Channel, serve: Serve, fds: Vec<OwnedFd>) -> ! {
+    let taken = match fds.as_slice() {
+        [fd] => TakenCount::import(fd),
+        _ => Err(Error::Protocol(format!(
+            "a Serve message carries {} fds, not the one of its task count",
+            fds.len()
+        ))),
+    };
+    let taken = match taken {
+        Ok(taken) => taken,
+        Err(error) => {
+            // The pool reports a worker that dies while it starts, with what it printed.
+            eprintln!("vmm-ipc: a pool worker could not map its task count: {error}");
+            std::process::exit(EXIT_NOT_RUN);
+        }
+    };
+    drop(fds);
     child::warm_up(&serve.devices);
     child::record_panics();
     if channel.send_value(&Report::Serving).is_err() {
         std::process::exit(EXIT_NO_START);
     }
     loop {
-        let message = match channel.recv(None) {
+        let received = channel.recv(None);
+        if !matches!(received, Err(Error::Disconnected(_))) {
+            // Counted before anything of the task runs: a worker that dies before this store
+            // never ran it, and the pool gives it to another.
+            taken.bump();
+        }
+        let message = match received {
             Ok(message) => message,
             // The pool was dropped (or replaced this worker): done.
             Err(Error::Disconnected(_)) => std::process::exit(0),
