@@ -112,7 +112,8 @@ def write_byte(va, value):
 
 
 def importer(argv):
-    """Child: import, map, read and write one byte, then release (or not) and exit."""
+    """Child: import, map, read and write one byte, then release (or not) and exit (skipping the
+    atexit handlers, or with them)."""
     ending, hold, chunk, hexes = argv[0], argv[1] == "hold", int(argv[2]), argv[3:]
     t = time.monotonic()
     context()
@@ -131,11 +132,14 @@ def importer(argv):
     if hold:
         print("HOLDING", flush=True)
         sys.stdin.readline()
-    if ending == "release":
+    if ending in ("release", "release-atexit"):
         t = time.monotonic()
         unmap(va, total, handles, chunk)
         log("importer", "released", t)
     log("importer", f"exiting ({ending})")
+    if ending == "release-atexit":
+        # A normal exit: the CUDA driver's atexit teardown runs, as it does in a Rust child.
+        sys.exit(0)
     os._exit(0)
 
 
@@ -239,6 +243,8 @@ def main():
     results["in-process import twice"] = scenario("in-process import twice", in_process_twice)
     results["sequential, each releases"] = scenario("sequential, each releases", sequential("release"))
     results["sequential, each exits holding"] = scenario("sequential, each exits holding", sequential("exit"))
+    results["sequential, each releases, exit with atexit"] = scenario(
+        "sequential, each releases, exit with atexit", sequential("release-atexit"))
     results["overlapping"] = scenario("overlapping", overlapping)
     results["concurrent"] = scenario("concurrent", concurrent)
     print(f"exporter byte now {read_byte(va):#04x}", flush=True)

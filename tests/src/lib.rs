@@ -67,3 +67,34 @@ pub fn text(output: &Output) -> String {
         String::from_utf8_lossy(&output.stderr)
     )
 }
+
+/// Where a process that stopped making progress is, as far as `/proc` tells (for a failing
+/// test's message): each thread's name, state, kernel wait channel, the system call it is in
+/// and, where readable (as root), its kernel stack.
+pub fn where_stuck(pid: u32) -> String {
+    let read = |path: String| {
+        std::fs::read_to_string(path).map_or_else(|e| format!("({e})"), |s| s.trim().to_owned())
+    };
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return format!("process {pid}: gone");
+    };
+    let mut report = format!("process {pid}:");
+    for task in tasks.flatten() {
+        let dir = task.path().display().to_string();
+        let stat = read(format!("{dir}/stat"));
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .unwrap_or("?")
+            .to_owned();
+        report += &format!(
+            "\n  thread {} ({}) state {state}, wchan {}, syscall {}\n    {}",
+            task.file_name().to_string_lossy(),
+            read(format!("{dir}/comm")),
+            read(format!("{dir}/wchan")),
+            read(format!("{dir}/syscall")),
+            read(format!("{dir}/stack")).replace('\n', "\n    "),
+        );
+    }
+    report
+}

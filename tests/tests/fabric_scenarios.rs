@@ -22,7 +22,7 @@ use vmm_core::process::Context;
 use vmm_core::testing::open_fds;
 use vmm_core::wire::Queue;
 use vmm_core::{Error, Result};
-use vmm_tests::{contents, filled_in, pattern, text};
+use vmm_tests::{contents, filled_in, pattern, text, where_stuck};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -114,7 +114,14 @@ fn one_fabric_export_serves_many_children_that_acknowledge(ctx: &Context) {
             .unwrap();
         // A descriptor does not keep the memory alive: the exporter keeps `buf` until every
         // child has said it imported.
-        acked.push(acks.get(TIMEOUT).unwrap());
+        match acks.get(Duration::from_secs(10)) {
+            Ok(at) => acked.push(at),
+            Err(error) => {
+                let stuck = where_stuck(child.pid());
+                let story = child.join(Duration::ZERO);
+                panic!("child {n} did not acknowledge ({error}); {stuck}\n{story:?}");
+            }
+        }
         eprintln!("parent: child {n} acknowledged; waiting for it to exit");
         child.wait().unwrap();
         eprintln!("parent: child {n} exited");
@@ -148,7 +155,14 @@ fn concurrent_fabric_imports_of_one_export(ctx: &Context) {
         })
         .collect();
     for _ in 0..3 {
-        acks.get(Duration::from_secs(15)).unwrap();
+        if let Err(error) = acks.get(Duration::from_secs(10)) {
+            let stuck: Vec<String> = children.iter().map(|c| where_stuck(c.pid())).collect();
+            let stories: Vec<_> = children
+                .into_iter()
+                .map(|c| c.join(Duration::ZERO))
+                .collect();
+            panic!("a child did not acknowledge ({error}); {stuck:#?}\n{stories:#?}");
+        }
     }
     for child in children {
         child.wait().unwrap();

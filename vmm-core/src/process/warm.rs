@@ -7,9 +7,10 @@
 //! thread (so that `PR_SET_PDEATHSIG` ties them to this process, not to a short-lived thread),
 //! and a replacement's launch runs there too, after the take has returned. A waiting child that
 //! died is found when the pool is next used (its pidfd is readable, its channel hung up, or
-//! `/proc` shows it exiting), reaped, and replaced. None is handed out before it answers a
-//! ping, which no dying child can: a killed child's pidfd and channel stay quiet until its
-//! teardown ends, and for one holding a CUDA context that takes hundreds of milliseconds.
+//! `/proc` shows it exiting), reaped, and replaced. No ready child is handed out before it
+//! answers a ping, which no dying child can: a killed child's pidfd and channel stay quiet
+//! until its teardown ends, and for one holding a CUDA context that takes hundreds of
+//! milliseconds.
 //!
 //! Pools are kept per environment (`Context::with_env`): a child's environment is fixed at its
 //! exec, before CUDA reads variables such as `CUDA_VISIBLE_DEVICES`.
@@ -205,9 +206,13 @@ impl Waiting {
         }
     }
 
-    /// Hand it out if it is alive: it is not exiting (`/proc`), and it answers a
-    /// [`Begin::Ping`] within [`PING_LIMIT`] (a ready child; one still warming up gets the
-    /// default timeout, as its start would). Otherwise it is given back, to be dropped.
+    /// Hand it out if it is alive: it is not exiting (`/proc`), and, once ready, it answers a
+    /// [`Begin::Ping`] within [`PING_LIMIT`]. Otherwise it is given back, to be dropped.
+    ///
+    /// A child still warming up is handed out without the ping: waiting for its warm-up here
+    /// would hold the caller (a `Pool` replacing a worker inside a `join`) for as long as CUDA
+    /// takes to start. If it was killed meanwhile, its start fails as any child's would
+    /// (`join` says it never started; a `Pool` replaces a worker that dies starting).
     fn confirm(mut self) -> std::result::Result<Made, Waiting> {
         if self.check() == Health::Dead || exiting(self.pid()) {
             return Err(self);
@@ -216,31 +221,24 @@ impl Waiting {
             .made
             .as_mut()
             .expect("a waiting child until handed out");
-        let limit = if made.ready {
-            PING_LIMIT
-        } else {
-            default_timeout()
-        };
-        let deadline = Instant::now().checked_add(limit);
+        if !made.ready {
+            return Ok(self.into_made());
+        }
+        let deadline = Instant::now() + PING_LIMIT;
         let Ok(ping) = wire::encode(&Begin::Ping) else {
             return Err(self);
         };
         if made.channel.send(ping.bytes(), &[]).is_err() {
             return Err(self);
         }
-        loop {
-            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            let Ok(message) = made.channel.recv(left) else {
-                // Hung up (dead), or silent past the limit (stopped, or stuck): not handed out.
-                return Err(self);
-            };
-            match wire::decode::<Report>(&message.bytes, Vec::new()) {
-                Ok(Report::Ready) if !made.ready && message.fds.is_empty() => made.ready = true,
-                Ok(Report::Pong) if made.ready && message.fds.is_empty() => {
-                    return Ok(self.into_made());
-                }
-                _ => return Err(self),
-            }
+        let answer = made
+            .channel
+            .recv(Some(deadline.saturating_duration_since(Instant::now())));
+        match answer.map(|m| (wire::decode::<Report>(&m.bytes, Vec::new()), m.fds.len())) {
+            Ok((Ok(Report::Pong), 0)) => Ok(self.into_made()),
+            // Hung up (dead), silent past the limit (stopped, or stuck), or off the protocol:
+            // not handed out.
+            _ => Err(self),
         }
     }
 
@@ -511,10 +509,10 @@ pub(crate) fn quiesce() {
 /// A ready child from the pool for `env`, else the oldest waiting one, else a new one started
 /// now; a replacement is launched in the background either way.
 ///
-/// A waiting child is handed out only once it has answered a [`Begin::Ping`] (after its
-/// `Ready`, for one still warming up): a child killed while it waited can keep its pidfd quiet
-/// and its channel open for as long as its teardown takes, but it can never answer. One that
-/// does not is killed, reaped and replaced, and the next is asked.
+/// A ready child is handed out only once it has answered a [`Begin::Ping`]: a child killed
+/// while it waited can keep its pidfd quiet and its channel open for as long as its teardown
+/// takes, but it can never answer. One that does not is killed, reaped and replaced, and the
+/// next is asked. (One still warming up is handed out as it is: see `Waiting::confirm`.)
 pub(crate) fn take(env: &[(String, String)]) -> Result<Made> {
     let mut asked = 0;
     loop {
