@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Diagnostic, driver only (cuda.bindings): what a process pays the first time it uses the VMM
+calls after its primary context exists, against the second time.
+
+A warm vmm-core child retains its primary context while it waits, yet the bench's
+`gpu-child/warm-acked` (take a ready warm child, import a POSIX-fd descriptor, acknowledge)
+measured about 73 ms on an H200. This prints each step of two identical cycles in a fresh
+process (allocate, export, import, reserve, map, set access, copy, unmap, release), so the
+steps that cost only the first time are the ones a warm-up must do ahead.
+
+    python3 gpu/diag/first_use.py
+"""
+
+import ctypes
+import os
+import time
+
+from cuda.bindings import driver as cu
+
+POSIX_FD = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
+def check(result, call):
+    err, rest = result[0], result[1:]
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        raise RuntimeError(f"{call} failed: {name}")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
+def timed(label, call, *args):
+    t = time.monotonic()
+    out = check(call(*args), label)
+    print(f"  {label:<34} {(time.monotonic() - t) * 1e6:>10.0f} us", flush=True)
+    return out
+
+
+def prop():
+    p = cu.CUmemAllocationProp()
+    p.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    p.location.id = 0
+    p.requestedHandleTypes = POSIX_FD
+    return p
+
+
+def cycle(n, size):
+    print(f"cycle {n}", flush=True)
+    handle = timed("cuMemCreate", cu.cuMemCreate, size, prop(), 0)
+    fd = int(timed("cuMemExportToShareableHandle(fd)", cu.cuMemExportToShareableHandle,
+                   handle, POSIX_FD, 0))
+    imported = timed("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle,
+                     fd, POSIX_FD)
+    os.close(fd)
+    va = int(timed("cuMemAddressReserve", cu.cuMemAddressReserve, size, 0, 0, 0))
+    timed("cuMemMap", cu.cuMemMap, va, size, 0, imported, 0)
+    access = cu.CUmemAccessDesc()
+    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    access.location.id = 0
+    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    timed("cuMemSetAccess", cu.cuMemSetAccess, va, size, [access], 1)
+    host = ctypes.create_string_buffer(1)
+    timed("cuMemcpyHtoD (1 byte)", cu.cuMemcpyHtoD, va, ctypes.addressof(host), 1)
+    timed("cuMemcpyDtoH (1 byte)", cu.cuMemcpyDtoH, ctypes.addressof(host), va, 1)
+    timed("cuMemUnmap", cu.cuMemUnmap, va, size)
+    timed("cuMemAddressFree", cu.cuMemAddressFree, va, size)
+    timed("cuMemRelease(imported)", cu.cuMemRelease, imported)
+    timed("cuMemRelease(created)", cu.cuMemRelease, handle)
+
+
+def main():
+    print("start", flush=True)
+    timed("cuInit", cu.cuInit, 0)
+    device = timed("cuDeviceGet", cu.cuDeviceGet, 0)
+    ctx = timed("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain, device)
+    timed("cuCtxSetCurrent", cu.cuCtxSetCurrent, ctx)
+    size = timed("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity, prop(),
+                 cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+    cycle(1, size)
+    cycle(2, size)
+
+
+if __name__ == "__main__":
+    main()
