@@ -53,6 +53,23 @@ pub fn baseline_child_main() {
                 3
             }
         },
+        // Initialise CUDA, say so (one byte on stdout), wait for stdin's end, then exit: the
+        // parent times the exit alone (`gpu-child/cuda-exit-process`).
+        "cuda-exit" => match raw::init_context() {
+            Ok(_) => {
+                use std::io::{Read, Write};
+                let said = std::io::stdout()
+                    .write_all(b"r")
+                    .and_then(|()| std::io::stdout().flush());
+                let mut rest = Vec::new();
+                let _ = std::io::stdin().read_to_end(&mut rest);
+                if said.is_ok() { 0 } else { 4 }
+            }
+            Err(e) => {
+                eprintln!("vmm-bench baseline cuda-exit: {e}");
+                3
+            }
+        },
         other => {
             eprintln!("vmm-bench: unknown {BASELINE_VAR}={other:?}");
             2

@@ -13,7 +13,9 @@
 //!   target) and the 5 ms target; `warm-acked` times the same with an ack from the child's
 //!   function, split into `warm-returned` (start until the function returned: the start
 //!   message, the import, the ack) and `warm-exit` (from then until `join` returned: the
-//!   report, the exit with a live CUDA context, the reap).
+//!   report, the exit with a live CUDA context, the reap), the latter next to
+//!   `cuda-exit-process`: a bare process that initialised CUDA, timed from its cue to exit
+//!   until it is reaped (the kernel's teardown of a CUDA context).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -95,6 +97,32 @@ fn run_to_exit(command: &mut Command) -> Duration {
     elapsed
 }
 
+/// The exit alone of a process holding a CUDA context: this executable with
+/// `VMM_BENCH_BASELINE=cuda-exit` initialises CUDA and says so (untimed), then the clock runs
+/// from closing its stdin (its cue to exit) until it is reaped.
+fn cuda_process_exit(exe: &Path) -> Duration {
+    use std::io::Read;
+    let mut child = Command::new(exe)
+        .env(BASELINE_VAR, "cuda-exit")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start baseline");
+    let mut ready = [0u8];
+    child
+        .stdout
+        .take()
+        .expect("piped stdout")
+        .read_exact(&mut ready)
+        .expect("baseline initialised CUDA");
+    let t = Instant::now();
+    drop(child.stdin.take());
+    let status = child.wait().expect("reap baseline");
+    let elapsed = t.elapsed();
+    assert!(status.success(), "baseline process failed: {status}");
+    elapsed
+}
+
 /// Start + join of a child with `method` running `f(args)`.
 fn start_join<A>(method: StartMethod, f: fn(A), args: A) -> Duration
 where
@@ -166,6 +194,9 @@ pub fn gpu_child(c: &mut Criterion) {
     let (returned, exit) = (key(GPU_GROUP, "warm-returned"), key(GPU_GROUP, "warm-exit"));
     row(&returned, &acked, Target::None);
     row(&exit, &acked, Target::None);
+    // What the exit of a warm child costs, next to the exit of a bare process holding a CUDA
+    // context (the kernel's teardown of the context: exiting with `_exit` changed nothing).
+    row(&exit, &key(GPU_GROUP, "cuda-exit-process"), Target::None);
 
     let device = Device::new(0).expect("device 0");
     let resource =
@@ -188,6 +219,7 @@ pub fn gpu_child(c: &mut Criterion) {
     group.bench("cuda-init-process", || {
         run_to_exit(Command::new(&exe).env(BASELINE_VAR, "cuda-init"))
     });
+    group.bench("cuda-exit-process", || cuda_process_exit(&exe));
     let (warm_up, measure) = warm_times();
     group.times(warm_up, measure);
     group.bench("warm", || warm_start_join(gpu_work, own()));

@@ -1,12 +1,12 @@
 //! What a process does ahead of its first VMM use, so that the first import a warm child makes
 //! costs what later ones do.
 //!
-//! Retaining a primary context is not all of CUDA's start-up: the first allocation, export,
-//! import and mapping of a process set up more (the driver's per-process memory-management
-//! state), and a warm child that only retained its context paid that inside its function (tens
-//! of ms on an H200: `gpu/diag/first_use.py` shows each step). So a warm child also runs one
-//! whole cycle on each device while it waits: allocate one chunk, export it as an fd, import
-//! that back, map it, write a byte, then let all of it go.
+//! Retaining a primary context is not all of CUDA's start-up: a process's first allocation,
+//! export, import, mapping and copy each cost more than the second (on an H200,
+//! `gpu/diag/first_use.py` measured about 250 us more for the whole first cycle: the copies
+//! twice as slow, the export 110 us slower). A warm child pays that while it waits instead, by
+//! running one whole cycle on each device: allocate one chunk, export it as an fd, import that
+//! back, map it, write a byte, then let all of it go.
 
 use super::{Device, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource};
 use crate::Result;
