@@ -2,11 +2,14 @@
 """Diagnostic, driver only (cuda.bindings): what a process pays the first time it uses the VMM
 calls after its primary context exists, against the second time.
 
-A warm vmm-core child retains its primary context while it waits, yet the bench's
-`gpu-child/warm-acked` (take a ready warm child, import a POSIX-fd descriptor, acknowledge)
-measured about 73 ms on an H200. This prints each step of two identical cycles in a fresh
-process (allocate, export, import, reserve, map, set access, copy, unmap, release), so the
-steps that cost only the first time are the ones a warm-up must do ahead.
+Written to explain the bench's `gpu-child/warm-acked` (take a ready warm child, import a POSIX-fd
+descriptor, acknowledge, join): about 75-90 ms on an H200. It prints each step of two identical
+cycles in a fresh process (allocate, export, import, reserve, map, set access, copy, unmap,
+release). Found on the H200 (driver 580): the first cycle costs about 250 us more than the
+second, so first use is not where the time goes; the bench's `warm-returned` / `warm-exit`
+split then put it in the child's exit (the kernel's teardown of a CUDA context). A warm child
+that also ran one such cycle while it waited returned no sooner (683 us without, 693 us with),
+so vmm-core's warm children only retain their primary contexts.
 
     python3 gpu/diag/first_use.py
 """

@@ -47,7 +47,6 @@ mod handle;
 mod importer;
 mod keeper;
 mod options;
-mod prime;
 mod resource;
 
 pub use buffer::VirtualMemoryBuffer;
@@ -57,8 +56,6 @@ pub use fabric::{FabricDescriptor, FabricHandle, fabric_availability};
 pub use importer::{importer, set_importer};
 pub use options::{Access, Granularity, HandleType, Location, PeerAccess, ResourceOptions};
 pub use resource::VirtualMemoryResource;
-
-pub(crate) use prime::prime_vmm;
 
 impl crate::SharedBuffer for VirtualMemoryBuffer {
     type Descriptor = IpcDescriptor;

@@ -53,8 +53,8 @@ fn install_panic_recorder() {
     }));
 }
 
-/// Retain the primary context of each of `devices` (CUDA ordinals) and run one VMM cycle on it
-/// (`cuda::prime_vmm`), so that the function this process runs later finds CUDA initialised. Where CUDA cannot be used (no driver, no device)
+/// Retain the primary context of each of `devices` (CUDA ordinals), so that the function this
+/// process runs later finds CUDA initialised. Where CUDA cannot be used (no driver, no device)
 /// it does nothing, and a device this process does not see is skipped: warming up saves time,
 /// it never makes a child fail. Any other failure is one line on stderr (which the parent
 /// captures and shows if the child's function fails) and the device is skipped.
@@ -66,13 +66,9 @@ pub(crate) fn warm_up(devices: &[usize]) {
         return;
     };
     for &ordinal in devices.iter().filter(|&&d| d < count) {
-        // Retains the primary context (kept for the process's life), then runs one whole VMM
-        // cycle (allocate, export, import, map, write, release) on it: the first of a process
-        // costs far more than later ones.
-        let warmed = crate::cuda::Device::new(ordinal).and_then(|device| {
-            let _current = device.make_current()?;
-            crate::cuda::prime_vmm(&device)
-        });
+        // Retains the primary context (kept for the process's life) and makes it current for
+        // the moment; the guard restores this thread's previous (no) context.
+        let warmed = crate::cuda::Device::new(ordinal).and_then(|device| device.make_current());
         if let Err(error) = warmed {
             eprintln!("vmm-ipc: warming up CUDA device {ordinal} failed: {error}");
         }
