@@ -98,8 +98,11 @@ const DELIVERIES_MAX: u32 = 3;
 /// - Dropping the pool kills and reaps every worker (tasks that had not finished fail with
 ///   [`Error::Disconnected`]).
 ///
-/// The parent holds one fd for the pool and four per worker (channel, pidfd, stdout, stderr);
-/// they stay the same across tasks and replacements.
+/// The parent holds one fd for the pool and four per worker (channel, pidfd, stdout, stderr;
+/// a fifth, the worker's task count, only where [`buffers_hold_no_fd`] is false); they stay the
+/// same across tasks and replacements.
+///
+/// [`buffers_hold_no_fd`]: crate::shm::buffers_hold_no_fd
 pub struct Pool {
     shared: Arc<Shared>,
 }
