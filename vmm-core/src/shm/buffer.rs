@@ -94,6 +94,11 @@ impl HostBuffer {
     ///
     /// Refused before mapping when the fd is not a memfd sealed against resizing (another
     /// process could shrink it and make this one fault) or is smaller than the descriptor says.
+    ///
+    /// The size is the sender's choice, and no cap is applied: mapping costs address space only,
+    /// but pages of a sparse memfd are allocated as they are touched, and charged to the process
+    /// that touches them. A receiver that does not trust its sender checks
+    /// [`size`](Self::size) before reading a whole buffer.
     pub fn import(descriptor: &HostDescriptor) -> Result<Self> {
         let (Some(fd), Some(len)) = (descriptor.fd(), NonZeroUsize::new(descriptor.size)) else {
             return match (descriptor.fd.is_some(), descriptor.size) {
