@@ -96,8 +96,8 @@ impl HostBuffer {
     /// process could shrink it and make this one fault) or is smaller than the descriptor says.
     ///
     /// The size is the sender's choice, and no cap is applied: mapping costs address space only,
-    /// but pages of a sparse memfd are allocated as they are touched, and charged to the process
-    /// that touches them. A receiver that does not trust its sender checks
+    /// but pages of a sparse memfd are allocated as they are touched, and charged to the memory
+    /// cgroup of the process that touches them. A receiver that does not trust its sender checks
     /// [`size`](Self::size) before reading a whole buffer.
     pub fn import(descriptor: &HostDescriptor) -> Result<Self> {
         let (Some(fd), Some(len)) = (descriptor.fd(), NonZeroUsize::new(descriptor.size)) else {
