@@ -19,18 +19,12 @@ import time
 
 from cuda.bindings import driver as cu
 
+# The repository's Python helpers (python/): `check` raises on a CUresult other than success.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+from vmm_ipc_cuda import check  # noqa: E402
+
 FABRIC = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
 IMPORT_LIMIT = 20.0
-
-
-def check(result, call):
-    err, rest = result[0], result[1:]
-    if err != cu.CUresult.CUDA_SUCCESS:
-        _, name = cu.cuGetErrorName(err)
-        raise RuntimeError(f"{call} failed: {name.decode() if isinstance(name, bytes) else name}")
-    if not rest:
-        return None
-    return rest[0] if len(rest) == 1 else rest
 
 
 def log(who, what, since=None):

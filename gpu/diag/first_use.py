@@ -16,21 +16,16 @@ so vmm-core's warm children only retain their primary contexts.
 
 import ctypes
 import os
+import sys
 import time
 
 from cuda.bindings import driver as cu
 
+# The repository's Python helpers (python/): `check` raises on a CUresult other than success.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+from vmm_ipc_cuda import check  # noqa: E402
+
 POSIX_FD = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-
-
-def check(result, call):
-    err, rest = result[0], result[1:]
-    if err != cu.CUresult.CUDA_SUCCESS:
-        _, name = cu.cuGetErrorName(err)
-        raise RuntimeError(f"{call} failed: {name}")
-    if not rest:
-        return None
-    return rest[0] if len(rest) == 1 else rest
 
 
 def timed(label, call, *args):
