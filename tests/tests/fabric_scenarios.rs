@@ -186,6 +186,11 @@ fn concurrent_fabric_imports_of_one_export(ctx: &Context) {
     for child in children {
         child.wait().unwrap();
     }
+    for n in 0..3u8 {
+        let mut byte = [0u8];
+        buf.read_at(mark_at(&buf, n as usize), &mut byte).unwrap();
+        assert_eq!(byte[0], 0xF0 + n, "child {n}'s mark");
+    }
 }
 
 /// Wait for the go-ahead, then take the buffer from the queue (imported on arrival).
