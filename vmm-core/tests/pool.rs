@@ -16,6 +16,10 @@ use vmm_core::shm::{HostBuffer, HostDescriptor};
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::Queue;
 
+#[path = "common/process_table.rs"]
+mod process_table;
+use process_table::{gone_within, state};
+
 const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Tests that count this process's fds run alone; the rest share.
@@ -27,23 +31,6 @@ fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
 
 fn exclusive() -> std::sync::RwLockWriteGuard<'static, ()> {
     EXCLUSIVE.write().unwrap_or_else(|e| e.into_inner())
-}
-
-/// `/proc/<pid>/stat`'s state letter, or `None` once the pid is gone.
-fn state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.trim_start().chars().next()
-}
-
-fn dead_within(pid: u32, limit: Duration) -> bool {
-    let deadline = Instant::now() + limit;
-    while state(pid).is_some_and(|s| s != 'Z') {
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    true
 }
 
 fn square(n: u64) -> (u32, u64) {
@@ -361,12 +348,12 @@ fn a_worker_killed_while_idle_is_replaced_before_its_next_task(
     let pool = Pool::new(method, 1).unwrap();
     let idle = pool.pids()[0];
     kill(Pid::from_raw(idle as i32), Signal::SIGKILL).unwrap();
-    assert!(dead_within(idle, TIMEOUT));
+    assert!(gone_within(idle, TIMEOUT, true));
     let ran_in = pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap();
     assert_ne!(ran_in, idle);
     assert_eq!(pool.pids(), [ran_in]);
     assert!(
-        dead_within(idle, Duration::from_secs(5)) && state(idle).is_none(),
+        gone_within(idle, Duration::from_secs(5), true) && state(idle).is_none(),
         "the dead idle worker was not reaped"
     );
 }
@@ -406,7 +393,7 @@ fn a_task_its_worker_died_before_taking_runs_on_the_replacement(
     );
     assert_eq!(pool.pids(), [ran_in]);
     assert!(
-        dead_within(stopped, Duration::from_secs(5)) && state(stopped).is_none(),
+        gone_within(stopped, Duration::from_secs(5), true) && state(stopped).is_none(),
         "the dead worker was not reaped"
     );
 }

@@ -23,6 +23,10 @@ use vmm_core::process::{Context, ExitStatus, StartMethod, ensure_running, forkse
 use vmm_core::testing::{open_fds, settled_open_fds};
 use vmm_core::wire::{Fd, Queue};
 
+#[path = "common/process_table.rs"]
+mod process_table;
+use process_table::{gone_within, state};
+
 const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How much longer than its timeout a join may take: the kill, the reap, a loaded machine.
@@ -43,26 +47,6 @@ fn noop(_: ()) {}
 
 fn hang(_: ()) {
     std::thread::sleep(Duration::from_secs(600));
-}
-
-/// `/proc/<pid>/stat`'s state letter, or `None` once the pid is gone.
-fn state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.trim_start().chars().next()
-}
-
-/// Wait up to `limit` for `pid` to leave the process table (or, with `zombie_ok`, to be a
-/// zombie that someone else, such as init, must reap); whether it did.
-fn gone_within(pid: u32, limit: Duration, zombie_ok: bool) -> bool {
-    let deadline = Instant::now() + limit;
-    loop {
-        match state(pid) {
-            None => return true,
-            Some('Z') if zombie_ok => return true,
-            Some(_) if Instant::now() >= deadline => return false,
-            Some(_) => std::thread::sleep(Duration::from_millis(5)),
-        }
-    }
 }
 
 /// The child is neither running nor a zombie: gone from the process table, and for a spawned

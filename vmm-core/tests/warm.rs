@@ -19,6 +19,10 @@ use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::Queue;
 
+#[path = "common/process_table.rs"]
+mod process_table;
+use process_table::{gone_within, state};
+
 const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One test at a time: they all look at the one warm pool.
@@ -42,25 +46,6 @@ impl Depth {
 impl Drop for Depth {
     fn drop(&mut self) {
         set_warm_options(WarmOptions::from_env().unwrap());
-    }
-}
-
-/// `/proc/<pid>/stat`'s state letter, or `None` once the pid is gone.
-fn state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.trim_start().chars().next()
-}
-
-/// Wait up to `limit` until `pid` is dead: a zombie (with `zombie_ok`) or gone.
-fn dead_within(pid: u32, limit: Duration, zombie_ok: bool) -> bool {
-    let deadline = Instant::now() + limit;
-    loop {
-        match state(pid) {
-            None => return true,
-            Some('Z') if zombie_ok => return true,
-            Some(_) if Instant::now() >= deadline => return false,
-            Some(_) => std::thread::sleep(Duration::from_millis(5)),
-        }
     }
 }
 
@@ -113,7 +98,7 @@ fn a_waiting_child_that_died_is_replaced_and_never_handed_out() {
     let victim = waiting[0];
     kill(Pid::from_raw(victim as i32), Signal::SIGKILL).unwrap();
     assert!(
-        dead_within(victim, TIMEOUT, true),
+        gone_within(victim, TIMEOUT, true),
         "the killed child did not die"
     );
     let child = Context::new(StartMethod::Warm).spawn(noop, ()).unwrap();
@@ -135,7 +120,7 @@ fn every_waiting_child_dead_still_starts_one() {
         kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
     }
     for &pid in &waiting {
-        assert!(dead_within(pid, TIMEOUT, true));
+        assert!(gone_within(pid, TIMEOUT, true));
     }
     let queue = Queue::new().unwrap();
     let child = Context::new(StartMethod::Warm)
@@ -172,7 +157,7 @@ fn a_waiting_child_killed_just_before_the_take_is_never_handed_out() {
             "the function ran once, in it"
         );
         assert!(
-            dead_within(victim, TIMEOUT, false),
+            gone_within(victim, TIMEOUT, false),
             "the killed child was not reaped"
         );
     }
@@ -229,7 +214,7 @@ fn fds_are_stable_once_the_pool_is_warm() {
     // A waiting child that dies is replaced by one with the same fds' worth.
     let victim = warm_pids()[0];
     kill(Pid::from_raw(victim as i32), Signal::SIGKILL).unwrap();
-    assert!(dead_within(victim, TIMEOUT, true));
+    assert!(gone_within(victim, TIMEOUT, true));
     ctx.spawn(noop, ()).unwrap().join(TIMEOUT).unwrap();
     warm_pool().unwrap();
     assert_eq!(settled_open_fds().unwrap(), before);
@@ -361,7 +346,7 @@ fn waiting_children_die_with_their_parent() {
     for &pid in &pids {
         // Their parent is gone, so they were killed; init reaps them.
         assert!(
-            dead_within(pid, Duration::from_secs(10), true),
+            gone_within(pid, Duration::from_secs(10), true),
             "waiting child {pid} outlived its parent"
         );
     }
