@@ -2,7 +2,8 @@
 
 use std::process::{Command, Output};
 
-use vmm_core::cuda::{VirtualMemoryBuffer, VirtualMemoryResource};
+use cudarc::driver::sys;
+use vmm_core::cuda::{Device, VirtualMemoryBuffer, VirtualMemoryResource};
 
 /// The README's Rust examples, compiled (and, where not `no_run`, run) as this crate's doc
 /// tests, so that the README cannot drift from the API.
@@ -97,4 +98,44 @@ pub fn where_stuck(pid: u32) -> String {
         );
     }
     report
+}
+
+/// Panics unless `rc` is success, naming the driver call.
+#[track_caller]
+pub fn check(call: &str, rc: sys::CUresult) {
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "{call}");
+}
+
+/// Run `f` with `device`'s primary context current on this thread, waiting for its work, then
+/// restore the thread's previous context. The buffer API always makes the buffer's own device
+/// current, so a peer's access through a mapping is driven with the driver directly.
+pub fn with_context_of(device: &Device, f: impl FnOnce()) {
+    let mut raw = 0;
+    // SAFETY: a live out-pointer; libcuda is loaded and initialised (vmm-core made `device`).
+    check("cuDeviceGet", unsafe {
+        sys::cuDeviceGet(&mut raw, device.ordinal() as i32)
+    });
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: a live out-pointer and a valid device; released below.
+    check("cuDevicePrimaryCtxRetain", unsafe {
+        sys::cuDevicePrimaryCtxRetain(&mut ctx, raw)
+    });
+    let mut previous = std::ptr::null_mut();
+    // SAFETY: a live out-pointer.
+    check("cuCtxGetCurrent", unsafe {
+        sys::cuCtxGetCurrent(&mut previous)
+    });
+    // SAFETY: `ctx` is retained (alive) until the release below.
+    check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) });
+    f();
+    // SAFETY: acts on the current context, `ctx`.
+    check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() });
+    // SAFETY: `previous` was current on this thread a moment ago (or null) and nothing here
+    // destroyed it.
+    check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(previous) });
+    // SAFETY: releases the retain above; this thread no longer has `ctx` current and nothing
+    // here uses it again (vmm-core keeps its own retain where it uses a primary context).
+    check("cuDevicePrimaryCtxRelease", unsafe {
+        sys::cuDevicePrimaryCtxRelease_v2(raw)
+    });
 }
