@@ -46,45 +46,30 @@ pub(crate) fn serve(channel: Channel, serve: Serve, fds: Vec<OwnedFd>) -> ! {
         std::process::exit(EXIT_NO_START);
     }
     loop {
-        let received = channel.recv(None);
-        if !matches!(received, Err(Error::Disconnected(_))) {
-            // Counted before anything of the task runs: a worker that dies before this store
-            // never ran it, and the pool gives it to another.
-            taken.bump();
-        }
-        let message = match received {
-            Ok(message) => message,
+        let received = match channel.recv(None) {
             // The pool was dropped (or replaced this worker): done.
             Err(Error::Disconnected(_)) => std::process::exit(0),
-            // A task that could not be taken (its fds do not fit under this process's fd
-            // limit, say): report it, then go on (the packet was consumed).
-            Err(error) => {
-                report(
-                    &channel,
-                    TaskOutcome::NotRun {
-                        stage: NotRunStage::StartMessage,
-                        error,
-                    },
-                    &[],
-                );
-                continue;
-            }
+            received => received,
         };
-        let task = match wire::decode::<Task>(&message.bytes, Vec::new()) {
-            Ok(task) => task,
-            Err(error) => {
-                report(
-                    &channel,
-                    TaskOutcome::NotRun {
-                        stage: NotRunStage::StartMessage,
-                        error,
-                    },
-                    &[],
-                );
-                continue;
-            }
-        };
-        run_task(&channel, &task, message.fds);
+        // Counted before anything of the task runs: a worker that dies before this store never
+        // ran it, and the pool gives it to another.
+        taken.bump();
+        let task = received.and_then(|message| {
+            wire::decode::<Task>(&message.bytes, Vec::new()).map(|task| (task, message.fds))
+        });
+        match task {
+            Ok((task, fds)) => run_task(&channel, &task, fds),
+            // A task that could not be taken (its fds do not fit under this process's fd limit,
+            // say) or read: report it, then go on (the packet was consumed).
+            Err(error) => report(
+                &channel,
+                TaskOutcome::NotRun {
+                    stage: NotRunStage::StartMessage,
+                    error,
+                },
+                &[],
+            ),
+        }
     }
 }
 
