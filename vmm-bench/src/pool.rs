@@ -40,8 +40,9 @@ fn import_host(descriptor: HostDescriptor) {
 }
 
 /// A warm pool of one worker that has made one import already (untimed).
-fn warm_pool_of_one<D>(task: fn(D), first: &D) -> Pool
+fn warm_pool_of_one<F, D>(task: F, first: &D) -> Pool
 where
+    F: Fn(D) + Copy,
     D: serde::Serialize + serde::de::DeserializeOwned,
 {
     let pool = Pool::new(StartMethod::Warm, 1).expect("start the pool");
@@ -54,12 +55,13 @@ where
 
 /// Bench the pool figure (its pool started lazily, so a filtered-out figure starts nothing)
 /// and the raw-socket child on `fd`.
-fn bench_pool<D>(
+fn bench_pool<F, D>(
     group: &mut Group<'_>,
-    task: fn(D),
+    task: F,
     descriptor: &D,
     (work, fd, size): (RawWork, &OwnedFd, usize),
 ) where
+    F: Fn(D) + Copy,
     D: serde::Serialize + serde::de::DeserializeOwned,
 {
     let mut pool: Option<Pool> = None;

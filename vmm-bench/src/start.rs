@@ -64,8 +64,9 @@ fn warm_times() -> (Duration, Duration) {
 const COLD: [StartMethod; 2] = [StartMethod::Spawn, StartMethod::Forkserver];
 
 /// Start + join of a warm child running `f(args)`, timed once the pool is full and ready.
-fn warm_start_join<A>(f: fn(A), args: A) -> Duration
+fn warm_start_join<F, A>(f: F, args: A) -> Duration
 where
+    F: Fn(A) + Copy,
     A: serde::Serialize + serde::de::DeserializeOwned,
 {
     warm_pool().expect("warm the pool");
@@ -124,8 +125,9 @@ fn cuda_process_exit(exe: &Path) -> Duration {
 }
 
 /// Start + join of a child with `method` running `f(args)`.
-fn start_join<A>(method: StartMethod, f: fn(A), args: A) -> Duration
+fn start_join<F, A>(method: StartMethod, f: F, args: A) -> Duration
 where
+    F: Fn(A) + Copy,
     A: serde::Serialize + serde::de::DeserializeOwned,
 {
     let t = Instant::now();

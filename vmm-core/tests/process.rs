@@ -1,8 +1,6 @@
 //! vmm-core's own cross-process tests: every scenario under both cold start methods, and the
 //! ones where it could differ under warm too.
 
-use std::collections::BTreeSet;
-use std::ffi::c_void;
 use std::fs::File;
 use std::io::Read;
 use std::os::fd::{AsFd, OwnedFd};
@@ -561,93 +559,6 @@ fn a_host_buffer_holds_no_fd_where_the_kernel_allows() {
     drop(descriptor);
     assert_eq!(settled_open_fds().unwrap(), before, "an import holds no fd");
     drop((buf, alias));
-}
-
-fn expects_seven(n: u32) {
-    assert_eq!(n, 7);
-}
-
-/// `getpid` as libc's shared object defines it: code outside the main executable. Only its
-/// address is used; it is never called.
-fn function_in_a_shared_library() -> fn(u32) {
-    // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only reads the loader's tables.
-    let address = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"getpid".as_ptr()) };
-    assert!(!address.is_null(), "dlsym found no getpid");
-    // SAFETY: a fn pointer may hold any non-null address; this one is only compared against
-    // the main executable's code by Context::spawn, never called.
-    unsafe { std::mem::transmute::<*mut c_void, fn(u32)>(address) }
-}
-
-/// This process's children, and the forkserver's: every process whose parent is one of them.
-fn children_of_us_and_our_forkserver() -> BTreeSet<u32> {
-    let parents: Vec<u32> = std::iter::once(std::process::id())
-        .chain(forkserver_pid())
-        .collect();
-    let mut children = BTreeSet::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue; // gone meanwhile
-        };
-        let ppid = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-            .and_then(|ppid| ppid.parse::<u32>().ok());
-        if ppid.is_some_and(|ppid| parents.contains(&ppid)) {
-            children.insert(pid);
-        }
-    }
-    children
-}
-
-#[rstest]
-fn a_function_outside_the_main_executable_is_refused_before_anything_starts(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver)] method: StartMethod,
-) {
-    let _guard = exclusive();
-    let ctx = Context::new(method);
-    let f = function_in_a_shared_library();
-    let server = forkserver_pid();
-    let fds = settled_open_fds().unwrap();
-    let children = children_of_us_and_our_forkserver();
-
-    match ctx.spawn(f, 7) {
-        Err(Error::InvalidArgument(message)) => {
-            for needle in [
-                "not in the main executable's code",
-                "shared library",
-                "libc",
-            ] {
-                assert!(
-                    message.contains(needle),
-                    "{needle:?} missing from: {message}"
-                );
-            }
-        }
-        Err(other) => panic!("expected InvalidArgument, got {other:?}"),
-        Ok(child) => panic!("a child {} was started", child.pid()),
-    }
-    assert_eq!(forkserver_pid(), server, "the refusal started a forkserver");
-    assert_eq!(
-        settled_open_fds().unwrap(),
-        fds,
-        "the refusal left fds open"
-    );
-    assert_eq!(
-        children_of_us_and_our_forkserver(),
-        children,
-        "the refusal started a process"
-    );
-
-    // Positive control: a function of this executable, same argument type, same context.
-    ctx.spawn(expects_seven, 7).unwrap().join(TIMEOUT).unwrap();
 }
 
 /// Sent as a host descriptor, received as a mapped host buffer, which is what a

@@ -65,7 +65,10 @@ impl Context {
         self
     }
 
-    /// Set an environment variable in every child this context starts (before its function runs).
+    /// Set an environment variable in every child this context starts, as the child is made
+    /// (at exec; a forkserver child as it is forked), before anything of it runs. A key that is
+    /// empty or holds `=` or NUL, a value with NUL, and vmm-core's role variable make
+    /// [`spawn`](Self::spawn) fail with [`Error::InvalidArgument`].
     pub fn with_env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.env.push((key.into(), value.into()));
         self
@@ -79,11 +82,14 @@ impl Context {
 
     /// Start a child that runs `f(args)`.
     ///
-    /// `f` is a plain `fn` or a non-capturing closure compiled into the main executable: the
-    /// child finds it by its offset in its own copy of the executable. A function that lives
-    /// elsewhere (in a shared library) is refused with [`Error::InvalidArgument`] before
-    /// anything is started. `args` travels serialised, its fds out of band: pass a clone of
-    /// anything the parent keeps (buffers and queues are reference-counted handles).
+    /// `f` is a `fn` item or a closure that captures nothing (a zero-sized type: a function
+    /// pointer does not compile), compiled into the main executable. The child finds it by its
+    /// type: instantiating `spawn` for `f` registers an entry point for it in the executable's
+    /// entry table, and a child runs only entry points found there (a forged one is refused
+    /// without being called). Code that lives elsewhere (in a shared library) is refused with
+    /// [`Error::InvalidArgument`] before anything is started. `args` travels serialised, its
+    /// fds out of band: pass a clone of anything the parent keeps (buffers and queues are
+    /// reference-counted handles).
     ///
     /// `Ok` means the child is running (or has run) `f` and is held by the returned
     /// [`Process`]. `Err` means `f` never runs: a child that was already made when the error
@@ -91,30 +97,34 @@ impl Context {
     /// never gets its start message and exits without running it. (A child that dies before
     /// its start message is sent, because it never reached its entry say, is returned: it ran
     /// nothing, and [`Process::join`] reports how it ended.)
-    pub fn spawn<A>(&self, f: fn(A), args: A) -> Result<Process>
+    ///
+    /// A function pointer does not name a function by its type, so it does not compile:
+    ///
+    /// ```compile_fail,E0080
+    /// # use vmm_core::process::{Context, StartMethod};
+    /// let f: fn(u32) = |n| assert_eq!(n, 7);
+    /// Context::new(StartMethod::Spawn).spawn(f, 7).unwrap();
+    /// ```
+    pub fn spawn<F, A>(&self, f: F, args: A) -> Result<Process>
     where
+        F: Fn(A) + Copy,
         A: Serialize + DeserializeOwned,
     {
-        let trampoline: sys::Trampoline = entry::trampoline::<A>;
-        // The child finds both functions by their offsets from `code_base`: only addresses in
+        let entry = entry::registered::<F, A>(f);
+        // The child finds its entry point by its offset from `code_base`: only addresses in
         // the main executable's code have the same offset in every process running it.
         sys::check_main_text(
             sys::code_base as fn() -> usize as usize,
             "vmm-core's code (is vmm-core linked as a shared library?)",
         )?;
-        sys::check_main_text(f as usize, "the child's function passed to Context::spawn")?;
-        sys::check_main_text(
-            trampoline as usize,
-            "the child trampoline for this argument type",
-        )?;
+        sys::check_main_text(entry as usize, "the child's entry point for this function")?;
+        launch::check_env(&self.env)?;
 
         let encoded = wire::encode(&args)?;
         let start = Begin::Once(Start {
             layout: sys::code_offset(sys::layout_probe as fn() -> usize as usize),
-            trampoline: sys::code_offset(trampoline as usize),
-            func: sys::code_offset(f as usize),
+            entry: sys::code_offset(entry as usize),
             method: self.method,
-            env: self.env.clone(),
             args: encoded.bytes().to_vec(),
         });
         let start = wire::encode(&start)?;
@@ -160,7 +170,7 @@ impl Context {
 }
 
 /// Make a child with `method` that waits for its first message. `env` reaches a spawned or
-/// warm child at exec (a forkserver child sets it from its start message); `test_name` is the
+/// warm child at exec (a forkserver child from the server, as it forks); `test_name` is the
 /// running test, for a spawned child's argv.
 pub(crate) fn make(
     method: StartMethod,
@@ -195,7 +205,7 @@ pub(crate) fn make(
             let (ours, theirs) = Channel::pair()?;
             let (stdout, stderr) = output_memfds()?;
             let theirs = theirs.into_fd();
-            let (pid, pidfd) = forkserver::fork(&theirs, &stdout, &stderr)?;
+            let (pid, pidfd) = forkserver::fork(&theirs, &stdout, &stderr, env)?;
             Ok(Made {
                 pid,
                 pidfd,

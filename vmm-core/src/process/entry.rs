@@ -2,7 +2,6 @@
 //! start message, acknowledge, run the function through its trampoline, report how it ended,
 //! exit. A child whose first message makes it a pool worker goes on in `worker`.
 
-use std::ffi::OsStr;
 use std::io::Write;
 use std::os::fd::OwnedFd;
 use std::panic::{self, AssertUnwindSafe};
@@ -10,10 +9,11 @@ use std::panic::{self, AssertUnwindSafe};
 use super::child::{
     EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED, panic_report, record_panics, warm_up,
 };
+use super::entries::{self, ChildEntry, register_entry};
 use super::method::StartMethod;
 use super::protocol::{Begin, Report, Start};
 use super::status::{NotRunStage, Outcome};
-use super::{sys, worker};
+use super::worker;
 use crate::wire::{self, Channel};
 use crate::{Error, Result};
 
@@ -59,16 +59,8 @@ pub(crate) fn run_child(channel: Channel, method: StartMethod) -> ! {
         std::process::exit(EXIT_NO_START);
     }
     debug_assert_eq!(start.method, method);
-    let outcome = match set_env(&start.env) {
-        Ok(()) => {
-            record_panics();
-            run_function(&start, message.fds)
-        }
-        Err(error) => Outcome::NotRun {
-            stage: NotRunStage::Environment,
-            error,
-        },
-    };
+    record_panics();
+    let outcome = run_function(&start, message.fds);
     finish(channel, outcome)
 }
 
@@ -99,40 +91,10 @@ fn finish(channel: Channel, outcome: Outcome) -> ! {
     std::process::exit(code)
 }
 
-/// Give the child the environment variables its parent asked for, before its function runs.
-///
-/// A spawned child already has them (they were in its environment at exec); a forkserver child
-/// sets them here, as a fork of a single-threaded server that has started no thread yet.
-pub(crate) fn set_env(env: &[(String, String)]) -> Result<()> {
-    let missing: Vec<(String, String)> = env
-        .iter()
-        .filter(|(key, value)| std::env::var_os(key).as_deref() != Some(OsStr::new(value)))
-        .cloned()
-        .collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    if !sys::is_single_threaded() {
-        return Err(Error::InvalidArgument(format!(
-            "the child must set {} environment variable(s) its parent asked for, but has \
-             several threads, where changing the environment is unsound; an executable that is \
-             not a test binary must call vmm_core::process::init() first thing in main",
-            missing.len()
-        )));
-    }
-    // SAFETY: this process has one thread (just checked), and this thread starts none before
-    // the call returns, so no other thread can read or write the environment meanwhile.
-    unsafe { sys::set_env_single_threaded(&missing) };
-    Ok(())
-}
-
 fn run_function(start: &Start, fds: Vec<OwnedFd>) -> Outcome {
-    // SAFETY: `start` arrived on the channel our parent handed down at exec or fork; only the
-    // parent holds its other end. The parent built it in `Context::spawn` from
-    // `entry::trampoline::<A>` (a `Trampoline`), after `check_main_text` found that trampoline
-    // in the main executable's code, with `code_offset` in a process running this executable.
-    let entry = unsafe { sys::resolve_entry(start.layout, start.trampoline, start.func) };
-    let (trampoline, func) = match entry {
+    // Only an entry point this executable registered is ever called: a forged offset is
+    // refused here, not jumped to.
+    let entry = match entries::find_child(start.layout, start.entry) {
         Ok(entry) => entry,
         Err(error) => {
             return Outcome::NotRun {
@@ -141,13 +103,7 @@ fn run_function(start: &Start, fds: Vec<OwnedFd>) -> Outcome {
             };
         }
     };
-    // SAFETY: `Context::spawn` computed `start.func` from its `f: fn(A)` and `start.trampoline`
-    // from `trampoline::<A>` with the same `A`, both checked to lie in the main executable's
-    // code, whose layout is the same here (`resolve_entry` checked the layout); so `func` is
-    // the address of a `fn(A)` for the trampoline's `A`.
-    let called = panic::catch_unwind(AssertUnwindSafe(|| unsafe {
-        trampoline(func, &start.args, fds)
-    }));
+    let called = panic::catch_unwind(AssertUnwindSafe(|| entry(&start.args, fds)));
     match called {
         Ok(Ok(())) => Outcome::Returned,
         Ok(Err(error)) => Outcome::NotRun {
@@ -161,20 +117,34 @@ fn run_function(start: &Start, fds: Vec<OwnedFd>) -> Outcome {
     }
 }
 
-/// The function every child runs first: receive the argument, call the user's `fn(A)`.
+/// The child entry point for `F` (a `fn(A)` item or a closure that captures nothing), placed
+/// in this executable's child entry table: what `Context::spawn` sends, by its offset.
+///
+/// Taking an `F` proves that the type is inhabited, which [`trampoline`] relies on.
+#[inline(always)]
+pub(crate) fn registered<F, A>(_f: F) -> ChildEntry
+where
+    F: Fn(A) + Copy,
+    A: serde::de::DeserializeOwned,
+{
+    register_entry!("vmm_ipc_child_entries", trampoline::<F, A>);
+    trampoline::<F, A>
+}
+
+/// What a child runs: receive the argument, call `F`.
 ///
 /// An argument that cannot be received is the error its deserialisation raised (an import's
-/// [`Error::InvalidArgument`], say), as that variant.
-///
-/// # Safety
-/// `func` must be the address, in this process, of a function of type `fn(A)` with this `A`.
-pub(crate) unsafe fn trampoline<A: serde::de::DeserializeOwned>(
-    func: usize,
-    args: &[u8],
-    fds: Vec<OwnedFd>,
-) -> Result<()> {
+/// [`Error::InvalidArgument`], say), as that variant. Reached only through the entry table, for
+/// an `F` that [`registered`] was given a value of.
+fn trampoline<F, A>(args: &[u8], fds: Vec<OwnedFd>) -> Result<()>
+where
+    F: Fn(A) + Copy,
+    A: serde::de::DeserializeOwned,
+{
     let arg: A = wire::decode(args, fds)?;
-    // SAFETY: the caller guarantees that `func` is a `fn(A)` with this `A`.
-    unsafe { sys::call_fn_at::<A>(func, arg) };
+    // SAFETY: this function is only named by `registered::<F, A>`, which was given a value of
+    // `F` (a `Copy` type) in a process running this executable, so `F` is inhabited.
+    let f: F = unsafe { entries::conjure::<F>() };
+    f(arg);
     Ok(())
 }

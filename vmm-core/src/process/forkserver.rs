@@ -102,21 +102,23 @@ fn end(pid: Pid) -> String {
     }
 }
 
-/// Ask the forkserver for a child that runs on `channel`, writing to `stdout` and `stderr`.
-/// Returns its pid and, where the kernel has them, a pidfd for it.
+/// Ask the forkserver for a child that runs on `channel`, writing to `stdout` and `stderr`, with
+/// `env` added to its environment. Returns its pid and, where the kernel has them, a pidfd for
+/// it.
 ///
 /// A server that has died is reported on stderr, replaced, and asked again once.
 pub(crate) fn fork(
     channel: &OwnedFd,
     stdout: &OwnedFd,
     stderr: &OwnedFd,
+    env: &[(String, String)],
 ) -> Result<(Pid, Option<OwnedFd>)> {
     let mut slot = server_slot();
     let mut attempts = 0;
     loop {
         attempts += 1;
         let server = running(&mut slot)?;
-        match request(server, channel, stdout, stderr) {
+        match request(server, channel, stdout, stderr, env) {
             Ok(forked) => return Ok(forked),
             Err(Error::Disconnected(_)) if attempts < 2 => {
                 let pid = server.pid;
@@ -161,9 +163,11 @@ fn request(
     channel: &OwnedFd,
     stdout: &OwnedFd,
     stderr: &OwnedFd,
+    env: &[(String, String)],
 ) -> Result<(Pid, Option<OwnedFd>)> {
     let request = ForkRequest {
         parent: getpid().as_raw(),
+        env: env.to_vec(),
     };
     let encoded = wire::encode(&request)?;
     server.requests.send_timeout(

@@ -93,6 +93,25 @@ pub(crate) fn launch(launch: Launch) -> Result<Pid> {
         .map_err(|_| Error::Forkserver("the launcher thread dropped a request".into()))?
 }
 
+/// Whether `key=value` can be set in a child's environment: a key that is not empty and has no
+/// `=` or NUL, a value without NUL, and not the role variable (a child's role is vmm-core's to
+/// give, never an environment setting's).
+pub(crate) fn valid_env(key: &str, value: &str) -> bool {
+    !key.is_empty() && !key.contains(['=', '\0']) && !value.contains('\0') && key != ROLE_VAR
+}
+
+/// `Ok` when every variable of `env` is [valid](valid_env); else [`Error::InvalidArgument`]
+/// naming the first that is not.
+pub(crate) fn check_env(env: &[(String, String)]) -> Result<()> {
+    match env.iter().find(|(key, value)| !valid_env(key, value)) {
+        None => Ok(()),
+        Some((key, _)) => Err(Error::InvalidArgument(format!(
+            "environment variable {key:?} cannot be given to a child: a key must be non-empty \
+             without '=' or NUL, a value without NUL, and {ROLE_VAR} is vmm-core's own"
+        ))),
+    }
+}
+
 fn cstring(bytes: &[u8]) -> Result<CString> {
     CString::new(bytes)
         .map_err(|_| Error::InvalidArgument("argument or environment contains a NUL byte".into()))

@@ -73,7 +73,8 @@
 // - forkserver: the parent's side of the forkserver (start it, ask it for a child)
 // - role: the pre-`main` hook and `init`: a started process takes its role
 // - server: the forkserver's own loop (forks children)
-// - entry: a child's life: (warm-up,) start message, trampoline, report, exit
+// - entry: a child's life: (warm-up,) start message, entry point, report, exit
+// - entries: the entry table (what a child may run on its parent's word) and its lookup
 // - worker: a pool worker's life: warm-up, then tasks until the channel closes
 // - child: what every child does (exit codes, die with the parent, record panics, warm up)
 // - launch: posix_spawn of /proc/self/exe on the launcher thread; the running test's name;
@@ -86,6 +87,7 @@
 // - sys: the thin unsafe layer (fork, fd renumbering, pidfds, code addresses, environment)
 mod child;
 mod context;
+mod entries;
 mod entry;
 mod forkserver;
 mod handle;

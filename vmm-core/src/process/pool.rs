@@ -261,36 +261,33 @@ impl Pool {
 
     /// Queue `f(args)` on a worker; a free worker takes it at once.
     ///
-    /// `f` is a plain `fn` or non-capturing closure compiled into the main executable, as for
-    /// [`Context::spawn`](super::Context::spawn); one that is not is refused with
+    /// `f` is a `fn` item or a closure that captures nothing, compiled into the main
+    /// executable, as for [`Context::spawn`](super::Context::spawn): a worker runs only entry
+    /// points the executable registered; code elsewhere is refused with
     /// [`Error::InvalidArgument`] before anything is queued. `args` is the argument or a
     /// reference to it (`&descriptor`: one export, sent to many tasks). It is serialised now
     /// (fds out of band: buffers are exported on the way, descriptors' fds duplicated), so the
     /// caller may drop or reuse what it passed. Dropping the returned handle without joining
     /// cancels the task: one still queued never runs, a running one is killed with its worker
     /// (which is replaced).
-    pub fn submit<A, R>(&self, f: fn(A) -> R, args: impl Borrow<A>) -> Result<TaskHandle<R>>
+    pub fn submit<F, A, R>(&self, f: F, args: impl Borrow<A>) -> Result<TaskHandle<R>>
     where
+        F: Fn(A) -> R + Copy,
         A: Serialize + DeserializeOwned,
         R: Serialize + DeserializeOwned,
     {
-        let trampoline: sys::TaskTrampoline = worker::task_trampoline::<A, R>;
+        let entry = worker::registered::<F, A, R>(f);
         sys::check_main_text(
             sys::code_base as fn() -> usize as usize,
             "vmm-core's code (is vmm-core linked as a shared library?)",
         )?;
-        sys::check_main_text(f as usize, "the task's function passed to Pool::submit")?;
-        sys::check_main_text(
-            trampoline as usize,
-            "the task trampoline for these argument and result types",
-        )?;
+        sys::check_main_text(entry as usize, "the task's entry point for this function")?;
         // The argument's fds are owned copies (its lent ones duplicated), so it can go now.
         let (encoded, fds) = worker::encode_owned(args.borrow())?;
         drop(args);
         let task = Task {
             layout: sys::code_offset(sys::layout_probe as fn() -> usize as usize),
-            trampoline: sys::code_offset(trampoline as usize),
-            func: sys::code_offset(f as usize),
+            entry: sys::code_offset(entry as usize),
             args: encoded,
         };
         let bytes = wire::encode(&task)?.bytes().to_vec();

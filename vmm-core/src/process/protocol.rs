@@ -28,18 +28,16 @@ pub(crate) enum Begin {
     Ping,
 }
 
-/// What a single-use child runs.
+/// What a single-use child runs. It carries no environment: a child gets its environment
+/// where it is made (at exec, or from the forkserver as it forks), never from a message.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Start {
     /// Offset of `sys::layout_probe` in the parent, to check that the child runs the same image.
     pub layout: isize,
-    /// Offset of the monomorphised trampoline.
-    pub trampoline: isize,
-    /// Offset of the user's `fn(A)`.
-    pub func: isize,
+    /// Offset of the child entry point (`entry::registered`); the child calls it only if it is
+    /// in its entry table (`entries::find_child`).
+    pub entry: isize,
     pub method: StartMethod,
-    /// Extra environment variables for the child.
-    pub env: Vec<(String, String)>,
     /// The argument, postcard with fds out of band.
     pub args: Vec<u8>,
 }
@@ -57,10 +55,9 @@ pub(crate) struct Serve {
 pub(crate) struct Task {
     /// As in [`Start`].
     pub layout: isize,
-    /// Offset of the monomorphised task trampoline (`fn(A) -> R`).
-    pub trampoline: isize,
-    /// Offset of the user's `fn(A) -> R`.
-    pub func: isize,
+    /// Offset of the task entry point (`worker::registered`); the worker calls it only if it is
+    /// in its entry table (`entries::find_task`).
+    pub entry: isize,
     /// The argument, postcard with fds out of band.
     pub args: Vec<u8>,
 }
@@ -109,6 +106,9 @@ pub(crate) enum TaskOutcome {
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct ForkRequest {
     pub parent: i32,
+    /// Environment variables the forked child sets before it waits for its start message
+    /// (checked by `launch::check_env` in the parent; the server skips any that is not valid).
+    pub env: Vec<(String, String)>,
 }
 
 /// Forkserver -> parent. `Forked` carries a pidfd for the child when the kernel has pidfds.

@@ -1,41 +1,92 @@
 //! How a process that vmm-core started takes its role (child or forkserver): the pre-`main`
-//! hook, and [`init`] for executables where such hooks do not run.
+//! hook, and [`init`].
+//!
+//! The role comes from an environment variable, and the environment is the caller's to choose:
+//! any process can start any executable that links vmm-core (a daemon, a CLI, a setuid helper)
+//! with `VMM_IPC_CHILD` set. So the variable alone grants nothing. A process takes a role only
+//! when all of this holds, checked before the fd it names is touched:
+//! - it is not a secure-exec process (`AT_SECURE`: setuid, setgid, file capabilities), whose
+//!   environment belongs to a less privileged caller;
+//! - vmm-core is part of the main executable (not a library loaded into another program);
+//! - the fd it names (3 or above) is a Unix `SOCK_SEQPACKET` socket whose peer, by the
+//!   kernel's credentials (`SO_PEERCRED`), is this process's parent (the pid the variable
+//!   names, and `getppid()`), running as this process's effective uid (not the overflow uid of
+//!   an unmapped user).
+//!
+//! Otherwise the variable is ignored (one line on stderr says why) and the fd is left alone:
+//! the program runs as if it were not there. A process that takes a role still runs only the
+//! entry points its own executable registered (`entries`), whatever its parent sends.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::ffi::OsStr;
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::sync::Mutex;
 
-use nix::unistd::Pid;
+use nix::sys::socket::{getsockopt, sockopt};
+use nix::unistd::{Pid, getppid};
 
-use super::child::{self, EXIT_NO_START};
+use super::child;
 use super::entry;
 use super::method::StartMethod;
 use super::protocol::ROLE_VAR;
 use super::{server, sys};
 use crate::wire::Channel;
 
-static ROLE_TAKEN: AtomicBool = AtomicBool::new(false);
-
 /// Set (to anything) to keep the pre-`main` hook from taking a child's role, so that only an
-/// explicit [`init`] does: for debugging, and for testing what happens without it.
+/// explicit [`init`] does: for debugging, and for testing what happens without it. The hook
+/// still checks and adopts the channel; the role variable stays in the environment.
 pub(crate) const NO_AUTO_INIT_VAR: &str = "VMM_IPC_NO_AUTO_INIT";
+
+/// A role the pre-`main` hook accepted but did not take (under [`NO_AUTO_INIT_VAR`]): [`init`]
+/// takes it.
+static PENDING: Mutex<Option<Role>> = Mutex::new(None);
+
+/// A role this process accepted: what it is, its channel (adopted), its parent.
+#[derive(Debug)]
+struct Role {
+    kind: Kind,
+    channel: OwnedFd,
+    parent: Pid,
+}
+
+#[derive(Debug)]
+enum Kind {
+    Spawn,
+    Forkserver,
+    /// A warm child, with the CUDA ordinals to initialise while it waits.
+    Warm(Vec<usize>),
+}
 
 /// Runs before `main` in every executable that links vmm-core, so that a child (or the
 /// forkserver) takes its role before a test harness or `main` starts threads or does work.
 extern "C" fn before_main() {
-    let Ok(role) = std::env::var(ROLE_VAR) else {
+    let Some(value) = std::env::var_os(ROLE_VAR) else {
         return;
     };
-    if std::env::var_os(NO_AUTO_INIT_VAR).is_some() {
-        return;
-    }
+    let deferred = std::env::var_os(NO_AUTO_INIT_VAR).is_some();
     // The role variable is ours alone: keep it from reaching the user's code (its own
-    // children are started without it anyway). Removing it needs a single thread; before
-    // `main` that is the rule, and a process where a constructor started a thread keeps it.
-    if sys::is_single_threaded() {
+    // children are started without it anyway), whether or not it is accepted. Removing it needs
+    // a single thread; before `main` that is the rule, and a process where a constructor
+    // started a thread keeps it.
+    if !deferred && sys::is_single_threaded() {
         // SAFETY: this process has one thread (just checked), and this thread starts none
         // before the call returns, so no other thread can read or write the environment.
         unsafe { sys::remove_env_single_threaded(ROLE_VAR) };
     }
-    take_role(&role);
+    let role = match accept(&value) {
+        Ok(role) => role,
+        Err(why) => {
+            eprintln!("vmm-ipc: ignoring {ROLE_VAR}: {why}");
+            return;
+        }
+    };
+    if deferred {
+        if let Ok(mut pending) = PENDING.lock() {
+            *pending = Some(role);
+        }
+        return;
+    }
+    take(role)
 }
 
 #[used]
@@ -46,57 +97,74 @@ static BEFORE_MAIN: extern "C" fn() = before_main;
 /// returns); otherwise do nothing.
 ///
 /// Every executable that links vmm-core already does this before `main`, through an
-/// `.init_array` hook. Call it anyway as the first line of `main` in binaries that start
-/// children (examples, bench mains): it documents the requirement and keeps working where
-/// such hooks do not run.
+/// `.init_array` hook, which is also where the role is checked and its channel adopted (so
+/// this function never takes an fd by number). Call it anyway as the first line of `main` in
+/// binaries that start children (examples, bench mains): it documents the requirement, and it
+/// takes a role the hook accepted but deferred (`VMM_IPC_NO_AUTO_INIT`).
 pub fn init() {
-    if ROLE_TAKEN.load(Ordering::Acquire) {
-        return;
-    }
-    if let Ok(role) = std::env::var(ROLE_VAR) {
-        take_role(&role);
+    let pending = PENDING.lock().ok().and_then(|mut pending| pending.take());
+    if let Some(role) = pending {
+        take(role);
     }
 }
 
-fn take_role(value: &str) {
-    let parsed = (|| {
-        let mut parts = value.splitn(4, ':');
-        let kind = parts.next()?;
-        let fd = parts.next()?.parse().ok()?;
-        let parent = parts.next()?.parse().ok()?;
-        Some((kind, fd, Pid::from_raw(parent), parts.next()))
-    })();
-    let Some((kind, fd, parent, arg)) = parsed else {
-        eprintln!("vmm-ipc: ignoring malformed {ROLE_VAR}={value:?}");
-        return;
-    };
-    if ROLE_TAKEN.swap(true, Ordering::AcqRel) {
-        return;
+/// Become what `role` says. Never returns.
+fn take(role: Role) -> ! {
+    let channel = Channel::from_fd(role.channel);
+    child::die_with(role.parent);
+    match role.kind {
+        Kind::Spawn => entry::run_child(channel, StartMethod::Spawn),
+        Kind::Forkserver => server::serve(channel),
+        Kind::Warm(devices) => entry::run_warm(channel, &devices),
     }
-    // SAFETY: the parent handed this process fd `fd` open across exec for this use alone and
-    // named it in the role variable. A number that has been open since exec cannot have been
-    // returned by any open or dup in this process, so no other owner exists unless code read
-    // the role variable, and only this function does, once per process (`ROLE_TAKEN`).
-    let channel = match unsafe { sys::adopt_inherited_fd(fd) } {
-        Ok(fd) => Channel::from_fd(fd),
-        Err(e) => {
-            eprintln!("vmm-ipc: {ROLE_VAR} names fd {fd}, which is unusable: {e}");
-            std::process::exit(EXIT_NO_START);
-        }
-    };
-    child::die_with(parent);
-    match kind {
-        "spawn" => entry::run_child(channel, StartMethod::Spawn),
-        "forkserver" => server::serve(channel),
-        "warm" => {
-            let devices = parse_devices(arg.unwrap_or(""));
-            entry::run_warm(channel, &devices)
-        }
-        other => {
-            eprintln!("vmm-ipc: unknown role {other:?} in {ROLE_VAR}");
-            std::process::exit(EXIT_NO_START);
-        }
+}
+
+/// Check the role variable's `value` and what it names (see the module docs); adopt its
+/// channel if everything holds. `Err` says why not; nothing is touched then.
+fn accept(value: &OsStr) -> Result<Role, String> {
+    // SAFETY: getauxval reads the auxiliary vector the kernel gave this process; no
+    // precondition.
+    if unsafe { libc::getauxval(libc::AT_SECURE) } != 0 {
+        return Err(
+            "this is a secure-exec process (setuid, setgid or file capabilities), whose \
+                    environment is its caller's"
+                .to_owned(),
+        );
     }
+    if sys::check_main_text(sys::code_base as fn() -> usize as usize, "vmm-core").is_err() {
+        return Err("vmm-core is not part of the main executable here".to_owned());
+    }
+    let (kind, fd, parent) = parse(value.as_bytes())
+        .ok_or_else(|| format!("malformed value {:?}", value.to_string_lossy()))?;
+    check_channel(fd, parent)?;
+    // SAFETY: `fd` is open (checked), is a Unix socket whose peer is our parent (checked), and
+    // was named by the role variable, which only this function reads, once per process (from
+    // the pre-`main` hook). An fd open since exec cannot have been returned by any open or dup
+    // in this process, and before `main` nothing else has had a chance to take it.
+    let channel =
+        unsafe { sys::adopt_inherited_fd(fd) }.map_err(|e| format!("fd {fd} is unusable: {e}"))?;
+    Ok(Role {
+        kind,
+        channel,
+        parent,
+    })
+}
+
+/// `kind:fd:parent[:devices]` (see `protocol::ROLE_VAR`).
+fn parse(value: &[u8]) -> Option<(Kind, i32, Pid)> {
+    let value = std::str::from_utf8(value).ok()?;
+    let mut parts = value.splitn(4, ':');
+    let kind = parts.next()?;
+    let fd: i32 = parts.next()?.parse().ok()?;
+    let parent: i32 = parts.next()?.parse().ok()?;
+    let arg = parts.next();
+    let kind = match (kind, arg) {
+        ("spawn", None) => Kind::Spawn,
+        ("forkserver", None) => Kind::Forkserver,
+        ("warm", devices) => Kind::Warm(parse_devices(devices.unwrap_or(""))),
+        _ => return None,
+    };
+    (fd > 2 && parent > 1).then_some((kind, fd, Pid::from_raw(parent)))
 }
 
 /// A warm child's devices, as the role variable lists them (`0,1`; empty for none). Entries
@@ -105,4 +173,119 @@ fn parse_devices(list: &str) -> Vec<usize> {
     list.split(',')
         .filter_map(|d| d.trim().parse().ok())
         .collect()
+}
+
+/// `Ok` when fd `fd` is a Unix `SOCK_SEQPACKET` socket whose peer (by `SO_PEERCRED`) is
+/// `parent`, which is this process's parent and runs as this process's effective uid (not
+/// the overflow uid). Only reads the fd's metadata.
+fn check_channel(fd: i32, parent: Pid) -> Result<(), String> {
+    if getppid() != parent {
+        return Err(format!(
+            "it names pid {parent} as the parent, and this process's parent is {}",
+            getppid()
+        ));
+    }
+    // SAFETY: F_GETFD on any number only reads the fd table (EBADF for one not open).
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err(format!("fd {fd} is not open"));
+    }
+    // SAFETY: `fd` is open (just checked) and stays open for this function: nothing in this
+    // process closes an fd it does not own, and no code has owned this one yet (see `accept`).
+    let socket = unsafe { BorrowedFd::borrow_raw(fd) };
+    let stat = nix::sys::stat::fstat(socket).map_err(|e| format!("fstat(fd {fd}): {e}"))?;
+    if stat.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return Err(format!("fd {fd} is not a socket"));
+    }
+    let domain = socket_option(socket, libc::SO_DOMAIN)?;
+    let kind = socket_option(socket, libc::SO_TYPE)?;
+    if domain != libc::AF_UNIX || kind != libc::SOCK_SEQPACKET {
+        return Err(format!("fd {fd} is not a Unix SOCK_SEQPACKET socket"));
+    }
+    let peer = getsockopt(&socket, sockopt::PeerCredentials)
+        .map_err(|e| format!("SO_PEERCRED on fd {fd}: {e}"))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if peer.pid() != parent.as_raw() {
+        return Err(format!(
+            "fd {fd}'s peer is pid {}, not the parent (pid {parent})",
+            peer.pid()
+        ));
+    }
+    if peer.uid() != euid {
+        return Err(format!(
+            "fd {fd}'s peer runs as uid {}, and this process as uid {euid}",
+            peer.uid()
+        ));
+    }
+    match overflow_uid() {
+        Some(overflow) if overflow != euid => Ok(()),
+        Some(_) => Err(format!(
+            "this process runs as the overflow uid {euid} (its user is not mapped in its user \
+             namespace), so its parent cannot be told apart from other unmapped users"
+        )),
+        None => Err("/proc/sys/kernel/overflowuid cannot be read".to_owned()),
+    }
+}
+
+/// An `int` socket option of `socket`.
+fn socket_option(socket: BorrowedFd<'_>, option: libc::c_int) -> Result<libc::c_int, String> {
+    let mut value: libc::c_int = 0;
+    let mut len = size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes to `value`, an int that lives across the
+    // call, and `len` says its size; `socket` is a borrowed, open fd.
+    let rc = unsafe {
+        libc::getsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&socket),
+            libc::SOL_SOCKET,
+            option,
+            (&raw mut value).cast(),
+            &raw mut len,
+        )
+    };
+    if rc < 0 {
+        return Err(format!(
+            "getsockopt({option}): {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(value)
+}
+
+/// The uid the kernel shows for a user that has no mapping in the reader's user namespace
+/// (`/proc/sys/kernel/overflowuid`), if it can be read.
+fn overflow_uid() -> Option<u32> {
+    std::fs::read_to_string("/proc/sys/kernel/overflowuid")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn malformed_role_values_are_refused() {
+        for value in [
+            "",
+            "spawn",
+            "spawn:3",
+            "spawn:x:10",
+            "spawn:3:x",
+            "spawn:2:10",
+            "spawn:-1:10",
+            "spawn:3:1",
+            "spawn:3:10:extra",
+            "forkserver:3:10:extra",
+            "other:3:10",
+        ] {
+            assert!(parse(value.as_bytes()).is_none(), "{value:?} was accepted");
+        }
+        assert!(matches!(parse(b"spawn:3:10"), Some((Kind::Spawn, 3, _))));
+        assert!(matches!(
+            parse(b"warm:4:10:0,x,1"),
+            Some((Kind::Warm(devices), 4, _)) if devices == [0, 1]
+        ));
+    }
 }

@@ -21,7 +21,7 @@ use super::entry;
 use super::method::StartMethod;
 use super::protocol::{ForkReply, ForkRequest, Report};
 use super::status::ExitStatus;
-use super::sys;
+use super::{launch, sys};
 use crate::Error;
 use crate::wire::{self, Channel, Message};
 
@@ -108,9 +108,11 @@ fn fork_one(
     old_mask: &SigSet,
 ) {
     let server = getpid();
-    let valid =
-        message.fds.len() == 3 && wire::decode::<ForkRequest>(&message.bytes, Vec::new()).is_ok();
-    if !valid {
+    let request = match message.fds.len() {
+        3 => wire::decode::<ForkRequest>(&message.bytes, Vec::new()).ok(),
+        _ => None,
+    };
+    let Some(request) = request else {
         let reply = ForkReply::Failed(Error::Protocol(format!(
             "malformed fork request ({} bytes, {} fds; want a ForkRequest and 3 fds)",
             message.bytes.len(),
@@ -118,7 +120,7 @@ fn fork_one(
         )));
         let _ = requests.send_value(&reply);
         return;
-    }
+    };
     let raw: Vec<_> = message.fds.iter().map(AsRawFd::as_raw_fd).collect();
     // SAFETY: `serve` checked that this process had one thread when it started, and the server
     // starts none: it only polls, reads and writes its sockets, forks and reaps (it never
@@ -159,6 +161,16 @@ fn fork_one(
                 std::process::exit(EXIT_NO_START);
             };
             child::die_with(server);
+            // The environment the parent asked for, set as the child is made (a start message
+            // carries none). Only the parent that started this server sends requests.
+            let env: Vec<_> = request
+                .env
+                .into_iter()
+                .filter(|(key, value)| launch::valid_env(key, value))
+                .collect();
+            // SAFETY: this child of a single-threaded server (see `serve`) has one thread and
+            // has started none.
+            unsafe { sys::set_env_single_threaded(&env) };
             entry::run_child(Channel::from_fd(channel), StartMethod::Forkserver)
         }
         Ok(ForkResult::Parent { child }) => {

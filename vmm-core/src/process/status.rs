@@ -56,10 +56,8 @@ impl fmt::Display for ExitStatus {
 /// What a child was doing when it gave up before running its function.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum NotRunStage {
-    /// Finding its function and the trampoline from the parent's code offsets.
+    /// Finding its entry point: the parent's offset must name one this executable registered.
     Entry,
-    /// Setting the environment variables the parent asked for.
-    Environment,
     /// Receiving (deserialising, importing) its argument.
     Argument,
     /// Receiving its start message (the argument's fds did not fit under its fd limit, say).
@@ -70,7 +68,6 @@ impl fmt::Display for NotRunStage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             NotRunStage::Entry => "could not find it",
-            NotRunStage::Environment => "could not set its environment",
             NotRunStage::Argument => "could not receive its argument",
             NotRunStage::StartMessage => "could not receive its start message",
         })

@@ -14,9 +14,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::child::{self, EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED};
+use super::entries::{self, TaskEntry, register_entry};
 use super::protocol::{Report, Serve, Task, TaskOutcome};
 use super::status::NotRunStage;
-use super::sys;
 use super::taken::TakenCount;
 use crate::wire::{self, Channel};
 use crate::{Error, Result};
@@ -75,13 +75,9 @@ pub(crate) fn serve(channel: Channel, serve: Serve, fds: Vec<OwnedFd>) -> ! {
 
 /// Run one task and report how it ended; exit if it panicked.
 fn run_task(channel: &Channel, task: &Task, fds: Vec<OwnedFd>) {
-    // SAFETY: `task` arrived on the channel our parent handed down at exec or fork; only the
-    // parent holds its other end. The parent built it in `Pool::submit` from
-    // `task_trampoline::<A, R>` (a `TaskTrampoline`), after `check_main_text` found that
-    // trampoline in the main executable's code, with `code_offset` in a process running this
-    // executable.
-    let entry = unsafe { sys::resolve_task_entry(task.layout, task.trampoline, task.func) };
-    let (trampoline, func) = match entry {
+    // Only an entry point this executable registered is ever called: a forged offset is
+    // refused here, not jumped to.
+    let entry = match entries::find_task(task.layout, task.entry) {
         Ok(entry) => entry,
         Err(error) => {
             let stage = NotRunStage::Entry;
@@ -90,13 +86,7 @@ fn run_task(channel: &Channel, task: &Task, fds: Vec<OwnedFd>) {
     };
     // A panic an earlier task caught itself must not be taken for this task's.
     let _ = child::take_recorded_panic();
-    // SAFETY: `Pool::submit` computed `task.func` from its `f: fn(A) -> R` and
-    // `task.trampoline` from `task_trampoline::<A, R>` with the same `A` and `R`, both checked
-    // to lie in the main executable's code, whose layout is the same here
-    // (`resolve_task_entry` checked it); so `func` is a `fn(A) -> R` for the trampoline's types.
-    let called = panic::catch_unwind(AssertUnwindSafe(|| unsafe {
-        trampoline(func, &task.args, fds)
-    }));
+    let called = panic::catch_unwind(AssertUnwindSafe(|| entry(&task.args, fds)));
     match called {
         Ok(Ok(Ok((bytes, fds)))) => {
             let fds: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
@@ -143,25 +133,38 @@ fn report(channel: &Channel, outcome: TaskOutcome, fds: &[std::os::fd::BorrowedF
     }
 }
 
-/// The function every pool task runs first: receive the argument, call the user's
-/// `fn(A) -> R`, serialise the result (and drop it). `Err`: the argument could not be received;
-/// `Ok(Err)`: the result could not be serialised.
+/// The task entry point for `F` (a `fn(A) -> R` item or a closure that captures nothing),
+/// placed in this executable's task entry table: what `Pool::submit` sends, by its offset.
 ///
-/// # Safety
-/// `func` must be the address, in this process, of a function of type `fn(A) -> R` with these
-/// `A` and `R`.
-pub(crate) unsafe fn task_trampoline<A, R>(
-    func: usize,
+/// Taking an `F` proves that the type is inhabited, which [`task_trampoline`] relies on.
+#[inline(always)]
+pub(crate) fn registered<F, A, R>(_f: F) -> TaskEntry
+where
+    F: Fn(A) -> R + Copy,
+    A: DeserializeOwned,
+    R: Serialize,
+{
+    register_entry!("vmm_ipc_task_entries", task_trampoline::<F, A, R>);
+    task_trampoline::<F, A, R>
+}
+
+/// What a pool task runs: receive the argument, call `F`, serialise the result (and drop it).
+/// `Err`: the argument could not be received; `Ok(Err)`: the result could not be serialised.
+/// Reached only through the entry table, for an `F` that [`registered`] was given a value of.
+fn task_trampoline<F, A, R>(
     args: &[u8],
     fds: Vec<OwnedFd>,
 ) -> Result<Result<(Vec<u8>, Vec<OwnedFd>)>>
 where
+    F: Fn(A) -> R + Copy,
     A: DeserializeOwned,
     R: Serialize,
 {
     let arg: A = wire::decode(args, fds)?;
-    // SAFETY: the caller guarantees that `func` is a `fn(A) -> R` with these `A` and `R`.
-    let result: R = unsafe { sys::call_task_fn_at::<A, R>(func, arg) };
+    // SAFETY: this function is only named by `registered::<F, A, R>`, which was given a value
+    // of `F` (a `Copy` type) in a process running this executable, so `F` is inhabited.
+    let f: F = unsafe { entries::conjure::<F>() };
+    let result: R = f(arg);
     Ok(encode_owned(&result))
 }
 
