@@ -398,6 +398,94 @@ fn a_task_its_worker_died_before_taking_runs_on_the_replacement(
     );
 }
 
+/// A hostile task: it counts its run in `runs` (through the queue, outside its own memory),
+/// then zeroes every writable shared mapping of its own process except its argument's (what a
+/// task, or a stray write, can do to anything the worker keeps in shared memory), and kills
+/// its own process.
+fn wipe_shared_memory_and_die(runs: Queue<u32>) -> u32 {
+    runs.put(&std::process::id()).unwrap();
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        if !perms.starts_with("rw") || !perms.ends_with('s') {
+            continue;
+        }
+        let Some((start, end)) = range.split_once('-') else {
+            continue;
+        };
+        let start = usize::from_str_radix(start, 16).unwrap();
+        let end = usize::from_str_radix(end, 16).unwrap();
+        // SAFETY: this is the attack. The range is a writable shared mapping of this process
+        // (the kernel says so), and the process kills itself right after, so nothing of it
+        // reads the wiped memory as Rust values again.
+        unsafe { std::ptr::write_bytes(start as *mut u8, 0, end - start) };
+    }
+    kill(Pid::this(), Signal::SIGKILL).unwrap();
+    unreachable!("SIGKILL returned")
+}
+
+/// Another hostile task: it counts its run, shuts down every socket of its process both ways
+/// (a task socket that reads as closed must not pass for one whose task is still unread), and
+/// kills its own process.
+fn shut_every_socket_and_die(runs: Queue<u32>) -> u32 {
+    runs.put(&std::process::id()).unwrap();
+    for entry in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        let Ok(fd) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let is_socket = std::fs::read_link(entry.path())
+            .is_ok_and(|target| target.to_string_lossy().starts_with("socket:"));
+        if is_socket {
+            // SAFETY: shutdown only changes the socket's state; the fd stays open and owned by
+            // whoever owns it. This is the attack.
+            unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+        }
+    }
+    kill(Pid::this(), Signal::SIGKILL).unwrap();
+    unreachable!("SIGKILL returned")
+}
+
+/// "No task runs twice" whatever a task does to its own process: a task that wipes every
+/// shared mapping of its worker, or shuts down every socket it has, and then dies ran once,
+/// and fails with how its worker died; it is never handed to a replacement.
+#[rstest]
+fn a_hostile_task_that_kills_its_worker_runs_once(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+    #[values("wipe shared memory", "shut every socket")] attack: &str,
+) {
+    let _guard = shared();
+    let pool = Pool::new(method, 1).unwrap();
+    let worker = pool.pids()[0];
+    let runs = Queue::new().unwrap();
+    let submitted = if attack == "wipe shared memory" {
+        pool.submit(wipe_shared_memory_and_die, runs.clone())
+    } else {
+        pool.submit(shut_every_socket_and_die, runs.clone())
+    };
+    let joined = submitted.unwrap().join(TIMEOUT);
+    let Err(Error::Child(failure)) = &joined else {
+        panic!("a task whose worker died must fail, got {joined:?}");
+    };
+    // (A worker that shut its own channel down may leave its exit status unknown.)
+    assert!(
+        failure.to_string().contains("SIGKILL") || failure.to_string().contains("status unknown"),
+        "{failure}"
+    );
+    assert_eq!(runs.get(TIMEOUT).unwrap(), worker, "the task never ran");
+    assert!(
+        runs.get(Duration::from_millis(500)).is_err(),
+        "the task ran again after its worker died"
+    );
+    // The pool serves on.
+    assert_ne!(
+        pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap(),
+        worker
+    );
+}
+
 /// A worker SIGKILLed an instant before a submit: the task may reach its channel before the
 /// kernel has finished it, but it never takes the task, so the task runs elsewhere.
 #[rstest]

@@ -327,6 +327,67 @@ mod tests {
     }
 
     #[test]
+    fn a_forged_task_entry_is_refused_and_the_worker_serves_on() {
+        use super::super::protocol::{Serve, Task, TaskOutcome};
+        use std::os::fd::AsFd;
+
+        let (ours, theirs) = Channel::pair().unwrap();
+        let theirs = theirs.into_fd();
+        let raw = theirs.as_raw_fd();
+        let mut command = Command::new("/proc/self/exe");
+        command
+            .args(["--exact", "no-such-test"])
+            .env(ROLE_VAR, format!("spawn:{raw}:{}", std::process::id()))
+            .env_remove("VMM_IPC_NO_AUTO_INIT")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        // SAFETY: the closure only calls fcntl (async-signal-safe) on an fd open in the child.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::fcntl(raw, libc::F_SETFD, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = command.spawn().unwrap();
+        drop(theirs);
+        let (tasks, worker_end) = Channel::pair().unwrap();
+        let serve = Begin::Serve(Serve { devices: vec![] });
+        let serve = wire::encode(&serve).unwrap();
+        ours.send(serve.bytes(), &[worker_end.as_fd()]).unwrap();
+        drop(worker_end);
+        assert!(matches!(
+            ours.recv_value::<Report>(Some(WAIT)).unwrap(),
+            Report::Serving
+        ));
+        let layout = sys::code_offset(sys::layout_probe as fn() -> usize as usize);
+        let args = wire::encode(&7u32).unwrap().bytes().to_vec();
+        for entry in [
+            sys::code_offset(std::process::abort as fn() -> ! as usize),
+            0x7ead_beef,
+        ] {
+            let task = Task {
+                layout,
+                entry,
+                args: args.clone(),
+            };
+            tasks.send_value(&task).unwrap();
+            match ours.recv_value::<Report>(Some(WAIT)).unwrap() {
+                Report::TaskDone(TaskOutcome::NotRun {
+                    stage: NotRunStage::Entry,
+                    ..
+                }) => {}
+                other => panic!("a forged task entry ran or failed otherwise: {other:?}"),
+            }
+        }
+        drop(tasks);
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), Some(0), "{status:?}");
+    }
+
+    #[test]
     fn the_tables_hold_registered_entries_and_no_zero() {
         fn registered_here(_: ()) {}
         let entry = entry::registered::<_, ()>(registered_here) as usize;

@@ -79,7 +79,6 @@
 // - child: what every child does (exit codes, die with the parent, record panics, warm up)
 // - launch: posix_spawn of /proc/self/exe on the launcher thread; the running test's name;
 //   `Made` (a child waiting for its first message) and its output memfds
-// - taken: a pool worker's count of tasks taken, in shared memory (read when it dies)
 // - tracker: which children a test started (`#[ipc_test]`'s registry)
 // - protocol: the messages; status: ExitStatus, ChildError, a child's outcome
 // - timeout: `VMM_CHILD_TIMEOUT`, default_timeout
@@ -99,7 +98,6 @@ mod role;
 mod server;
 mod status;
 mod sys;
-mod taken;
 mod timeout;
 mod tracker;
 mod warm;

@@ -12,22 +12,26 @@
 //! workers' reports, one waiter at a time, and hands each result to its task; the others sleep
 //! until their result is in or their deadline passes. A worker that dies or panics fails only
 //! the task it was running, with an [`Error::Child`] that says what happened, and is replaced.
-//! A worker that dies before it took its task off its channel (killed while idle: such a death
-//! can go unseen for as long as the process's teardown takes) never ran it, and the task goes
-//! to the replacement instead; each worker counts the tasks it takes in shared memory
-//! (`taken`), so the pool knows which case it is.
+//! A worker that dies before it took its task off its task socket (killed while idle: such a
+//! death can go unseen for as long as the process's teardown takes) never ran it, and the task
+//! goes to the replacement instead. The pool knows which case it is from the kernel, not from
+//! anything the worker wrote: it keeps a reference to the worker's end of the task socket, so a
+//! task the worker never received is still queued there after the worker is gone. A worker (or
+//! a task running in it) can consume messages but never put one back, so whatever a task does
+//! to its own process, a task that may have run is never sent again.
 
 use std::borrow::Borrow;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::marker::PhantomData;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{Signal, kill};
+use nix::sys::socket::MsgFlags;
 use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::Pid;
 use serde::Serialize;
@@ -39,7 +43,6 @@ use super::launch::current_test_name;
 use super::method::StartMethod;
 use super::protocol::{Begin, Report, Serve, Task, TaskOutcome};
 use super::status::{ChildError, ExitStatus, Observed, Outcome};
-use super::taken::TakenCount;
 use super::timeout::default_timeout;
 use super::{sys, warm, worker};
 use crate::wire::{self, Channel};
@@ -98,11 +101,8 @@ const DELIVERIES_MAX: u32 = 3;
 /// - Dropping the pool kills and reaps every worker (tasks that had not finished fail with
 ///   [`Error::Disconnected`]).
 ///
-/// The parent holds one fd for the pool and four per worker (channel, pidfd, stdout, stderr;
-/// a fifth, the worker's task count, only where [`buffers_hold_no_fd`] is false); they stay the
-/// same across tasks and replacements.
-///
-/// [`buffers_hold_no_fd`]: crate::shm::buffers_hold_no_fd
+/// The parent holds one fd for the pool and six per worker (channel, pidfd, stdout, stderr,
+/// and both ends of its task socket); they stay the same across tasks and replacements.
 pub struct Pool {
     shared: Arc<Shared>,
 }
@@ -187,10 +187,12 @@ struct Worker {
     stderr: OwnedFd,
     state: WorkerState,
     tasks_done: u64,
-    /// Its count of tasks taken off its channel (it bumps it; read when it dies).
-    taken: TakenCount,
-    /// Tasks sent to it so far.
-    sent: u64,
+    /// Our end of its task socket: tasks go here, nothing is read (shut for reading, so the
+    /// worker cannot fill it).
+    tasks: Channel,
+    /// Its end of the task socket, which we keep so that a task it never received stays
+    /// queued there, for us to see, after it is gone.
+    unread: OwnedFd,
     /// The task it runs, kept (with its fds) until it reports: if it dies before taking it, the
     /// task goes to another worker.
     in_flight: Option<Queued>,
@@ -499,8 +501,10 @@ impl Shared {
     /// Start one worker and send it its `Serve`; it is `Starting` until it says `Serving`.
     fn start_worker(&self) -> Result<Worker> {
         let test_name = self.test_binary.then(|| PLACEHOLDER_TEST.to_owned());
-        let taken = TakenCount::new()?;
-        let taken_fd = taken.export()?;
+        let (tasks, unread) = Channel::pair()?;
+        nix::sys::socket::shutdown(tasks.as_raw_fd(), nix::sys::socket::Shutdown::Read)
+            .map_err(|e| Error::errno("shutdown(SHUT_RD) of a worker's task socket", e))?;
+        let unread = unread.into_fd();
         let made = context::make(self.method, &[], test_name)?;
         let worker = Worker {
             pid: made.pid,
@@ -510,8 +514,8 @@ impl Shared {
             stderr: made.stderr,
             state: WorkerState::Starting,
             tasks_done: 0,
-            taken,
-            sent: 0,
+            tasks,
+            unread,
             in_flight: None,
             exited: None,
         };
@@ -519,7 +523,7 @@ impl Shared {
             devices: self.devices.clone(),
         });
         let serve = wire::encode(&serve)?;
-        match worker.channel.send(serve.bytes(), &[taken_fd.as_fd()]) {
+        match worker.channel.send(serve.bytes(), &[worker.unread.as_fd()]) {
             // Disconnected: it died already; reading its channel says how.
             Ok(()) | Err(Error::Disconnected(_)) => Ok(worker),
             Err(error) => {
@@ -818,7 +822,7 @@ impl Shared {
     /// died before taking it.
     fn never_taken(&self, inner: &Inner, worker: &Worker, id: u64, violated: bool) -> bool {
         !violated
-            && worker.taken.get() < worker.sent
+            && task_unread(&worker.unread)
             && matches!(
                 inner.tasks.get(&id),
                 Some(TaskState::Running {
@@ -986,12 +990,11 @@ impl Shared {
             let mut task = inner.queue.pop_front().expect("not empty");
             let fds: Vec<BorrowedFd<'_>> = task.fds.iter().map(AsFd::as_fd).collect();
             let worker = inner.slots[slot].as_mut().expect("found above");
-            match worker.channel.send(&task.bytes, &fds) {
+            match worker.tasks.send(&task.bytes, &fds) {
                 Ok(()) => {
                     drop(fds);
                     let id = task.id;
                     task.deliveries += 1;
-                    worker.sent += 1;
                     worker.state = WorkerState::Busy(id);
                     worker.in_flight = Some(task);
                     inner.tasks.insert(
@@ -1023,6 +1026,19 @@ impl Shared {
             }
         }
     }
+}
+
+/// Whether a task still waits in `unread`, a (dead) worker's end of its task socket: the worker
+/// never received it. Only a message queued there counts (peeked, not taken), not an
+/// end-of-file or a shutdown the worker made; anything but a message says "received", so that a
+/// task that may have run is never sent again.
+fn task_unread(unread: &OwnedFd) -> bool {
+    let mut byte = [0u8; 1];
+    let flags = MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_TRUNC;
+    matches!(
+        nix::sys::socket::recv(unread.as_raw_fd(), &mut byte, flags),
+        Ok(len) if len > 0
+    )
 }
 
 /// Whether task `id` has ended (or is unknown: cancelled).

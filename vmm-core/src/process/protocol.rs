@@ -19,7 +19,7 @@ pub(crate) enum Begin {
     /// Run one function and exit; the argument's fds ride along.
     Once(Start),
     /// Become a [`Pool`](super::Pool) worker: warm up, say [`Report::Serving`], then run
-    /// [`Task`]s until the channel closes.
+    /// [`Task`]s from its task socket until the pool closes it.
     Serve(Serve),
     /// Not a beginning: a waiting warm child answers [`Report::Pong`] and waits on. The warm
     /// pool asks before it hands a child out, since a killed child's pidfd and channel can stay
@@ -42,8 +42,8 @@ pub(crate) struct Start {
     pub args: Vec<u8>,
 }
 
-/// How a pool worker prepares. The message carries one fd: the memfd of the worker's
-/// [`TakenCount`](super::taken::TakenCount).
+/// How a pool worker prepares. The message carries one fd: the worker's end of its task
+/// socket, where its [`Task`]s arrive (the pool keeps a reference to it too: see `pool`).
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Serve {
     /// The CUDA devices (ordinals) whose primary context the worker retains before it serves.

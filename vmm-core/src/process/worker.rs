@@ -1,5 +1,6 @@
 //! A pool worker's life (the child side of [`Pool`](super::Pool)): warm up, say it serves, then
-//! run one task after another until the parent closes the channel.
+//! run one task after another, as they arrive on its task socket, until the parent closes it.
+//! Reports go on the worker's channel.
 //!
 //! Each task's argument is received (fds imported) for that task alone and moved into the
 //! function, so whatever it holds (a mapping, an fd) is released when the function returns;
@@ -17,43 +18,34 @@ use super::child::{self, EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED};
 use super::entries::{self, TaskEntry, register_entry};
 use super::protocol::{Report, Serve, Task, TaskOutcome};
 use super::status::NotRunStage;
-use super::taken::TakenCount;
 use crate::wire::{self, Channel};
 use crate::{Error, Result};
 
-/// Serve tasks on `channel` until it closes, counting each task taken in the [`TakenCount`]
-/// whose memfd came with `serve` (in `fds`). Never returns.
+/// Serve tasks until the pool closes its end of the task socket, whose other end came with
+/// `serve` (in `fds`); report each on `channel`. Never returns.
 pub(crate) fn serve(channel: Channel, serve: Serve, fds: Vec<OwnedFd>) -> ! {
-    let taken = match fds.as_slice() {
-        [fd] => TakenCount::import(fd),
-        _ => Err(Error::Protocol(format!(
-            "a Serve message carries {} fds, not the one of its task count",
-            fds.len()
-        ))),
-    };
-    let taken = match taken {
-        Ok(taken) => taken,
-        Err(error) => {
+    let tasks = match <[OwnedFd; 1]>::try_from(fds) {
+        Ok([fd]) => Channel::from_fd(fd),
+        Err(fds) => {
             // The pool reports a worker that dies while it starts, with what it printed.
-            eprintln!("vmm-ipc: a pool worker could not map its task count: {error}");
+            eprintln!(
+                "vmm-ipc: a pool worker's Serve carries {} fds, not the one of its task socket",
+                fds.len()
+            );
             std::process::exit(EXIT_NOT_RUN);
         }
     };
-    drop(fds);
     child::warm_up(&serve.devices);
     child::record_panics();
     if channel.send_value(&Report::Serving).is_err() {
         std::process::exit(EXIT_NO_START);
     }
     loop {
-        let received = match channel.recv(None) {
+        let received = match tasks.recv(None) {
             // The pool was dropped (or replaced this worker): done.
             Err(Error::Disconnected(_)) => std::process::exit(0),
             received => received,
         };
-        // Counted before anything of the task runs: a worker that dies before this store never
-        // ran it, and the pool gives it to another.
-        taken.bump();
         let task = received.and_then(|message| {
             wire::decode::<Task>(&message.bytes, Vec::new()).map(|task| (task, message.fds))
         });
