@@ -135,8 +135,16 @@ impl<T: 'static> Drop for Installed<T> {
 
 /// Serialise `value` with postcard, collecting the fds it carries.
 ///
-/// The message owns what it carries (see the [module docs](self)): replacing or dropping
-/// `value`, or an fd owner inside it, afterwards changes nothing the message sends.
+/// The message owns every fd it carries, so replacing or dropping `value`, or an fd owner
+/// inside it (through a `RefCell` or a `Mutex`, say), afterwards changes nothing the message
+/// sends; no path hands it a bare fd number. Each fd arrives by one of:
+/// - [`serialize_fd`]: a duplicate made while the value serialises (one `dup`, a fraction of a
+///   microsecond): how [`Fd`](super::Fd), [`HostDescriptor`](crate::shm::HostDescriptor) and
+///   [`IpcDescriptor`](crate::cuda::IpcDescriptor) send theirs (plain `OwnedFd`s that a caller
+///   can take out of them);
+/// - [`serialize_shared_fd`]: no syscall, the message holds a clone of an `Arc<OwnedFd>` (a
+///   [`Queue`](super::Queue) shares its reference-counted sockets the same way);
+/// - [`serialize_owned_fd`]: the fd is handed over (buffers export on the way).
 pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded<'static>> {
     let installed = Installed::new(
         &SINK,
