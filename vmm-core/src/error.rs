@@ -84,6 +84,19 @@ pub enum Error {
         /// Who was refused, by whom, and why.
         reason: String,
     },
+    /// A size that another process chose (a host buffer's, say) is larger than the cap this
+    /// process set for it; nothing was allocated or mapped. `raise` says how to raise the cap.
+    #[error("{what}: {size} bytes is more than the cap of {cap} bytes; {raise}")]
+    LimitExceeded {
+        /// What was refused, e.g. `importing a host buffer`.
+        what: Cow<'static, str>,
+        /// The size asked for.
+        size: u64,
+        /// The cap in force.
+        cap: u64,
+        /// How the receiver raises the cap, if it trusts the sender.
+        raise: Cow<'static, str>,
+    },
     /// An argument was refused before anything was done.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

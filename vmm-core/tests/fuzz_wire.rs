@@ -22,13 +22,17 @@ use vmm_core::cuda::{IpcDescriptor, VirtualMemoryBuffer};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
 use vmm_core::wire::{Channel, Fd, Queue, decode};
 
-/// Sizes at the edges: empty, small, a page, a granule, huge (sparse), the largest.
+/// Sizes at the edges: empty, small, a page, a granule, the host import cap and one byte over
+/// it, huge (sparse, over the cap), the largest.
 fn size() -> impl Strategy<Value = u64> {
+    let cap = vmm_core::shm::DEFAULT_MAX_IMPORT_SIZE as u64;
     prop_oneof![
         Just(0u64),
         1u64..5000,
         Just(4096),
         Just(2 << 20),
+        Just(cap),
+        Just(cap + 1),
         Just(1 << 40),
         Just(u64::MAX),
     ]
@@ -193,9 +197,19 @@ impl Packet {
 }
 
 fn decode_as(target: Target, bytes: &[u8], fds: Vec<OwnedFd>) {
-    // Every outcome is fine but a panic; values are dropped at once (unmapping any import).
+    // Every outcome is fine but a panic or an import over the cap (`touch_claimed` checks it);
+    // values are dropped at once (unmapping any import).
     let _ = match target {
-        Target::HostDescriptor => decode::<HostDescriptor>(bytes, fds).map(drop),
+        Target::HostDescriptor => decode::<HostDescriptor>(bytes, fds).map(|d| {
+            // A descriptor is only data; importing it is where the cap applies.
+            if d.size() > vmm_core::shm::max_import_size() {
+                let err = HostBuffer::import(&d).expect_err("imported over the cap");
+                assert!(
+                    matches!(err, vmm_core::Error::LimitExceeded { .. }),
+                    "{err:?}"
+                );
+            }
+        }),
         Target::HostBuffer => decode::<HostBuffer>(bytes, fds).map(|b| touch_claimed(&b)),
         Target::IpcDescriptor => decode::<IpcDescriptor>(bytes, fds).map(drop),
         Target::VirtualMemoryBuffer => decode::<VirtualMemoryBuffer>(bytes, fds).map(drop),
@@ -230,6 +244,37 @@ fn run_one(a: &Channel, b: &Channel, packet: &Packet) -> Result<(), TestCaseErro
 /// Inputs that broke earlier versions: they run first, every time.
 fn corpus() -> Vec<Packet> {
     vec![
+        // A host buffer of a sparse, sealed 1 TiB memfd: imported (no cap) before issue 16.
+        Packet::Inline {
+            payload: Payload::Host(HostWire {
+                size: 1 << 40,
+                fd: Some(0),
+            }),
+            flip: None,
+            fds: vec![FdKind::SizeSealed(1 << 40)],
+            target: Target::HostBuffer,
+        },
+        // One byte over the import cap, and exactly at it (imports, mapped lazily).
+        Packet::Inline {
+            payload: Payload::Host(HostWire {
+                size: vmm_core::shm::DEFAULT_MAX_IMPORT_SIZE as u64 + 1,
+                fd: Some(0),
+            }),
+            flip: None,
+            fds: vec![FdKind::SizeSealed(1 << 40)],
+            target: Target::HostDescriptor,
+        },
+        Packet::Inline {
+            payload: Payload::Host(HostWire {
+                size: vmm_core::shm::DEFAULT_MAX_IMPORT_SIZE as u64,
+                fd: Some(0),
+            }),
+            flip: None,
+            fds: vec![FdKind::SizeSealed(
+                vmm_core::shm::DEFAULT_MAX_IMPORT_SIZE as u64,
+            )],
+            target: Target::HostBuffer,
+        },
         // A 1 TiB spill header backed by a sparse, sealed memfd: aborted the receiver.
         Packet::Spill {
             size: 1 << 40,

@@ -22,6 +22,22 @@ use crate::{Error, Result};
 /// the last one unmaps. Reads and writes are copies at an offset, never references, because
 /// another process may write the same bytes at any time.
 ///
+/// # Concurrent access
+/// Every copy ([`read_at`](Self::read_at), [`write_at`](Self::write_at), [`fill`](Self::fill),
+/// [`to_vec`](Self::to_vec)) is made of aligned machine-word (`usize`) `Relaxed` atomic loads
+/// and stores; the partial words at either end of a range are read whole and written by
+/// compare-exchange, so bytes next to a range are never clobbered. Threads of this process may
+/// therefore use one buffer (or its clones) at once: that is not a data race. What they see:
+/// - each aligned word is read or written whole (no tearing *within* it), and a read returns,
+///   for every byte, a value some write stored there (or the initial zero), never a mix of
+///   bits;
+/// - nothing more: a copy longer than a word is not atomic as a whole (a read concurrent with
+///   a write may see some words old and some new), and `Relaxed` orders nothing else;
+///   synchronise through something else (a [`Queue`](crate::wire::Queue) message, a lock, an
+///   atomic flag with `Release`/`Acquire`) before relying on a whole range;
+/// - other processes that map the memory may write it at any time, with any access size, and
+///   nothing here stops them: treat what you read as data from another process.
+///
 /// ```
 /// use vmm_core::shm::HostBuffer;
 /// let buf = HostBuffer::new(4096).unwrap();
@@ -90,16 +106,42 @@ impl HostBuffer {
         }
     }
 
-    /// Map the memory a descriptor names. The descriptor keeps its fd; the import holds none.
+    /// Map the memory a descriptor names, if it is at most [`max_import_size`] bytes (64 GiB
+    /// unless this process changed it). The descriptor keeps its fd; the import holds none.
     ///
-    /// Refused before mapping when the fd is not a memfd sealed against resizing (another
-    /// process could shrink it and make this one fault) or is smaller than the descriptor says.
+    /// Refused before mapping when the size is over the cap
+    /// ([`Error::LimitExceeded`], which names the size and the cap), when the fd is not a
+    /// memfd on tmpfs sealed against resizing (another process could shrink it and make this
+    /// one fault; a hugetlbfs memfd faults on holes and cannot be unmapped in part), or when it
+    /// is smaller than the descriptor says.
     ///
-    /// The size is the sender's choice, and no cap is applied: mapping costs address space only,
-    /// but pages of a sparse memfd are allocated as they are touched, and charged to the memory
-    /// cgroup of the process that touches them. A receiver that does not trust its sender checks
-    /// [`size`](Self::size) before reading a whole buffer.
+    /// The size is the sender's choice: mapping costs address space even when the memfd is
+    /// sparse, and pages are allocated as they are touched and charged to the memory cgroup of
+    /// the process that touches them. Read a whole buffer from a peer with
+    /// [`try_to_vec`](Self::try_to_vec).
+    ///
+    /// [`max_import_size`]: super::max_import_size
     pub fn import(descriptor: &HostDescriptor) -> Result<Self> {
+        Self::import_capped(descriptor, super::max_import_size())
+    }
+
+    /// [`import`](Self::import) with a cap of `max_size` bytes for this import, whatever the
+    /// process-wide [`max_import_size`](super::max_import_size).
+    pub fn import_capped(descriptor: &HostDescriptor, max_size: usize) -> Result<Self> {
+        if descriptor.size > max_size {
+            return Err(Error::LimitExceeded {
+                what: "importing a host buffer".into(),
+                size: descriptor.size as u64,
+                cap: max_size as u64,
+                raise: format!(
+                    "the importer chooses the cap: raise it for one import with \
+                     HostBuffer::import_capped(descriptor, max_size), or for this process with \
+                     vmm_core::shm::set_max_import_size (default {} bytes)",
+                    super::DEFAULT_MAX_IMPORT_SIZE
+                )
+                .into(),
+            });
+        }
         let (Some(fd), Some(len)) = (descriptor.fd(), NonZeroUsize::new(descriptor.size)) else {
             return match (descriptor.fd.is_some(), descriptor.size) {
                 (false, 0) => Ok(Self::empty(true)),
@@ -169,31 +211,24 @@ impl HostBuffer {
     }
 
     /// Copy `data` into the buffer at `offset`.
+    ///
+    /// Safe to call from several threads at once, and while other processes use the memory:
+    /// see "Concurrent access" on the type.
     pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
         check_range("HostBuffer::write_at", offset, data.len(), self.inner.size)?;
         if let Some(mapping) = &self.inner.mapping {
-            debug_assert!(offset + data.len() <= mapping.len());
-            // SAFETY: the range is inside the live mapping (checked above); `data` is ordinary
-            // memory that cannot overlap a MAP_SHARED mapping we never hand out references to.
-            unsafe {
-                std::ptr::copy_nonoverlapping(data.as_ptr(), mapping.ptr().add(offset), data.len())
-            };
+            mapping.write(offset, data);
         }
         Ok(())
     }
 
     /// Copy from the buffer at `offset` into `out`.
+    ///
+    /// What a read concurrent with writes sees: see "Concurrent access" on the type.
     pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
         check_range("HostBuffer::read_at", offset, out.len(), self.inner.size)?;
         if let Some(mapping) = &self.inner.mapping {
-            // SAFETY: as in `write_at`, with source and destination swapped.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    mapping.ptr().add(offset),
-                    out.as_mut_ptr(),
-                    out.len(),
-                )
-            };
+            mapping.read(offset, out);
         }
         Ok(())
     }
@@ -201,17 +236,38 @@ impl HostBuffer {
     /// Set every byte to `value`.
     pub fn fill(&self, value: u8) -> Result<()> {
         if let Some(mapping) = &self.inner.mapping {
-            // SAFETY: exactly the mapping's `size` bytes, which it owns.
-            unsafe { std::ptr::write_bytes(mapping.ptr(), value, self.inner.size) };
+            mapping.fill(self.inner.size, value);
         }
         Ok(())
     }
 
     /// A copy of the whole buffer.
+    ///
+    /// # Panics
+    /// If the memory for the copy cannot be had (a panic, not an abort, so a child's failure
+    /// is reported). The size may be a peer's choice, up to the import cap
+    /// ([`max_import_size`](super::max_import_size)): for a buffer that came from another
+    /// process, prefer [`try_to_vec`](Self::try_to_vec).
     pub fn to_vec(&self) -> Vec<u8> {
-        let mut out = vec![0u8; self.inner.size];
-        self.read_at(0, &mut out).expect("whole range is in bounds");
-        out
+        self.try_to_vec()
+            .unwrap_or_else(|e| panic!("HostBuffer::to_vec: {e}"))
+    }
+
+    /// A copy of the whole buffer, or an [`Error::Os`] (`ENOMEM`) when the memory for it cannot
+    /// be had: the allocation is fallible, so a large buffer from a peer cannot abort the
+    /// process.
+    pub fn try_to_vec(&self) -> Result<Vec<u8>> {
+        let size = self.inner.size;
+        let mut out = Vec::new();
+        out.try_reserve_exact(size).map_err(|_| {
+            Error::io(
+                format!("HostBuffer::try_to_vec: allocating {size} bytes for a copy"),
+                std::io::Error::from_raw_os_error(libc::ENOMEM),
+            )
+        })?;
+        out.resize(size, 0);
+        self.read_at(0, &mut out)?;
+        Ok(out)
     }
 }
 

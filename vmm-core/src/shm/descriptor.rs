@@ -61,15 +61,15 @@ struct Fields<F> {
     fd: Option<F>,
 }
 
+/// Sending a descriptor sends a duplicate of its fd, made when the message is encoded (one
+/// `dup`): the message stays right whatever happens to the descriptor before it is sent.
 impl Serialize for HostDescriptor {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         Fields {
             size: self.size as u64,
-            // SAFETY: the descriptor owns its fd, and `encode` borrows the descriptor for as
-            // long as the message lives.
-            fd: self
-                .fd()
-                .map(|fd| unsafe { FdOut::<HostDescriptor>::lent(fd) }),
+            // A duplicate: `fd` is a plain `OwnedFd` that the crate can take out of the
+            // descriptor, so only a copy of its own can keep the message right.
+            fd: self.fd().map(FdOut::<HostDescriptor>::dup),
         }
         .serialize(serializer)
     }

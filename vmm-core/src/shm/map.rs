@@ -4,11 +4,13 @@ use std::num::NonZeroUsize;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use nix::fcntl::{FcntlArg, OFlag, SealFlag, fcntl, open};
 use nix::sys::memfd::{MFdFlags, memfd_create};
 use nix::sys::mman::{MapFlags, ProtFlags, mmap, munmap};
 use nix::sys::stat::{Mode, fstat};
+use nix::sys::statfs::{FsType, HUGETLBFS_MAGIC, TMPFS_MAGIC, fstatfs};
 use nix::unistd::ftruncate;
 
 use crate::{Error, Result};
@@ -17,7 +19,19 @@ use crate::{Error, Result};
 /// another's mapping fault (SIGBUS) by shrinking the file.
 pub(crate) const SIZE_SEALS: SealFlag = SealFlag::F_SEAL_SHRINK.union(SealFlag::F_SEAL_GROW);
 
+/// The unit of every access to a mapping: an aligned machine word.
+const WORD: usize = size_of::<usize>();
+
 /// A shared, read-write mapping of a whole memfd. Unmapped on drop.
+///
+/// Its bytes are only ever accessed as aligned, word-sized `Relaxed` atomics ([`read`],
+/// [`write`], [`fill`]): threads of this process may use one mapping at once without a data
+/// race, and no access is of mixed size (the partial words at a range's ends are read whole,
+/// and written by compare-exchange on the whole word).
+///
+/// [`read`]: Mapping::read
+/// [`write`]: Mapping::write
+/// [`fill`]: Mapping::fill
 #[derive(Debug)]
 pub(crate) struct Mapping {
     ptr: NonNull<u8>,
@@ -26,8 +40,9 @@ pub(crate) struct Mapping {
     file_id: (u64, u64),
 }
 
-// SAFETY: the mapping is plain shared memory; every access goes through raw-pointer copies,
-// never through references, so sharing the pointer between threads adds no aliasing.
+// SAFETY: the mapping is plain shared memory; every access in this crate is an aligned,
+// word-sized atomic access (`read`, `write`, `fill`), never a reference to plain bytes, so
+// sharing the pointer between threads adds no data race.
 unsafe impl Send for Mapping {}
 // SAFETY: as above.
 unsafe impl Sync for Mapping {}
@@ -37,8 +52,105 @@ impl Mapping {
         self.ptr.as_ptr()
     }
 
-    pub(crate) fn len(&self) -> usize {
-        self.len
+    /// The aligned word `index` of the mapping, as an atomic.
+    ///
+    /// Every word that holds a byte below `len` is mapped: the mapping starts on a page
+    /// boundary and covers whole pages, and a word never straddles a page.
+    fn word(&self, index: usize) -> &AtomicUsize {
+        debug_assert!(index * WORD < self.len.next_multiple_of(WORD));
+        // SAFETY: the word is inside the mapping's pages (see above, and every caller passes a
+        // word holding a byte below `len`), aligned (the base is page-aligned), and lives as
+        // long as `self`. Within this process every access to the mapping is through such
+        // word-sized atomics (no mixed sizes, no plain accesses); other processes are outside
+        // Rust's memory model and can only change what value a load sees.
+        unsafe { AtomicUsize::from_ptr(self.ptr.as_ptr().add(index * WORD).cast()) }
+    }
+
+    /// Write `bytes` into word `index` starting at byte `lo` of it, keeping the word's other
+    /// bytes: a compare-exchange loop, so a concurrent write to those bytes is not lost.
+    fn merge(&self, index: usize, lo: usize, bytes: &[u8]) {
+        let _ = self
+            .word(index)
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
+                let mut word = old.to_ne_bytes();
+                word[lo..lo + bytes.len()].copy_from_slice(bytes);
+                Some(usize::from_ne_bytes(word))
+            });
+    }
+
+    /// Copy `data` into the mapping at `offset`, as Relaxed atomic word stores (the partial
+    /// words at either end merged by compare-exchange).
+    ///
+    /// The caller checks `offset + data.len() <= len`.
+    pub(crate) fn write(&self, offset: usize, data: &[u8]) {
+        debug_assert!(
+            offset
+                .checked_add(data.len())
+                .is_some_and(|end| end <= self.len)
+        );
+        let (mut at, mut rest) = (offset, data);
+        if at % WORD != 0 && !rest.is_empty() {
+            let n = (WORD - at % WORD).min(rest.len());
+            self.merge(at / WORD, at % WORD, &rest[..n]);
+            (at, rest) = (at + n, &rest[n..]);
+        }
+        let (first, full) = (at / WORD, rest.len() / WORD);
+        let (middle, tail) = rest.split_at(full * WORD);
+        for (i, chunk) in middle.chunks_exact(WORD).enumerate() {
+            let mut word = [0u8; WORD];
+            word.copy_from_slice(chunk);
+            self.word(first + i)
+                .store(usize::from_ne_bytes(word), Ordering::Relaxed);
+        }
+        if !tail.is_empty() {
+            self.merge(first + full, 0, tail);
+        }
+    }
+
+    /// Copy from the mapping at `offset` into `out`, as Relaxed atomic word loads.
+    ///
+    /// The caller checks `offset + out.len() <= len`.
+    pub(crate) fn read(&self, offset: usize, out: &mut [u8]) {
+        debug_assert!(
+            offset
+                .checked_add(out.len())
+                .is_some_and(|end| end <= self.len)
+        );
+        let (mut at, mut rest) = (offset, out);
+        if at % WORD != 0 && !rest.is_empty() {
+            let (lo, n) = (at % WORD, (WORD - at % WORD).min(rest.len()));
+            let word = self.word(at / WORD).load(Ordering::Relaxed).to_ne_bytes();
+            let (head, others) = rest.split_at_mut(n);
+            head.copy_from_slice(&word[lo..lo + n]);
+            (at, rest) = (at + n, others);
+        }
+        let (first, full) = (at / WORD, rest.len() / WORD);
+        let (middle, tail) = rest.split_at_mut(full * WORD);
+        for (i, chunk) in middle.chunks_exact_mut(WORD).enumerate() {
+            chunk.copy_from_slice(&self.word(first + i).load(Ordering::Relaxed).to_ne_bytes());
+        }
+        if !tail.is_empty() {
+            let word = self
+                .word(first + full)
+                .load(Ordering::Relaxed)
+                .to_ne_bytes();
+            let n = tail.len();
+            tail.copy_from_slice(&word[..n]);
+        }
+    }
+
+    /// Set the first `size` bytes to `value`, as Relaxed atomic word stores (the partial last
+    /// word merged by compare-exchange).
+    pub(crate) fn fill(&self, size: usize, value: u8) {
+        debug_assert!(size <= self.len);
+        let splat = usize::from_ne_bytes([value; WORD]);
+        for index in 0..size / WORD {
+            self.word(index).store(splat, Ordering::Relaxed);
+        }
+        let tail = size % WORD;
+        if tail != 0 {
+            self.merge(size / WORD, 0, &[value; WORD][..tail]);
+        }
     }
 
     /// Map the first `len` bytes of `fd` (described by `facts`, from [`inspect`]) shared and
@@ -47,6 +159,18 @@ impl Mapping {
     /// Refused unless the file holds at least `len` bytes and is sealed against shrinking and
     /// growing: otherwise its owner could shrink it and make every access here fault (SIGBUS).
     pub(crate) fn map(fd: BorrowedFd<'_>, len: NonZeroUsize, facts: &FileFacts) -> Result<Mapping> {
+        if facts.fs_type != TMPFS_MAGIC {
+            let fs = match facts.fs_type {
+                HUGETLBFS_MAGIC => "hugetlbfs".to_owned(),
+                other => format!("a filesystem of type {:#x}", other.0),
+            };
+            return Err(Error::InvalidArgument(format!(
+                "host descriptor's fd is a file on {fs}, not a memfd on tmpfs (f_type {:#x}); \
+                 only those are mapped: a hugetlbfs memfd faults (SIGBUS) on a hole and cannot be \
+                 unmapped at a size that is not a multiple of its page",
+                TMPFS_MAGIC.0
+            )));
+        }
         if !facts.size_sealed {
             return Err(Error::InvalidArgument(
                 "host descriptor's fd is not sealed against shrinking and growing \
@@ -126,9 +250,13 @@ pub(crate) fn create_sealed(len: usize) -> Result<OwnedFd> {
     Ok(fd)
 }
 
-/// What the kernel says about a file before it is mapped: one `fstat` and one `F_GET_SEALS`.
+/// What the kernel says about a file before it is mapped: one `fstat`, one `fstatfs` and one
+/// `F_GET_SEALS`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct FileFacts {
+    /// The filesystem's `f_type`: only tmpfs, where every memfd lives unless made with
+    /// `MFD_HUGETLB` (then hugetlbfs), is mapped.
+    pub(crate) fs_type: FsType,
     /// Its size in bytes.
     pub(crate) size: u64,
     /// Whether it is sealed against shrinking and growing.
@@ -140,6 +268,7 @@ pub(crate) struct FileFacts {
 /// The file's size, seals and identity.
 pub(crate) fn inspect(fd: BorrowedFd<'_>) -> Result<FileFacts> {
     let stat = fstat(fd).map_err(|e| Error::errno("fstat(descriptor fd)", e))?;
+    let fs = fstatfs(fd).map_err(|e| Error::errno("fstatfs(descriptor fd)", e))?;
     let seals = fcntl(fd, FcntlArg::F_GET_SEALS).map_err(|e| {
         if e == nix::errno::Errno::EINVAL {
             Error::InvalidArgument(
@@ -152,6 +281,7 @@ pub(crate) fn inspect(fd: BorrowedFd<'_>) -> Result<FileFacts> {
         }
     })?;
     Ok(FileFacts {
+        fs_type: fs.filesystem_type(),
         size: stat.st_size as u64,
         size_sealed: SealFlag::from_bits_truncate(seals).contains(SIZE_SEALS),
         id: (stat.st_dev, stat.st_ino),

@@ -10,8 +10,41 @@ mod buffer;
 mod descriptor;
 mod map;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 pub use buffer::HostBuffer;
 pub use descriptor::HostDescriptor;
+
+/// The largest host buffer this process imports unless told otherwise: 64 GiB (on 64-bit
+/// platforms; 1 GiB on 32-bit ones).
+///
+/// A buffer's size is the sender's choice, and mapping it costs the importer address space
+/// even when the memfd is sparse: without a cap, two sealed 60 TiB memfds exhaust a 47-bit
+/// address space. The cap is the importer's: raise it per import with
+/// [`HostBuffer::import_capped`], or for the whole process with [`set_max_import_size`]
+/// (which also covers buffers that arrive as [`wire`](crate::wire) values).
+pub const DEFAULT_MAX_IMPORT_SIZE: usize = if usize::BITS >= 64 {
+    (64u64 << 30) as usize
+} else {
+    1 << 30
+};
+
+static MAX_IMPORT_SIZE: AtomicUsize = AtomicUsize::new(DEFAULT_MAX_IMPORT_SIZE);
+
+/// The cap on the size of a host buffer that [`HostBuffer::import`] maps (and that a
+/// [`HostBuffer`] arriving through [`wire`](crate::wire) may have): [`DEFAULT_MAX_IMPORT_SIZE`]
+/// unless [`set_max_import_size`] changed it. A larger one is refused with
+/// [`Error::LimitExceeded`](crate::Error::LimitExceeded) before anything is mapped.
+pub fn max_import_size() -> usize {
+    MAX_IMPORT_SIZE.load(Ordering::Relaxed)
+}
+
+/// Set the cap of [`max_import_size`] for this process (from code only: no environment
+/// variable changes it). Returns the previous cap. For one import, prefer
+/// [`HostBuffer::import_capped`].
+pub fn set_max_import_size(bytes: usize) -> usize {
+    MAX_IMPORT_SIZE.swap(bytes, Ordering::Relaxed)
+}
 
 /// Whether a [`HostBuffer`] can hold no fd: the kernel lets this process reopen its own
 /// mappings through `/proc/self/map_files` (root or `CAP_CHECKPOINT_RESTORE`). Where it cannot,
@@ -37,6 +70,30 @@ mod tests {
         assert_eq!(&out, b"0123456789");
         alias.fill(3).unwrap();
         assert!(buf.to_vec().iter().all(|&b| b == 3));
+    }
+
+    #[test]
+    fn word_copies_at_every_alignment_match_a_plain_model() {
+        // Sizes and ranges that start and end inside words, cover whole ones, or both.
+        for size in [1usize, 7, 8, 9, 23, 64, 100] {
+            let buf = HostBuffer::new(size).unwrap();
+            let mut model = vec![0u8; size];
+            for offset in 0..size {
+                for len in 0..=(size - offset).min(20) {
+                    let data: Vec<u8> = (0..len)
+                        .map(|i| (offset * 31 + i * 7 + len) as u8)
+                        .collect();
+                    buf.write_at(offset, &data).unwrap();
+                    model[offset..offset + len].copy_from_slice(&data);
+                    let mut out = vec![0xEEu8; len];
+                    buf.read_at(offset, &mut out).unwrap();
+                    assert_eq!(out, data, "size {size}, {len} bytes at {offset}");
+                }
+            }
+            assert_eq!(buf.to_vec(), model, "size {size}");
+            buf.fill(0x5A).unwrap();
+            assert_eq!(buf.try_to_vec().unwrap(), vec![0x5A; size]);
+        }
     }
 
     #[test]

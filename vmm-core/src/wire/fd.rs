@@ -1,10 +1,12 @@
 //! The fd fields of serialisable types: [`Fd`] for users, [`FdOut`]/[`FdIn`] for the crate's
 //! own descriptors, buffers and queues (one wrapper for all of them).
 
+use std::any::Any;
 use std::cell::Cell;
 use std::fmt;
 use std::marker::PhantomData;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::Arc;
 
 use serde::de::Deserializer;
 use serde::ser::Serializer;
@@ -19,29 +21,39 @@ pub(crate) trait FdOwner {
     const WHAT: &'static str;
 }
 
-/// How one fd of an `O` leaves in a message: lent (the message names the fd `O` keeps) or
-/// given (the message takes it, e.g. a fresh export).
+/// How one fd of an `O` leaves in a message. The message owns each: a duplicate (`dup`), a share
+/// of a reference-counted owner (`kept`), or the fd itself (`given`, e.g. a fresh export).
 pub(crate) struct FdOut<'a, O> {
     fd: Out<'a>,
     _owner: PhantomData<fn() -> O>,
 }
 
 enum Out<'a> {
-    Lent(BorrowedFd<'a>),
+    /// Duplicated when serialised.
+    Dup(BorrowedFd<'a>),
+    /// Owned by the keeper, which the message holds a reference to.
+    Kept(Arc<dyn Any + Send + Sync>, BorrowedFd<'a>),
     /// A `Cell` because `Serialize` takes `&self`; taken on the one serialisation.
     Given(Cell<Option<OwnedFd>>),
 }
 
 impl<'a, O: FdOwner> FdOut<'a, O> {
-    /// Lend `fd`: no duplicate is made.
+    /// Send a duplicate of `fd`, made when this serialises (one syscall).
+    pub(crate) fn dup(fd: BorrowedFd<'a>) -> Self {
+        FdOut {
+            fd: Out::Dup(fd),
+            _owner: PhantomData,
+        }
+    }
+
+    /// Send `fd` without a duplicate; the message keeps a reference to `keep`, which owns it.
     ///
     /// # Safety
-    /// `fd` must be owned by the value being encoded (so that it stays open while the
-    /// [`Encoded`](super::Encoded) that borrows the value lives): see
-    /// [`oob::serialize_lent_fd`].
-    pub(crate) unsafe fn lent(fd: BorrowedFd<'a>) -> Self {
+    /// `keep` must own `fd` as [`oob::serialize_kept_fd`] requires: open, and the same file,
+    /// for as long as any reference to `keep` lives.
+    pub(crate) unsafe fn kept(keep: Arc<dyn Any + Send + Sync>, fd: BorrowedFd<'a>) -> Self {
         FdOut {
-            fd: Out::Lent(fd),
+            fd: Out::Kept(keep, fd),
             _owner: PhantomData,
         }
     }
@@ -58,8 +70,11 @@ impl<'a, O: FdOwner> FdOut<'a, O> {
 impl<O: FdOwner> Serialize for FdOut<'_, O> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         match &self.fd {
-            // SAFETY: `FdOut::lent`'s caller promised that the fd lives as long as the message.
-            Out::Lent(fd) => unsafe { oob::serialize_lent_fd(*fd, O::WHAT, serializer) },
+            Out::Dup(fd) => oob::serialize_fd(*fd, O::WHAT, serializer),
+            // SAFETY: `FdOut::kept`'s caller promised that `keep` owns the fd as required.
+            Out::Kept(keep, fd) => unsafe {
+                oob::serialize_kept_fd(Arc::clone(keep), *fd, O::WHAT, serializer)
+            },
             Out::Given(cell) => match cell.take() {
                 Some(fd) => oob::serialize_owned_fd(fd, O::WHAT, serializer),
                 None => Err(oob::serialize_error::<S>(Error::Protocol(format!(
@@ -94,8 +109,10 @@ impl<'de, O: FdOwner> Deserialize<'de> for FdIn<O> {
 
 /// An owned file descriptor that can be sent: a Process argument or a Queue item.
 ///
-/// The receiver gets its own `OwnedFd` for the same open file description. The message lends
-/// the `Fd`'s own fd (no duplicate): [`encode`](super::encode) borrows the `Fd` meanwhile.
+/// The receiver gets its own `OwnedFd` for the same open file description. The message carries
+/// a duplicate made when it is encoded (one `dup`), so it stays right even if the `Fd` is
+/// replaced or dropped before the message is sent (the field is public, so nothing else could
+/// keep the fd open for the message).
 ///
 /// ```
 /// use vmm_core::wire::{decode, encode, Fd};
@@ -144,8 +161,7 @@ impl AsRawFd for Fd {
 
 impl Serialize for Fd {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        // SAFETY: `self` owns the fd, and `encode` borrows `self` for the message's life.
-        unsafe { FdOut::<Fd>::lent(self.0.as_fd()) }.serialize(serializer)
+        FdOut::<Fd>::dup(self.0.as_fd()).serialize(serializer)
     }
 }
 

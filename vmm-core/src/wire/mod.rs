@@ -20,7 +20,7 @@ pub use fd::Fd;
 pub(crate) use fd::{FdIn, FdOut, FdOwner};
 pub use oob::{
     Encoded, decode, deserialize_error, deserialize_fd, encode, serialize_error, serialize_fd,
-    serialize_owned_fd,
+    serialize_owned_fd, serialize_shared_fd,
 };
 pub use queue::Queue;
 pub use sys::MAX_FDS;

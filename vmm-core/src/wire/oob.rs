@@ -6,19 +6,31 @@
 //! two calls there is no sink or source, so serialising an fd-backed value (with serde_json, say)
 //! fails with an error that says why instead of producing a number that means nothing elsewhere.
 //!
-//! The sink owns or borrows every fd it collects, so an [`Encoded`] message never names a
-//! closed fd: the public entry points hand the sink an fd it owns ([`serialize_fd`] takes a
-//! duplicate, [`serialize_owned_fd`] takes the fd), and only the crate's own types, which own
-//! their fds for at least as long as [`encode`] borrows them, may lend one
-//! ([`serialize_lent_fd`], an `unsafe fn`).
+//! The message owns every fd it carries, so an [`Encoded`] never names a closed fd, nor a file
+//! that took a closed fd's number: safe code can replace a value's fd owner through a `RefCell`
+//! or a `Mutex` between [`encode`] and the send, and the message still carries the file that
+//! was serialised. Each fd reaches the sink in one of three ways:
+//! - [`serialize_fd`]: a duplicate, made while the value serialises (one `fcntl(F_DUPFD_CLOEXEC)`,
+//!   a fraction of a microsecond). What [`Fd`](super::Fd),
+//!   [`HostDescriptor`](crate::shm::HostDescriptor) and
+//!   [`IpcDescriptor`](crate::cuda::IpcDescriptor) use: their fds are plain `OwnedFd`s that a
+//!   caller can take out of them (`into_fds`, the public field of `Fd`).
+//! - [`serialize_shared_fd`]: no syscall; the message holds a clone of an `Arc<OwnedFd>`, so the
+//!   fd stays open while either side holds it. A [`Queue`](super::Queue) shares its sockets this
+//!   way (the message holds the queue's reference-counted ends).
+//! - [`serialize_owned_fd`]: the fd is handed over (a fresh export: buffers export on the way).
+//!
+//! No path hands the message a bare fd number.
 //!
 //! Errors raised inside an fd-backed value's serde impl ([`serialize_error`],
 //! [`deserialize_error`]) come out of [`encode`]/[`decode`] as the same [`Error`] variant: serde
 //! formats keep only a message, so the typed error waits in the per-thread slot.
 
+use std::any::Any;
 use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::Arc;
 
 use serde::de::{DeserializeOwned, Deserializer, Error as _};
 use serde::ser::{Error as _, Serializer};
@@ -26,17 +38,27 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
-/// One fd collected while serialising.
+/// What keeps a shared fd open: any reference-counted owner of it.
+type Keeper = Arc<dyn Any + Send + Sync>;
+
+/// One fd collected while serialising. Either way the message keeps the fd open.
 #[derive(Debug)]
 enum OutFd {
-    /// Lent by a crate type that keeps it open while the [`Encoded`] lives.
-    Lent(RawFd),
     /// Owned by the message: a duplicate, or a fresh fd (an export) handed over.
     Owned(OwnedFd),
+    /// Owned by `keep`, of which the message holds a reference.
+    Shared {
+        /// Owns `fd`, and never closes it while any reference to it lives; held, never read.
+        _keep: Keeper,
+        fd: RawFd,
+    },
 }
 
-/// A value's bytes and the fds it carries; borrows the value for `'a`, so that fds the value
-/// lent stay open while the message exists.
+/// A value's bytes and the fds it carries.
+///
+/// The message owns every fd (a duplicate, an fd handed over, or a share of a
+/// reference-counted owner), so it does not depend on the value it came from: [`encode`]
+/// returns an `Encoded<'static>`. The lifetime parameter remains for source compatibility.
 #[derive(Debug)]
 pub struct Encoded<'a> {
     bytes: Vec<u8>,
@@ -59,9 +81,9 @@ impl Encoded<'_> {
     pub fn fds(&self) -> impl Iterator<Item = BorrowedFd<'_>> {
         self.fds.iter().map(|fd| match fd {
             OutFd::Owned(fd) => fd.as_fd(),
-            // SAFETY: a lent fd was pushed by `serialize_lent_fd`, whose caller promised that
-            // it stays open until this `Encoded` is dropped; the borrow ends before that.
-            OutFd::Lent(raw) => unsafe { BorrowedFd::borrow_raw(*raw) },
+            // SAFETY: `keep` owns the fd and keeps it open while any reference to it lives
+            // (`serialize_kept_fd`'s contract); `self` holds one for longer than this borrow.
+            OutFd::Shared { fd, .. } => unsafe { BorrowedFd::borrow_raw(*fd) },
         })
     }
 }
@@ -113,8 +135,17 @@ impl<T: 'static> Drop for Installed<T> {
 
 /// Serialise `value` with postcard, collecting the fds it carries.
 ///
-/// The result borrows `value`: fds the value lent stay valid as long as the value does.
-pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded<'_>> {
+/// The message owns every fd it carries, so replacing or dropping `value`, or an fd owner
+/// inside it (through a `RefCell` or a `Mutex`, say), afterwards changes nothing the message
+/// sends; no path hands it a bare fd number. Each fd arrives by one of:
+/// - [`serialize_fd`]: a duplicate made while the value serialises (one `dup`, a fraction of a
+///   microsecond): how [`Fd`](super::Fd), [`HostDescriptor`](crate::shm::HostDescriptor) and
+///   [`IpcDescriptor`](crate::cuda::IpcDescriptor) send theirs (plain `OwnedFd`s that a caller
+///   can take out of them);
+/// - [`serialize_shared_fd`]: no syscall, the message holds a clone of an `Arc<OwnedFd>` (a
+///   [`Queue`](super::Queue) shares its reference-counted sockets the same way);
+/// - [`serialize_owned_fd`]: the fd is handed over (buffers export on the way).
+pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded<'static>> {
     let installed = Installed::new(
         &SINK,
         Sink {
@@ -190,8 +221,9 @@ fn push<S: Serializer>(fd: OutFd, what: &str, serializer: S) -> Result<S::Ok, S:
 }
 
 /// Serialise an fd: the message carries a duplicate of it (made now, close-on-exec), so the
-/// caller's fd may be closed at once. For `Serialize` impls of fd-backed types; `what` names the
-/// type in errors.
+/// caller's fd may be closed, or its owner replaced, at once. For `Serialize` impls of fd-backed
+/// types; `what` names the type in errors. Costs one `dup` per fd; a type that keeps its fd in an
+/// `Arc<OwnedFd>` avoids it with [`serialize_shared_fd`].
 pub fn serialize_fd<S: Serializer>(
     fd: BorrowedFd<'_>,
     what: &str,
@@ -218,18 +250,41 @@ pub fn serialize_owned_fd<S: Serializer>(
     push(OutFd::Owned(fd), what, serializer)
 }
 
-/// Serialise an fd by reference, without a duplicate: the message carries the same number.
+/// Serialise an fd held in an `Arc`, without a syscall: the message keeps a clone of the `Arc`,
+/// so the fd stays open (and names the same file) for as long as the message lives, whatever
+/// happens to the value meanwhile.
+pub fn serialize_shared_fd<S: Serializer>(
+    fd: &Arc<OwnedFd>,
+    what: &str,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    let keep: Keeper = fd.clone();
+    // SAFETY: an `OwnedFd` closes its fd only when dropped, and nothing can drop it (or move
+    // it out) while the `Arc` clone handed over as `keep` lives.
+    unsafe { serialize_kept_fd(keep, fd.as_fd(), what, serializer) }
+}
+
+/// Serialise an fd owned by `keep`, without a syscall: the message holds `keep`.
 ///
 /// # Safety
-/// `fd` must stay open, and refer to the same file, until every [`Encoded`] produced by the
-/// [`encode`] call now running on this thread is dropped. The crate's own types meet this by
-/// lending only fds they own: [`encode`] borrows the value for as long as the `Encoded` lives.
-pub(crate) unsafe fn serialize_lent_fd<S: Serializer>(
+/// `keep` must own `fd` such that it stays open, and refers to the same file, for as long as
+/// any reference to `keep` lives: nothing reachable through a shared reference to `keep` may
+/// close, replace or move out the fd (e.g. `keep` is an `Arc` of a struct whose `OwnedFd`
+/// fields are never mutated through `&self`).
+pub(crate) unsafe fn serialize_kept_fd<S: Serializer>(
+    keep: Keeper,
     fd: BorrowedFd<'_>,
     what: &str,
     serializer: S,
 ) -> Result<S::Ok, S::Error> {
-    push(OutFd::Lent(fd.as_raw_fd()), what, serializer)
+    push(
+        OutFd::Shared {
+            _keep: keep,
+            fd: fd.as_raw_fd(),
+        },
+        what,
+        serializer,
+    )
 }
 
 /// Report an error from inside an fd-backed `Serialize` impl (an export that failed, say):

@@ -1,5 +1,6 @@
 //! A multi-producer, multi-consumer queue that crosses processes.
 
+use std::any::Any;
 use std::fmt;
 use std::marker::PhantomData;
 use std::os::fd::AsFd;
@@ -124,12 +125,16 @@ impl<T> FdOwner for Queue<T> {
 
 impl<T> Serialize for Queue<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        // SAFETY: the queue owns both sockets (through `ends`), and `encode` borrows the queue
-        // for as long as the message lives.
+        // No duplicates: the message holds a reference to the queue's ends, which own both
+        // sockets.
+        let keep: Arc<dyn Any + Send + Sync> = self.ends.clone();
+        // SAFETY: `Ends` owns both sockets as `Channel`s, which close their fd only when
+        // dropped (nothing takes it out through `&self`), and an `Arc<Ends>` is never mutated:
+        // both fds stay open, the same sockets, while any reference to `keep` lives.
         let ends = unsafe {
             (
-                FdOut::<Self>::lent(self.ends.tx.as_fd()),
-                FdOut::<Self>::lent(self.ends.rx.as_fd()),
+                FdOut::<Self>::kept(keep.clone(), self.ends.tx.as_fd()),
+                FdOut::<Self>::kept(keep, self.ends.rx.as_fd()),
             )
         };
         ends.serialize(serializer)

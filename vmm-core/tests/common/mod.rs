@@ -50,9 +50,17 @@ pub fn make(kind: &FdKind) -> OwnedFd {
     }
 }
 
-/// Any kind, memfds small or sparse (a sealed 1 TiB memfd costs nothing until read).
+/// Any kind, memfds small or sparse (a sealed 1 TiB memfd costs nothing until read): sizes at
+/// the host import cap ([`vmm_core::shm::DEFAULT_MAX_IMPORT_SIZE`]), which imports, and above
+/// it, which an import refuses with `Error::LimitExceeded`.
 pub fn fd_kind() -> impl Strategy<Value = FdKind> {
-    let memfd_size = prop_oneof![0u64..70_000, Just(1u64 << 40)];
+    let cap = vmm_core::shm::DEFAULT_MAX_IMPORT_SIZE as u64;
+    let memfd_size = prop_oneof![
+        4 => 0u64..70_000,
+        1 => Just(cap),
+        1 => Just(cap + 1),
+        1 => Just(1u64 << 40),
+    ];
     prop_oneof![
         2 => memfd_size.clone().prop_map(FdKind::SizeSealed),
         1 => memfd_size.clone().prop_map(FdKind::Sealed),
@@ -84,9 +92,17 @@ pub fn holdings() -> (usize, usize) {
 
 /// Read the pages an imported host buffer claims, the first MiB of them and its last byte: a
 /// mapping past the file's end would fault here. Not every page: a peer may send a sparse,
-/// sealed memfd of a terabyte, which maps fine (nothing is allocated until touched) and would
-/// fill memory if read through.
+/// sealed memfd as large as the import cap (64 GiB by default; larger ones are refused), which
+/// maps fine (nothing is allocated until touched) and would fill memory if read through.
+///
+/// Also checks the cap: an imported buffer is never larger than
+/// [`max_import_size`](vmm_core::shm::max_import_size).
 pub fn touch_claimed(buf: &HostBuffer) {
+    assert!(
+        buf.size() <= vmm_core::shm::max_import_size(),
+        "a {}-byte buffer imported over the cap",
+        buf.size()
+    );
     let mut byte = [0u8; 1];
     for at in (0..buf.size().min(1 << 20)).step_by(4096) {
         buf.read_at(at, &mut byte).expect("in bounds");
