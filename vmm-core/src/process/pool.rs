@@ -284,7 +284,7 @@ impl Pool {
             "vmm-core's code (is vmm-core linked as a shared library?)",
         )?;
         sys::check_main_text(entry as usize, "the task's entry point for this function")?;
-        // The argument's fds are owned copies (its lent ones duplicated), so it can go now.
+        // The message owns the argument's fds (see `wire::encode`), so the argument can go now.
         let (encoded, fds) = worker::encode_owned(args.borrow())?;
         drop(args);
         let task = Task {

@@ -160,16 +160,8 @@ where
     Ok(encode_owned(&result))
 }
 
-/// A value's bytes and owned copies of its fds, so that the value can be dropped before they
+/// A value's bytes and fds of their own, so that the value can be dropped before they
 /// are sent.
 pub(crate) fn encode_owned<T: Serialize + ?Sized>(value: &T) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
-    let encoded = wire::encode(value)?;
-    let fds = encoded
-        .fds()
-        .map(|fd| {
-            fd.try_clone_to_owned()
-                .map_err(|e| Error::io("dup(an fd of a pool task's value)", e))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok((encoded.bytes().to_vec(), fds))
+    wire::encode(value)?.into_owned()
 }

@@ -86,6 +86,23 @@ impl Encoded<'_> {
             OutFd::Shared { fd, .. } => unsafe { BorrowedFd::borrow_raw(*fd) },
         })
     }
+
+    /// The bytes and fds of their own, for a message kept apart from anything it came from
+    /// (a queued pool task, a task's result): owned fds move out, a shared one is duplicated.
+    pub(crate) fn into_owned(self) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
+        let fds = self
+            .fds
+            .into_iter()
+            .map(|fd| match fd {
+                OutFd::Owned(fd) => Ok(fd),
+                // SAFETY: as in `fds`: `_keep` keeps the fd open for this borrow.
+                OutFd::Shared { fd, _keep } => unsafe { BorrowedFd::borrow_raw(fd) }
+                    .try_clone_to_owned()
+                    .map_err(|e| Error::io("dup(a shared fd of a message)", e)),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((self.bytes, fds))
+    }
 }
 
 struct Sink {
