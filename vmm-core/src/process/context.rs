@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 use super::handle::Process;
 use super::launch::{self, Launch, Made, current_test_name, dup, output_memfds};
 use super::method::StartMethod;
-use super::protocol::{Begin, Start};
+use super::protocol::{Begin, Payload, Start};
 use super::timeout::default_timeout;
 use super::tracker::{FateCell, Registry};
 use super::{entry, forkserver, sys, warm};
@@ -125,7 +125,7 @@ impl Context {
             layout: sys::code_offset(sys::layout_probe as fn() -> usize as usize),
             entry: sys::code_offset(entry as usize),
             method: self.method,
-            args: encoded.bytes().to_vec(),
+            args: Payload(encoded.bytes().to_vec()),
         });
         let start = wire::encode(&start)?;
         let made = make(self.method, &self.env, current_test_name())?;

@@ -216,7 +216,7 @@ mod tests {
 
     use super::super::child::EXIT_NOT_RUN;
     use super::super::method::StartMethod;
-    use super::super::protocol::{Begin, ROLE_VAR, Report, Start};
+    use super::super::protocol::{Begin, Payload, ROLE_VAR, Report, Start};
     use super::super::status::{NotRunStage, Outcome};
     use super::super::{entry, sys};
     use super::*;
@@ -258,7 +258,7 @@ mod tests {
             layout: sys::code_offset(sys::layout_probe as fn() -> usize as usize),
             entry,
             method: StartMethod::Spawn,
-            args: args.to_vec(),
+            args: Payload(args.to_vec()),
         });
         ours.send_value(&start).unwrap();
         assert!(matches!(
@@ -371,7 +371,7 @@ mod tests {
             let task = Task {
                 layout,
                 entry,
-                args: args.clone(),
+                args: Payload(args.clone()),
             };
             tasks.send_value(&task).unwrap();
             match ours.recv_value::<Report>(Some(WAIT)).unwrap() {

@@ -41,7 +41,7 @@ use super::context;
 use super::handle::STATUS_REPORT_GRACE;
 use super::launch::current_test_name;
 use super::method::StartMethod;
-use super::protocol::{Begin, Report, Serve, Task, TaskOutcome};
+use super::protocol::{Begin, Payload, Report, Serve, Task, TaskOutcome};
 use super::status::{ChildError, ExitStatus, Observed, Outcome};
 use super::timeout::default_timeout;
 use super::{sys, warm, worker};
@@ -290,7 +290,7 @@ impl Pool {
         let task = Task {
             layout: sys::code_offset(sys::layout_probe as fn() -> usize as usize),
             entry: sys::code_offset(entry as usize),
-            args: encoded,
+            args: Payload(encoded),
         };
         let bytes = wire::encode(&task)?.bytes().to_vec();
         let mut inner = self.shared.lock();
@@ -722,7 +722,7 @@ impl Shared {
                         TaskOutcome::Returned(bytes) => {
                             worker.state = WorkerState::Idle;
                             worker.tasks_done += 1;
-                            inner.finish(id, Ok((bytes, message.fds)), output);
+                            inner.finish(id, Ok((bytes.0, message.fds)), output);
                         }
                         TaskOutcome::Unsendable(error) => {
                             worker.state = WorkerState::Idle;

@@ -39,7 +39,7 @@ pub(crate) struct Start {
     pub entry: isize,
     pub method: StartMethod,
     /// The argument, postcard with fds out of band.
-    pub args: Vec<u8>,
+    pub args: Payload,
 }
 
 /// How a pool worker prepares. The message carries one fd: the worker's end of its task
@@ -59,7 +59,27 @@ pub(crate) struct Task {
     /// in its entry table (`entries::find_task`).
     pub entry: isize,
     /// The argument, postcard with fds out of band.
-    pub args: Vec<u8>,
+    pub args: Payload,
+}
+
+/// A serialised argument or result. Its `Debug` shows only its length: what it holds is the
+/// user's data, possibly a bearer token (a fabric handle), and a message shows up in
+/// diagnostics (a report out of turn, say).
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub(crate) struct Payload(pub Vec<u8>);
+
+impl std::fmt::Debug for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "<{} bytes>", self.0.len())
+    }
+}
+
+impl std::ops::Deref for Payload {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
 }
 
 /// Child (or, for `Exited`, the forkserver) -> parent.
@@ -87,7 +107,7 @@ pub(crate) enum Report {
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum TaskOutcome {
     /// The function returned this result (postcard, fds out of band).
-    Returned(Vec<u8>),
+    Returned(Payload),
     /// The function returned, but its result could not be sent (an fd-backed value that could
     /// not be serialised, more fds than a message carries): the error, as raised. The worker
     /// serves on.
@@ -123,4 +143,42 @@ pub(crate) enum ForkReply {
     /// The request was refused ([`Error::Protocol`]) or `fork()` failed ([`Error::Os`], say
     /// `EAGAIN` at a process limit): the server's error, as it raised it.
     Failed(Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_never_show_the_bytes_they_carry() {
+        // A stand-in for a fabric handle: 64 bytes of a pattern no other field shows.
+        let secret = vec![0xA7u8; 64];
+        let shown = [
+            format!(
+                "{:?}",
+                Report::TaskDone(TaskOutcome::Returned(Payload(secret.clone())))
+            ),
+            format!(
+                "{:?}",
+                Begin::Once(Start {
+                    layout: 1,
+                    entry: 2,
+                    method: StartMethod::Spawn,
+                    args: Payload(secret.clone()),
+                })
+            ),
+            format!(
+                "{:?}",
+                Task {
+                    layout: 1,
+                    entry: 2,
+                    args: Payload(secret.clone()),
+                }
+            ),
+        ];
+        for shown in shown {
+            assert!(shown.contains("<64 bytes>"), "{shown}");
+            assert!(!shown.contains("167") && !shown.contains("a7"), "{shown}");
+        }
+    }
 }

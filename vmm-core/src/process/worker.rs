@@ -16,7 +16,7 @@ use serde::de::DeserializeOwned;
 
 use super::child::{self, EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED};
 use super::entries::{self, TaskEntry, register_entry};
-use super::protocol::{Report, Serve, Task, TaskOutcome};
+use super::protocol::{Payload, Report, Serve, Task, TaskOutcome};
 use super::status::NotRunStage;
 use crate::wire::{self, Channel};
 use crate::{Error, Result};
@@ -82,7 +82,7 @@ fn run_task(channel: &Channel, task: &Task, fds: Vec<OwnedFd>) {
     match called {
         Ok(Ok(Ok((bytes, fds)))) => {
             let fds: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
-            report(channel, TaskOutcome::Returned(bytes), &fds);
+            report(channel, TaskOutcome::Returned(Payload(bytes)), &fds);
         }
         Ok(Ok(Err(error))) => report(channel, TaskOutcome::Unsendable(error), &[]),
         Ok(Err(error)) => {
