@@ -558,19 +558,35 @@ fn memfd_at_or_above(min: RawFd) -> OwnedFd {
     unsafe { std::os::fd::FromRawFd::from_raw_fd(high) }
 }
 
-/// Under a soft fd limit of 32, start a child whose argument carries 50 fds: it cannot receive
-/// its start message. (The 50 live at numbers above the limit, opened before it was lowered.)
+/// Start a child, under a soft fd limit of 32, whose argument carries 50 fds (they live at
+/// numbers above the limit, opened before it was lowered).
+///
+/// A message owns the fds it carries (a duplicate each, made as the argument is encoded), so a
+/// parent under the limit cannot even make the message: `spawn` fails with `Error::FdLimit`,
+/// and nothing starts or leaks. A forkserver started under the limit makes children under it
+/// while the parent has room again: such a child cannot receive its start message (MSG_CTRUNC),
+/// reports that, and runs nothing.
 fn start_a_child_whose_argument_cannot_fit(method: StartMethod) {
     let fds: Vec<Fd> = (0..50).map(|_| Fd::from(memfd_at_or_above(200))).collect();
-    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
     setrlimit(Resource::RLIMIT_NOFILE, 32, hard).unwrap();
     // This process's forkserver starts now, under the limit, and its children inherit it.
     ensure_running().unwrap();
+    if method == StartMethod::Forkserver {
+        setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+    }
     let before = open_fds().unwrap();
-    let result = Context::new(method)
-        .spawn(must_not_run, fds)
-        .unwrap()
-        .join(TIMEOUT);
+    let spawned = Context::new(method).spawn(must_not_run, fds);
+    if method == StartMethod::Spawn {
+        match spawned {
+            Err(Error::FdLimit { soft_limit: 32, .. }) => {}
+            other => panic!("a message that cannot own its fds must be refused, got {other:?}"),
+        }
+        // The 50 fds were the argument's, dropped with it; nothing else stayed open.
+        assert_eq!(open_fds().unwrap() + 50, before, "fds leaked");
+        return;
+    }
+    let result = spawned.unwrap().join(TIMEOUT);
     let Err(Error::Child(failure)) = result else {
         panic!("a child that could not take its start message must fail, got {result:?}")
     };

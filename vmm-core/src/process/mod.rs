@@ -64,6 +64,40 @@
 //! watches the child process itself, so no use of its channel can keep a join from its
 //! deadline or leave a zombie.
 
+//!
+//! # Threat model
+//!
+//! A process vmm-core starts is a child of the process that started it, of the same
+//! executable, and nothing else may make one: the parent is trusted, everything else that can
+//! reach a process (its environment, an fd it inherited, what a task does inside it) is not.
+//! What the checks stop:
+//! - **Taking over any executable through the environment.** Every executable that links
+//!   vmm-core carries a pre-`main` hook that reads `VMM_IPC_CHILD`. The variable alone grants
+//!   nothing: it is ignored in a secure-exec process (`AT_SECURE`: setuid, setgid, file
+//!   capabilities), where vmm-core is not part of the main executable (a library loaded into
+//!   another program), and unless the fd it names is a Unix `SOCK_SEQPACKET` socket whose peer,
+//!   by the kernel's `SO_PEERCRED`, is this process's parent running as this process's
+//!   effective uid (never the overflow uid of an unmapped user). The fd is checked before it is
+//!   touched, and adopted only there, before `main`: [`init`] never takes an fd by number.
+//! - **Running code of a sender's choosing.** A child runs only entry points its own
+//!   executable registered: each `Context::spawn` and `Pool::submit` instantiation places its
+//!   trampoline in a linker-built table, and an offset that is not in it (a forged one, one
+//!   at `abort`, a wild one) is refused with a `NotRun` report and a clean exit, never called.
+//!   The function a child runs is named by its type (a `fn` item or a closure that captures
+//!   nothing), so there is no second address to forge.
+//! - **Setting a child's environment by message.** A start message carries no environment: a
+//!   child gets [`Context::with_env`]'s variables where it is made (at exec, or from the
+//!   forkserver as it forks), and the role variable cannot be among them.
+//! - **A task that runs twice.** A pool hands a task to another worker only if the kernel
+//!   still holds it unread in the dead worker's task socket; nothing a task does to its own
+//!   process can make one that may have run look unread.
+//! - **Payloads in diagnostics.** Errors and protocol-violation messages show a message's
+//!   length, never its bytes (an argument or result may be a fabric handle: a bearer token).
+//!
+//! What they do not stop: the parent itself (it chooses what its children run, among the
+//! entry points it registered), and another process of the same uid that can `ptrace` a child
+//! (the kernel's rules, not vmm-core's, decide that).
+
 // Inside, each file one job; dependencies point down this list, never back up:
 // - pool: `Pool` and `TaskHandle` (the parent's side of reusable workers)
 // - context: `Context` (what the parent does to start a child), `make` (a child of any
