@@ -625,18 +625,44 @@ fn a_hostile_fd_whose_close_blocks_does_not_hold_up_a_receive() {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let result = conn.recv_message().map(|_| ());
-        let _ = tx.send(format!("{result:?}"));
-        // Nothing else: `conn` is dropped here.
+        let _ = tx.send((format!("{result:?}"), conn));
     });
     // Far within the ten minutes the close would take.
-    let result = rx
+    let (result, conn) = rx
         .recv_timeout(Duration::from_secs(120))
         .expect("the receive waited for the hostile fd's close");
     assert!(
         result.contains("Protocol") && result.contains("arrived with 1 fd"),
         "{result}"
     );
-    // The close goes on, on the closer thread.
-    let states = thread_states("vmm-ipc-closer");
-    assert_eq!(states.len(), 1, "one closer thread: {states:?}");
+    // The close goes on, on a closer thread, asleep in it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !thread_states("vmm-ipc-closer").iter().any(|s| s == "S") {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            thread_states("vmm-ipc-closer")
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Later refused fds are still closed: once a closer is stuck (100 ms in one close),
+    // another takes them.
+    std::thread::sleep(Duration::from_millis(300));
+    let (r, w) = nix::unistd::pipe().unwrap();
+    send_raw(&client, &data_packet(b"y"), &[w.as_raw_fd()]);
+    drop(w);
+    assert!(matches!(conn.recv_message(), Err(Error::Protocol(_))));
+    let mut pfd = [nix::poll::PollFd::new(
+        r.as_fd(),
+        nix::poll::PollFlags::POLLIN,
+    )];
+    assert_eq!(
+        nix::poll::poll(&mut pfd, 30_000u16).unwrap(),
+        1,
+        "the second refused fd was not closed"
+    );
+    let mut rest = Vec::new();
+    std::fs::File::from(r).read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty());
+    assert!(thread_states("vmm-ipc-closer").len() >= 2);
 }
