@@ -172,7 +172,7 @@ impl Daemon {
                     pause(
                         &mut short_since,
                         &format!("cannot start a connection thread ({e})"),
-                        &active,
+                        active,
                     );
                 }
             }
