@@ -30,18 +30,28 @@ descriptor (``VmmDescriptor.from_cuda_core(d)``), then ``conn.send_descriptor(de
 Security: ``connect`` checks the listener's kernel credentials (``SO_PEERCRED``) against the
 uids and gids it expects (default: this process's uid) before it sends or reads anything, and
 ``Listener.accept`` admits only allowed peers (default: this process's uid); nothing a peer
-says about itself is trusted. Every message is checked against the documented limits and the
-fd count the kernel reports, and every received fd is closed when a message is refused.
+says about itself is trusted. The overflow uid (``/proc/sys/kernel/overflowuid``: how a uid
+with no mapping in this user namespace reads) is admitted only when named in ``expect_uids`` or
+``allow_uids``, never through the default. Every message is checked against the documented
+limits and the fd count the kernel reports, and every received fd is closed when a message is
+refused, on a background thread (closing a hostile fd, a FUSE file say, may block). A refused
+client is drained before it is closed (so it reads the reason), refusals are logged at most
+``LOG_BURST`` lines per ``LOG_INTERVAL`` seconds, and the listener remembers the last
+``REFUSALS_KEPT``.
 """
 
 import array
+import collections
+import errno
 import fcntl
 import mmap
 import os
+import queue
 import socket
 import stat
 import struct
 import sys
+import threading
 import time
 from collections import namedtuple
 
@@ -68,6 +78,9 @@ MAX_MESSAGE = HEADER.size + 8 * MAX_CHUNKS + MAX_DATA
 FRAME_INLINE = b"\x00"  # every packet's first byte
 DEFAULT_TIMEOUT = 10.0
 _USIZE_MAX = 2**64 - 1
+REFUSALS_KEPT = 64  # how many refused peers a Listener remembers (the most recent)
+LOG_BURST, LOG_INTERVAL = 10, 10.0  # refusal log lines per interval (seconds), then a count
+_DRAIN_MAX = 1024  # packets drained from a refused client before its connection closes
 
 
 class ProtocolError(Exception):
@@ -92,8 +105,92 @@ def peer_credentials(sock):
     return Credentials(*struct.unpack("iII", raw))
 
 
-def _admits(uids, gids, creds):
-    return creds.uid in uids or creds.gid in gids
+def overflow_ids():
+    """The kernel's overflow uid and gid (``/proc/sys/kernel/overflowuid``, ``overflowgid``):
+    what an id with no mapping in this user namespace reads as. None when they cannot be read
+    (then every uid is treated as possibly the overflow uid: fail closed)."""
+    try:
+        with open("/proc/sys/kernel/overflowuid") as u, open("/proc/sys/kernel/overflowgid") as g:
+            return int(u.read()), int(g.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _maybe_overflow_uid(uid):
+    ids = overflow_ids()
+    return ids is None or ids[0] == uid
+
+
+def _overflow_note(creds):
+    ids = overflow_ids()
+    if ids is None:
+        return (" (the overflow uid cannot be read from /proc/sys/kernel/overflowuid, so a uid is "
+                "admitted only when named)")
+    if creds.uid == ids[0]:
+        return (f" (uid {ids[0]} is the overflow uid: the process's uid has no mapping in this user "
+                f"namespace, and it stands for every such user; admitted only when named)")
+    return ""
+
+
+def _admits(uids, gids, creds, implicit=None):
+    """Whether ``creds`` is admitted by ``uids`` or ``gids``. ``implicit`` is the uid a default
+    put in (this process's own): it never admits the overflow uid."""
+    by_uid = creds.uid in uids and (creds.uid != implicit or not _maybe_overflow_uid(creds.uid))
+    return by_uid or creds.gid in gids
+
+
+class _Closer:
+    """Background threads that close fds a peer sent that nobody wants: closing the last
+    reference to a hostile fd (a FUSE file, a lingering socket) runs code its sender chose, and
+    may block past every timeout. One thread normally; when each has been inside one close for
+    more than ``STUCK`` seconds, another (at most ``MAX``), so one hostile fd does not keep
+    later refused fds open."""
+
+    STUCK, MAX = 0.1, 8
+    _lock = threading.Lock()
+    _closers = []  # [queue, busy_since or None] per thread
+
+    @classmethod
+    def close(cls, fds):
+        fds = list(fds)
+        if not fds:
+            return
+        with cls._lock:
+            now = time.monotonic()
+            free = [c for c in cls._closers if c[1] is None or now - c[1] <= cls.STUCK]
+            if free:
+                closer = free[0]
+            elif len(cls._closers) < cls.MAX:
+                closer = [queue.SimpleQueue(), None]
+                try:
+                    threading.Thread(target=cls._run, args=(closer,), name="vmm-ipc-closer",
+                                     daemon=True).start()
+                except RuntimeError:
+                    if not cls._closers:
+                        for fd in fds:
+                            _close_quietly(fd)
+                        return
+                    closer = cls._closers[-1]
+                else:
+                    cls._closers.append(closer)
+            else:
+                closer = cls._closers[-1]
+            closer[0].put(fds)
+
+    @staticmethod
+    def _run(closer):
+        while True:
+            for fd in closer[0].get():
+                closer[1] = time.monotonic()
+                _close_quietly(fd)
+                closer[1] = None
+
+
+def _close_quietly(fd):
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def pattern(seed, length):
@@ -103,11 +200,8 @@ def pattern(seed, length):
 
 
 def _close_all(fds):
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    """Close fds a peer sent that are refused or unwanted, on the background closer."""
+    _Closer.close(fds)
 
 
 class HostDescriptor:
@@ -187,7 +281,8 @@ class VmmDescriptor:
         return data, list(self.fds)
 
     def close(self):
-        _close_all(self.fds)
+        for fd in self.fds:
+            _close_quietly(fd)
         self.fds = []
 
     def __enter__(self):
@@ -241,7 +336,8 @@ def decode(data, fds):
     try:
         return _decode(bytes(data), list(fds))
     except ProtocolError:
-        _close_all(fds)
+        for fd in fds:
+            _close_quietly(fd)
         raise
 
 
@@ -328,6 +424,17 @@ def _decode(data, fds):
     return HostDescriptor(fds[0], size)
 
 
+def _discard(message):
+    """Close an unwanted message's fds on the background closer."""
+    if isinstance(message, HostDescriptor):
+        if message.fd is not None:
+            _close_all([message.fd])
+            message.fd = None
+    elif isinstance(message, VmmDescriptor):
+        _close_all(message.fds)
+        message.fds = []
+
+
 def _address(name):
     """``@name`` is an abstract socket; anything else a path."""
     if isinstance(name, bytes):
@@ -374,8 +481,7 @@ class Connection:
     def recv_data(self):
         message = self.recv()
         if not isinstance(message, Data):
-            if hasattr(message, "close"):
-                message.close()
+            _discard(message)
             raise ProtocolError(f"expected DATA, got {type(message).__name__}")
         return bytes(message)
 
@@ -400,8 +506,13 @@ class Connection:
             raise PeerClosed(f"endpoint {self.name}: the other end has closed")
         if msg[0] != 0:
             _close_all(fds)
-            raise ProtocolError(f"frame byte {msg[0]}: a peer message starts with 0")
-        return decode(msg[1:], fds)
+            raise ProtocolError(f"frame byte {msg[0]}: a peer message starts with 0 (its fds "
+                                f"closed unread)")
+        try:
+            return _decode(bytes(msg[1:]), fds)
+        except ProtocolError:
+            _close_all(fds)  # off this thread: a hostile fd's close may block
+            raise
 
     def close(self):
         self.sock.close()
@@ -417,18 +528,35 @@ def connect(name, expect_uids=None, expect_gids=(), timeout=DEFAULT_TIMEOUT):
     """Connect to the endpoint ``name`` (a path, or ``@name``), check the listener's kernel
     credentials before anything is sent or read (default: it must run as this process's uid),
     and wait to be admitted. PeerRefused when the listener is not expected or refuses us."""
-    uids = [os.geteuid()] if expect_uids is None and not expect_gids else list(expect_uids or ())
+    implicit = os.geteuid() if expect_uids is None and not expect_gids else None
+    uids = [implicit] if implicit is not None else list(expect_uids or ())
     gids = list(expect_gids)
+    deadline = None if timeout is None else time.monotonic() + timeout
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # close-on-exec (PEP 446)
     try:
         sock.settimeout(timeout)
-        sock.connect(_address(name))
+        address = _address(name)
+        while True:
+            try:
+                sock.connect(address)
+                break
+            except BlockingIOError as e:
+                # The listener's backlog is full: it is alive but slow; try again until the
+                # deadline (a Unix socket has no connection in progress to wait on).
+                if e.errno != errno.EAGAIN:
+                    raise
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"connecting to endpoint {name}: its backlog stayed "
+                                       f"full") from None
+                time.sleep(0.0005)
+        if deadline is not None:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
         server = peer_credentials(sock)
-        if not _admits(uids, gids, server):
+        if not _admits(uids, gids, server, implicit):
             raise PeerRefused(f"endpoint {name}: its listener is pid {server.pid} (uid {server.uid}, "
                               f"gid {server.gid}), not whom this client expects (uids {uids}, "
-                              f"gids {gids}): another process may have taken the name; nothing "
-                              f"was sent to it")
+                              f"gids {gids}){_overflow_note(server)}: another process may have "
+                              f"taken the name; nothing was sent to it")
         conn = Connection(sock, server, name, timeout)
         try:
             first = conn._recv()
@@ -438,9 +566,9 @@ def connect(name, expect_uids=None, expect_gids=(), timeout=DEFAULT_TIMEOUT):
         if isinstance(first, Refused):
             raise PeerRefused(f"endpoint {name}: its listener refused this process: {first.reason}")
         if not isinstance(first, Hello):
-            if hasattr(first, "close"):
-                first.close()
+            _discard(first)
             raise ProtocolError(f"endpoint {name}: the listener's first message is not HELLO")
+        conn.sock.settimeout(timeout)
         return conn
     except BaseException:
         sock.close()
@@ -461,6 +589,10 @@ def _check_directory(directory):
         why = "is a symbolic link"
     elif not stat.S_ISDIR(st.st_mode):
         why = "is not a directory"
+    elif _maybe_overflow_uid(os.geteuid()):
+        why = (f"this process's uid {os.geteuid()} is the overflow uid (or "
+               f"/proc/sys/kernel/overflowuid cannot be read): the owner of a directory cannot "
+               f"tell it from other users that have no mapping in its user namespace")
     elif st.st_uid != os.geteuid():
         why = f"is owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}"
     elif st.st_mode & 0o077:
@@ -475,11 +607,14 @@ class Listener:
     (default: this process's uid). A path socket is created 0600 in an owner-only directory;
     a dead listener's socket file is replaced, a live one's never (OSError EADDRINUSE)."""
 
-    def __init__(self, name, allow_uids=None, allow_gids=(), timeout=DEFAULT_TIMEOUT, log=True):
+    def __init__(self, name, allow_uids=None, allow_gids=(), timeout=DEFAULT_TIMEOUT, log=True,
+                 backlog=128):
         self.name, self.timeout, self.log = name, timeout, log
-        self.uids = [os.geteuid()] if allow_uids is None and not allow_gids else list(allow_uids or ())
+        self._implicit = os.geteuid() if allow_uids is None and not allow_gids else None
+        self.uids = [self._implicit] if self._implicit is not None else list(allow_uids or ())
         self.gids = list(allow_gids)
-        self.refused = []
+        self.refused = collections.deque(maxlen=REFUSALS_KEPT)
+        self._log_since, self._log_written, self._log_unwritten = time.monotonic(), 0, 0
         self._file = None
         address = _address(name)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -491,7 +626,7 @@ class Listener:
                 os.chmod(address, 0o600)
                 st = os.lstat(address)
                 self._file = (address, st.st_dev, st.st_ino)
-            self.sock.listen(128)
+            self.sock.listen(backlog)
         except BaseException:
             self.sock.close()
             raise
@@ -532,18 +667,8 @@ class Listener:
             except socket.timeout:
                 raise TimeoutError(f"accepting a connection on endpoint {self.name}") from None
             creds = peer_credentials(conn)
-            if not _admits(self.uids, self.gids, creds):
-                self.refused.append(creds)
-                try:
-                    conn.setblocking(False)
-                    reason = f"uid {creds.uid} (gid {creds.gid}) is not allowed to connect"
-                    conn.sendmsg([FRAME_INLINE, encode(KIND_REFUSED, payload=reason.encode())])
-                except OSError:
-                    pass
-                conn.close()
-                if self.log:
-                    print(f"vmm_ipc_peer endpoint {self.name}: refused pid {creds.pid} "
-                          f"(uid {creds.uid}, gid {creds.gid})", file=sys.stderr, flush=True)
+            if not _admits(self.uids, self.gids, creds, self._implicit):
+                self._refuse(conn, creds)
                 continue
             try:
                 conn.sendmsg([FRAME_INLINE, encode(KIND_HELLO)])
@@ -552,7 +677,63 @@ class Listener:
                 continue
             return Connection(conn, creds, self.name, self.timeout)
 
+    def _refuse(self, conn, creds):
+        """Stop the refused peer sending, drain what it sent (a Unix socket closed with unread
+        messages resets the connection, and its peer would read ECONNRESET instead of the
+        reason), tell it why, remember and log it, close."""
+        self.refused.append(creds)
+        try:
+            conn.setblocking(False)
+            try:
+                conn.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass
+            space = socket.CMSG_SPACE(MAX_CHUNKS * array.array("i").itemsize)
+            for _ in range(_DRAIN_MAX):
+                try:
+                    msg, ancdata, _, _ = conn.recvmsg(1, space)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    break
+                fds = array.array("i")
+                for level, kind, cmsg in ancdata:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds.frombytes(cmsg[:len(cmsg) - len(cmsg) % fds.itemsize])
+                _close_all(list(fds))
+                if not msg and not fds:
+                    break
+            reason = (f"uid {creds.uid} (gid {creds.gid}) is not allowed to connect"
+                      f"{_overflow_note(creds)}")
+            conn.sendmsg([FRAME_INLINE, encode(KIND_REFUSED, payload=reason.encode())])
+        except OSError:
+            pass
+        conn.close()
+        if self.log:
+            self._log_refusal(creds)
+
+    def _log_refusal(self, creds):
+        now = time.monotonic()
+        if now - self._log_since >= LOG_INTERVAL:
+            self._log_count()
+            self._log_since, self._log_written = now, 0
+        if self._log_written < LOG_BURST:
+            self._log_written += 1
+            print(f"vmm_ipc_peer endpoint {self.name}: refused pid {creds.pid} "
+                  f"(uid {creds.uid}, gid {creds.gid}){_overflow_note(creds)}", file=sys.stderr,
+                  flush=True)
+        else:
+            self._log_unwritten += 1
+
+    def _log_count(self):
+        if self._log_unwritten:
+            print(f"vmm_ipc_peer endpoint {self.name}: {self._log_unwritten} more refused "
+                  f"connection(s) not logged (at most {LOG_BURST} lines per {LOG_INTERVAL:g} s)",
+                  file=sys.stderr, flush=True)
+            self._log_unwritten = 0
+
     def close(self):
+        self._log_count()
         self.sock.close()
         if self._file:
             path, dev, ino = self._file

@@ -3,7 +3,11 @@
 //!
 //! - [`Daemon`] owns named buffers (CUDA VMM buffers where there is a GPU, host memfd buffers
 //!   elsewhere) and serves them on a [`Listener`]: one thread per connection, each bounded by
-//!   the connection's timeout, so a client that connects and says nothing delays no one.
+//!   the connection's timeout, so a client that connects and says nothing delays no one; at
+//!   most [`Daemon::max_connections`] at once (default [`DEFAULT_MAX_CONNECTIONS`]), and
+//!   running out of fds (or threads) pauses accepting instead of ending the daemon.
+//! - [`daemon::run`] is the `vmm-daemon` program (`src/bin/vmm-daemon.rs` is a thin `main`
+//!   over it).
 //! - [`client`] is the Rust client (`src/bin/vmm-client.rs` is a thin `main` over it);
 //!   `python/daemon_client.py` is the Python one, on the standard-library peer.
 //!
@@ -15,7 +19,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use vmm_core::cuda::VirtualMemoryBuffer;
 use vmm_core::peer::Descriptor;
@@ -63,17 +67,54 @@ impl Served {
     }
 }
 
+/// How many connections a [`Daemon`] serves at once unless told otherwise: 64 (one thread and
+/// one fd each).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+
+/// How long [`Daemon::serve`] pauses accepting when the process is out of fds (`EMFILE`,
+/// `ENFILE`) or cannot start a thread: 50 ms.
+pub const RESOURCE_BACKOFF: Duration = Duration::from_millis(50);
+
 /// The daemon: named buffers, served to whoever the listener admits.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Daemon {
     buffers: BTreeMap<String, Served>,
     served: AtomicUsize,
+    max_connections: usize,
+}
+
+impl Default for Daemon {
+    fn default() -> Self {
+        Daemon {
+            buffers: BTreeMap::new(),
+            served: AtomicUsize::new(0),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+        }
+    }
+}
+
+/// Whether `e` says the process (or the system) is out of fds: a transient condition for a
+/// server, which pauses and goes on.
+pub fn out_of_fds(e: &Error) -> bool {
+    matches!(e, Error::FdLimit { .. }) || e.raw_os_error() == Some(libc::ENFILE)
 }
 
 impl Daemon {
     /// A daemon with no buffers.
     pub fn new() -> Daemon {
         Daemon::default()
+    }
+
+    /// The most connections it serves at once (each on its own thread, holding one fd);
+    /// further clients wait in the listener's backlog until one ends (their `connect` timeout
+    /// bounds that wait).
+    pub fn max_connections(&self) -> usize {
+        self.max_connections
+    }
+
+    /// Set [`max_connections`](Self::max_connections) (at least 1).
+    pub fn set_max_connections(&mut self, max: usize) {
+        self.max_connections = max.max(1);
     }
 
     /// Serve `buffer` as `name`.
@@ -87,22 +128,53 @@ impl Daemon {
     }
 
     /// Accept connections until `stop` is set (checked every 100 ms), each served on its own
-    /// thread; returns once every connection thread has ended (each within its connection's
-    /// timeout). Errors of one connection end that connection only (they are logged).
+    /// thread, at most [`max_connections`](Self::max_connections) at once; returns once every
+    /// connection thread has ended (each within its connection's timeout). Errors of one
+    /// connection end that connection only (they are logged). Running out of fds
+    /// ([`out_of_fds`]) or threads pauses accepting for [`RESOURCE_BACKOFF`] (logged once per
+    /// episode) and goes on: clients wait in the backlog meanwhile. Other accept errors end it.
     pub fn serve(&self, listener: &Listener, stop: &AtomicBool) -> Result<()> {
+        let active = AtomicUsize::new(0);
+        let mut short_since: Option<Instant> = None;
         std::thread::scope(|scope| {
             while !stop.load(Ordering::Relaxed) {
+                if active.load(Ordering::Acquire) >= self.max_connections {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
                 let conn = match listener.accept(Some(Duration::from_millis(100))) {
                     Ok(conn) => conn,
                     Err(Error::Timeout { .. }) => continue,
+                    Err(e) if out_of_fds(&e) => {
+                        pause(&mut short_since, &format!("out of fds ({e})"), &active);
+                        continue;
+                    }
                     Err(e) => return Err(e),
                 };
-                scope.spawn(move || {
-                    let peer = conn.peer();
-                    if let Err(e) = self.handle(&conn) {
-                        eprintln!("vmm-daemon: connection from {peer}: {e}");
-                    }
-                });
+                if let Some(since) = short_since.take() {
+                    eprintln!("vmm-daemon: accepting again after {:?}", since.elapsed());
+                }
+                active.fetch_add(1, Ordering::AcqRel);
+                let active = &active;
+                let started = std::thread::Builder::new()
+                    .name("vmm-daemon-conn".into())
+                    .spawn_scoped(scope, move || {
+                        let peer = conn.peer();
+                        if let Err(e) = self.handle(&conn) {
+                            eprintln!("vmm-daemon: connection from {peer}: {e}");
+                        }
+                        drop(conn);
+                        active.fetch_sub(1, Ordering::AcqRel);
+                    });
+                if let Err(e) = started {
+                    // The connection (moved into the closure) is closed with it.
+                    active.fetch_sub(1, Ordering::AcqRel);
+                    pause(
+                        &mut short_since,
+                        &format!("cannot start a connection thread ({e})"),
+                        active,
+                    );
+                }
             }
             Ok(())
         })
@@ -138,6 +210,99 @@ impl Daemon {
                 _ => conn.send_data(format!("error: unknown request {request:?}").as_bytes())?,
             }
         }
+    }
+}
+
+/// Pause accepting for [`RESOURCE_BACKOFF`], saying so once per episode of shortage.
+fn pause(short_since: &mut Option<Instant>, what: &str, active: &AtomicUsize) {
+    if short_since.is_none() {
+        eprintln!(
+            "vmm-daemon: {what}; pausing new connections until some end ({} open)",
+            active.load(Ordering::Relaxed)
+        );
+        *short_since = Some(Instant::now());
+    }
+    std::thread::sleep(RESOURCE_BACKOFF);
+}
+
+/// The `vmm-daemon` program.
+pub mod daemon {
+    use vmm_core::cuda::{Device, ResourceOptions, VirtualMemoryResource};
+    use vmm_core::wire::endpoint::{Allow, ListenerOptions, Name};
+
+    use super::*;
+
+    static STOP: AtomicBool = AtomicBool::new(false);
+
+    extern "C" fn stop(_: libc::c_int) {
+        // An atomic store is async-signal-safe.
+        STOP.store(true, Ordering::Relaxed);
+    }
+
+    /// `vmm-daemon [--gpu] [--size BYTES] [--allow-uid UID]... [--max-connections N] [NAME]`:
+    /// own one buffer, `weights` (a CUDA VMM buffer of two chunks with `--gpu`, else a host
+    /// memfd buffer of BYTES, default 4 MiB), filled with the examples' pattern of seed 7, and
+    /// serve it on NAME (default `@vmm-ipc-daemon`) until SIGINT or SIGTERM, to at most N
+    /// connections at once (default [`DEFAULT_MAX_CONNECTIONS`]).
+    pub fn run(args: &[String]) -> Result<()> {
+        let usage = |what: &str| Error::InvalidArgument(format!("vmm-daemon: {what}"));
+        let mut args = args.iter();
+        let (mut gpu, mut size, mut allow, mut name) = (false, 4 << 20, Allow::same_user(), None);
+        let mut max = DEFAULT_MAX_CONNECTIONS;
+        while let Some(arg) = args.next() {
+            match arg.as_str() {
+                "--gpu" => gpu = true,
+                "--size" => {
+                    size = args
+                        .next()
+                        .and_then(|v| v.parse().ok())
+                        .ok_or_else(|| usage("--size BYTES"))?
+                }
+                "--allow-uid" => {
+                    allow = allow.uid(
+                        args.next()
+                            .and_then(|v| v.parse().ok())
+                            .ok_or_else(|| usage("--allow-uid UID"))?,
+                    )
+                }
+                "--max-connections" => {
+                    max = args
+                        .next()
+                        .and_then(|v| v.parse().ok())
+                        .ok_or_else(|| usage("--max-connections N"))?
+                }
+                other => name = Some(other.to_owned()),
+            }
+        }
+        let name: Name = name.as_deref().unwrap_or("@vmm-ipc-daemon").into();
+        let mut daemon = Daemon::new();
+        daemon.set_max_connections(max);
+        let weights = if gpu {
+            let resource =
+                VirtualMemoryResource::new(&Device::new(0)?, ResourceOptions::default())?;
+            let g = resource.granularity();
+            let buf = resource.grow(&resource.allocate(g)?, 2 * g)?;
+            buf.write_at(0, &pattern(7, buf.size()))?;
+            Served::Cuda(buf)
+        } else {
+            let buf = HostBuffer::new(size)?;
+            buf.write_at(0, &pattern(7, size))?;
+            Served::Host(buf)
+        };
+        daemon.add("weights", weights);
+        // SAFETY: `stop` only stores to an atomic, which is async-signal-safe.
+        unsafe {
+            libc::signal(libc::SIGINT, stop as *const () as libc::sighandler_t);
+            libc::signal(libc::SIGTERM, stop as *const () as libc::sighandler_t);
+        }
+        let listener = Listener::bind_with(&name, ListenerOptions::default().allow(allow))?;
+        eprintln!("vmm-daemon: serving `weights` on {name} (Ctrl-C to stop)");
+        daemon.serve(&listener, &STOP)?;
+        eprintln!(
+            "vmm-daemon: stopped after serving {} descriptor(s)",
+            daemon.served()
+        );
+        Ok(())
     }
 }
 

@@ -249,3 +249,139 @@ fn the_daemon_serves_a_gpu_buffer_to_rust_and_python_clients() {
     run(9);
     assert_eq!(settled_open_fds().unwrap(), before);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Running out of fds: the daemon pauses and keeps serving.
+
+const DAEMON_ARGS_VAR: &str = "VMM_EXAMPLE_DAEMON_ARGS";
+
+/// The daemon (`vmm_examples::daemon::run`, what `vmm-daemon`'s `main` calls), when
+/// `DAEMON_ARGS_VAR` holds its arguments (separated by U+001F).
+#[test]
+#[ignore = "the daemon the other tests start"]
+fn daemon_role() {
+    let Ok(args) = std::env::var(DAEMON_ARGS_VAR) else {
+        return;
+    };
+    let args: Vec<String> = args.split('\u{1f}').map(str::to_owned).collect();
+    if let Err(e) = vmm_examples::daemon::run(&args) {
+        panic!("vmm-daemon: {e}");
+    }
+}
+
+/// A raw connection to `name` (no handshake: it never reads its HELLO nor says anything), or
+/// `None` when the daemon's backlog is full.
+fn idle_connection(name: &Name) -> Option<std::os::fd::OwnedFd> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
+    use std::os::fd::AsRawFd;
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        None,
+    )
+    .unwrap();
+    let Name::Abstract(bytes) = name else {
+        panic!("abstract names only")
+    };
+    connect(fd.as_raw_fd(), &UnixAddr::new_abstract(bytes).unwrap())
+        .ok()
+        .map(|()| fd)
+}
+
+#[test]
+fn the_daemon_keeps_serving_after_running_out_of_fds() {
+    let _serial = serial();
+    let works = Command::new("prlimit")
+        .args(["--nofile=64:64", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !works {
+        eprintln!(
+            "SKIP the_daemon_keeps_serving_after_running_out_of_fds: no prlimit to lower the \
+             daemon's fd limit"
+        );
+        return;
+    }
+    let name = Name::abstract_name(format!("vmm-example-fds-{}", std::process::id()));
+    let mut daemon = Command::new("prlimit")
+        .arg("--nofile=64:64")
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "daemon_role",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+            "-q",
+        ])
+        .env(
+            DAEMON_ARGS_VAR,
+            ["--size", "65536", &name.to_string()].join("\u{1f}"),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The daemon's log, line by line.
+    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
+    let stderr = daemon.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut log = Vec::new();
+    let wait_for = |words: &str, log: &mut Vec<String>| -> bool {
+        while let Ok(line) = lines.recv_timeout(Duration::from_secs(30)) {
+            log.push(line);
+            if log.last().unwrap().contains(words) {
+                return true;
+            }
+        }
+        false
+    };
+    assert!(wait_for("serving `weights`", &mut log), "{log:#?}");
+    // More idle connections than the daemon has fds for.
+    let idle: Vec<_> = (0..100).filter_map(|_| idle_connection(&name)).collect();
+    assert!(idle.len() > 64, "only {} connections", idle.len());
+    assert!(
+        wait_for("out of fds", &mut log),
+        "the daemon never ran out of fds (or died): {log:#?}"
+    );
+    assert!(
+        daemon.try_wait().unwrap().is_none(),
+        "the daemon exited: {log:#?}"
+    );
+    drop(idle);
+    // A normal client is served once the idle ones are gone.
+    let conn = Connection::connect(&name).unwrap_or_else(|e| panic!("{e}: {log:#?}"));
+    let fetched = vmm_examples::client::fetch(&conn, "weights").unwrap();
+    assert_eq!(fetched.contents().unwrap(), pattern(7, 65536));
+    drop((fetched, conn));
+    assert!(
+        daemon.try_wait().unwrap().is_none(),
+        "the daemon exited: {log:#?}"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(daemon.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = daemon.wait().unwrap();
+    reader.join().unwrap();
+    while let Ok(line) = lines.try_recv() {
+        log.push(line);
+    }
+    assert!(status.success(), "{status:?}: {log:#?}");
+    assert!(
+        log.iter()
+            .any(|l| l.contains("stopped after serving 1 descriptor")),
+        "{log:#?}"
+    );
+}

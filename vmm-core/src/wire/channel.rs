@@ -197,12 +197,31 @@ impl Channel {
     /// latency; a reply that comes within the window pays none. The window costs at most that
     /// much CPU per receive.
     pub fn recv(&self, timeout: Option<Duration>) -> Result<Message> {
+        self.recv_with(timeout, Accept::Internal)
+    }
+
+    /// Receive one message of a named endpoint's peer (docs/protocol.md), waiting at most
+    /// `timeout`: only inline packets (frame byte `0x00`) of at most `1 + max` bytes. A packet
+    /// with any other frame byte (vmm-core's spilled payloads, `0x01`, in particular) or a
+    /// longer one is an [`Error::Protocol`] before anything is read from or allocated for it;
+    /// the fds of every refused packet go to `discard` (which closes them off the caller's
+    /// path: a hostile fd's `close` may block).
+    pub(crate) fn recv_peer(
+        &self,
+        timeout: Option<Duration>,
+        max: usize,
+        discard: fn(Vec<OwnedFd>),
+    ) -> Result<Message> {
+        self.recv_with(timeout, Accept::Peer { max, discard })
+    }
+
+    fn recv_with(&self, timeout: Option<Duration>, accept: Accept) -> Result<Message> {
         let deadline = timeout.map(deadline_after).unwrap_or(Deadline::Never);
         let window = spin_window();
         if !window.is_zero() {
             let started = Instant::now();
             loop {
-                if let Some(message) = self.try_recv()? {
+                if let Some(message) = self.try_recv_with(accept)? {
                     return Ok(message);
                 }
                 let now = Instant::now();
@@ -222,7 +241,7 @@ impl Channel {
                 });
             }
             // Several processes may read the same socket: another may have taken the message.
-            if let Some(message) = self.try_recv()? {
+            if let Some(message) = self.try_recv_with(accept)? {
                 return Ok(message);
             }
         }
@@ -230,20 +249,24 @@ impl Channel {
 
     /// Receive one message if one is waiting.
     pub fn try_recv(&self) -> Result<Option<Message>> {
-        match self.try_recv_once()? {
+        self.try_recv_with(Accept::Internal)
+    }
+
+    fn try_recv_with(&self, accept: Accept) -> Result<Option<Message>> {
+        match self.try_recv_once(accept)? {
             Received::Message(message) => Ok(message),
             // A non-blocking read can report end-of-file while a message that raced with the
             // hang-up is queued (the kernel finds the queue empty, the peer sends and closes,
             // then the read sees the shutdown): read once more before believing it. A real
             // end-of-file reads as one again.
-            Received::EndOfFile => match self.try_recv_once()? {
+            Received::EndOfFile => match self.try_recv_once(accept)? {
                 Received::Message(message) => Ok(message),
                 Received::EndOfFile => Err(Error::Disconnected("recv".into())),
             },
         }
     }
 
-    fn try_recv_once(&self) -> Result<Received> {
+    fn try_recv_once(&self, accept: Accept) -> Result<Received> {
         // One receive buffer per thread, zeroed once: a message costs a copy of its own length,
         // not a fresh 64 KiB allocation (this is on every hand-off's path).
         thread_local! {
@@ -251,8 +274,15 @@ impl Channel {
         }
         let received = RECEIVE.with(|buf| {
             let mut buf = buf.borrow_mut();
+            // A peer's packet is read into at most `1 + max` bytes: a longer one is truncated
+            // by the kernel (MSG_TRUNC) and refused, never copied whole.
+            let room = match accept {
+                Accept::Internal => buf.len(),
+                Accept::Peer { max, .. } => buf.len().min(max.saturating_add(1)),
+            };
+            let buf = &mut buf[..room];
             loop {
-                match sys::recv_with_fds(self.fd.as_fd(), &mut buf, libc::MSG_DONTWAIT) {
+                match sys::recv_with_fds(self.fd.as_fd(), buf, libc::MSG_DONTWAIT) {
                     Ok(received) => {
                         // The tag stays in `buf`; the payload is copied once, without it.
                         let tag = buf.first().copied().filter(|_| received.len > 0);
@@ -276,37 +306,69 @@ impl Channel {
             MsgFlags::from_bits_retain(received.flags),
             received.fds,
         );
+        // Every refusal below hands the packet's fds to `accept`'s discard.
+        let refuse = |fds: Vec<OwnedFd>, why: String| -> Result<Received> {
+            accept.discard(fds);
+            Err(Error::Protocol(why))
+        };
         if flags.contains(MsgFlags::MSG_CTRUNC) {
-            return Err(Error::Protocol(format!(
-                "control message truncated (MSG_CTRUNC): the sender's fds did not all arrive \
-                 ({} did, and were closed); is the process near its fd limit?",
-                fds.len()
-            )));
+            let n = fds.len();
+            return refuse(
+                fds,
+                format!(
+                    "control message truncated (MSG_CTRUNC): the sender's fds did not all \
+                     arrive ({n} did, and were closed); is the process near its fd limit?"
+                ),
+            );
         }
         if flags.contains(MsgFlags::MSG_TRUNC) {
-            return Err(Error::Protocol(format!(
-                "packet larger than {} bytes: not sent by vmm_core::wire",
-                1 + INLINE_MAX
-            )));
+            let why = match accept {
+                Accept::Internal => format!(
+                    "packet larger than {} bytes: not sent by vmm_core::wire",
+                    1 + INLINE_MAX
+                ),
+                Accept::Peer { max, .. } => format!(
+                    "packet larger than {} bytes (a frame byte and the largest peer message of \
+                     docs/protocol.md): refused unread",
+                    1 + max
+                ),
+            };
+            return refuse(fds, why);
         }
         // A zero-length read: the peer hung up, or sent an empty packet (which vmm_core::wire
         // never does: every packet has a tag).
         let Some(tag) = tag else {
             if !fds.is_empty() || !peer_hung_up(self.fd.as_fd()) {
-                return Err(Error::Protocol(format!(
-                    "an empty packet ({} fds, closed) from a peer that is still connected: not \
-                     sent by vmm_core::wire",
-                    fds.len()
-                )));
+                let n = fds.len();
+                return refuse(
+                    fds,
+                    format!(
+                        "an empty packet ({n} fds, closed) from a peer that is still \
+                         connected: not sent by vmm_core::wire"
+                    ),
+                );
             }
             return Ok(Received::EndOfFile);
         };
-        let message = match tag {
-            TAG_INLINE => Ok(Some(Message {
+        let message = match (tag, accept) {
+            (TAG_INLINE, _) => Ok(Some(Message {
                 bytes: payload,
                 fds,
             })),
-            TAG_SPILLED if len == HEADER_SPILLED => {
+            // A peer of a named endpoint speaks docs/protocol.md only: vmm-core's spilled
+            // framing is refused before its header's size or its memfd is looked at.
+            (TAG_SPILLED, Accept::Peer { .. }) => {
+                let n = fds.len();
+                return refuse(
+                    fds,
+                    format!(
+                        "frame byte 1 (vmm-core's internal framing: a payload spilled into a \
+                         memfd; {len} bytes, {n} fd(s), closed unread) from an endpoint's peer: \
+                         a peer message starts with frame byte 0 (docs/protocol.md)"
+                    ),
+                );
+            }
+            (TAG_SPILLED, Accept::Internal) if len == HEADER_SPILLED => {
                 let size = u64::from_le_bytes(payload[..].try_into().expect("8 bytes"));
                 let mut fds = fds;
                 let spill = fds.pop().ok_or_else(|| {
@@ -315,9 +377,12 @@ impl Channel {
                 let bytes = read_spill(spill, size)?;
                 Ok(Some(Message { bytes, fds }))
             }
-            tag => Err(Error::Protocol(format!(
-                "unknown message tag {tag} ({len} bytes): not sent by vmm_core::wire"
-            ))),
+            (tag, _) => {
+                return refuse(
+                    fds,
+                    format!("unknown message tag {tag} ({len} bytes): not sent by vmm_core::wire"),
+                );
+            }
         };
         message.map(Received::Message)
     }
@@ -369,6 +434,28 @@ fn spin_window() -> Duration {
             });
         Duration::from_micros(micros.min(10_000))
     })
+}
+
+/// What a receive accepts: vmm-core's own framing (from a process it started), or a named
+/// endpoint's peer messages only.
+#[derive(Clone, Copy)]
+enum Accept {
+    /// Inline packets and payloads spilled into a sealed memfd (up to [`MAX_MESSAGE`]).
+    Internal,
+    /// Inline packets of at most `1 + max` bytes; the fds of a refused packet go to `discard`.
+    Peer {
+        max: usize,
+        discard: fn(Vec<OwnedFd>),
+    },
+}
+
+impl Accept {
+    fn discard(self, fds: Vec<OwnedFd>) {
+        match self {
+            Accept::Internal => drop(fds),
+            Accept::Peer { discard, .. } => discard(fds),
+        }
+    }
 }
 
 /// What one non-blocking read gave: a message (or none waiting), or an end-of-file to confirm.

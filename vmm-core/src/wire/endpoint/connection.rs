@@ -9,8 +9,9 @@ use nix::fcntl::{FcntlArg, OFlag, fcntl};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::creds::{Allow, Credentials};
-use super::frame::{Frame, Kind};
+use super::closer::close_later;
+use super::creds::{Allow, Credentials, overflow_note};
+use super::frame::{Frame, Kind, MAX_FRAME};
 use super::name::{Name, seqpacket_socket};
 use crate::wire::channel::{Channel, Deadline, deadline_after};
 use crate::wire::oob;
@@ -57,10 +58,15 @@ impl ConnectOptions {
 }
 
 /// One admitted connection of a named endpoint: a `SOCK_SEQPACKET` socket whose peer's
-/// credentials the kernel vouched for, with the same message model as [`Queue`](crate::wire::Queue)
-/// (one packet per message; serde with fds out of band) plus the cross-language peer messages
-/// of `docs/protocol.md` ([`send_data`](Self::send_data) here; descriptors in
-/// [`peer`](crate::peer)).
+/// credentials the kernel vouched for, speaking exactly the messages of `docs/protocol.md`
+/// ([`send_data`](Self::send_data) and [`send_value`](Self::send_value) here; descriptors in
+/// [`peer`](crate::peer)), one packet per message.
+///
+/// Every receive takes only what a peer may send: a packet whose frame byte is not `0x00`
+/// (vmm-core's internal framing of a payload spilled into a memfd, in particular) or that is
+/// longer than the largest protocol message is an [`Error::Protocol`] before anything is read
+/// from its fds or allocated for it; the fds of a refused or unwanted message are closed on a
+/// background thread, so a hostile fd whose `close` blocks holds up no caller.
 ///
 /// Every send and receive is bounded by the connection's [`timeout`](Self::timeout), so a peer
 /// that stops talking (or reading) costs a bounded wait, never a hung thread.
@@ -145,9 +151,10 @@ impl Connection {
             return Err(Error::PeerRefused {
                 endpoint: name.to_string(),
                 reason: format!(
-                    "its listener is {server}, not whom this client expects ({}): another \
+                    "its listener is {server}, not whom this client expects ({}){}: another \
                      process may have taken the name first; nothing was sent to it",
-                    options.expect
+                    options.expect,
+                    overflow_note(&server)
                 ),
             });
         }
@@ -156,7 +163,7 @@ impl Connection {
             Deadline::Never => None,
             Deadline::At(d) => Some(d.saturating_duration_since(Instant::now())),
         };
-        let message = match channel.recv(left) {
+        let message = match channel.recv_peer(left, MAX_FRAME, close_later) {
             Ok(message) => message,
             Err(Error::Timeout { .. }) => {
                 return Err(Error::Timeout {
@@ -177,7 +184,14 @@ impl Connection {
             }
             Err(e) => return Err(e),
         };
-        let frame = Frame::decode(&message.bytes, message.fds.len())?;
+        let frame = match Frame::decode(&message.bytes, message.fds.len()) {
+            Ok(frame) => frame,
+            Err(e) => {
+                close_later(message.fds);
+                return Err(e);
+            }
+        };
+        // HELLO and REFUSED carry no fds (Frame::decode checked the count).
         match frame.kind {
             Kind::Hello => Ok(Connection::new(
                 channel,
@@ -219,28 +233,30 @@ impl Connection {
         self.timeout = timeout;
     }
 
-    /// The underlying channel, for messages of your own framing (both sides must agree).
-    pub fn channel(&self) -> &Channel {
-        &self.channel
-    }
-
-    /// Give up the connection's checks and keep its channel.
-    pub fn into_channel(self) -> Channel {
-        self.channel
-    }
-
-    /// Serialise `value` (postcard, fds out of band, as [`Queue`](crate::wire::Queue) does) and
-    /// send it: for Rust peers on both ends.
+    /// Serialise `value` with postcard and send it as the payload of a `DATA` message (at most
+    /// [`MAX_DATA`](super::MAX_DATA) bytes): for Rust peers on both ends that agree on the
+    /// type. Only docs/protocol.md crosses an endpoint, so a value that carries fds (a buffer,
+    /// a descriptor, a queue, an [`Fd`](crate::wire::Fd)) is an [`Error::InvalidArgument`]:
+    /// send descriptors with [`send_descriptor`](Self::send_descriptor).
     pub fn send_value<T: Serialize + ?Sized>(&self, value: &T) -> Result<()> {
         let encoded = oob::encode(value)?;
-        let fds: Vec<BorrowedFd<'_>> = encoded.fds().collect();
-        self.send_raw(encoded.bytes(), &fds)
+        if encoded.fd_count() != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "endpoint {}: a value with {} fd(s) cannot cross a named endpoint (only the \
+                 messages of docs/protocol.md do); send descriptors with send_descriptor",
+                self.endpoint,
+                encoded.fd_count()
+            )));
+        }
+        self.send_data(encoded.bytes())
     }
 
-    /// Receive a value sent with [`send_value`](Self::send_value), handing it its fds.
+    /// Receive a value sent with [`send_value`](Self::send_value): a `DATA` message whose
+    /// payload is its postcard encoding. Any other message is an [`Error::Protocol`]; a value
+    /// type that needs fds fails to deserialise (none arrive).
     pub fn recv_value<T: DeserializeOwned>(&self) -> Result<T> {
-        let message = self.recv_raw()?;
-        oob::decode(&message.bytes, message.fds)
+        let bytes = self.recv_data()?;
+        oob::decode(&bytes, Vec::new())
     }
 
     /// Send application bytes as a peer-protocol `DATA` message (any language's peer reads it),
@@ -252,7 +268,9 @@ impl Connection {
     /// Receive a `DATA` message's bytes. Any other message is an [`Error::Protocol`] (its fds
     /// are closed).
     pub fn recv_data(&self) -> Result<Vec<u8>> {
-        let (frame, _fds) = self.recv_frame()?;
+        let (frame, fds) = self.recv_frame()?;
+        // Unwanted fds (of a descriptor that came instead) close off this thread.
+        close_later(fds);
         match frame.kind {
             Kind::Data => Ok(frame.payload),
             other => Err(Error::Protocol(format!(
@@ -270,11 +288,17 @@ impl Connection {
     }
 
     /// Receive one peer-protocol message: decoded and checked against the fds the kernel
-    /// delivered, which are returned owned (and are closed on any error).
+    /// delivered, which are returned owned (and are closed on any error, on the background
+    /// closer: a hostile fd's close may block).
     pub(crate) fn recv_frame(&self) -> Result<(Frame, Vec<OwnedFd>)> {
         let message = self.recv_raw()?;
-        let frame = Frame::decode(&message.bytes, message.fds.len())?;
-        Ok((frame, message.fds))
+        match Frame::decode(&message.bytes, message.fds.len()) {
+            Ok(frame) => Ok((frame, message.fds)),
+            Err(e) => {
+                close_later(message.fds);
+                Err(e)
+            }
+        }
     }
 
     /// Send one message's bytes (the channel adds the frame byte) and fds, within the timeout.
@@ -291,8 +315,10 @@ impl Connection {
         }
     }
 
+    /// Receive one packet of docs/protocol.md: frame byte 0 and at most [`MAX_FRAME`] bytes,
+    /// refused (fds closed off this thread) before anything is read or allocated otherwise.
     fn recv_raw(&self) -> Result<crate::wire::Message> {
-        match self.channel.recv(self.timeout) {
+        match self.channel.recv_peer(self.timeout, MAX_FRAME, close_later) {
             Err(Error::Timeout { after, .. }) => Err(Error::Timeout {
                 what: format!(
                     "receiving from endpoint {} ({}): it sent nothing",

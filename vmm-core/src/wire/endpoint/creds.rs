@@ -13,6 +13,48 @@ pub(crate) fn euid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
+/// The kernel's overflow uid and gid (`/proc/sys/kernel/overflowuid`, `overflowgid`; 65534
+/// unless changed): what `SO_PEERCRED` and `stat` report for an id that has no mapping in this
+/// process's user namespace. One such id stands for every unmapped user at once, so it is
+/// never taken as anyone's identity unless an allow-list names it. `None` when either cannot
+/// be read: then every id is treated as possibly the overflow id (fail closed).
+pub(crate) fn overflow_ids() -> Option<(u32, u32)> {
+    static IDS: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
+    if let Some(ids) = IDS.get() {
+        return Some(*ids);
+    }
+    let read = |file: &str| -> Option<u32> {
+        std::fs::read_to_string(format!("/proc/sys/kernel/{file}"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    };
+    let ids = (read("overflowuid")?, read("overflowgid")?);
+    Some(*IDS.get_or_init(|| ids))
+}
+
+/// Whether `uid` may be the overflow uid (it is, or the overflow uid cannot be read).
+pub(crate) fn maybe_overflow_uid(uid: u32) -> bool {
+    overflow_ids().is_none_or(|(overflow, _)| overflow == uid)
+}
+
+/// Why the kernel's word for `peer` may name no one in particular: a note for refusals, empty
+/// when its uid and gid are ordinary ids.
+pub(crate) fn overflow_note(peer: &Credentials) -> String {
+    match overflow_ids() {
+        None => " (the overflow uid cannot be read from /proc/sys/kernel/overflowuid, so an id \
+                  is admitted only when the allow-list names it)"
+            .into(),
+        Some((uid, _)) if peer.uid == uid => format!(
+            " (uid {uid} is the overflow uid: the process's uid has no mapping in this user \
+             namespace, and it stands for every such user; admitted only when the allow-list \
+             names it)"
+        ),
+        Some(_) => String::new(),
+    }
+}
+
 /// A process's credentials as the kernel recorded them for a Unix socket (`SO_PEERCRED`): for
 /// a client, when it called `connect`; for a listener, when it called `listen`. They are the
 /// effective uid and gid of that moment, translated into this process's user and pid
@@ -64,6 +106,14 @@ impl fmt::Display for Credentials {
 /// Supplementary groups are not consulted (`SO_PEERCRED` reports only the primary gid), and
 /// uid 0 gets no exception: root is admitted only if listed.
 ///
+/// The overflow uid (`/proc/sys/kernel/overflowuid`, usually 65534: what a uid that has no
+/// mapping in this process's user namespace reads as) is admitted only when
+/// [`uid`](Self::uid) names it: [`same_user`](Self::same_user) in a process whose own uid reads
+/// as the overflow uid (a daemon run as `nobody`, or in a user namespace that does not map
+/// it) admits nobody by uid, since that one id stands for every unmapped user. Where the
+/// overflow uid cannot be read, the default uid is not admitted either (fail closed). Gids are
+/// only ever named ([`gid`](Self::gid)), so a named overflow gid admits.
+///
 /// ```
 /// use vmm_core::wire::endpoint::{Allow, Credentials};
 /// let me = Credentials::of_this_process();
@@ -76,12 +126,19 @@ impl fmt::Display for Credentials {
 pub struct Allow {
     uids: Vec<u32>,
     gids: Vec<u32>,
+    /// The uid [`same_user`](Self::same_user) put in, until [`uid`](Self::uid) names it too.
+    implicit: Option<u32>,
 }
 
 impl Allow {
     /// This process's effective uid, and nothing else.
     pub fn same_user() -> Allow {
-        Allow::none().uid(euid())
+        let uid = euid();
+        Allow {
+            uids: vec![uid],
+            gids: Vec::new(),
+            implicit: Some(uid),
+        }
     }
 
     /// Nobody (add uids and gids with [`uid`](Self::uid) and [`gid`](Self::gid)).
@@ -89,11 +146,15 @@ impl Allow {
         Allow {
             uids: Vec::new(),
             gids: Vec::new(),
+            implicit: None,
         }
     }
 
-    /// Also admit `uid`.
+    /// Also admit `uid` (named: the overflow uid too, when named here).
     pub fn uid(mut self, uid: u32) -> Allow {
+        if self.implicit == Some(uid) {
+            self.implicit = None;
+        }
         if !self.uids.contains(&uid) {
             self.uids.push(uid);
         }
@@ -118,9 +179,12 @@ impl Allow {
         &self.gids
     }
 
-    /// Whether a peer with these credentials is admitted.
+    /// Whether a peer with these credentials is admitted: its uid is listed (the overflow uid
+    /// only if named with [`uid`](Self::uid)), or its gid is.
     pub fn admits(&self, peer: &Credentials) -> bool {
-        self.uids.contains(&peer.uid) || self.gids.contains(&peer.gid)
+        let by_uid = self.uids.contains(&peer.uid)
+            && (self.implicit != Some(peer.uid) || !maybe_overflow_uid(peer.uid));
+        by_uid || self.gids.contains(&peer.gid)
     }
 }
 

@@ -26,6 +26,10 @@ pub const MAX_CHUNKS: usize = super::super::MAX_FDS;
 /// message's reason).
 pub const MAX_DATA: usize = 16 * 1024;
 
+/// The longest message of docs/protocol.md (without the packet's frame byte): a header, the
+/// most chunk sizes and the most payload. A receiver reads at most this plus the frame byte.
+pub(crate) const MAX_FRAME: usize = HEADER_LEN + 8 * MAX_CHUNKS + MAX_DATA;
+
 /// Header flag: the device UUID and ordinal fields are set (CUDA descriptors only).
 pub(crate) const FLAG_DEVICE: u16 = 1;
 

@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 use nix::errno::Errno;
 use nix::sys::socket::{Backlog, SockFlag, accept4, listen};
 
+use super::closer::close_later;
 use super::connection::{Connection, DEFAULT_TIMEOUT};
-use super::creds::{Allow, Credentials};
+use super::creds::{Allow, Credentials, overflow_note};
 use super::frame::{Frame, Kind};
 use super::name::{Name, SocketFile, bind_abstract, bind_path, seqpacket_socket};
 use crate::wire::channel::{Channel, Deadline, deadline_after, wait_readable};
@@ -17,6 +18,26 @@ use crate::{Error, Result};
 
 /// How many refused peers a listener remembers (the most recent ones).
 const REFUSALS_KEPT: usize = 64;
+
+/// At most this many refusals are logged one line each per [`LOG_INTERVAL`]; the rest are
+/// counted, and one line says how many (when the next interval's first refusal comes, or when
+/// the listener is dropped).
+pub const LOG_BURST: u32 = 10;
+
+/// The interval of [`LOG_BURST`]: 10 seconds.
+pub const LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The most packets a refused peer's queued messages are drained of before its connection
+/// closes (it cannot queue more: reading is shut down first).
+const DRAIN_MAX: usize = 1024;
+
+/// The refusal log's state: lines written in the current interval, and those left unwritten.
+#[derive(Debug)]
+struct RefusalLog {
+    since: Instant,
+    written: u32,
+    unwritten: u64,
+}
 
 /// How a [`Listener`] admits peers and bounds their connections.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,7 +48,9 @@ pub struct ListenerOptions {
     /// Each accepted connection's [`timeout`](Connection::timeout) for a send or a receive
     /// (`None`: no limit). Default [`DEFAULT_TIMEOUT`].
     pub timeout: Option<Duration>,
-    /// Write one line on stderr for each refused peer (its pid, uid and gid). Default `true`.
+    /// Log refused peers on stderr: one line each (its pid, uid and gid), at most
+    /// [`LOG_BURST`] per [`LOG_INTERVAL`], then one line with the count of those not logged,
+    /// so a flood of refused connections cannot flood the log. Default `true`.
     pub log_refusals: bool,
     /// The `listen` backlog. Default 128.
     pub backlog: i32,
@@ -84,6 +107,7 @@ pub struct Listener {
     name: Name,
     options: ListenerOptions,
     refused: Mutex<VecDeque<Credentials>>,
+    log: Mutex<RefusalLog>,
 }
 
 impl Listener {
@@ -121,6 +145,11 @@ impl Listener {
             name: name.clone(),
             options,
             refused: Mutex::new(VecDeque::new()),
+            log: Mutex::new(RefusalLog {
+                since: Instant::now(),
+                written: 0,
+                unwritten: 0,
+            }),
         })
     }
 
@@ -137,6 +166,12 @@ impl Listener {
     /// The next admitted connection, waiting at most `timeout` (`None`: forever);
     /// [`Error::Timeout`] if none came. Refused peers do not end the wait (see the type's
     /// docs); a peer that hung up before it was admitted is skipped.
+    ///
+    /// Out of fds, it returns at once, and the pending connection stays queued:
+    /// [`Error::FdLimit`] when this process is at its open-file limit (`EMFILE`), [`Error::Os`]
+    /// with `ENFILE` (see [`Error::raw_os_error`]) at the system's. Both are transient: a
+    /// server pauses briefly (or until some of its connections close) and calls `accept`
+    /// again, rather than giving up.
     pub fn accept(&self, timeout: Option<Duration>) -> Result<Connection> {
         let started = Instant::now();
         let deadline = timeout.map_or(Deadline::Never, deadline_after);
@@ -159,12 +194,23 @@ impl Listener {
                     continue;
                 }
                 Err(Errno::EINTR | Errno::ECONNABORTED | Errno::EPROTO) => continue,
+                // Error::errno makes EMFILE an Error::FdLimit.
+                Err(e @ (Errno::EMFILE | Errno::ENFILE)) => {
+                    return Err(Error::errno(
+                        format!(
+                            "accept4({}): no fd for the next connection (it stays queued; \
+                             accept again once fds are free)",
+                            self.name
+                        ),
+                        e,
+                    ));
+                }
                 Err(e) => return Err(Error::errno(format!("accept4({})", self.name), e)),
             };
             let peer = Credentials::of_peer(&socket)?;
             let channel = Channel::from_fd(socket);
             if !self.options.allow.admits(&peer) {
-                self.refuse(&channel, peer);
+                self.refuse(channel, peer);
                 continue;
             }
             // A fresh socket's buffer is empty, so this never waits; a peer that already hung
@@ -194,12 +240,20 @@ impl Listener {
             .collect()
     }
 
-    /// Tell a refused peer why (best effort: never waits), remember and log it; the
-    /// connection closes when `channel` drops.
-    fn refuse(&self, channel: &Channel, peer: Credentials) {
+    /// Turn a refused peer away: stop it sending more, drain what it already sent (so that
+    /// closing does not reset the connection under the `REFUSED` message: a Unix socket closed
+    /// with unread messages makes its peer's next read fail with `ECONNRESET` before it sees
+    /// what is queued for it), tell it why (best effort: never waits), remember and log it,
+    /// then close. Nothing it sent is looked at; its fds close on the background closer.
+    fn refuse(&self, channel: Channel, peer: Credentials) {
+        // Its further sends fail (EPIPE), so the drain below ends.
+        let _ = nix::sys::socket::shutdown(channel.as_raw_fd(), nix::sys::socket::Shutdown::Read);
+        drain(&channel);
         let reason = format!(
-            "uid {} (gid {}) is not allowed to connect to this endpoint",
-            peer.uid, peer.gid
+            "uid {} (gid {}) is not allowed to connect to this endpoint{}",
+            peer.uid,
+            peer.gid,
+            overflow_note(&peer)
         );
         if let Ok(bytes) = Frame::with_payload(Kind::Refused, reason.as_bytes()).encode() {
             let _ = channel.send_timeout(&bytes, &[], Some(Duration::ZERO));
@@ -212,11 +266,71 @@ impl Listener {
             refused.push_back(peer);
         }
         if self.options.log_refusals {
+            self.log_refusal(peer);
+        }
+        // A message sent between the drain and here (none can be: reading is shut down) would
+        // reset the connection; the socket itself is ours, so its close never blocks.
+        drop(channel);
+    }
+
+    /// One line for `peer`, within [`LOG_BURST`] lines per [`LOG_INTERVAL`].
+    fn log_refusal(&self, peer: Credentials) {
+        let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        if now.duration_since(log.since) >= LOG_INTERVAL {
+            self.log_unwritten(&mut log);
+            log.since = now;
+            log.written = 0;
+        }
+        if log.written < LOG_BURST {
+            log.written += 1;
             eprintln!(
                 "vmm-ipc endpoint {}: refused a connection from {peer}: not in its allow-list \
-                 ({})",
-                self.name, self.options.allow
+                 ({}){}",
+                self.name,
+                self.options.allow,
+                overflow_note(&peer)
             );
+        } else {
+            log.unwritten += 1;
+        }
+    }
+
+    /// The line that counts the refusals not logged, if any.
+    fn log_unwritten(&self, log: &mut RefusalLog) {
+        if log.unwritten > 0 {
+            eprintln!(
+                "vmm-ipc endpoint {}: {} more refused connection(s) not logged (at most {} \
+                 lines per {:?})",
+                self.name, log.unwritten, LOG_BURST, LOG_INTERVAL
+            );
+            log.unwritten = 0;
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+        self.log_unwritten(&mut log);
+    }
+}
+
+/// Read and discard what a refused peer queued (at most [`DRAIN_MAX`] packets, never
+/// waiting), closing its fds on the background closer.
+fn drain(channel: &Channel) {
+    let mut scratch = [0u8; 1];
+    for _ in 0..DRAIN_MAX {
+        match crate::wire::sys::recv_with_fds(channel.as_fd(), &mut scratch, libc::MSG_DONTWAIT) {
+            Ok(received) => {
+                let done = received.len == 0 && received.fds.is_empty();
+                close_later(received.fds);
+                if done {
+                    return;
+                }
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+            Err(_) => return,
         }
     }
 }

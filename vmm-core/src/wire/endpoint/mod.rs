@@ -2,9 +2,9 @@
 //!
 //! A [`Listener`] binds a Unix `SOCK_SEQPACKET` socket by path or by abstract name
 //! ([`Name`]); [`Connection::connect`] is the client side. Both sides end up with a
-//! [`Connection`]: one packet per message, serde values with fds out of band (as
-//! [`Queue`](crate::wire::Queue)), and the cross-language messages of `docs/protocol.md`
-//! (application bytes with [`Connection::send_data`]; descriptors with
+//! [`Connection`]: one packet per message, exactly the cross-language messages of
+//! `docs/protocol.md` (application bytes with [`Connection::send_data`], serde values as
+//! `DATA` with [`Connection::send_value`]; descriptors with
 //! [`Connection::send_descriptor`](crate::wire::endpoint::Connection::send_descriptor), in
 //! [`peer`](crate::peer)), so a Python process speaks to it with the standard library alone.
 //!
@@ -40,7 +40,20 @@
 //! - **A process of another user connecting to a listener.** `accept` admits a peer only if its
 //!   uid or primary gid is in the listener's [`Allow`] list (default: the listener's own
 //!   effective uid); anyone else gets a `REFUSED` message and a closed socket before a byte or
-//!   an fd of the application's is sent, and the listener logs the refusal.
+//!   an fd of the application's is sent, and the listener logs the refusal. The listener
+//!   shuts down reading and drains what a refused client already sent before it closes, so a
+//!   client that spoke first still reads the reason (a Unix socket closed with unread
+//!   messages would make its peer's read fail with `ECONNRESET` first).
+//! - **An unmapped peer passing for the listener's own user.** A uid with no mapping in this
+//!   process's user namespace reads as the overflow uid (`/proc/sys/kernel/overflowuid`,
+//!   usually 65534), which stands for every unmapped user at once. It is admitted only when
+//!   the allow-list names it ([`Allow::uid`]); the default ([`Allow::same_user`]) of a process
+//!   that itself runs as the overflow uid (`nobody`, or in a user namespace that does not map
+//!   it) admits no one by uid, on the listener's side and in the client's squatter check, and
+//!   a path endpoint refuses a directory it cannot tell from other unmapped users'. If the
+//!   overflow uid cannot be read, it is assumed to be any uid (fail closed).
+//! - **Flooding the owner's log.** A foreign user may connect as often as it likes; refusals
+//!   are logged at most [`LOG_BURST`] lines per [`LOG_INTERVAL`], then counted in one line.
 //! - **A squatter.** Whoever binds a name first owns it; a client checks the listener's
 //!   credentials against [`ConnectOptions::expect`] (default: the client's own uid) right after
 //!   `connect`, before it sends or reads anything, so a listener run by another user cannot
@@ -50,11 +63,23 @@
 //!   group- or world-accessible or owned by someone else, and never replaces a live
 //!   listener's socket file (only a stale one, whose `connect` is refused). Abstract names have
 //!   no file and no permissions: there the credential checks are the whole defence.
-//! - **Hostile messages from an admitted peer.** Every message is checked against the
-//!   documented limits and the kernel's fd count before anything is allocated, and a
-//!   descriptor is checked as `import` checks it before anything is mapped; the decoder is
-//!   fuzzed. Every receive, send, accept and connect has a timeout, so a silent or stuck peer
-//!   costs a bounded wait, and a client that connects and says nothing does not delay `accept`.
+//! - **Hostile messages from an admitted peer.** A receive takes only the packets of
+//!   `docs/protocol.md`: frame byte `0x00` and at most the largest protocol message; vmm-core's
+//!   internal framing (a payload spilled into a memfd, frame byte `0x01`, which would make the
+//!   receiver read up to 1 GiB) and longer packets are refused before anything is read from
+//!   their fds or allocated for them. Every message is checked against the documented limits
+//!   and the kernel's fd count before anything is allocated, and a descriptor is checked as
+//!   `import` checks it before anything is mapped; the decoder is fuzzed. Every receive, send,
+//!   accept and connect has a timeout, so a silent or stuck peer costs a bounded wait, and a
+//!   client that connects and says nothing does not delay `accept`.
+//! - **Hostile fds.** Closing the last reference to a file runs code its sender chose (a FUSE
+//!   file whose server never answers, a socket that lingers): the fds of a refused or unwanted
+//!   message, and those a refused client sent, are closed on a background thread, so no
+//!   receive, accept or connect waits for them past its timeout.
+//! - **Running out of fds.** [`Listener::accept`] at the process's fd limit returns
+//!   [`Error::FdLimit`](crate::Error::FdLimit) (`EMFILE`; `ENFILE` at the system's) at once
+//!   and leaves the connection queued: a transient condition a server waits out (the example
+//!   daemon pauses, and bounds the connections and threads it holds).
 //!
 //! What they do not stop:
 //! - **Another process of an admitted uid** (by default: of the same user). It passes the
@@ -64,15 +89,19 @@
 //!   dedicated uid and admit only the uids (or a group) that should have the memory.
 //! - **root, or a process with `CAP_SYS_PTRACE`/`CAP_DAC_OVERRIDE`**, which can reach any
 //!   socket and any memory anyway (root is admitted only if listed, but that is no defence).
-//! - **Peers in other namespaces**: credentials are translated into this process's user and
-//!   pid namespaces (an unmapped uid reads as the overflow uid, 65534); abstract names are
-//!   per network namespace.
+//! - **Peers in other namespaces**, beyond the overflow uid: credentials are translated into
+//!   this process's user and pid namespaces, so an allow-list that names the overflow uid
+//!   admits every unmapped user; abstract names are per network namespace.
+//! - **An admitted peer holding every connection a server allows**, or a foreign one filling
+//!   the listen backlog: the kernel bounds the backlog, and a server bounds its connections;
+//!   clients beyond that wait, within their connect timeout.
 //! - **What an admitted peer does with memory it was given**: it may read and write it for as
 //!   long as it keeps the mapping.
 //! - **Races inside the listener's own uid**: between the stale-file check and `bind`, only
 //!   processes that can write the 0700 directory, which are the listener's uid (and root),
 //!   can interfere.
 
+mod closer;
 mod connection;
 mod creds;
 mod frame;
@@ -83,5 +112,5 @@ pub use connection::{ConnectOptions, Connection, DEFAULT_TIMEOUT};
 pub use creds::{Allow, Credentials};
 pub(crate) use frame::{Frame, FrameLocation, Kind};
 pub use frame::{MAX_CHUNKS, MAX_DATA, PROTOCOL_VERSION};
-pub use listener::{Listener, ListenerOptions};
+pub use listener::{LOG_BURST, LOG_INTERVAL, Listener, ListenerOptions};
 pub use name::Name;

@@ -170,6 +170,15 @@ fn check_directory(dir: &Path) -> Result<()> {
         return refuse("is not a directory".into());
     }
     let euid = super::creds::euid();
+    // Files of every user unmapped in this user namespace read as owned by the overflow uid:
+    // a process that is that uid cannot tell its own directory from theirs.
+    if super::creds::maybe_overflow_uid(euid) {
+        return refuse(format!(
+            "this process's uid {euid} is the overflow uid (or /proc/sys/kernel/overflowuid \
+             cannot be read): the owner of a directory cannot tell it from other users that \
+             have no mapping in its user namespace"
+        ));
+    }
     if meta.uid() != euid {
         return refuse(format!(
             "is owned by uid {}, not by this process's uid {euid}",

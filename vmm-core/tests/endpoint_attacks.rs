@@ -1,0 +1,668 @@
+//! Attacks on named endpoints, run from outside: raw `SOCK_SEQPACKET` clients, listeners and
+//! clients in another process (this executable re-run through `std::process::Command`), in a
+//! user namespace that maps nobody (`unshare -U`), and hostile fds whose `close` blocks.
+//!
+//! - a spilled frame (vmm-core's internal framing, frame byte 1) with a sparse sealed memfd of
+//!   1 GiB: refused before the memfd is read, and the listener's peak memory stays put;
+//! - peers whose uid is unmapped (they read as the overflow uid): refused by default, on both
+//!   sides, and by a path endpoint's directory check; admitted only when named;
+//! - a refused client that spoke first still reads the `REFUSED` reason (not `ECONNRESET`);
+//! - a flood of refused connections writes a bounded number of log lines;
+//! - an fd whose `close` blocks (a TCP socket with `SO_LINGER` and unsent data: the stand-in
+//!   for a FUSE file whose server never answers), sent in a refused message, does not hold up
+//!   the receive: it is closed on the background closer.
+
+use std::io::{BufRead, BufReader, IoSlice, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use nix::sys::socket::{
+    AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, UnixAddr, connect, sendmsg, socket,
+};
+use vmm_core::Error;
+use vmm_core::wire::endpoint::{
+    Allow, ConnectOptions, Connection, LOG_BURST, Listener, ListenerOptions, Name,
+};
+
+const ROLE_VAR: &str = "VMM_ATTACK_TEST_ROLE";
+const NAME_VAR: &str = "VMM_ATTACK_TEST_NAME";
+const ARG_VAR: &str = "VMM_ATTACK_TEST_ARG";
+
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn unique(tag: &str) -> Name {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    Name::abstract_name(format!(
+        "vmm-attack-{tag}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+/// The kernel's overflow uid, read as the code under test reads it.
+fn overflow_uid() -> u32 {
+    std::fs::read_to_string("/proc/sys/kernel/overflowuid")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// This process's peak resident memory (`VmHWM`), in KiB.
+fn peak_rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Roles: what a re-run of this executable does (nothing without ROLE_VAR).
+
+#[test]
+#[ignore = "a role for processes the other tests start"]
+fn role_entry() {
+    let Ok(role) = std::env::var(ROLE_VAR) else {
+        return;
+    };
+    let name: Name = std::env::var(NAME_VAR).unwrap().as_str().into();
+    let arg = std::env::var(ARG_VAR).unwrap_or_default();
+    match role.as_str() {
+        // A daemon: admit one client, take one message, report what came and its peak memory.
+        "receiver" => {
+            let listener = Listener::bind(&name).unwrap();
+            println!("READY");
+            let conn = listener.accept(Some(Duration::from_secs(20))).unwrap();
+            let before = peak_rss_kib();
+            match conn.recv_message() {
+                Ok(_) => println!("RESULT accepted a message"),
+                Err(e) => println!("RESULT {}", one_line(&format!("{e:?}"))),
+            }
+            println!("PEAK {before} {}", peak_rss_kib());
+        }
+        // A listener (in a user namespace that maps nobody): default allow-list, or the
+        // overflow uid named.
+        "ns-listener" => {
+            let allow = match arg.as_str() {
+                "named" => Allow::same_user().uid(overflow_uid()),
+                _ => Allow::same_user(),
+            };
+            let listener = Listener::bind_with(
+                &name,
+                ListenerOptions::default().allow(allow).log_refusals(false),
+            )
+            .unwrap();
+            println!(
+                "READY euid {}",
+                vmm_core::wire::endpoint::Credentials::of_this_process().uid
+            );
+            match listener.accept(Some(Duration::from_secs(3))) {
+                Ok(conn) => {
+                    println!("ADMITTED uid {}", conn.peer().uid);
+                    let _ = conn.send_data(b"welcome");
+                }
+                Err(Error::Timeout { .. }) => println!("NO CONNECTION admitted"),
+                Err(e) => println!("ERROR {e}"),
+            }
+        }
+        // A client (in a user namespace that maps nobody): default expectation, or the
+        // overflow uid named.
+        "ns-client" => {
+            let expect = match arg.as_str() {
+                "named" => Allow::same_user().uid(overflow_uid()),
+                _ => Allow::same_user(),
+            };
+            match Connection::connect_with(&name, &ConnectOptions::default().expect(expect)) {
+                Ok(conn) => println!("ADMITTED by uid {}", conn.peer().uid),
+                Err(e @ Error::PeerRefused { .. }) => {
+                    println!("REFUSED {}", one_line(&e.to_string()))
+                }
+                Err(e) => println!("ERROR {e:?}"),
+            }
+        }
+        // A path listener (in a user namespace that maps nobody) in a directory it made.
+        "ns-path" => {
+            let dir = std::path::PathBuf::from(&arg);
+            match Listener::bind(&Name::path(dir.join("s.sock"))) {
+                Ok(_) => println!("BOUND"),
+                Err(e) => println!("REFUSED {}", one_line(&e.to_string())),
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        // A listener that admits nobody, until its stdin closes.
+        "flood-listener" => {
+            let listener =
+                Listener::bind_with(&name, ListenerOptions::default().allow(Allow::none()))
+                    .unwrap();
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            std::thread::spawn({
+                let stop = stop.clone();
+                move || {
+                    let _ = std::io::stdin().read_to_end(&mut Vec::new());
+                    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+            println!("READY");
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = listener.accept(Some(Duration::from_millis(100)));
+            }
+            println!("REFUSED {}", listener.refused().len());
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+fn one_line(s: &str) -> String {
+    s.replace('\n', " ")
+}
+
+fn role(role: &str, name: &Name, arg: &str, wrapper: &[&str]) -> Command {
+    let exe = std::env::current_exe().unwrap();
+    let mut command = match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut c = Command::new(program);
+            c.args(args).arg(&exe);
+            c
+        }
+        None => Command::new(&exe),
+    };
+    command
+        .args([
+            "--exact",
+            "role_entry",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+            "-q",
+        ])
+        .env(ROLE_VAR, role)
+        .env(NAME_VAR, name.to_string())
+        .env(ARG_VAR, arg)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    command
+}
+
+/// Wait for a line starting with `READY` on the child's stdout; returns that line and the
+/// reader for the rest.
+fn ready(child: &mut Child) -> (String, BufReader<std::process::ChildStdout>) {
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "the role exited before READY"
+        );
+        if line.starts_with("READY") {
+            return (line.trim().to_owned(), out);
+        }
+    }
+}
+
+/// The rest of a child's output, once it exited (killed past `within`).
+fn finish(
+    mut child: Child,
+    rest: Option<BufReader<std::process::ChildStdout>>,
+    within: Duration,
+) -> (Output, String) {
+    let deadline = Instant::now() + within;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut text = String::new();
+    if let Some(mut rest) = rest {
+        rest.read_to_string(&mut text).unwrap();
+    }
+    let output = child.wait_with_output().unwrap();
+    text.push_str(&String::from_utf8_lossy(&output.stdout));
+    text.push_str(&String::from_utf8_lossy(&output.stderr));
+    (output, text)
+}
+
+/// A raw client socket connected to `name` (no credential check, no handshake).
+fn raw_client(name: &Name) -> OwnedFd {
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .unwrap();
+    let Name::Abstract(bytes) = name else {
+        panic!("abstract names only")
+    };
+    connect(fd.as_raw_fd(), &UnixAddr::new_abstract(bytes).unwrap()).unwrap();
+    fd
+}
+
+fn send_raw(fd: &OwnedFd, bytes: &[u8], fds: &[RawFd]) {
+    let iov = [IoSlice::new(bytes)];
+    let cmsgs = [ControlMessage::ScmRights(fds)];
+    let cmsgs: &[ControlMessage<'_>] = if fds.is_empty() { &[] } else { &cmsgs };
+    sendmsg::<UnixAddr>(fd.as_raw_fd(), &iov, cmsgs, MsgFlags::empty(), None).unwrap();
+}
+
+/// One packet, read with a deadline: its bytes, or the errno.
+fn recv_raw(fd: &OwnedFd, within: Duration) -> Result<Vec<u8>, nix::errno::Errno> {
+    let mut pfd = [nix::poll::PollFd::new(
+        fd.as_fd(),
+        nix::poll::PollFlags::POLLIN,
+    )];
+    let ms = u16::try_from(within.as_millis()).unwrap_or(u16::MAX);
+    assert_eq!(nix::poll::poll(&mut pfd, ms).unwrap(), 1, "nothing came");
+    let mut buf = vec![0u8; 70_000];
+    let n = nix::sys::socket::recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty())?;
+    buf.truncate(n);
+    Ok(buf)
+}
+
+/// A DATA message of docs/protocol.md, with its frame byte.
+fn data_packet(payload: &[u8]) -> Vec<u8> {
+    let mut h = vec![0u8];
+    h.extend_from_slice(b"VMMI");
+    h.extend_from_slice(&1u16.to_le_bytes());
+    h.extend_from_slice(&3u16.to_le_bytes());
+    h.extend_from_slice(&64u16.to_le_bytes());
+    h.extend_from_slice(&0u16.to_le_bytes());
+    h.extend_from_slice(&0u32.to_le_bytes());
+    h.extend_from_slice(&0u32.to_le_bytes());
+    h.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    h.extend_from_slice(&[0; 40]);
+    h.extend_from_slice(payload);
+    h
+}
+
+/// vmm-core's internal spilled frame: frame byte 1, then the payload's size.
+fn spilled_header(size: u64) -> Vec<u8> {
+    let mut h = vec![1u8];
+    h.extend_from_slice(&size.to_le_bytes());
+    h
+}
+
+/// A sparse memfd of `size` bytes, sealed as vmm-core's spilled payloads are: it costs
+/// nothing to make, and `size` bytes to read.
+fn sparse_sealed_memfd(size: u64) -> OwnedFd {
+    use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+    use nix::sys::memfd::{MFdFlags, memfd_create};
+    let fd = memfd_create(
+        c"hostile",
+        MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+    )
+    .unwrap();
+    nix::unistd::ftruncate(&fd, size as i64).unwrap();
+    fcntl(
+        &fd,
+        FcntlArg::F_ADD_SEALS(
+            SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SHRINK,
+        ),
+    )
+    .unwrap();
+    fd
+}
+
+// ---------------------------------------------------------------------------------------------
+// Item: a 9-byte packet must not make a listener allocate 1 GiB.
+
+#[test]
+fn a_spilled_frame_from_a_peer_is_refused_before_its_memfd_is_read() {
+    let _serial = serial();
+    let name = unique("spill");
+    let mut child = role("receiver", &name, "", &[]).spawn().unwrap();
+    let (_, rest) = ready(&mut child);
+    let client = raw_client(&name);
+    let memfd = sparse_sealed_memfd(1 << 30);
+    send_raw(&client, &spilled_header(1 << 30), &[memfd.as_raw_fd()]);
+    drop(memfd);
+    let (output, text) = finish(child, Some(rest), Duration::from_secs(60));
+    assert!(output.status.success(), "{text}");
+    let result = text.lines().find(|l| l.starts_with("RESULT")).unwrap();
+    assert!(
+        result.contains("Protocol") && result.contains("frame byte 1"),
+        "{text}"
+    );
+    let peak: Vec<u64> = text
+        .lines()
+        .find_map(|l| l.strip_prefix("PEAK "))
+        .unwrap()
+        .split(' ')
+        .map(|v| v.parse().unwrap())
+        .collect();
+    // A read of the memfd would have taken 1 GiB; refusing it takes nothing.
+    assert!(
+        peak[1] < peak[0] + 64 * 1024,
+        "peak memory went from {} KiB to {} KiB: {text}",
+        peak[0],
+        peak[1]
+    );
+}
+
+#[test]
+fn a_packet_longer_than_any_peer_message_is_refused_and_the_connection_lives() {
+    let _serial = serial();
+    let name = unique("long");
+    let listener = Listener::bind(&name).unwrap();
+    let client = raw_client(&name);
+    let conn = listener.accept(Some(Duration::from_secs(5))).unwrap();
+    // 60 000 bytes: within vmm-core's inline framing, far beyond docs/protocol.md's largest.
+    send_raw(&client, &[vec![0u8], vec![7u8; 60_000]].concat(), &[]);
+    match conn.recv_message() {
+        Err(Error::Protocol(m)) => assert!(m.contains("packet larger than"), "{m}"),
+        other => panic!("wanted Error::Protocol, got {other:?}"),
+    }
+    // A value is a DATA message on an endpoint.
+    send_raw(&client, &data_packet(&postcard_u32(7)), &[]);
+    assert_eq!(conn.recv_value::<u32>().unwrap(), 7);
+}
+
+fn postcard_u32(v: u32) -> Vec<u8> {
+    vmm_core::wire::encode(&v).unwrap().bytes().to_vec()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Item: the overflow uid (an unmapped peer) is no one's identity unless named.
+
+/// Whether `unshare -U` can run a command here, as the overflow uid.
+fn unshare_or_skip(test: &str) -> bool {
+    let works = Command::new("unshare")
+        .args(["-U", "true"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !works {
+        eprintln!("SKIP {test}: `unshare -U` cannot make a user namespace here");
+    }
+    works
+}
+
+#[test]
+fn a_listener_whose_uid_is_unmapped_refuses_unmapped_peers_unless_named() {
+    let _serial = serial();
+    if !unshare_or_skip("a_listener_whose_uid_is_unmapped_refuses_unmapped_peers_unless_named") {
+        return;
+    }
+    let overflow = overflow_uid();
+    for (allow, admitted) in [("default", false), ("named", true)] {
+        let name = unique("ns-listener");
+        let mut child = role("ns-listener", &name, allow, &["unshare", "-U"])
+            .spawn()
+            .unwrap();
+        let (line, rest) = ready(&mut child);
+        assert_eq!(
+            line,
+            format!("READY euid {overflow}"),
+            "the listener is unmapped"
+        );
+        // This process's uid has no mapping in the listener's namespace: it reads there as
+        // the overflow uid, as every unmapped user does.
+        let result = Connection::connect(&name);
+        let (_, text) = finish(child, Some(rest), Duration::from_secs(30));
+        if admitted {
+            let conn = result.unwrap_or_else(|e| panic!("{e}: {text}"));
+            assert!(text.contains(&format!("ADMITTED uid {overflow}")), "{text}");
+            assert_eq!(conn.recv_data().unwrap(), b"welcome");
+        } else {
+            let err = result.unwrap_err();
+            assert!(
+                matches!(&err, Error::PeerRefused { reason, .. }
+                    if reason.contains(&format!("uid {overflow}")) && reason.contains("overflow uid")),
+                "{err:?}"
+            );
+            assert!(text.contains("NO CONNECTION admitted"), "{text}");
+        }
+    }
+}
+
+#[test]
+fn a_client_whose_uid_is_unmapped_takes_an_unmapped_listener_for_a_squatter_unless_named() {
+    let _serial = serial();
+    if !unshare_or_skip(
+        "a_client_whose_uid_is_unmapped_takes_an_unmapped_listener_for_a_squatter_unless_named",
+    ) {
+        return;
+    }
+    let overflow = overflow_uid();
+    for (expect, admitted) in [("default", false), ("named", true)] {
+        let name = unique("ns-client");
+        let listener =
+            Listener::bind_with(&name, ListenerOptions::default().log_refusals(false)).unwrap();
+        let child = role("ns-client", &name, expect, &["unshare", "-U"])
+            .spawn()
+            .unwrap();
+        let accepted = listener.accept(Some(Duration::from_secs(if admitted { 20 } else { 2 })));
+        let (output, text) = finish(child, None, Duration::from_secs(30));
+        assert!(output.status.success(), "{text}");
+        if admitted {
+            assert!(accepted.is_ok(), "{accepted:?}: {text}");
+            assert!(
+                text.contains(&format!("ADMITTED by uid {overflow}")),
+                "{text}"
+            );
+        } else {
+            // The client found the listener unmapped and went away before it was admitted
+            // (the accept may still see its connection, already closed).
+            assert!(
+                text.contains(&format!("REFUSED endpoint {name}: its listener is pid"))
+                    && text.contains("overflow uid")
+                    && text.contains("nothing was sent to it"),
+                "{text}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_path_listener_whose_uid_is_unmapped_cannot_trust_its_directory() {
+    let _serial = serial();
+    if !unshare_or_skip("a_path_listener_whose_uid_is_unmapped_cannot_trust_its_directory") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("vmm-attack-ns-path-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let child = role(
+        "ns-path",
+        &unique("unused"),
+        dir.to_str().unwrap(),
+        &["unshare", "-U"],
+    )
+    .spawn()
+    .unwrap();
+    let (output, text) = finish(child, None, Duration::from_secs(30));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(output.status.success(), "{text}");
+    assert!(
+        text.contains("REFUSED invalid argument: endpoint directory")
+            && text.contains("is the overflow uid"),
+        "{text}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Item: a refused client reads its refusal; refusals cannot flood the log.
+
+#[test]
+fn a_refused_client_that_spoke_first_reads_the_refusal() {
+    let _serial = serial();
+    let name = unique("spoke-first");
+    let listener = Listener::bind_with(
+        &name,
+        ListenerOptions::default()
+            .allow(Allow::none())
+            .log_refusals(false),
+    )
+    .unwrap();
+    let client = raw_client(&name);
+    // It speaks before it is admitted (a message with an fd, as a hasty client might).
+    let (r, w) = nix::unistd::pipe().unwrap();
+    send_raw(&client, &data_packet(b"get weights"), &[w.as_raw_fd()]);
+    drop(w);
+    let accepted = listener.accept(Some(Duration::from_millis(500)));
+    assert!(
+        matches!(accepted, Err(Error::Timeout { .. })),
+        "{accepted:?}"
+    );
+    let reply = recv_raw(&client, Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("the refused client read {e} instead of REFUSED"));
+    assert_eq!(&reply[1..5], b"VMMI");
+    assert_eq!(u16::from_le_bytes([reply[7], reply[8]]), 2, "REFUSED");
+    assert!(
+        String::from_utf8_lossy(&reply).contains("is not allowed to connect"),
+        "{reply:?}"
+    );
+    // The fd it sent was closed (on the background closer): the pipe reads end-of-file.
+    let mut r = std::fs::File::from(r);
+    let mut rest = Vec::new();
+    r.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty());
+}
+
+#[test]
+fn a_flood_of_refused_connections_writes_a_bounded_log() {
+    let _serial = serial();
+    let name = unique("flood");
+    let mut child = role("flood-listener", &name, "", &[])
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (_, rest) = ready(&mut child);
+    const FLOOD: usize = 200;
+    let started = Instant::now();
+    for _ in 0..FLOOD {
+        let client = raw_client(&name);
+        let reply = recv_raw(&client, Duration::from_secs(10)).unwrap();
+        assert_eq!(u16::from_le_bytes([reply[7], reply[8]]), 2, "REFUSED");
+    }
+    let elapsed = started.elapsed();
+    drop(child.stdin.take());
+    let (output, text) = finish(child, Some(rest), Duration::from_secs(30));
+    assert!(output.status.success(), "{text}");
+    assert!(text.contains(&format!("REFUSED {}", 64)), "{text}");
+    let lines = text
+        .lines()
+        .filter(|l| l.contains("refused a connection from"))
+        .count();
+    let counted: usize = text
+        .lines()
+        .filter_map(|l| l.split_once(" more refused connection"))
+        .filter_map(|(head, _)| head.rsplit(' ').next()?.parse::<usize>().ok())
+        .sum();
+    // Every refusal is accounted for, in a bounded number of lines: LOG_BURST per interval
+    // (the flood may straddle intervals).
+    let intervals = 2 + elapsed.as_secs() as usize / 10;
+    assert!(
+        lines <= LOG_BURST as usize * intervals,
+        "{lines} lines for {FLOOD} refusals: {text}"
+    );
+    assert_eq!(lines + counted, FLOOD, "{text}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Item: hostile fds are closed off the caller's deadline path.
+
+/// A TCP socket whose `close` blocks for `linger`: `SO_LINGER` set, and data it cannot send
+/// (its peer, `server`, never reads, and its window is full). The stand-in for a FUSE file
+/// whose server never answers.
+fn lingering_socket(linger: Duration) -> (OwnedFd, std::net::TcpStream, std::net::TcpListener) {
+    let server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let stream = std::net::TcpStream::connect(server.local_addr().unwrap()).unwrap();
+    let (accepted, _) = server.accept().unwrap();
+    nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::SndBuf, &4096).unwrap();
+    nix::sys::socket::setsockopt(&accepted, nix::sys::socket::sockopt::RcvBuf, &4096).unwrap();
+    stream.set_nonblocking(true).unwrap();
+    let chunk = [0u8; 4096];
+    let mut s = &stream;
+    while s.write(&chunk).is_ok() {}
+    stream.set_nonblocking(false).unwrap();
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: linger.as_secs() as i32,
+    };
+    nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::Linger, &linger).unwrap();
+    (OwnedFd::from(stream), accepted, server)
+}
+
+/// The states of this process's threads named `name` (`S` sleeping, ...).
+fn thread_states(name: &str) -> Vec<String> {
+    let mut states = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim() == name {
+            let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+            let state = stat.rsplit(')').next().unwrap_or("").trim().chars().next();
+            states.push(state.map(String::from).unwrap_or_default());
+        }
+    }
+    states
+}
+
+#[test]
+fn a_hostile_fd_whose_close_blocks_does_not_hold_up_a_receive() {
+    let _serial = serial();
+    let name = unique("linger");
+    let listener = Listener::bind(&name).unwrap();
+    let client = raw_client(&name);
+    let mut conn = listener.accept(Some(Duration::from_secs(5))).unwrap();
+    conn.set_timeout(Some(Duration::from_secs(2)));
+    // Closing it would block for ten minutes.
+    let (hostile, _never_reads, _server) = lingering_socket(Duration::from_secs(600));
+    // A DATA message may carry no fd: refused, and the fd is the receiver's to close.
+    send_raw(&client, &data_packet(b"x"), &[hostile.as_raw_fd()]);
+    drop(hostile);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let result = conn.recv_message().map(|_| ());
+        let _ = tx.send((format!("{result:?}"), conn));
+    });
+    // Far within the ten minutes the close would take.
+    let (result, conn) = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the receive waited for the hostile fd's close");
+    assert!(
+        result.contains("Protocol") && result.contains("arrived with 1 fd"),
+        "{result}"
+    );
+    // The close goes on, on a closer thread, asleep in it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !thread_states("vmm-ipc-closer").iter().any(|s| s == "S") {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            thread_states("vmm-ipc-closer")
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Later refused fds are still closed: once a closer is stuck (100 ms in one close),
+    // another takes them.
+    std::thread::sleep(Duration::from_millis(300));
+    let (r, w) = nix::unistd::pipe().unwrap();
+    send_raw(&client, &data_packet(b"y"), &[w.as_raw_fd()]);
+    drop(w);
+    assert!(matches!(conn.recv_message(), Err(Error::Protocol(_))));
+    let mut pfd = [nix::poll::PollFd::new(
+        r.as_fd(),
+        nix::poll::PollFlags::POLLIN,
+    )];
+    assert_eq!(
+        nix::poll::poll(&mut pfd, 30_000u16).unwrap(),
+        1,
+        "the second refused fd was not closed"
+    );
+    let mut rest = Vec::new();
+    std::fs::File::from(r).read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty());
+    assert!(thread_states("vmm-ipc-closer").len() >= 2);
+}
