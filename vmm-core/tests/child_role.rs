@@ -72,6 +72,23 @@ fn run_with_role(argv: &[&str], role: &str, fd: OwnedFd, keep: Option<OwnedFd>) 
     child.wait_with_output().expect("wait for the target")
 }
 
+/// Run this executable with `--list` as our child, `role` naming `fd`; `keep` closes once it
+/// runs.
+fn run_self(role: &str, fd: OwnedFd, keep: OwnedFd) -> Output {
+    let exe = this_exe();
+    run_with_role(&[exe.to_str().unwrap(), "--list"], role, fd, Some(keep))
+}
+
+/// Run `prefix... exe --list` as our child, with a genuine channel: our own socketpair, its
+/// end named by the role variable with our pid as the parent.
+fn run_on_our_channel(prefix: &[&str], exe: &Path) -> Output {
+    let (ours, theirs) = seqpacket_pair();
+    let role = format!("spawn:{}:{}", theirs.as_raw_fd(), std::process::id());
+    let exe = exe.to_str().unwrap();
+    let argv: Vec<&str> = prefix.iter().copied().chain([exe, "--list"]).collect();
+    run_with_role(&argv, &role, theirs, Some(ours))
+}
+
 fn this_exe() -> PathBuf {
     std::env::current_exe().expect("current_exe")
 }
@@ -104,15 +121,9 @@ fn the_role_variable_alone_grants_nothing_init_is_a_no_op_here() {
 fn the_role_variable_alone_grants_nothing_positive_control() {
     // Our own socketpair, handed to our own child, as our uid: the role is taken, and the
     // child waits for a start message that never comes (its channel closes).
-    let exe = this_exe();
     let (ours, theirs) = seqpacket_pair();
     let role = format!("spawn:{}:{}", theirs.as_raw_fd(), std::process::id());
-    let output = run_with_role(
-        &[exe.to_str().unwrap(), "--list"],
-        &role,
-        theirs,
-        Some(ours),
-    );
+    let output = run_self(&role, theirs, ours);
     assert_eq!(
         output.status.code(),
         Some(EXIT_NO_START),
@@ -126,32 +137,23 @@ fn the_role_variable_alone_grants_nothing_positive_control() {
 
 #[test]
 fn the_role_variable_alone_grants_nothing_for_a_pipe() {
-    let exe = this_exe();
     let (read, write) = nix::unistd::pipe().expect("pipe");
     let role = format!("spawn:{}:{}", read.as_raw_fd(), std::process::id());
-    let output = run_with_role(&[exe.to_str().unwrap(), "--list"], &role, read, Some(write));
+    let output = run_self(&role, read, write);
     assert_ignored(&output, "is not a socket");
 }
 
 #[test]
 fn the_role_variable_alone_grants_nothing_for_an_fd_that_is_not_open() {
-    let exe = this_exe();
-    // A number far above anything the target has open; pass some fd so that the helper has
     // one to inherit.
     let (ours, theirs) = seqpacket_pair();
     let role = format!("spawn:{}:{}", 900, std::process::id());
-    let output = run_with_role(
-        &[exe.to_str().unwrap(), "--list"],
-        &role,
-        theirs,
-        Some(ours),
-    );
+    let output = run_self(&role, theirs, ours);
     assert_ignored(&output, "fd 900 is not open");
 }
 
 #[test]
 fn the_role_variable_alone_grants_nothing_for_a_stream_socket() {
-    let exe = this_exe();
     let (ours, theirs) = socketpair(
         AddressFamily::Unix,
         SockType::Stream,
@@ -160,12 +162,7 @@ fn the_role_variable_alone_grants_nothing_for_a_stream_socket() {
     )
     .expect("socketpair");
     let role = format!("spawn:{}:{}", theirs.as_raw_fd(), std::process::id());
-    let output = run_with_role(
-        &[exe.to_str().unwrap(), "--list"],
-        &role,
-        theirs,
-        Some(ours),
-    );
+    let output = run_self(&role, theirs, ours);
     assert_ignored(&output, "is not a Unix SOCK_SEQPACKET socket");
 }
 
@@ -173,7 +170,6 @@ fn the_role_variable_alone_grants_nothing_for_a_stream_socket() {
 fn the_role_variable_alone_grants_nothing_when_the_peer_is_not_the_parent() {
     // The target's parent is a shell (which names itself, `$$`, as the parent); the socket's
     // peer is this test process, not that shell.
-    let exe = this_exe();
     let (ours, theirs) = seqpacket_pair();
     let fd = theirs.as_raw_fd();
     let script = format!(
@@ -181,7 +177,7 @@ fn the_role_variable_alone_grants_nothing_when_the_peer_is_not_the_parent() {
         ROLE_VAR = ROLE_VAR
     );
     let output = run_with_role(
-        &["sh", "-c", &script, exe.to_str().unwrap()],
+        &["sh", "-c", &script, this_exe().to_str().unwrap()],
         "unused",
         theirs,
         Some(ours),
@@ -191,16 +187,10 @@ fn the_role_variable_alone_grants_nothing_when_the_peer_is_not_the_parent() {
 
 #[test]
 fn the_role_variable_alone_grants_nothing_when_the_parent_named_is_not_the_parent() {
-    let exe = this_exe();
     let (ours, theirs) = seqpacket_pair();
     // The peer is us, and the variable names pid 2 (kthreadd), which is not our child's parent.
     let role = format!("spawn:{}:2", theirs.as_raw_fd());
-    let output = run_with_role(
-        &[exe.to_str().unwrap(), "--list"],
-        &role,
-        theirs,
-        Some(ours),
-    );
+    let output = run_self(&role, theirs, ours);
     assert_ignored(&output, "names pid 2 as the parent");
 }
 
@@ -212,20 +202,14 @@ fn the_role_variable_alone_grants_nothing_to_a_peer_of_another_uid() {
     }
     // Our socket (uid 0) offered to a process that runs as uid 65534.
     let exe = copy_of_this_exe(0o755);
-    let (ours, theirs) = seqpacket_pair();
-    let role = format!("spawn:{}:{}", theirs.as_raw_fd(), std::process::id());
-    let output = run_with_role(
+    let output = run_on_our_channel(
         &[
             "setpriv",
             "--reuid=65534",
             "--regid=65534",
             "--clear-groups",
-            exe.path().to_str().unwrap(),
-            "--list",
         ],
-        &role,
-        theirs,
-        Some(ours),
+        exe.path(),
     );
     assert_ignored(&output, "runs as uid 0, and this process as uid 65534");
 }
@@ -239,20 +223,7 @@ fn the_role_variable_alone_grants_nothing_in_a_secure_exec_process() {
     // A setgid-root copy run with another real gid: the kernel marks it AT_SECURE. Its uid
     // stays ours and its parent is us, so only the secure-exec check stands in the way.
     let exe = copy_of_this_exe(0o2755);
-    let (ours, theirs) = seqpacket_pair();
-    let role = format!("spawn:{}:{}", theirs.as_raw_fd(), std::process::id());
-    let output = run_with_role(
-        &[
-            "setpriv",
-            "--regid=65534",
-            "--clear-groups",
-            exe.path().to_str().unwrap(),
-            "--list",
-        ],
-        &role,
-        theirs,
-        Some(ours),
-    );
+    let output = run_on_our_channel(&["setpriv", "--regid=65534", "--clear-groups"], exe.path());
     if String::from_utf8_lossy(&output.stderr).contains("Permission denied") {
         return skip(
             TEST,
@@ -275,15 +246,7 @@ fn the_role_variable_alone_grants_nothing_to_an_unmapped_user() {
     }
     // In a user namespace without a mapping, the target runs as the overflow uid, and so does
     // every peer whose uid is unmapped there: a uid match would prove nothing.
-    let exe = this_exe();
-    let (ours, theirs) = seqpacket_pair();
-    let role = format!("spawn:{}:{}", theirs.as_raw_fd(), std::process::id());
-    let output = run_with_role(
-        &["unshare", "-U", exe.to_str().unwrap(), "--list"],
-        &role,
-        theirs,
-        Some(ours),
-    );
+    let output = run_on_our_channel(&["unshare", "-U"], &this_exe());
     assert_ignored(&output, "overflow uid");
 }
 

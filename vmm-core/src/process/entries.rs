@@ -74,47 +74,40 @@ unsafe extern "C" {
     static TASK_STOP: [usize; 0];
 }
 
-/// Every address in the child entry table, sorted (a zero anchors the section, so that it
-/// exists in an executable that starts no child; it is left out).
-fn child_table() -> &'static [usize] {
-    static TABLE: OnceLock<Vec<usize>> = OnceLock::new();
-    TABLE.get_or_init(|| {
-        // The anchor lives here, with the code that reads the section, so that whatever links
-        // this function also links a section for `__start_`/`__stop_` to bound.
-        // SAFETY: emits one zero word into the section; runs nothing.
-        unsafe {
-            std::arch::asm!(
-                ".pushsection vmm_ipc_child_entries,\"awR\",%progbits",
-                ".balign 8",
-                ".8byte 0",
-                ".popsection",
-                options(nomem, nostack, preserves_flags)
-            )
-        };
-        // SAFETY: the linker defines both symbols as the bounds of the section, which holds
-        // only 8-byte-aligned words (every entry and the anchor are `.balign 8` + `.8byte`), and
-        // the section is data of this executable for the life of the process.
-        unsafe { sorted_words(&raw const CHILD_START, &raw const CHILD_STOP) }
-    })
+/// The entry table of `$section`, bounded by the linker's `$start` and `$stop`: every address
+/// in it, sorted (a zero anchors the section, so that it exists in an executable that starts
+/// no child; it is left out). Built once.
+macro_rules! entry_table {
+    ($section:literal, $start:ident, $stop:ident) => {{
+        static TABLE: OnceLock<Vec<usize>> = OnceLock::new();
+        TABLE.get_or_init(|| {
+            // The anchor lives here, with the code that reads the section, so that whatever
+            // links this code also links a section for `__start_`/`__stop_` to bound.
+            // SAFETY: emits one zero word into the section; runs nothing.
+            unsafe {
+                std::arch::asm!(
+                    concat!(".pushsection ", $section, ",\"awR\",%progbits"),
+                    ".balign 8",
+                    ".8byte 0",
+                    ".popsection",
+                    options(nomem, nostack, preserves_flags)
+                )
+            };
+            // SAFETY: the linker defines both symbols as the bounds of the section, which
+            // holds only 8-byte-aligned words (every entry and the anchor are `.balign 8` +
+            // `.8byte`), and the section is data of this executable for the life of the
+            // process.
+            unsafe { sorted_words(&raw const $start, &raw const $stop) }
+        })
+    }};
 }
 
-/// Every address in the task entry table, sorted (see [`child_table`]).
+fn child_table() -> &'static [usize] {
+    entry_table!("vmm_ipc_child_entries", CHILD_START, CHILD_STOP)
+}
+
 fn task_table() -> &'static [usize] {
-    static TABLE: OnceLock<Vec<usize>> = OnceLock::new();
-    TABLE.get_or_init(|| {
-        // SAFETY: emits one zero word into the section; runs nothing.
-        unsafe {
-            std::arch::asm!(
-                ".pushsection vmm_ipc_task_entries,\"awR\",%progbits",
-                ".balign 8",
-                ".8byte 0",
-                ".popsection",
-                options(nomem, nostack, preserves_flags)
-            )
-        };
-        // SAFETY: as in `child_table`, for the task section.
-        unsafe { sorted_words(&raw const TASK_START, &raw const TASK_STOP) }
-    })
+    entry_table!("vmm_ipc_task_entries", TASK_START, TASK_STOP)
 }
 
 /// The non-zero words from `start` to `stop`, sorted and deduplicated (an entry instantiated
@@ -229,9 +222,9 @@ mod tests {
         std::process::exit(77)
     }
 
-    /// Start this executable as a `spawn` child on our socketpair, send it a start message
-    /// for `entry` (an offset) with `args`, and return what it reported and how it exited.
-    fn run_forged(entry: isize, args: &[u8]) -> (Outcome, std::process::ExitStatus) {
+    /// Start this executable by hand as a `spawn` child on a socketpair of ours (its role
+    /// variable set, its end inherited): our end and the child.
+    fn start_child() -> (Channel, std::process::Child) {
         let (ours, theirs) = Channel::pair().unwrap();
         let theirs = theirs.into_fd();
         let raw = theirs.as_raw_fd();
@@ -254,6 +247,13 @@ mod tests {
         }
         let mut child = command.spawn().unwrap();
         drop(theirs);
+        (ours, child)
+    }
+
+    /// Start this executable as a `spawn` child on our socketpair, send it a start message
+    /// for `entry` (an offset) with `args`, and return what it reported and how it exited.
+    fn run_forged(entry: isize, args: &[u8]) -> (Outcome, std::process::ExitStatus) {
+        let (ours, mut child) = start_child();
         let start = Begin::Once(Start {
             layout: sys::code_offset(sys::layout_probe as fn() -> usize as usize),
             entry,
@@ -331,28 +331,7 @@ mod tests {
         use super::super::protocol::{Serve, Task, TaskOutcome};
         use std::os::fd::AsFd;
 
-        let (ours, theirs) = Channel::pair().unwrap();
-        let theirs = theirs.into_fd();
-        let raw = theirs.as_raw_fd();
-        let mut command = Command::new("/proc/self/exe");
-        command
-            .args(["--exact", "no-such-test"])
-            .env(ROLE_VAR, format!("spawn:{raw}:{}", std::process::id()))
-            .env_remove("VMM_IPC_NO_AUTO_INIT")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        // SAFETY: the closure only calls fcntl (async-signal-safe) on an fd open in the child.
-        unsafe {
-            command.pre_exec(move || {
-                if libc::fcntl(raw, libc::F_SETFD, 0) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = command.spawn().unwrap();
-        drop(theirs);
+        let (ours, mut child) = start_child();
         let (tasks, worker_end) = Channel::pair().unwrap();
         let serve = Begin::Serve(Serve { devices: vec![] });
         let serve = wire::encode(&serve).unwrap();

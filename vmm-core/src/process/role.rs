@@ -31,6 +31,7 @@ use super::method::StartMethod;
 use super::protocol::ROLE_VAR;
 use super::{server, sys};
 use crate::wire::Channel;
+use crate::wire::endpoint::maybe_overflow_uid;
 
 /// Set (to anything) to keep the pre-`main` hook from taking a child's role, so that only an
 /// explicit [`init`] does: for debugging, and for testing what happens without it. The hook
@@ -217,14 +218,14 @@ fn check_channel(fd: i32, parent: Pid) -> Result<(), String> {
             peer.uid()
         ));
     }
-    match overflow_uid() {
-        Some(overflow) if overflow != euid => Ok(()),
-        Some(_) => Err(format!(
+    if maybe_overflow_uid(euid) {
+        return Err(format!(
             "this process runs as the overflow uid {euid} (its user is not mapped in its user \
-             namespace), so its parent cannot be told apart from other unmapped users"
-        )),
-        None => Err("/proc/sys/kernel/overflowuid cannot be read".to_owned()),
+             namespace, or /proc/sys/kernel/overflowuid cannot be read), so its parent cannot be \
+             told apart from other unmapped users"
+        ));
     }
+    Ok(())
 }
 
 /// An `int` socket option of `socket`.
@@ -249,16 +250,6 @@ fn socket_option(socket: BorrowedFd<'_>, option: libc::c_int) -> Result<libc::c_
         ));
     }
     Ok(value)
-}
-
-/// The uid the kernel shows for a user that has no mapping in the reader's user namespace
-/// (`/proc/sys/kernel/overflowuid`), if it can be read.
-fn overflow_uid() -> Option<u32> {
-    std::fs::read_to_string("/proc/sys/kernel/overflowuid")
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
 }
 
 #[cfg(test)]

@@ -109,6 +109,7 @@ mod listener;
 mod name;
 
 pub use connection::{ConnectOptions, Connection, DEFAULT_TIMEOUT};
+pub(crate) use creds::maybe_overflow_uid;
 pub use creds::{Allow, Credentials};
 pub(crate) use frame::{Frame, FrameLocation, Kind};
 pub use frame::{MAX_CHUNKS, MAX_DATA, PROTOCOL_VERSION};
