@@ -245,7 +245,7 @@ mod tests {
                 Ok(())
             });
         }
-        let mut child = command.spawn().unwrap();
+        let child = command.spawn().unwrap();
         drop(theirs);
         (ours, child)
     }
