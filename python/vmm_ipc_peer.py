@@ -77,6 +77,10 @@ MAX_DATA = 16 * 1024
 MAX_MESSAGE = HEADER.size + 8 * MAX_CHUNKS + MAX_DATA
 FRAME_INLINE = b"\x00"  # every packet's first byte
 DEFAULT_TIMEOUT = 10.0
+# The most a host import maps unless the caller asks for more (vmm-core's default too): a
+# sender's size is its own choice, and a sparse memfd costs it nothing.
+DEFAULT_MAX_IMPORT_SIZE = 64 << 30
+TMPFS_MAGIC = 0x01021994
 _USIZE_MAX = 2**64 - 1
 REFUSALS_KEPT = 64  # how many refused peers a Listener remembers (the most recent)
 LOG_BURST, LOG_INTERVAL = 10, 10.0  # refusal log lines per interval (seconds), then a count
@@ -216,11 +220,21 @@ class HostDescriptor:
         data = encode(KIND_HOST_MEMFD, size=self.size, chunk_sizes=chunks)
         return data, [] if self.fd is None else [self.fd]
 
-    def map(self):
-        """mmap the memfd shared, read-write, after the checks import makes: sealed against
-        shrinking and growing, at least ``size`` bytes. None for an empty buffer."""
+    def map(self, max_size=DEFAULT_MAX_IMPORT_SIZE):
+        """mmap the memfd shared, read-write, after the checks import makes: ``size`` at most
+        ``max_size``, a memfd on tmpfs (hugetlbfs mappings fail on unaligned unmaps and fault
+        on holes), sealed against shrinking and growing, at least ``size`` bytes. None for an
+        empty buffer."""
         if self.fd is None:
             return None
+        if self.size > max_size:
+            raise ProtocolError(
+                f"host descriptor says {self.size} bytes, more than this importer maps "
+                f"({max_size}; pass a larger max_size to map() to accept it)")
+        fs_type = _filesystem_type(self.fd)
+        if fs_type != TMPFS_MAGIC:
+            raise ProtocolError(
+                f"host descriptor's fd is not on tmpfs (filesystem type {fs_type:#x})")
         try:
             seals = fcntl.fcntl(self.fd, fcntl.F_GET_SEALS)
         except OSError as e:
@@ -238,6 +252,18 @@ class HostDescriptor:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _filesystem_type(fd):
+    """``f_type`` of fstatfs(2) for ``fd`` (None if it cannot be read): the standard library
+    has no fstatfs, so it is called through ctypes on the C library already loaded."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(256)  # larger than struct statfs on every Linux ABI
+    if libc.fstatfs(ctypes.c_int(fd), buf) != 0:
+        return None
+    # f_type is the first field, a C long (__fsword_t).
+    return ctypes.c_long.from_buffer(buf).value
 
     def __enter__(self):
         return self

@@ -3,6 +3,7 @@ checks, path sockets, timeouts, and that no fd outlives a refusal. Run with
 ``python3 -m unittest test_vmm_ipc_peer`` from this directory (the Rust suite runs them too:
 ``peer_python::python_unit_tests``)."""
 
+import fcntl
 import mmap
 import os
 import socket
@@ -242,6 +243,40 @@ def _userns_works():
 def _refused_kind(sock):
     msg = sock.recv(70000)
     return struct.unpack_from("<H", msg, 7)[0], msg
+
+
+class HostImports(unittest.TestCase):
+    def sealed_memfd(self, size, flags=0):
+        fd = os.memfd_create("t", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | flags)
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        return fd
+
+    def test_a_sparse_memfd_over_the_cap_is_refused_before_it_is_mapped(self):
+        fd = self.sealed_memfd(60 << 40)  # 60 TiB, sparse: costs the sender nothing
+        d = peer.HostDescriptor(fd, 60 << 40)
+        try:
+            with self.assertRaisesRegex(peer.ProtocolError, "more than this importer maps"):
+                d.map()
+            small = peer.HostDescriptor(os.dup(fd), 4096)
+            try:
+                small.map(max_size=4096).close()  # within the cap: maps
+            finally:
+                small.close()
+        finally:
+            d.close()
+
+    def test_a_hugetlbfs_memfd_is_refused(self):
+        try:
+            fd = self.sealed_memfd(2 << 20, os.MFD_HUGETLB)
+        except OSError as e:
+            self.skipTest(f"no hugetlbfs memfd here ({e})")
+        d = peer.HostDescriptor(fd, 2 << 20)
+        try:
+            with self.assertRaisesRegex(peer.ProtocolError, "not on tmpfs"):
+                d.map()
+        finally:
+            d.close()
 
 
 class Attacks(unittest.TestCase):
