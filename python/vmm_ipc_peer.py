@@ -208,6 +208,18 @@ def _close_all(fds):
     _Closer.close(fds)
 
 
+def _filesystem_type(fd):
+    """``f_type`` of fstatfs(2) for ``fd`` (None if it cannot be read): the standard library
+    has no fstatfs, so it is called through ctypes on the C library already loaded."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(256)  # larger than struct statfs on every Linux ABI
+    if libc.fstatfs(ctypes.c_int(fd), buf) != 0:
+        return None
+    # f_type is the first field, a C long (__fsword_t).
+    return ctypes.c_long.from_buffer(buf).value
+
+
 class HostDescriptor:
     """A host (memfd) buffer's descriptor: one fd (none for an empty buffer) and the size. It
     owns the fd: ``close()`` (or ``with``) closes it."""
@@ -252,18 +264,6 @@ class HostDescriptor:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-def _filesystem_type(fd):
-    """``f_type`` of fstatfs(2) for ``fd`` (None if it cannot be read): the standard library
-    has no fstatfs, so it is called through ctypes on the C library already loaded."""
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(256)  # larger than struct statfs on every Linux ABI
-    if libc.fstatfs(ctypes.c_int(fd), buf) != 0:
-        return None
-    # f_type is the first field, a C long (__fsword_t).
-    return ctypes.c_long.from_buffer(buf).value
 
     def __enter__(self):
         return self
