@@ -5,19 +5,17 @@
 //! Every test ends with this process's fds where they started.
 //!
 //! The tests count fds, so they run one at a time (`serial()`); the processes they start are
-//! `role_entry`, an ignored test that does nothing unless `ROLE_VAR` names a role.
+//! `role_entry`, an ignored test that does nothing unless `ROLE_VAR` names a role. Both, and
+//! the raw peer's helpers, are `endpoint_kit`'s, shared with `endpoint_attacks`.
 
-use std::io::{BufRead, BufReader, IoSlice};
+use std::io::{BufRead, BufReader};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::{Mutex, MutexGuard};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nix::sys::socket::{
-    AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, UnixAddr, connect, sendmsg, socket,
-};
+use nix::sys::socket::{MsgFlags, UnixAddr};
 use vmm_core::Error;
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
@@ -25,8 +23,10 @@ use vmm_core::wire::endpoint::{
     Allow, ConnectOptions, Connection, Credentials, Listener, ListenerOptions, Name,
 };
 
-const ROLE_VAR: &str = "VMM_ENDPOINT_TEST_ROLE";
-const NAME_VAR: &str = "VMM_ENDPOINT_TEST_NAME";
+#[path = "common/endpoint_kit.rs"]
+mod endpoint_kit;
+use endpoint_kit::{data_packet, finish, header, raw_client, send_raw, serial};
+
 const UID_VAR: &str = "VMM_ENDPOINT_TEST_UID";
 const SEED_VAR: &str = "VMM_ENDPOINT_TEST_SEED";
 const NOBODY: u32 = 65534;
@@ -37,19 +37,9 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
+/// A fresh abstract name of this file's tests (`@vmm-endpoint-test-<tag>-...`).
 fn unique(tag: &str) -> Name {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    Name::abstract_name(format!(
-        "vmm-endpoint-test-{tag}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ))
+    endpoint_kit::unique_name("vmm-endpoint-test", tag)
 }
 
 /// A fresh owner-only directory under the temp dir, removed on drop.
@@ -81,14 +71,13 @@ fn is_root() -> bool {
 // ---------------------------------------------------------------------------------------------
 // Processes vmm-core did not start: this executable, re-run by std::process::Command.
 
-/// The roles a re-run of this executable plays (nothing without `ROLE_VAR`).
+/// The roles a re-run of this executable plays (nothing without `endpoint_kit::ROLE_VAR`).
 #[test]
 #[ignore = "a role for processes the other tests start"]
 fn role_entry() {
-    let Ok(role) = std::env::var(ROLE_VAR) else {
+    let Some((role, name)) = endpoint_kit::role_and_name() else {
         return;
     };
-    let name: Name = std::env::var(NAME_VAR).unwrap().as_str().into();
     let expect = Allow::none().uid(std::env::var(UID_VAR).unwrap().parse().unwrap());
     let options = ConnectOptions::default().expect(expect.clone());
     match role.as_str() {
@@ -183,53 +172,12 @@ fn exe_for_nobody(tmp: &TempDir) -> PathBuf {
     copy
 }
 
-/// A command that re-runs this executable as `role`, optionally through `wrapper`.
+/// A command that re-runs `exe` as `role`, optionally through `wrapper`, for a client that
+/// expects a listener of `uid`.
 fn role_command(role: &str, name: &Name, uid: u32, wrapper: &[String], exe: &Path) -> Command {
-    let mut command = match wrapper.split_first() {
-        Some((program, args)) => {
-            let mut c = Command::new(program);
-            c.args(args).arg(exe);
-            c
-        }
-        None => Command::new(exe),
-    };
+    let mut command = endpoint_kit::role_command(exe, wrapper, role, name);
+    command.env(UID_VAR, uid.to_string());
     command
-        .args([
-            "--exact",
-            "role_entry",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-            "-q",
-        ])
-        .env(ROLE_VAR, role)
-        .env(NAME_VAR, name.to_string())
-        .env(UID_VAR, uid.to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    command
-}
-
-fn text(output: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
-
-/// Wait for `child` with a deadline (killing it past that), and return its output.
-fn finish(mut child: Child, within: Duration) -> Output {
-    let deadline = Instant::now() + within;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.wait_with_output().unwrap()
 }
 
 /// Serve `buf` to one client on `listener`; return once it said "done".
@@ -261,9 +209,9 @@ fn a_rust_client_started_by_command_maps_the_owners_buffer() {
         let peer = serve_host_buffer(&listener, &buf);
         // The kernel's word for who connected: the process we started.
         assert_eq!((peer.pid, peer.uid), (child_pid, me.uid));
-        let output = finish(child, Duration::from_secs(30));
-        assert!(output.status.success(), "{}", text(&output));
-        assert!(text(&output).contains("OK client mapped 1048576 bytes"));
+        let (output, out) = finish(child, None, Duration::from_secs(30));
+        assert!(output.status.success(), "{out}");
+        assert!(out.contains("OK client mapped 1048576 bytes"));
         assert_eq!(buf.to_vec(), pattern(11, buf.size()), "the client's writes");
         drop((listener, buf));
         assert_eq!(settled_open_fds().unwrap(), before, "fds after {name}");
@@ -299,8 +247,7 @@ fn a_client_under_another_uid_is_refused_and_nothing_leaks() {
         matches!(accepted, Err(Error::Timeout { .. })),
         "a refused peer is no connection: {accepted:?}"
     );
-    let output = finish(child, Duration::from_secs(30));
-    let out = text(&output);
+    let (output, out) = finish(child, None, Duration::from_secs(30));
     assert!(output.status.success(), "{out}");
     assert!(
         out.contains("REFUSED endpoint @vmm-endpoint-test-other-uid")
@@ -361,11 +308,7 @@ fn a_squatter_under_another_uid_gets_nothing() {
         "{reason}"
     );
     drop(buf);
-    let output = finish(child, Duration::from_secs(30));
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
-    drop(stdout);
-    let out = format!("{rest}{}", text(&output));
+    let (_, out) = finish(child, Some(stdout), Duration::from_secs(30));
     assert!(out.contains("NOTHING: the client hung up"), "{out}");
     assert_eq!(settled_open_fds().unwrap(), before);
 }
@@ -565,33 +508,10 @@ fn accept_and_connect_time_out() {
     assert!((Duration::from_millis(200)..Duration::from_secs(3)).contains(&started.elapsed()));
 }
 
-/// A raw client: connected, but it never reads its HELLO nor says anything.
-fn raw_client(name: &Name) -> OwnedFd {
-    let fd = socket(
-        AddressFamily::Unix,
-        SockType::SeqPacket,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )
-    .unwrap();
-    let addr = match name {
-        Name::Abstract(bytes) => UnixAddr::new_abstract(bytes).unwrap(),
-        Name::Path(path) => UnixAddr::new(path.as_path()).unwrap(),
-    };
-    connect(fd.as_raw_fd(), &addr).unwrap();
-    fd
-}
-
 /// A plain listening socket on `name` (no credential checks, no handshake: what a squatter
 /// needs).
 fn raw_listener(name: &Name) -> OwnedFd {
-    let fd = socket(
-        AddressFamily::Unix,
-        SockType::SeqPacket,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )
-    .unwrap();
+    let fd = endpoint_kit::seqpacket_socket();
     let Name::Abstract(bytes) = name else {
         panic!("abstract names only")
     };
@@ -704,29 +624,6 @@ fn a_silent_client_delays_no_one() {
 // ---------------------------------------------------------------------------------------------
 // Garbage from an admitted peer.
 
-fn send_raw(fd: &OwnedFd, bytes: &[u8], fds: &[RawFd]) {
-    let iov = [IoSlice::new(bytes)];
-    let cmsgs = [ControlMessage::ScmRights(fds)];
-    let cmsgs: &[ControlMessage<'_>] = if fds.is_empty() { &[] } else { &cmsgs };
-    sendmsg::<UnixAddr>(fd.as_raw_fd(), &iov, cmsgs, MsgFlags::empty(), None).unwrap();
-}
-
-/// A v1 header with these fields (what docs/protocol.md specifies).
-fn header(kind: u16, handle_type: u32, count: u32, payload: u32, size: u64) -> Vec<u8> {
-    let mut h = Vec::with_capacity(64);
-    h.extend_from_slice(b"VMMI");
-    h.extend_from_slice(&1u16.to_le_bytes());
-    h.extend_from_slice(&kind.to_le_bytes());
-    h.extend_from_slice(&64u16.to_le_bytes());
-    h.extend_from_slice(&0u16.to_le_bytes());
-    h.extend_from_slice(&handle_type.to_le_bytes());
-    h.extend_from_slice(&count.to_le_bytes());
-    h.extend_from_slice(&payload.to_le_bytes());
-    h.extend_from_slice(&size.to_le_bytes());
-    h.extend_from_slice(&[0; 32]);
-    h
-}
-
 #[test]
 fn garbage_and_partial_headers_give_clean_errors() {
     let _serial = serial();
@@ -804,9 +701,7 @@ fn garbage_and_partial_headers_give_clean_errors() {
         }
     }
     // The connection still works after all of it.
-    let mut data = header(3, 0, 0, 2, 0);
-    data.extend_from_slice(b"ok");
-    send_raw(&client, &frame(&data), &[]);
+    send_raw(&client, &data_packet(b"ok"), &[]);
     assert_eq!(conn.recv_data().unwrap(), b"ok");
     drop(client);
     assert!(matches!(conn.recv_message(), Err(Error::Disconnected(_))));

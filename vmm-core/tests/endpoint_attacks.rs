@@ -11,38 +11,30 @@
 //! - an fd whose `close` blocks (a TCP socket with `SO_LINGER` and unsent data: the stand-in
 //!   for a FUSE file whose server never answers), sent in a refused message, does not hold up
 //!   the receive: it is closed on the background closer.
+//!
+//! One test at a time (`serial()`), re-runs as roles and the raw peer's helpers are
+//! `endpoint_kit`'s, shared with `endpoint`.
 
-use std::io::{BufRead, BufReader, IoSlice, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::{Mutex, MutexGuard};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nix::sys::socket::{
-    AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, UnixAddr, connect, sendmsg, socket,
-};
+use nix::sys::socket::MsgFlags;
 use vmm_core::Error;
 use vmm_core::wire::endpoint::{
     Allow, ConnectOptions, Connection, LOG_BURST, Listener, ListenerOptions, Name,
 };
 
-const ROLE_VAR: &str = "VMM_ATTACK_TEST_ROLE";
-const NAME_VAR: &str = "VMM_ATTACK_TEST_NAME";
+#[path = "common/endpoint_kit.rs"]
+mod endpoint_kit;
+use endpoint_kit::{data_packet, finish, raw_client, send_raw, serial};
+
 const ARG_VAR: &str = "VMM_ATTACK_TEST_ARG";
 
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
+/// A fresh abstract name of this file's tests (`@vmm-attack-<tag>-...`).
 fn unique(tag: &str) -> Name {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    Name::abstract_name(format!(
-        "vmm-attack-{tag}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ))
+    endpoint_kit::unique_name("vmm-attack", tag)
 }
 
 /// The kernel's overflow uid, read as the code under test reads it.
@@ -65,15 +57,14 @@ fn peak_rss_kib() -> u64 {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Roles: what a re-run of this executable does (nothing without ROLE_VAR).
+// Roles: what a re-run of this executable does (nothing without endpoint_kit::ROLE_VAR).
 
 #[test]
 #[ignore = "a role for processes the other tests start"]
 fn role_entry() {
-    let Ok(role) = std::env::var(ROLE_VAR) else {
+    let Some((role, name)) = endpoint_kit::role_and_name() else {
         return;
     };
-    let name: Name = std::env::var(NAME_VAR).unwrap().as_str().into();
     let arg = std::env::var(ARG_VAR).unwrap_or_default();
     match role.as_str() {
         // A daemon: admit one client, take one message, report what came and its peak memory.
@@ -164,31 +155,11 @@ fn one_line(s: &str) -> String {
     s.replace('\n', " ")
 }
 
+/// A command that re-runs this executable as `role` with `arg`, optionally through `wrapper`.
 fn role(role: &str, name: &Name, arg: &str, wrapper: &[&str]) -> Command {
     let exe = std::env::current_exe().unwrap();
-    let mut command = match wrapper.split_first() {
-        Some((program, args)) => {
-            let mut c = Command::new(program);
-            c.args(args).arg(&exe);
-            c
-        }
-        None => Command::new(&exe),
-    };
-    command
-        .args([
-            "--exact",
-            "role_entry",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-            "-q",
-        ])
-        .env(ROLE_VAR, role)
-        .env(NAME_VAR, name.to_string())
-        .env(ARG_VAR, arg)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let mut command = endpoint_kit::role_command(&exe, wrapper, role, name);
+    command.env(ARG_VAR, arg);
     command
 }
 
@@ -209,53 +180,6 @@ fn ready(child: &mut Child) -> (String, BufReader<std::process::ChildStdout>) {
     }
 }
 
-/// The rest of a child's output, once it exited (killed past `within`).
-fn finish(
-    mut child: Child,
-    rest: Option<BufReader<std::process::ChildStdout>>,
-    within: Duration,
-) -> (Output, String) {
-    let deadline = Instant::now() + within;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let mut text = String::new();
-    if let Some(mut rest) = rest {
-        rest.read_to_string(&mut text).unwrap();
-    }
-    let output = child.wait_with_output().unwrap();
-    text.push_str(&String::from_utf8_lossy(&output.stdout));
-    text.push_str(&String::from_utf8_lossy(&output.stderr));
-    (output, text)
-}
-
-/// A raw client socket connected to `name` (no credential check, no handshake).
-fn raw_client(name: &Name) -> OwnedFd {
-    let fd = socket(
-        AddressFamily::Unix,
-        SockType::SeqPacket,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )
-    .unwrap();
-    let Name::Abstract(bytes) = name else {
-        panic!("abstract names only")
-    };
-    connect(fd.as_raw_fd(), &UnixAddr::new_abstract(bytes).unwrap()).unwrap();
-    fd
-}
-
-fn send_raw(fd: &OwnedFd, bytes: &[u8], fds: &[RawFd]) {
-    let iov = [IoSlice::new(bytes)];
-    let cmsgs = [ControlMessage::ScmRights(fds)];
-    let cmsgs: &[ControlMessage<'_>] = if fds.is_empty() { &[] } else { &cmsgs };
-    sendmsg::<UnixAddr>(fd.as_raw_fd(), &iov, cmsgs, MsgFlags::empty(), None).unwrap();
-}
-
 /// One packet, read with a deadline: its bytes, or the errno.
 fn recv_raw(fd: &OwnedFd, within: Duration) -> Result<Vec<u8>, nix::errno::Errno> {
     let mut pfd = [nix::poll::PollFd::new(
@@ -268,22 +192,6 @@ fn recv_raw(fd: &OwnedFd, within: Duration) -> Result<Vec<u8>, nix::errno::Errno
     let n = nix::sys::socket::recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty())?;
     buf.truncate(n);
     Ok(buf)
-}
-
-/// A DATA message of docs/protocol.md, with its frame byte.
-fn data_packet(payload: &[u8]) -> Vec<u8> {
-    let mut h = vec![0u8];
-    h.extend_from_slice(b"VMMI");
-    h.extend_from_slice(&1u16.to_le_bytes());
-    h.extend_from_slice(&3u16.to_le_bytes());
-    h.extend_from_slice(&64u16.to_le_bytes());
-    h.extend_from_slice(&0u16.to_le_bytes());
-    h.extend_from_slice(&0u32.to_le_bytes());
-    h.extend_from_slice(&0u32.to_le_bytes());
-    h.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    h.extend_from_slice(&[0; 40]);
-    h.extend_from_slice(payload);
-    h
 }
 
 /// vmm-core's internal spilled frame: frame byte 1, then the payload's size.
