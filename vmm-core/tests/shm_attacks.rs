@@ -150,6 +150,11 @@ fn a_hugetlbfs_memfd_is_refused() {
             return;
         }
     };
+    // A tmpfs memfd first, so that the importer has seen (and remembered) tmpfs: a hugetlbfs
+    // one must still be asked about, not taken for the tmpfs seen last.
+    let tmpfs = sealed_memfd(4096, MFdFlags::empty()).expect("a tmpfs memfd");
+    let (bytes, fds) = raw_send(4096, &tmpfs);
+    decode::<HostBuffer>(&bytes, fds).expect("a tmpfs memfd imports");
     // Half a huge page: the size an unaligned munmap would fail on.
     for size in [huge / 2, huge] {
         let (bytes, fds) = raw_send(size, &fd);

@@ -4,7 +4,7 @@ use std::num::NonZeroUsize;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use nix::fcntl::{FcntlArg, OFlag, SealFlag, fcntl, open};
 use nix::sys::memfd::{MFdFlags, memfd_create};
@@ -268,7 +268,7 @@ pub(crate) struct FileFacts {
 /// The file's size, seals and identity.
 pub(crate) fn inspect(fd: BorrowedFd<'_>) -> Result<FileFacts> {
     let stat = fstat(fd).map_err(|e| Error::errno("fstat(descriptor fd)", e))?;
-    let fs = fstatfs(fd).map_err(|e| Error::errno("fstatfs(descriptor fd)", e))?;
+    let fs_type = filesystem_type(fd, stat.st_dev)?;
     let seals = fcntl(fd, FcntlArg::F_GET_SEALS).map_err(|e| {
         if e == nix::errno::Errno::EINVAL {
             Error::InvalidArgument(
@@ -281,11 +281,33 @@ pub(crate) fn inspect(fd: BorrowedFd<'_>) -> Result<FileFacts> {
         }
     })?;
     Ok(FileFacts {
-        fs_type: fs.filesystem_type(),
+        fs_type,
         size: stat.st_size as u64,
         size_sealed: SealFlag::from_bits_truncate(seals).contains(SIZE_SEALS),
         id: (stat.st_dev, stat.st_ino),
     })
+}
+
+/// The `f_type` of the filesystem that holds `fd`, whose `st_dev` is `dev`.
+///
+/// One `fstatfs` per import would be a tenth of a host import's cost, so the device of the
+/// tmpfs mount found last is remembered and a file on it is not asked again. That is sound for
+/// the files `inspect`'s callers go on to map: they must carry size seals, which only memfds
+/// can have (a file opened on a mounted tmpfs starts sealed against further sealing), and
+/// memfds live on the kernel's internal tmpfs and hugetlbfs mounts, which are never unmounted,
+/// so their device numbers are never reused for another filesystem.
+fn filesystem_type(fd: BorrowedFd<'_>, dev: u64) -> Result<FsType> {
+    static TMPFS_DEV: AtomicU64 = AtomicU64::new(u64::MAX);
+    if dev != u64::MAX && TMPFS_DEV.load(Ordering::Relaxed) == dev {
+        return Ok(TMPFS_MAGIC);
+    }
+    let fs_type = fstatfs(fd)
+        .map_err(|e| Error::errno("fstatfs(descriptor fd)", e))?
+        .filesystem_type();
+    if fs_type == TMPFS_MAGIC {
+        TMPFS_DEV.store(dev, Ordering::Relaxed);
+    }
+    Ok(fs_type)
 }
 
 fn page_size() -> usize {
