@@ -300,16 +300,6 @@ fn refuse_malformed(descriptor: FabricDescriptor) {
              chunk"
                 .to_owned(),
         ),
-        (
-            from(&[handle], &[g], g, [0xEE; 16]),
-            format!(
-                "its chunks live on the exporter's device \
-                 (GPU-eeeeeeee-eeee-eeee-eeee-eeeeeeeeeeee), but this resource is on device 0 \
-                 ({}, {}); import with a VirtualMemoryResource for that device",
-                resource.device().name(),
-                resource.device().uuid_string()
-            ),
-        ),
     ];
     for (result, rule) in cases {
         match result.and_then(|bad| resource.import_fabric(&bad)) {
@@ -364,16 +354,14 @@ fn fabric_import_on_the_other_device(args: (FabricDescriptor, FabricDescriptor, 
     let home = Device::by_uuid(descriptor.owner_uuid()).unwrap();
     assert_eq!((home.uuid_string(), home.ordinal()), (exporter_uuid, 1));
 
-    // Wrong device: memory of the exporter's device 1 offered to a resource on this
-    // process's device 1 (the exporter's device 0) is refused before any driver call.
+    // Another device's memory: memory of the exporter's device 1 (this process's device 0)
+    // imported for this process's device 1, over the fabric; the buffer names its owner.
     let on_home = VirtualMemoryResource::new(&home, ResourceOptions::default()).unwrap();
-    match on_home.import_fabric(&other_device) {
-        Err(Error::InvalidArgument(m)) => assert!(
-            m.starts_with("invalid FabricDescriptor: its chunks live on the exporter's device 1"),
-            "{m}"
-        ),
-        other => panic!("wrong device must be refused, got {other:?}"),
-    }
+    let across = on_home.import_fabric(&other_device).unwrap();
+    assert_eq!(across.device(), &home);
+    assert_eq!(across.owner_uuid(), *peer.uuid());
+    assert_eq!(contents(&across), pattern(5, across.size()));
+    drop(across);
     // Found by UUID, it imports on its own device.
     let other = VirtualMemoryBuffer::import_fabric(&other_device).unwrap();
     assert_eq!(other.device(), &peer);
@@ -446,6 +434,143 @@ fn two_gpus_fabric_import_on_the_owners_device_with_peer_access(ctx: &Context) {
         .wait()
         .unwrap();
     assert_eq!(contents(&buf), pattern(4, buf.size()));
+}
+
+// ---- Memory whose owner the importer cannot see ------------------------------------------
+
+/// The exporter of a remote-owner hand-off, seeing only its own GPU: fill a fabric buffer
+/// with `pattern(7, ..)`, send its descriptor, and once the importer says it wrote its mark,
+/// send back the first bytes it finds.
+fn export_and_report_mark(args: (Queue<FabricDescriptor>, Queue<()>, Queue<Vec<u8>>)) {
+    let (descriptors, marked, seen) = args;
+    assert_eq!(
+        Device::count().unwrap(),
+        1,
+        "the exporter sees more than its GPU"
+    );
+    let resource = fabric_resource(0, ResourceOptions::default());
+    let buf = resource.allocate(resource.granularity()).unwrap();
+    buf.write_at(0, &pattern(7, buf.size())).unwrap();
+    descriptors.put(&buf.export_fabric().unwrap()).unwrap();
+    marked.get(TIMEOUT).unwrap();
+    seen.put(&contents(&buf)[..16].to_vec()).unwrap();
+}
+
+/// The importer, seeing only the other GPU: the owner is not among its devices, and the
+/// memory is mapped for its own device over the fabric.
+fn import_remote_and_mark(args: (FabricDescriptor, Queue<()>)) {
+    let (descriptor, marked) = args;
+    assert_eq!(
+        Device::count().unwrap(),
+        1,
+        "the importer sees more than its GPU"
+    );
+    assert!(
+        Device::by_uuid(descriptor.owner_uuid()).is_err(),
+        "the importer sees the owner's GPU"
+    );
+    let buf = VirtualMemoryBuffer::import_fabric(&descriptor).unwrap();
+    assert_eq!(buf.owner_uuid(), *descriptor.owner_uuid());
+    assert_ne!(buf.device().uuid(), descriptor.owner_uuid());
+    assert_eq!(contents(&buf), pattern(7, buf.size()), "the owner's data");
+    buf.write_at(0, &[0xA5; 16]).unwrap();
+    drop(buf);
+    marked.put(&()).unwrap();
+}
+
+#[ipc_test(skip_unless = vmm_core::testing::cuda_devices(2).and_then(|()| vmm_core::testing::cuda_fabric()))]
+fn two_gpus_fabric_import_of_memory_whose_owner_the_importer_cannot_see(ctx: &Context) {
+    let (descriptors, marked, seen) = (
+        Queue::new().unwrap(),
+        Queue::new().unwrap(),
+        Queue::new().unwrap(),
+    );
+    let exporter = ctx
+        .clone()
+        .with_env("CUDA_VISIBLE_DEVICES", "0")
+        .spawn(
+            export_and_report_mark,
+            (descriptors.clone(), marked.clone(), seen.clone()),
+        )
+        .unwrap();
+    let descriptor = descriptors.get(TIMEOUT).unwrap();
+    ctx.clone()
+        .with_env("CUDA_VISIBLE_DEVICES", "1")
+        .spawn(import_remote_and_mark, (descriptor, marked.clone()))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(
+        seen.get(TIMEOUT).unwrap(),
+        [0xA5; 16],
+        "the importer's mark"
+    );
+    exporter.wait().unwrap();
+}
+
+/// The exporter of a POSIX-fd descriptor in the same setup: it keeps its buffer until told.
+fn export_posix_and_wait(args: (Queue<vmm_core::cuda::IpcDescriptor>, Queue<()>)) {
+    let (descriptors, done) = args;
+    let resource =
+        VirtualMemoryResource::new(&Device::new(0).unwrap(), ResourceOptions::default()).unwrap();
+    let buf = resource.allocate(resource.granularity()).unwrap();
+    descriptors.put(&buf.export().unwrap()).unwrap();
+    done.get(TIMEOUT).unwrap();
+}
+
+/// A POSIX-fd descriptor of a GPU this process cannot see: refused before any driver call,
+/// with an error that says why, and its fd closed with it.
+fn import_posix_of_a_hidden_gpu(descriptor: vmm_core::cuda::IpcDescriptor) {
+    let here = Device::new(0).unwrap();
+    let resource = VirtualMemoryResource::new(&here, ResourceOptions::default()).unwrap();
+    let before = open_fds().unwrap();
+    match VirtualMemoryBuffer::import(&descriptor) {
+        Err(error) => assert!(
+            error
+                .to_string()
+                .contains("no CUDA device in this process has UUID"),
+            "{error}"
+        ),
+        Ok(_) => panic!("a POSIX-fd descriptor of a hidden GPU was imported"),
+    }
+    match resource.import(&descriptor) {
+        Err(Error::InvalidArgument(m)) => assert!(
+            m.contains("live on the exporter's device") && m.contains(&here.uuid_string()),
+            "{m}"
+        ),
+        other => panic!("expected the device refusal, got {other:?}"),
+    }
+    assert_eq!(
+        open_fds().unwrap(),
+        before,
+        "a refusal opened or closed fds"
+    );
+    drop(descriptor);
+    assert_eq!(
+        open_fds().unwrap(),
+        before - 1,
+        "the descriptor's fd stayed open"
+    );
+}
+
+#[ipc_test(skip_unless = vmm_core::testing::cuda_devices(2))]
+fn two_gpus_posix_fd_descriptor_of_a_gpu_the_importer_cannot_see_is_refused(ctx: &Context) {
+    let (descriptors, done) = (Queue::new().unwrap(), Queue::new().unwrap());
+    let exporter = ctx
+        .clone()
+        .with_env("CUDA_VISIBLE_DEVICES", "0")
+        .spawn(export_posix_and_wait, (descriptors.clone(), done.clone()))
+        .unwrap();
+    let descriptor = descriptors.get(TIMEOUT).unwrap();
+    let importer = ctx
+        .clone()
+        .with_env("CUDA_VISIBLE_DEVICES", "1")
+        .spawn(import_posix_of_a_hidden_gpu, descriptor)
+        .unwrap()
+        .wait();
+    done.put(&()).unwrap();
+    importer.unwrap();
+    exporter.wait().unwrap();
 }
 
 // ---- A receiver vmm-core did not start: TCP on 127.0.0.1, JSON ---------------------------

@@ -153,6 +153,23 @@ pub enum Error {
         /// The refused call and its error.
         detail: String,
     },
+    /// A fabric import of memory that another device owns failed in the driver: most likely
+    /// this process's device cannot reach the owner over the fabric.
+    #[error(
+        "the memory's owner, device {owner}, cannot be reached from {device} ({source}): the \
+         owner's GPU must be in this process's NVLink domain. On one machine, its GPUs must be \
+         linked by NVLink (nvidia-smi topo -m); across machines, the IMEX service must run on \
+         both nodes and grant both processes the same IMEX channel (a Kubernetes ComputeDomain \
+         does that)"
+    )]
+    FabricUnreachable {
+        /// The owner's UUID, as `nvidia-smi -L` prints it.
+        owner: String,
+        /// The importing device, e.g. `device 0 (NVIDIA H200)`.
+        device: String,
+        /// The driver's refusal.
+        source: Box<Error>,
+    },
     /// An export or import of a buffer failed part way; everything done so far was undone.
     #[error("{op} failed {step}: {source}")]
     Ipc {

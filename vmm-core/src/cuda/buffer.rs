@@ -41,6 +41,9 @@ struct Inner {
     location: Location,
     handle_type: HandleType,
     imported: bool,
+    /// The UUID of the device that owns the memory, where that is not `device` (a fabric
+    /// import of another GPU's memory): kept for diagnostics.
+    owner: Option<[u8; 16]>,
 }
 
 impl VirtualMemoryBuffer {
@@ -62,8 +65,20 @@ impl VirtualMemoryBuffer {
                 location,
                 handle_type,
                 imported,
+                owner: None,
             }),
         }
+    }
+
+    /// This buffer, noted as owned by the device with UUID `owner` (a fabric import), where
+    /// that is not the device it is mapped for. Only for a buffer no one else holds yet.
+    pub(crate) fn owned_by(mut self, owner: [u8; 16]) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner)
+            && &owner != inner.device.uuid()
+        {
+            inner.owner = Some(owner);
+        }
+        self
     }
 
     /// The same mapping seen with another size (at most [`Self::capacity`]).
@@ -77,6 +92,7 @@ impl VirtualMemoryBuffer {
                 location: self.inner.location,
                 handle_type: self.inner.handle_type,
                 imported: self.inner.imported,
+                owner: self.inner.owner,
             }),
         }
     }
@@ -129,6 +145,13 @@ impl VirtualMemoryBuffer {
     /// The device the memory is mapped for.
     pub fn device(&self) -> &Device {
         &self.inner.device
+    }
+
+    /// The UUID of the device that owns the memory: [`device`](Self::device)'s, except for a
+    /// fabric import of memory that another GPU owns (one this process may not see at all:
+    /// another node's, or one hidden by `CUDA_VISIBLE_DEVICES`), whose UUID the descriptor named.
+    pub fn owner_uuid(&self) -> [u8; 16] {
+        self.inner.owner.unwrap_or(*self.inner.device.uuid())
     }
 
     /// Where the memory lives.

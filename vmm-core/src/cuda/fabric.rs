@@ -38,9 +38,14 @@
 //! This crate is tested on one machine. Between the nodes of an NVLink fabric, NVIDIA's IMEX
 //! service (`nvidia-imex`) must run on every node and grant the processes the same IMEX channel
 //! on each (a Kubernetes ComputeDomain does that). [`VirtualMemoryResource::import_fabric`]
-//! also refuses, today, a descriptor whose owner device is not the importing resource's device
-//! (as the POSIX-fd path does), and another node's GPU never is: importing another node's
-//! memory would need that check relaxed, and is not offered.
+//! maps memory whatever device owns it, one this process cannot see included (another node's
+//! GPU; on one machine, a GPU hidden by `CUDA_VISIBLE_DEVICES`), for the resource's device with
+//! the resource's access; the buffer keeps the owner's UUID
+//! ([`VirtualMemoryBuffer::owner_uuid`](super::VirtualMemoryBuffer::owner_uuid)). Where the
+//! driver refuses, the error says which of these it is: no fabric support
+//! ([`Error::FabricUnsupported`]), no IMEX channel ([`Error::NoImexChannel`]), or no path to
+//! the owner ([`Error::FabricUnreachable`]). Tested here between two GPUs of one machine, each
+//! process seeing one of them; not between machines.
 //!
 //! [`VirtualMemoryResource::import_fabric`]: super::VirtualMemoryResource::import_fabric
 
@@ -509,6 +514,35 @@ pub(crate) fn explain_refusal(error: Error, device: &Device) -> Error {
     }
 }
 
+/// A failed import of memory that another device owns (`owner`, by UUID), explained: where the
+/// driver refused a step (importing a chunk, mapping it, setting access), the cause is most
+/// likely that `device` cannot reach the owner over the fabric, and [`Error::FabricUnreachable`]
+/// says so and what to do. A refusal already explained (no IMEX channel, no fabric support) and
+/// vmm-core's own checks stay as they are.
+pub(crate) fn unreachable(error: Error, owner: &[u8; 16], device: &Device) -> Error {
+    unreachable_from(error, owner, &describe(device))
+}
+
+/// [`unreachable`], with the importing device already described.
+fn unreachable_from(error: Error, owner: &[u8; 16], device: &str) -> Error {
+    let wrap = |source: Error| match source {
+        Error::Cuda { .. } => Error::FabricUnreachable {
+            owner: format_uuid(owner),
+            device: device.to_owned(),
+            source: Box::new(source),
+        },
+        other => other,
+    };
+    match error {
+        Error::Ipc { op, step, source } => Error::Ipc {
+            op,
+            step,
+            source: Box::new(wrap(*source)),
+        },
+        other => wrap(other),
+    }
+}
+
 /// Whether this process can share CUDA VMM buffers by fabric handle: [`availability`] holds,
 /// and [`Device::check_fabric`] passes for device 0. `Err` says what is missing, for skip
 /// messages (`SKIP <test>: <reason>`). Never panics, with or without a GPU.
@@ -626,5 +660,50 @@ mod tests {
         }
         let bytes = postcard::to_stdvec(&wire(8)).unwrap();
         crate::wire::decode::<FabricDescriptor>(&bytes, Vec::new()).unwrap();
+    }
+
+    #[test]
+    fn a_driver_refusal_of_a_remote_owners_memory_says_what_to_do() {
+        let refused = Error::Cuda {
+            call: "cuMemSetAccess".into(),
+            name: "CUDA_ERROR_INVALID_DEVICE".into(),
+            code: 101,
+        };
+        let failed = Error::Ipc {
+            op: "import".into(),
+            step: "while mapping chunk 1 of 1 (2097152 bytes)".into(),
+            source: Box::new(refused),
+        };
+        let explained = unreachable_from(failed, &[0xAB; 16], "device 0 (NVIDIA H200)");
+        let Error::Ipc { source, step, .. } = &explained else {
+            panic!("the step is kept: {explained:?}");
+        };
+        assert!(step.starts_with("while mapping chunk 1"));
+        assert!(
+            matches!(source.as_ref(), Error::FabricUnreachable { owner, .. }
+                if owner == "GPU-abababab-abab-abab-abab-abababababab"),
+            "{source:?}"
+        );
+        let shown = explained.to_string();
+        for needle in [
+            "cannot be reached from device 0",
+            "IMEX service",
+            "CUDA_ERROR_INVALID_DEVICE",
+        ] {
+            assert!(shown.contains(needle), "{needle:?} missing: {shown}");
+        }
+        // A refusal that is already explained, and vmm-core's own checks, stay as they are.
+        let no_channel = Error::NoImexChannel {
+            device: "device 0".into(),
+            detail: "x".into(),
+        };
+        assert!(matches!(
+            unreachable_from(no_channel, &[0xAB; 16], "device 0"),
+            Error::NoImexChannel { .. }
+        ));
+        assert!(matches!(
+            unreachable_from(Error::InvalidArgument("x".into()), &[0xAB; 16], "device 0"),
+            Error::InvalidArgument(_)
+        ));
     }
 }

@@ -98,13 +98,19 @@ impl VirtualMemoryBuffer {
 impl VirtualMemoryBuffer {
     /// Import fabric handles into this process's [`importer`] for the owner's device (found by
     /// UUID, so device renumbering between processes does not matter) and the descriptor's
-    /// location, as [`VirtualMemoryBuffer::import`] does for fds. Initialises CUDA here if
-    /// needed; needs an IMEX channel (see [`Device::check_fabric`]).
+    /// location, as [`VirtualMemoryBuffer::import`] does for fds. Where this process cannot see
+    /// the owner (another node's GPU, or one hidden by `CUDA_VISIBLE_DEVICES`), the memory is
+    /// mapped for device 0 instead, over the fabric; [`VirtualMemoryBuffer::owner_uuid`] still
+    /// names the owner. Initialises CUDA here if needed; needs an IMEX channel (see
+    /// [`Device::check_fabric`]).
     ///
-    /// To import into a resource of your choosing, use
+    /// To import for a device of your choosing (or with other access), use
     /// [`VirtualMemoryResource::import_fabric`].
     pub fn import_fabric(descriptor: &FabricDescriptor) -> Result<VirtualMemoryBuffer> {
-        let device = Device::by_uuid(descriptor.owner_uuid())?;
+        let device = match Device::by_uuid(descriptor.owner_uuid()) {
+            Ok(owner) => owner,
+            Err(_) => Device::new(0)?,
+        };
         importer(&device, descriptor.location())?.import_fabric(descriptor)
     }
 }

@@ -365,11 +365,11 @@ impl VirtualMemoryResource {
                 sizes.len()
             )));
         }
-        self.check_origin(
-            "FabricDescriptor",
-            Some((descriptor.owner_ordinal(), *descriptor.owner_uuid())),
-            descriptor.location(),
-        )?;
+        // The owner may be any GPU of the fabric, one this process cannot see included: only
+        // the kind of location must match; the driver decides whether it can reach the memory.
+        self.check_origin("FabricDescriptor", None, descriptor.location())?;
+        let owner = *descriptor.owner_uuid();
+        let remote = &owner != self.device().uuid();
         self.import_chunks(
             (sizes, total, descriptor.size()),
             (descriptor.location(), HandleType::Fabric),
@@ -378,6 +378,11 @@ impl VirtualMemoryResource {
                     .map_err(|e| fabric::explain_refusal(e, device))
             },
         )
+        .map_err(|e| match remote {
+            true => fabric::unreachable(e, &owner, self.device()),
+            false => e,
+        })
+        .map(|buffer| buffer.owned_by(owner))
     }
 
     /// The driver steps of an import, after every check: import each chunk with `import_one`
@@ -418,7 +423,13 @@ impl VirtualMemoryResource {
                 .location()
                 .map_err(|e| ipc_error("import", step("checking the location of"), e))?;
             let here = &self.inner.location;
-            if !driver::same_location(&there, here) {
+            // A fabric chunk may live on a GPU this process does not see (another node's):
+            // there the kind of location must match, not the device.
+            let matches = match handle_type {
+                HandleType::Fabric => there.type_ == here.type_,
+                _ => driver::same_location(&there, here),
+            };
+            if !matches {
                 return Err(ipc_error(
                     "import",
                     step("checking the location of"),
