@@ -7,6 +7,8 @@
 //!   - import: `resource.import_fabric(&descriptor)` | per chunk
 //!     `cuMemImportFromShareableHandle` (fabric), one `cuMemAddressReserve` of the total, per
 //!     chunk `cuMemMap` + `cuMemSetAccess`. Released outside the clock.
+//!   - with two GPUs, `import-remote-owner/1-chunk`: device 0's memory imported for device 1
+//!     (the owner is not the importing device), next to the same-device import.
 //! - `gpu-fabric-handoff` (a live child, as in `gpu-handoff`): a `FabricDescriptor` through a
 //!   `Queue` (the child imports it) next to `gpu-handoff/descriptor/*`, and a Fabric buffer
 //!   through the queue (exported on the way, about a microsecond) next to
@@ -127,7 +129,40 @@ pub fn gpu_fabric(c: &mut Criterion, cuda: &RawCuda) {
             cuda.release(handle);
         }
     }
+    bench_remote_owner(&mut group, &resource, chunk);
     group.finish();
+}
+
+/// `import-remote-owner/1-chunk`: device 0's memory imported for device 1 (the owner is not the
+/// importing device; the driver maps it over NVLink), next to `import/1-chunk/vmm-core` of the
+/// same run. Needs two GPUs; one `SKIP` line otherwise.
+fn bench_remote_owner(group: &mut Group<'_>, owner: &VirtualMemoryResource, chunk: usize) {
+    let id = "import-remote-owner/1-chunk";
+    if Device::count().unwrap_or(0) < 2 {
+        eprintln!("SKIP {GROUP}/{id}: needs two CUDA devices");
+        return;
+    }
+    row(
+        &key(GROUP, id),
+        &key(GROUP, "import/1-chunk/vmm-core"),
+        Target::None,
+    );
+    let importer = VirtualMemoryResource::new(
+        &Device::new(1).expect("device 1"),
+        ResourceOptions::default().handle_type(HandleType::Fabric),
+    )
+    .expect("fabric resource on device 1");
+    let buffer = chunked(owner, chunk, 1);
+    let descriptor = buffer.export_fabric().expect("export_fabric");
+    group.bench(id, || {
+        let t = Instant::now();
+        let alias = importer
+            .import_fabric(&descriptor)
+            .expect("import_fabric of device 0's memory for device 1");
+        let elapsed = t.elapsed();
+        drop(alias);
+        elapsed
+    });
 }
 
 /// A Fabric descriptor and a Fabric buffer handed to a live child under both methods; rows
