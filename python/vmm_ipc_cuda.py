@@ -16,6 +16,20 @@ protocol itself is in ``vmm_ipc_peer`` (standard library only).
         mapping = vc.import_descriptor(ctx, desc)    # import, reserve, map, set access
         data = mapping.read(0, 5)
         mapping.close()
+
+Fabric handles (protocol version 2; needs a GPU with fabric support and an IMEX channel in both
+processes): ``Allocation(ctx, chunks=2, fabric=True)`` allocates with
+``CU_MEM_HANDLE_TYPE_FABRIC`` requested, ``export_fabric()`` gives a ``peer.FabricDescriptor``
+(one 64-byte ``CUmemFabricHandle`` per chunk, no fds: it crosses an endpoint or a byte stream),
+and ``import_fabric(ctx, desc)`` imports one. A fabric handle is a bearer token and does not
+keep the memory alive: keep the exporting Allocation until the importers have said they
+imported. The owner device may be one this process cannot see (another node's, or one hidden by
+``CUDA_VISIBLE_DEVICES``): ``import_fabric`` does not compare the owner's UUID with ``ctx``'s;
+the driver decides.
+
+cuda.core: ``peer.FabricDescriptor.to_cuda_core()`` builds cuda.core's
+``VirtualMemoryFabricBufferDescriptor.from_handles(...)`` and ``from_cuda_core`` reads one back.
+That class is new in cuda.core 1.3; the GPU machine has cuda.core 1.2, so neither was tried.
 """
 
 import ctypes
@@ -25,6 +39,7 @@ from cuda.bindings import driver as cu
 import vmm_ipc_peer as peer
 
 POSIX_FD = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+FABRIC = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
 
 
 def check(result, call):
@@ -56,14 +71,15 @@ class Context:
                 self.prop(), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
             "cuMemGetAllocationGranularity")
 
-    def prop(self):
-        """Pinned device memory on this device, exportable as a POSIX fd per chunk (requested
-        at cuMemCreate: without it, export fails)."""
+    def prop(self, handle_type=POSIX_FD):
+        """Pinned device memory on this device, exportable as ``handle_type`` per chunk (a
+        POSIX fd, or a fabric handle with FABRIC; requested at cuMemCreate: without it, export
+        fails)."""
         prop = cu.CUmemAllocationProp()
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = self.ordinal
-        prop.requestedHandleTypes = POSIX_FD
+        prop.requestedHandleTypes = handle_type
         return prop
 
     def make_current(self):
@@ -122,14 +138,17 @@ class Mapping:
 
 
 class Allocation(Mapping):
-    """``chunks`` fresh granules (cuMemCreate, exportable), mapped here."""
+    """``chunks`` fresh granules (cuMemCreate, exportable), mapped here: as POSIX fds
+    (``export``), or with ``fabric=True`` as fabric handles (``export_fabric``)."""
 
-    def __init__(self, ctx, chunks=1, chunk_size=None, size=None):
+    def __init__(self, ctx, chunks=1, chunk_size=None, size=None, fabric=False):
         chunk_size = chunk_size or ctx.granularity
+        self.fabric = fabric
+        prop = ctx.prop(FABRIC if fabric else POSIX_FD)
         handles = []
         try:
             for _ in range(chunks):
-                handles.append(check(cu.cuMemCreate(chunk_size, ctx.prop(), 0), "cuMemCreate"))
+                handles.append(check(cu.cuMemCreate(chunk_size, prop, 0), "cuMemCreate"))
         except BaseException:
             for handle in handles:
                 cu.cuMemRelease(handle)
@@ -150,6 +169,27 @@ class Allocation(Mapping):
         return peer.VmmDescriptor(fds, self.chunk_sizes, self.size, device_uuid=self.ctx.uuid,
                                   device_ordinal=self.ctx.ordinal)
 
+    def export_fabric(self):
+        """A FabricDescriptor: one 64-byte fabric handle per chunk (cuMemExportToShareableHandle
+        with CU_MEM_HANDLE_TYPE_FABRIC), naming this device as the owner. Needs an Allocation
+        made with ``fabric=True``. The handles are bearer tokens and keep nothing alive: keep
+        this Allocation until the importers have imported."""
+        if not self.fabric:
+            raise ValueError("this allocation was not made with fabric=True: the driver exports "
+                             "fabric handles only when they were requested at cuMemCreate")
+        handles = []
+        for i, handle in enumerate(self.handles):
+            exported = check(cu.cuMemExportToShareableHandle(handle, FABRIC, 0),
+                             f"cuMemExportToShareableHandle (fabric, chunk {i + 1} of "
+                             f"{len(self.handles)})")
+            data = bytes(getattr(exported, "data", exported))
+            if len(data) != peer.FABRIC_HANDLE_LEN:
+                raise RuntimeError(f"cuMemExportToShareableHandle gave a {len(data)}-byte fabric "
+                                   f"handle for chunk {i + 1}, not {peer.FABRIC_HANDLE_LEN}")
+            handles.append(data)
+        return peer.FabricDescriptor(handles, self.chunk_sizes, self.size,
+                                     owner_uuid=self.ctx.uuid, owner_ordinal=self.ctx.ordinal)
+
 
 def import_descriptor(ctx, descriptor):
     """Import a received VmmDescriptor into ``ctx``'s device: cuMemImportFromShareableHandle per
@@ -168,4 +208,57 @@ def import_descriptor(ctx, descriptor):
         for handle in handles:
             cu.cuMemRelease(handle)
         raise
+    return Mapping(ctx, handles, descriptor.chunk_sizes, descriptor.size)
+
+
+def _import_fabric_handle(data):
+    """cuMemImportFromShareableHandle for one 64-byte fabric handle: the driver takes the
+    handle's address. cuda.bindings passes a bytes object's buffer as that address; older
+    bindings that refuse bytes take a CUmemFabricHandle's address (getPtr()). Errors name no
+    handle byte."""
+    try:
+        return cu.cuMemImportFromShareableHandle(data, FABRIC)
+    except TypeError:
+        pass
+    handle = cu.CUmemFabricHandle()
+    handle.data = data
+    return cu.cuMemImportFromShareableHandle(handle.getPtr(), FABRIC)
+
+
+def import_fabric(ctx, descriptor):
+    """Import a FabricDescriptor into ``ctx``'s device: cuMemImportFromShareableHandle per
+    fabric handle, one reservation of the sum of the chunk sizes, the chunks mapped back to
+    back, access set for ``ctx``'s device; on any failure everything done so far is undone
+    (imports released, mappings and reservation freed). The owner device (its UUID) may be
+    one this process cannot see: it is not compared with ``ctx``'s, the driver decides
+    (importing needs an IMEX channel, and fails once the exporter has released the memory)."""
+    if not isinstance(descriptor, peer.FabricDescriptor):
+        raise TypeError(f"import_fabric takes a FabricDescriptor, not {type(descriptor).__name__}")
+    if descriptor.location != ("device", 0):
+        raise ValueError(f"this helper imports device memory, not {descriptor.location}")
+    n = len(descriptor.handles)
+    if n != len(descriptor.chunk_sizes) or n == 0:
+        raise ValueError(f"{n} fabric handle(s) for {len(descriptor.chunk_sizes)} chunk(s)")
+    for i, chunk in enumerate(descriptor.chunk_sizes):
+        if chunk <= 0 or chunk % ctx.granularity:
+            raise ValueError(f"chunk {i + 1} of {n}: size {chunk} is not a positive multiple of "
+                             f"this device's granularity {ctx.granularity}")
+    if not 0 <= descriptor.size <= sum(descriptor.chunk_sizes):
+        raise ValueError(f"size {descriptor.size} exceeds the chunks")
+    handles = []
+    try:
+        for i, data in enumerate(descriptor.handles):
+            try:
+                result = _import_fabric_handle(data)
+            except (TypeError, ValueError) as e:  # never echo the argument (a bearer token)
+                raise RuntimeError(f"cuMemImportFromShareableHandle (fabric) while importing "
+                                   f"chunk {i + 1} of {n}: the bindings refused the handle "
+                                   f"({type(e).__name__})") from None
+            handles.append(check(result, f"cuMemImportFromShareableHandle (fabric) while "
+                                         f"importing chunk {i + 1} of {n}"))
+    except BaseException:
+        for handle in handles:
+            cu.cuMemRelease(handle)
+        raise
+    # Mapping rolls back its reservation, mappings and these handles if anything fails.
     return Mapping(ctx, handles, descriptor.chunk_sizes, descriptor.size)

@@ -1,9 +1,27 @@
-"""vmm-ipc peer protocol (version 1): a reference peer in standard-library Python (3.9+, Linux).
+"""vmm-ipc peer protocol (versions 1 and 2): a reference peer in standard-library Python (3.9+,
+Linux).
 
 It speaks the protocol of ``docs/protocol.md`` on a named endpoint (a Unix ``SOCK_SEQPACKET``
 socket by path, or by abstract name ``@name``): the same endpoints Rust's
 ``vmm_core::wire::endpoint`` listens and connects on. One message is a 64-byte little-endian
-header, the chunk sizes, a payload, and one fd per chunk in ``SCM_RIGHTS``.
+header, the chunk sizes, a payload, and one fd per chunk in ``SCM_RIGHTS``. Each message carries
+the version of its kind: the five kinds of version 1 go out byte for byte as version 1, so this
+peer speaks version 1 to a version 1 peer as long as it sends no fabric descriptor.
+
+Version 2 adds ``CUDA_FABRIC`` (``FabricDescriptor``: one 64-byte fabric handle per chunk, no
+fds) and byte streams: ``write_message``/``read_message`` (or ``StreamConnection``) carry DATA
+and CUDA_FABRIC messages over a connected stream socket (TCP), with the same bytes.
+
+    with peer.connect("@weights") as conn:
+        desc = conn.recv_descriptor()              # may be a FabricDescriptor
+    sock = socket.create_connection(("10.0.0.2", 7000))   # authenticated by you (TLS, VPN...)
+    peer.write_message(sock, fabric_descriptor)
+    reply = peer.read_message(sock)                # Data or FabricDescriptor
+
+A fabric handle is a bearer token: whoever holds its 64 bytes and an IMEX channel of the same
+domain can map the memory. Send one only to a peer you would give the memory to; this module's
+``repr`` and errors never show handle bytes (only how many there are). A handle does not keep
+the memory alive: the exporter keeps its allocation until the importers say they have imported.
 
     import vmm_ipc_peer as peer
 
@@ -56,25 +74,35 @@ import time
 from collections import namedtuple
 
 __all__ = [
-    "VERSION", "MAX_CHUNKS", "MAX_DATA", "ProtocolError", "PeerRefused", "PeerClosed",
-    "Credentials", "HostDescriptor", "VmmDescriptor", "Connection", "Listener", "connect",
-    "encode", "decode", "sealed_memfd", "pattern",
+    "VERSION", "VERSIONS", "MAX_CHUNKS", "MAX_DATA", "FABRIC_HANDLE_LEN", "ProtocolError",
+    "PeerRefused", "PeerClosed", "Credentials", "HostDescriptor", "VmmDescriptor",
+    "FabricDescriptor", "Connection", "Listener", "connect", "StreamConnection", "write_message",
+    "read_message", "encode", "decode", "sealed_memfd", "pattern",
 ]
 
 MAGIC = b"VMMI"
-VERSION = 1
+VERSIONS = (1, 2)  # the versions this peer speaks
+VERSION = max(VERSIONS)
 #: magic, version, kind, header length, flags, handle type, chunk count, payload length, size,
 #: device UUID, device ordinal, location type, location id, reserved.
 HEADER = struct.Struct("<4sHHHHIIIQ16sIIiI")
 assert HEADER.size == 64
-KIND_HELLO, KIND_REFUSED, KIND_DATA, KIND_CUDA_VMM, KIND_HOST_MEMFD = 1, 2, 3, 4, 5
-KIND_NAMES = {1: "HELLO", 2: "REFUSED", 3: "DATA", 4: "CUDA_VMM", 5: "HOST_MEMFD"}
+KIND_HELLO, KIND_REFUSED, KIND_DATA, KIND_CUDA_VMM, KIND_HOST_MEMFD, KIND_CUDA_FABRIC = range(1, 7)
+KIND_NAMES = {1: "HELLO", 2: "REFUSED", 3: "DATA", 4: "CUDA_VMM", 5: "HOST_MEMFD",
+              6: "CUDA_FABRIC"}
+#: The version that defines each kind: a message of the kind carries exactly it.
+KIND_VERSIONS = {1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 2}
+#: The kinds a byte stream carries (no fds, no handshake).
+STREAM_KINDS = (KIND_DATA, KIND_CUDA_FABRIC)
 FLAG_DEVICE = 0x0001
 HANDLE_TYPE_POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+HANDLE_TYPE_FABRIC = 8  # CU_MEM_HANDLE_TYPE_FABRIC
+FABRIC_HANDLE_LEN = 64  # sizeof(CUmemFabricHandle)
 LOCATION_DEVICE, LOCATION_HOST_NUMA = 0, 1
 MAX_CHUNKS = 253  # the kernel's SCM_MAX_FD
 MAX_DATA = 16 * 1024
 MAX_MESSAGE = HEADER.size + 8 * MAX_CHUNKS + MAX_DATA
+MAX_BODY = 8 * MAX_CHUNKS + MAX_DATA  # what a stream reader reads after a header, at most
 FRAME_INLINE = b"\x00"  # every packet's first byte
 DEFAULT_TIMEOUT = 10.0
 # The most a host import maps unless the caller asks for more (vmm-core's default too): a
@@ -322,9 +350,121 @@ class VmmDescriptor:
                 f"device_uuid={self.device_uuid!r}, location={self.location})")
 
 
+def _location_fields(location):
+    kind, node = location
+    if kind == "device":
+        return (LOCATION_DEVICE, 0)
+    if kind == "host_numa" and isinstance(node, int) and 0 <= node < 2**31:
+        return (LOCATION_HOST_NUMA, node)
+    raise ValueError(f"location {location!r}: ('device', 0) or ('host_numa', node >= 0)")
+
+
+class FabricDescriptor:
+    """A CUDA VMM buffer's fabric descriptor (``CUDA_FABRIC``, version 2): one 64-byte fabric
+    handle (``CUmemFabricHandle``, as ``bytes``) per chunk in chunk order, the chunk sizes, the
+    buffer's size (at most their sum), the UUID of the device that owns the memory (required),
+    the exporter's ordinal for it (informative only) and where the memory lives. It holds no fd
+    (``close()`` does nothing; ``with`` works as for the other descriptors), and crosses an
+    endpoint or a byte stream alike.
+
+    A handle is a bearer token: ``repr`` and every error show only how many there are, never a
+    byte of one. It does not keep the memory alive: the exporter keeps its allocation until
+    the importers say they have imported."""
+
+    handle_type = HANDLE_TYPE_FABRIC
+
+    def __init__(self, handles, chunk_sizes, size=None, owner_uuid=None, owner_ordinal=0,
+                 location=("device", 0)):
+        handles = [bytes(h) for h in handles]
+        chunk_sizes = [int(c) for c in chunk_sizes]
+        n = len(chunk_sizes)
+        if len(handles) != n:
+            raise ValueError(f"{len(handles)} fabric handle(s) for {n} chunk(s): one per chunk")
+        if not 1 <= n <= MAX_CHUNKS:
+            raise ValueError(f"a fabric descriptor names 1 to {MAX_CHUNKS} chunks, not {n}")
+        for i, h in enumerate(handles):
+            if len(h) != FABRIC_HANDLE_LEN:
+                raise ValueError(f"fabric handle {i + 1} of {n} is {len(h)} bytes, not "
+                                 f"{FABRIC_HANDLE_LEN}")
+        for i, c in enumerate(chunk_sizes):
+            if c <= 0:
+                raise ValueError(f"chunk {i + 1} of {n} has size {c}")
+        total = sum(chunk_sizes)
+        if total > _USIZE_MAX:
+            raise ValueError("the sum of the chunk sizes overflows a 64-bit size")
+        size = total if size is None else int(size)
+        if not 0 <= size <= total:
+            raise ValueError(f"size {size} is not within the {total} bytes of the chunks")
+        if owner_uuid is None or len(bytes(owner_uuid)) != 16:
+            raise ValueError("a fabric descriptor names its owner device: a 16-byte UUID")
+        _location_fields(location)
+        self.handles, self.chunk_sizes, self.size = handles, chunk_sizes, size
+        self.owner_uuid, self.owner_ordinal = bytes(owner_uuid), int(owner_ordinal)
+        self.location = location
+
+    @property
+    def device_uuid(self):
+        """The owner's UUID (the name VmmDescriptor uses)."""
+        return self.owner_uuid
+
+    def encode(self):
+        data = encode(KIND_CUDA_FABRIC, handle_type=HANDLE_TYPE_FABRIC, size=self.size,
+                      chunk_sizes=self.chunk_sizes, device_uuid=self.owner_uuid,
+                      device_ordinal=self.owner_ordinal,
+                      location=_location_fields(self.location), payload=b"".join(self.handles))
+        return data, []
+
+    @classmethod
+    def from_cuda_core(cls, descriptor, owner_uuid=None, owner_ordinal=0):
+        """From a cuda.core (1.3+) ``VirtualMemoryFabricBufferDescriptor`` (its ``handles``,
+        ``sizes`` and ``size``). Not tried: the machines this was written on have cuda.core
+        1.2 at most, which has no fabric descriptor. ``owner_uuid`` (16 bytes) is required
+        when the cuda.core descriptor does not name its owner."""
+        if owner_uuid is None:
+            named = getattr(descriptor, "owner_uuid", None)
+            if named is not None:
+                import uuid
+                owner_uuid = uuid.UUID(str(named).removeprefix("GPU-")).bytes
+        return cls(descriptor.handles, descriptor.sizes, descriptor.size, owner_uuid,
+                   owner_ordinal)
+
+    def to_cuda_core(self):
+        """A cuda.core ``VirtualMemoryFabricBufferDescriptor`` (cuda.core 1.3+:
+        ``from_handles(handles, sizes, size=, owner_uuid=)``, owner as the canonical UUID
+        string), to import with ``Buffer.from_ipc_descriptor``. Not tried (cuda.core 1.2 at
+        most here); raises ImportError where cuda.core has no fabric descriptor."""
+        import uuid
+        try:
+            from cuda.core import VirtualMemoryFabricBufferDescriptor as Fabric
+        except ImportError:
+            try:
+                from cuda.core._memory._ipc import VirtualMemoryFabricBufferDescriptor as Fabric
+            except ImportError:
+                raise ImportError("cuda.core has no VirtualMemoryFabricBufferDescriptor (it "
+                                  "needs cuda.core 1.3 or newer)") from None
+        return Fabric.from_handles(self.handles, self.chunk_sizes, size=self.size,
+                                   owner_uuid=str(uuid.UUID(bytes=self.owner_uuid)))
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (f"FabricDescriptor(handles=<{len(self.handles)} fabric handle(s), redacted>, "
+                f"chunk_sizes={self.chunk_sizes}, size={self.size}, "
+                f"owner_uuid={self.owner_uuid.hex()}, owner_ordinal={self.owner_ordinal}, "
+                f"location={self.location})")
+
+
 def encode(kind, *, handle_type=0, size=0, chunk_sizes=(), device_uuid=None, device_ordinal=0,
-           location=(LOCATION_DEVICE, 0), payload=b""):
-    """One message's bytes (without the packet's frame byte)."""
+           location=(LOCATION_DEVICE, 0), payload=b"", version=None):
+    """One message's bytes (without the packet's frame byte), marked with the version that
+    defines ``kind`` (``version`` overrides it, to forge a message in a test)."""
     chunk_sizes = list(chunk_sizes)
     if len(chunk_sizes) > MAX_CHUNKS:
         raise ValueError(f"at most {MAX_CHUNKS} chunks per message, got {len(chunk_sizes)}")
@@ -334,7 +474,9 @@ def encode(kind, *, handle_type=0, size=0, chunk_sizes=(), device_uuid=None, dev
     uuid = device_uuid if device_uuid is not None else bytes(16)
     if len(uuid) != 16:
         raise ValueError("a device UUID is 16 bytes")
-    header = HEADER.pack(MAGIC, VERSION, kind, HEADER.size, flags, handle_type, len(chunk_sizes),
+    if version is None:
+        version = KIND_VERSIONS[kind]
+    header = HEADER.pack(MAGIC, version, kind, HEADER.size, flags, handle_type, len(chunk_sizes),
                          len(payload), size, uuid, device_ordinal if flags else 0, location[0],
                          location[1], 0)
     return header + struct.pack(f"<{len(chunk_sizes)}Q", *chunk_sizes) + bytes(payload)
@@ -357,8 +499,9 @@ class Data(bytes):
 
 def decode(data, fds):
     """Decode one message (without the frame byte) that arrived with ``fds`` (ints, now owned
-    here). Returns Hello, Refused, Data, VmmDescriptor or HostDescriptor; on any refusal every
-    fd is closed and ProtocolError says which rule was broken (docs/protocol.md's order)."""
+    here). Returns Hello, Refused, Data, VmmDescriptor, HostDescriptor or FabricDescriptor; on
+    any refusal every fd is closed and ProtocolError says which rule was broken
+    (docs/protocol.md's order)."""
     try:
         return _decode(bytes(data), list(fds))
     except ProtocolError:
@@ -367,23 +510,33 @@ def decode(data, fds):
         raise
 
 
-def _decode(data, fds):
+def _versions_spoken():
+    return " and ".join(str(v) for v in VERSIONS)
+
+
+def _parse_header(data):
+    """Rules 1 and 2 and the counts of rule 3 on a message's first bytes (a whole packet, or a
+    stream's 64-byte header): the header's fields, or ProtocolError naming the rule."""
     n = len(data)
     if n < 4 or data[:4] != MAGIC:
         raise ProtocolError(f"not a vmm-ipc peer message: it does not start with b'VMMI' ({n} bytes)")
     if n < 6:
         raise ProtocolError(f"{n} bytes end inside the header's version field")
     (version,) = struct.unpack_from("<H", data, 4)
-    if version != VERSION:
-        raise ProtocolError(f"protocol version {version} is not supported: this peer speaks {VERSION}")
+    if version not in VERSIONS:
+        raise ProtocolError(f"protocol version {version} is not supported: this peer speaks "
+                            f"versions {_versions_spoken()}")
     if n < HEADER.size:
         raise ProtocolError(f"{n} bytes: shorter than the {HEADER.size}-byte header")
-    (_, _, kind, header_len, flags, handle_type, count, payload_len, size, uuid, ordinal,
-     location_type, location_id, reserved) = HEADER.unpack_from(data)
+    fields = HEADER.unpack_from(data)
+    (_, _, kind, header_len, flags, _, count, payload_len, _, _, _, _, _, reserved) = fields
     if kind not in KIND_NAMES:
         raise ProtocolError(f"unknown message kind {kind}")
+    if version != KIND_VERSIONS[kind]:
+        raise ProtocolError(f"{KIND_NAMES[kind]} message marked protocol version {version}: "
+                            f"{KIND_NAMES[kind]} is sent as version {KIND_VERSIONS[kind]}")
     if header_len != HEADER.size:
-        raise ProtocolError(f"header length {header_len}: version 1 headers are 64 bytes")
+        raise ProtocolError(f"header length {header_len}: headers are {HEADER.size} bytes")
     if flags & ~FLAG_DEVICE:
         raise ProtocolError(f"unknown flags {flags:#06x}")
     if reserved:
@@ -392,10 +545,21 @@ def _decode(data, fds):
         raise ProtocolError(f"{count} chunks: at most {MAX_CHUNKS}")
     if payload_len > MAX_DATA:
         raise ProtocolError(f"{payload_len} payload bytes: at most {MAX_DATA}")
+    return fields
+
+
+def _decode(data, fds):
+    n = len(data)
+    (_, _, kind, _, flags, handle_type, count, payload_len, size, uuid, ordinal,
+     location_type, location_id, _) = _parse_header(data)
     expected = HEADER.size + 8 * count + payload_len
     if n != expected:
         raise ProtocolError(f"its header announces {expected} bytes, the message has {n}")
-    if len(fds) != count:
+    if kind == KIND_CUDA_FABRIC:
+        if fds:
+            raise ProtocolError(f"CUDA_FABRIC message arrived with {len(fds)} fd(s): it carries "
+                                f"none (its handles are in the payload)")
+    elif len(fds) != count:
         raise ProtocolError(f"{KIND_NAMES[kind]} message with {count} chunk(s) arrived with "
                             f"{len(fds)} fd(s): one fd per chunk")
     named = bool(flags & FLAG_DEVICE)
@@ -423,19 +587,31 @@ def _decode(data, fds):
         if descriptor_fields:
             raise ProtocolError(f"{name}: carries descriptor fields or fds")
         return Refused(payload.decode("utf-8", "replace")) if kind == KIND_REFUSED else Data(payload)
+    if kind == KIND_CUDA_FABRIC:
+        if handle_type != HANDLE_TYPE_FABRIC:
+            raise ProtocolError(f"CUDA_FABRIC: handle type {handle_type}, not "
+                                f"{HANDLE_TYPE_FABRIC} (fabric)")
+        if not named:
+            raise ProtocolError("CUDA_FABRIC: the device flag is not set (a fabric descriptor "
+                                "names the device that owns the memory)")
+        if count == 0:
+            raise ProtocolError("CUDA_FABRIC: no chunks")
+        if payload_len != FABRIC_HANDLE_LEN * count:
+            raise ProtocolError(f"CUDA_FABRIC: {payload_len} payload bytes for {count} chunk(s): "
+                                f"one {FABRIC_HANDLE_LEN}-byte handle per chunk")
+        _check_chunks(name, chunks, size)
+        handles = [payload[i:i + FABRIC_HANDLE_LEN]
+                   for i in range(0, payload_len, FABRIC_HANDLE_LEN)]
+        return FabricDescriptor(handles, chunks, size, bytes(uuid), ordinal, location)
     if payload:
         raise ProtocolError(f"{name}: a descriptor has no payload")
     if kind == KIND_CUDA_VMM:
         if handle_type != HANDLE_TYPE_POSIX_FD:
-            raise ProtocolError(f"CUDA_VMM: handle type {handle_type} is not carried by version 1")
-        for i, chunk in enumerate(chunks):
-            if chunk == 0:
-                raise ProtocolError(f"CUDA_VMM: chunk {i + 1} of {count} has size 0")
-        total = sum(chunks)
-        if total > _USIZE_MAX:
-            raise ProtocolError("CUDA_VMM: the sum of chunk sizes overflows")
-        if size > total:
-            raise ProtocolError(f"CUDA_VMM: size {size} exceeds the {total} bytes of its chunks")
+            why = (" (fabric handles travel in CUDA_FABRIC messages)"
+                   if handle_type == HANDLE_TYPE_FABRIC else "")
+            raise ProtocolError(f"CUDA_VMM: handle type {handle_type}, not "
+                                f"{HANDLE_TYPE_POSIX_FD} (POSIX fd){why}")
+        _check_chunks(name, chunks, size)
         return VmmDescriptor(fds, chunks, size, handle_type,
                              bytes(uuid) if named else None, ordinal if named else 0, location)
     # HOST_MEMFD
@@ -448,6 +624,18 @@ def _decode(data, fds):
     if count > 1 or chunks[0] != size or size == 0:
         raise ProtocolError("HOST_MEMFD: one fd whose chunk size equals the (non-zero) size")
     return HostDescriptor(fds[0], size)
+
+
+def _check_chunks(name, chunks, size):
+    """Every chunk non-empty, their sum within a 64-bit size_t, the size within the sum."""
+    for i, chunk in enumerate(chunks):
+        if chunk == 0:
+            raise ProtocolError(f"{name}: chunk {i + 1} of {len(chunks)} has size 0")
+    total = sum(chunks)
+    if total > _USIZE_MAX:
+        raise ProtocolError(f"{name}: the sum of chunk sizes overflows")
+    if size > total:
+        raise ProtocolError(f"{name}: size {size} exceeds the {total} bytes of its chunks")
 
 
 def _discard(message):
@@ -484,7 +672,8 @@ class Connection:
             self.sock.sendmsg([FRAME_INLINE, data])
 
     def send_descriptor(self, descriptor):
-        """Send a VmmDescriptor or HostDescriptor; it keeps its fds (close it afterwards)."""
+        """Send a VmmDescriptor or HostDescriptor (it keeps its fds: close it afterwards), or a
+        FabricDescriptor (a bearer token: send it only to a peer you would give the memory)."""
         data, fds = descriptor.encode()
         self._send(data, fds)
 
@@ -492,7 +681,8 @@ class Connection:
         self._send(encode(KIND_DATA, payload=bytes(data)))
 
     def recv(self):
-        """The next message: Data, VmmDescriptor or HostDescriptor (the caller owns its fds)."""
+        """The next message: Data, VmmDescriptor, HostDescriptor (the caller owns their fds) or
+        FabricDescriptor."""
         message = self._recv()
         if isinstance(message, (Hello, Refused)):
             raise ProtocolError(f"{type(message).__name__.upper()} after the handshake")
@@ -770,6 +960,185 @@ class Listener:
             except FileNotFoundError:
                 pass
             self._file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte streams (version 2): DATA and CUDA_FABRIC over a connected stream socket or a pipe.
+
+
+def write_message(stream, message, timeout=DEFAULT_TIMEOUT):
+    """Write one message on a byte stream: a FabricDescriptor, or bytes as a DATA message, with
+    the frame byte first (the same bytes as on an endpoint). ``stream`` is a connected stream
+    socket (TCP, a Unix SOCK_STREAM; the whole write is bounded by ``timeout`` seconds, None for
+    no limit) or a binary file (a pipe's write end; no deadline). A descriptor that carries
+    fds (VmmDescriptor, HostDescriptor) cannot cross a stream: TypeError.
+
+    A fabric handle is a bearer token: write one only on a stream that reaches a peer you would
+    give the memory to (TLS, a VPN, an SSH tunnel, a socket only that process can reach)."""
+    if isinstance(message, FabricDescriptor):
+        data, _ = message.encode()
+    elif isinstance(message, (VmmDescriptor, HostDescriptor)):
+        raise TypeError(f"a {type(message).__name__} carries fds: it crosses a Unix endpoint, "
+                        f"not a byte stream")
+    elif isinstance(message, (bytes, bytearray, memoryview)):
+        data = encode(KIND_DATA, payload=bytes(message))
+    else:
+        raise TypeError(f"a stream carries a FabricDescriptor or DATA bytes, not "
+                        f"{type(message).__name__}")
+    frame = FRAME_INLINE + data
+    if hasattr(stream, "sendall"):
+        previous = stream.gettimeout()
+        stream.settimeout(timeout)
+        try:
+            stream.sendall(frame)
+        except socket.timeout:
+            raise TimeoutError(f"writing a {len(frame)}-byte message on the stream took longer "
+                               f"than {timeout} s") from None
+        finally:
+            stream.settimeout(previous)
+    else:
+        stream.write(frame)
+        if hasattr(stream, "flush"):
+            stream.flush()
+
+
+def _read_upto(stream, n, deadline):
+    """Up to ``n`` bytes: fewer only where the stream ended. TimeoutError past ``deadline``."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        if hasattr(stream, "recv_into"):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"reading a message from the stream: {got} of {n} bytes "
+                                   f"arrived within the deadline")
+            stream.settimeout(left)
+            try:
+                k = stream.recv_into(view[got:])
+            except socket.timeout:
+                raise TimeoutError(f"reading a message from the stream: {got} of {n} bytes "
+                                   f"arrived within the deadline") from None
+        elif hasattr(stream, "readinto"):
+            k = stream.readinto(view[got:])
+        else:
+            chunk = stream.read(n - got)
+            k = len(chunk)
+            view[got:got + k] = chunk
+        if not k:
+            break
+        got += k
+    return bytes(buf[:got])
+
+
+def read_message(stream, timeout=DEFAULT_TIMEOUT):
+    """Read one message from a byte stream (a connected stream socket, or a binary file such as
+    a pipe's read end): Data or FabricDescriptor. ``timeout`` bounds the whole read on a socket
+    (seconds; None for no limit; a file has no deadline).
+
+    The reader checks the frame byte, the magic and the version, then the rest of the 64-byte
+    header (docs/protocol.md's rules 1 and 2 and the counts of rule 3) and that the kind is one
+    a stream carries (DATA, CUDA_FABRIC: never fd-carrying kinds or the handshake) before it
+    reads or allocates anything more; then it reads exactly the ``8n + p`` bytes the header
+    announced (at most ``8 * 253 + 16384``) and checks the message as a packet is checked.
+    PeerClosed when the stream ends before a message starts; ProtocolError for anything else,
+    after which the stream is unusable (it cannot know where the next message starts): close
+    it. StreamConnection does that for you."""
+    previous = stream.gettimeout() if hasattr(stream, "gettimeout") else None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        frame = _read_upto(stream, 1, deadline)
+        if not frame:
+            raise PeerClosed("the stream ended (between messages)")
+        if frame != FRAME_INLINE:
+            raise ProtocolError(f"frame byte {frame[0]}: a peer message starts with 0")
+        # Magic and version first: a peer that speaks something else is refused without
+        # waiting for a header it may never send.
+        head = _read_upto(stream, 6, deadline)
+        if len(head) < 6 and head[:4] == MAGIC[:len(head)]:
+            raise ProtocolError(f"the stream ended inside a message's header ({len(head)} of "
+                                f"{HEADER.size} bytes)")
+        if head[:4] != MAGIC:
+            _parse_header(head)
+        (version,) = struct.unpack_from("<H", head, 4)
+        if version not in VERSIONS:
+            _parse_header(head)
+        head += _read_upto(stream, HEADER.size - 6, deadline)
+        if len(head) < HEADER.size:
+            raise ProtocolError(f"the stream ended inside a message's header ({len(head)} of "
+                                f"{HEADER.size} bytes)")
+        fields = _parse_header(head)
+        kind, count, payload_len = fields[2], fields[6], fields[7]
+        if kind not in STREAM_KINDS:
+            raise ProtocolError(f"{KIND_NAMES[kind]} on a byte stream: a stream carries only "
+                                f"DATA and CUDA_FABRIC (fds and the handshake need a Unix "
+                                f"endpoint)")
+        body_len = 8 * count + payload_len
+        assert body_len <= MAX_BODY  # the header's counts were checked
+        body = _read_upto(stream, body_len, deadline) if body_len else b""
+        if len(body) < body_len:
+            raise ProtocolError(f"the stream ended inside a {KIND_NAMES[kind]} message "
+                                f"({len(body)} of the {body_len} bytes after its header)")
+        return _decode(head + body, [])
+    finally:
+        if hasattr(stream, "settimeout"):
+            stream.settimeout(previous)
+
+
+class StreamConnection:
+    """DATA and CUDA_FABRIC messages over a connected stream socket (TCP, a Unix SOCK_STREAM).
+    A stream has no credentials: who the peer is, and whether to trust it with fabric handles
+    (bearer tokens), is the stream's business (TLS, a VPN, an SSH tunnel, a socket only one
+    process can reach), not this protocol's.
+
+    Every send and receive is bounded by ``timeout`` seconds (None: no limit). A receive that
+    fails for any reason (a refused message, a timeout, the other end closing) ends the
+    stream: the socket is shut down and every later receive raises ProtocolError, since after
+    a bad or partial message nobody can know where the next one starts."""
+
+    def __init__(self, sock, timeout=DEFAULT_TIMEOUT):
+        self.sock, self.timeout = sock, timeout
+        self.ended = None  # why the stream ended, once it has
+
+    def send_descriptor(self, descriptor):
+        write_message(self.sock, descriptor, self.timeout)
+
+    def send_data(self, data):
+        write_message(self.sock, bytes(data), self.timeout)
+
+    def recv(self):
+        """The next message: Data or FabricDescriptor."""
+        if self.ended is not None:
+            raise ProtocolError(f"this stream has ended ({self.ended}): open a new one")
+        try:
+            return read_message(self.sock, self.timeout)
+        except BaseException as e:
+            self.ended = f"{type(e).__name__}: {e}"
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            raise
+
+    def recv_descriptor(self):
+        message = self.recv()
+        if isinstance(message, Data):
+            raise ProtocolError(f"expected a descriptor, got DATA ({len(message)} bytes)")
+        return message
+
+    def recv_data(self):
+        message = self.recv()
+        if not isinstance(message, Data):
+            raise ProtocolError(f"expected DATA, got {type(message).__name__}")
+        return bytes(message)
+
+    def close(self):
+        self.sock.close()
 
     def __enter__(self):
         return self

@@ -1,11 +1,17 @@
 """The Python client of vmm-daemon (examples/src/bin/vmm-daemon.rs), on the standard-library
 peer (python/vmm_ipc_peer.py; put that directory on PYTHONPATH).
 
-    python3 daemon_client.py NAME BUFFER [--expect-uid UID] [--check-seed SEED]
+    python3 daemon_client.py NAME BUFFER [--expect-uid UID] [--check-seed SEED] [--fabric]
 
 Connects (checking the daemon's uid with SO_PEERCRED), asks for the list and for BUFFER, maps it
 (a host memfd with mmap; a CUDA VMM buffer with cuda.bindings, through python/vmm_ipc_cuda.py),
 checks its pattern if asked, and prints one line starting with OK.
+
+With ``--fabric`` it also accepts a fabric descriptor (protocol version 2, kind CUDA_FABRIC: one
+64-byte fabric handle per chunk, no fds), as a daemon whose buffer was allocated with fabric
+handles sends, and imports it with ``vmm_ipc_cuda.import_fabric`` (a GPU with fabric support
+and an IMEX channel needed here). Without it, such a reply is refused unimported: a client that
+did not ask for fabric handles may have no IMEX channel. The handles are never printed.
 """
 
 import argparse
@@ -20,6 +26,8 @@ def main():
     parser.add_argument("buffer")
     parser.add_argument("--expect-uid", type=int)
     parser.add_argument("--check-seed", type=int)
+    parser.add_argument("--fabric", action="store_true",
+                        help="accept (and import) a fabric descriptor")
     args = parser.parse_args()
     expect = None if args.expect_uid is None else [args.expect_uid]
     with peer.connect(args.name, expect_uids=expect) as conn:
@@ -34,6 +42,15 @@ def main():
                 kind, view = "host", desc.map()
                 contents = view[:]
                 view.close()
+            elif isinstance(desc, peer.FabricDescriptor):
+                if not args.fabric:
+                    sys.exit(f"buffer {args.buffer}: the daemon sent a fabric descriptor "
+                             f"({len(desc.handles)} chunk(s)); pass --fabric to import it")
+                import vmm_ipc_cuda as vc  # needs cuda.bindings, a GPU and an IMEX channel
+                ctx = vc.Context(0)
+                mapping = vc.import_fabric(ctx, desc)
+                kind, contents = "cuda fabric", mapping.read(0, mapping.size)
+                mapping.close()
             else:
                 import vmm_ipc_cuda as vc  # needs cuda.bindings and a GPU
                 ctx = vc.Context(0)

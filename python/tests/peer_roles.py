@@ -1,4 +1,4 @@
-"""Roles the Rust tests (vmm-core/tests/peer_python.rs) run as separate Python processes.
+"""Roles the Rust tests (tests/tests/peer_python.rs, peer_python_fabric.rs) run as separate Python processes.
 
     python3 peer_roles.py ROLE ARGS...
 
@@ -8,6 +8,7 @@ the same bytes as the Rust tests' ``pattern(seed, n)``.
 """
 
 import os
+import socket
 import sys
 
 import vmm_ipc_peer as peer
@@ -104,12 +105,67 @@ def cuda_importer(name, expect_uid, seed):
         print(f"OK imported {chunks} chunk(s), {desc.size} bytes")
 
 
+def _fabric_connection(transport, address, expect_uid):
+    """An endpoint connection (``address`` a name; the listener's uid checked), or a TCP
+    stream (``address`` HOST:PORT; loopback, so only this machine's processes reach it)."""
+    if transport == "endpoint":
+        return peer.connect(address, expect_uids=[int(expect_uid)])
+    assert transport == "tcp", transport
+    host, port = address.rsplit(":", 1)
+    return peer.StreamConnection(socket.create_connection((host, int(port)), timeout=60),
+                                 timeout=60)
+
+
+def fabric_exporter(transport, address, expect_uid, seed, chunks):
+    """cuda.bindings: allocate `chunks` granules with fabric handles requested, fill our
+    pattern, send the fabric descriptor (version 2) over `transport`; keep the allocation until
+    the Rust importer replies (a handle keeps nothing alive), then check its mark here."""
+    import vmm_ipc_cuda as vc
+    seed, chunks = int(seed), int(chunks)
+    ctx = vc.Context(0)
+    owned = vc.Allocation(ctx, chunks=chunks, fabric=True)
+    owned.write(0, peer.pattern(seed, owned.size))
+    with _fabric_connection(transport, address, expect_uid) as conn:
+        desc = owned.export_fabric()
+        assert "redacted" in repr(desc), "a fabric descriptor's repr shows its handles"
+        conn.send_descriptor(desc)
+        reply = conn.recv_data()
+        assert reply == b"written", reply
+        ctx.make_current()
+        assert owned.read(0, owned.size) == peer.pattern(seed + 1, owned.size), \
+            "the Rust importer's mark is not in the exporter's memory"
+    owned.close()
+    print(f"OK exported {chunks} fabric chunk(s) of {ctx.granularity} bytes over {transport}")
+
+
+def fabric_importer(transport, address, expect_uid, seed):
+    """cuda.bindings: receive a Rust fabric export over `transport`, import and map it, check
+    its pattern, write seed+1 over it, unmap, reply."""
+    import vmm_ipc_cuda as vc
+    seed = int(seed)
+    ctx = vc.Context(0)
+    with _fabric_connection(transport, address, expect_uid) as conn:
+        desc = conn.recv_descriptor()
+        assert isinstance(desc, peer.FabricDescriptor), type(desc).__name__
+        assert desc.owner_uuid == ctx.uuid, "the owner is this machine's device 0"
+        mapping = vc.import_fabric(ctx, desc)
+        chunks = len(mapping.chunk_sizes)
+        assert mapping.read(0, mapping.size) == peer.pattern(seed, mapping.size), \
+            "the Rust exporter's pattern is not there"
+        mapping.write(0, peer.pattern(seed + 1, mapping.size))
+        mapping.close()
+        conn.send_data(b"written")
+        print(f"OK imported {chunks} fabric chunk(s), {desc.size} bytes over {transport}")
+
+
 ROLES = {
     "host-client": host_client,
     "host-exporter": host_exporter,
     "host-listener": host_listener,
     "cuda-exporter": cuda_exporter,
     "cuda-importer": cuda_importer,
+    "fabric-exporter": fabric_exporter,
+    "fabric-importer": fabric_importer,
 }
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """vmm_ipc_cuda's logic against a strict fake of cuda.bindings (fake_cuda/, no GPU): a 2-chunk
 export travels over an endpoint to an importer that reads and writes it across the chunk
-boundary; a descriptor of another device and a failed import leave nothing behind. The real
-driver runs the same code on the GPU machine (peer_python's GPU tests, the daemon example)."""
+boundary; a descriptor of another device and a failed import leave nothing behind; a fabric
+export travels over an endpoint and over TCP and is imported, and a failed fabric import rolls
+back. The real driver runs the same code on the GPU machine (peer_python's GPU tests, the
+daemon example)."""
 
 import os
+import socket
 import sys
 import threading
 import unittest
@@ -94,6 +97,127 @@ class FakeDriver(unittest.TestCase):
         self.assertEqual(len(fake._allocations), 1)
         self.assertEqual(open_fds(), before)
         owned.close()
+
+
+class FakeFabric(unittest.TestCase):
+    def tearDown(self):
+        self.assertEqual(fake._mappings, {})
+        self.assertEqual(fake._reservations, {})
+
+    def exchange(self, owned, send, receive):
+        """``send(desc)`` on one thread, ``receive()`` (a FabricDescriptor) here; import it,
+        check the owner's pattern across the chunk boundary, write ours, reply."""
+        ctx = owned.ctx
+        errors = []
+
+        def serve():
+            try:
+                desc = owned.export_fabric()
+                self.assertIn("redacted", repr(desc))
+                send(desc)
+            except BaseException as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        desc = receive()
+        thread.join()
+        self.assertEqual(errors, [])
+        self.assertIsInstance(desc, peer.FabricDescriptor)
+        self.assertEqual((desc.chunk_sizes, desc.size, desc.owner_uuid, desc.owner_ordinal),
+                         (owned.chunk_sizes, owned.size, ctx.uuid, ctx.ordinal))
+        mapping = vc.import_fabric(ctx, desc)
+        self.assertEqual(mapping.read(0, mapping.size), peer.pattern(11, mapping.size))
+        self.assertEqual(mapping.read(G - 2, 4), peer.pattern(11, G + 2)[G - 2:])
+        mapping.write(0, peer.pattern(12, mapping.size))
+        mapping.close()
+        self.assertEqual(owned.read(0, owned.size), peer.pattern(12, owned.size))
+
+    def test_a_fabric_export_is_imported_over_an_endpoint(self):
+        ctx = vc.Context(0)
+        before = open_fds()
+        owned = vc.Allocation(ctx, chunks=2, fabric=True, size=2 * G - 4096)
+        owned.write(0, peer.pattern(11, owned.size))
+        name = f"@vmm-py-fake-fabric-{os.getpid()}"
+        with peer.Listener(name) as listener:
+            accepted = []
+            acceptor = threading.Thread(
+                target=lambda: accepted.append(listener.accept(timeout=10)))
+            acceptor.start()
+            with peer.connect(name) as conn:
+                acceptor.join()
+                with accepted[0] as theirs:
+                    self.exchange(owned, theirs.send_descriptor, conn.recv_descriptor)
+        owned.close()
+        self.assertEqual(fake._allocations, {})
+        self.assertEqual(fake._fabric, {})
+        self.assertEqual(open_fds(), before)
+
+    def test_a_fabric_export_is_imported_over_tcp(self):
+        ctx = vc.Context(0)
+        before = open_fds()
+        owned = vc.Allocation(ctx, chunks=2, fabric=True)
+        owned.write(0, peer.pattern(11, owned.size))
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            client = peer.StreamConnection(socket.create_connection(server.getsockname()))
+            theirs, _ = server.accept()
+            with peer.StreamConnection(theirs) as sender, client:
+                self.exchange(owned, sender.send_descriptor, client.recv_descriptor)
+        owned.close()
+        self.assertEqual(fake._allocations, {})
+        self.assertEqual(open_fds(), before)
+
+    def test_another_owner_device_is_left_to_the_driver(self):
+        ctx = vc.Context(0)
+        owned = vc.Allocation(ctx, fabric=True)
+        desc = owned.export_fabric()
+        desc.owner_uuid = bytes(reversed(ctx.uuid))  # a GPU this process may not see
+        mapping = vc.import_fabric(ctx, desc)
+        mapping.close()
+        owned.close()
+        self.assertEqual(fake._allocations, {})
+
+    def test_a_posix_allocation_does_not_export_fabric_handles(self):
+        ctx = vc.Context(0)
+        owned = vc.Allocation(ctx)
+        with self.assertRaisesRegex(ValueError, "fabric=True"):
+            owned.export_fabric()
+        owned.fabric = True  # asked anyway: the driver refuses
+        with self.assertRaisesRegex(RuntimeError, "cuMemExportToShareableHandle"):
+            owned.export_fabric()
+        owned.close()
+
+    def test_a_failed_fabric_import_releases_what_it_imported(self):
+        ctx = vc.Context(0)
+        start = open_fds()
+        owned = vc.Allocation(ctx, chunks=2, fabric=True)
+        before = open_fds()
+        good = owned.export_fabric()
+        forged = bytes(64)
+        desc = peer.FabricDescriptor([good.handles[0], forged], good.chunk_sizes, good.size,
+                                     good.owner_uuid)
+        with self.assertRaises(RuntimeError) as caught:
+            vc.import_fabric(ctx, desc)
+        self.assertIn("chunk 2 of 2", str(caught.exception))
+        self.assertNotIn(good.handles[0].hex(), str(caught.exception))
+        self.assertEqual(len(fake._allocations), 2)  # only the exporter's own
+        self.assertEqual(open_fds(), before)
+        # A mapping failure (a chunk size the allocation does not have) rolls back too.
+        wrong = peer.FabricDescriptor(good.handles, [G, 2 * G], G, good.owner_uuid)
+        with self.assertRaisesRegex(RuntimeError, "cuMemMap"):
+            vc.import_fabric(ctx, wrong)
+        self.assertEqual(len(fake._allocations), 2)
+        self.assertEqual(open_fds(), before)
+        # Chunk sizes off the granularity are refused before any driver call.
+        odd = peer.FabricDescriptor(good.handles, [G, G + 1], G, good.owner_uuid)
+        with self.assertRaisesRegex(ValueError, "chunk 2 of 2"):
+            vc.import_fabric(ctx, odd)
+        owned.close()
+        # The exporter released the memory: its handles no longer import.
+        with self.assertRaisesRegex(RuntimeError, "chunk 1 of 2"):
+            vc.import_fabric(ctx, good)
+        self.assertEqual(fake._allocations, {})
+        self.assertEqual(open_fds(), start)
 
 
 if __name__ == "__main__":

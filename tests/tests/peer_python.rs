@@ -3,11 +3,13 @@
 //!
 //! Host path (runs everywhere, CI included): a Rust listener serves a memfd buffer to the
 //! Python peer; a Python memfd exporter sends to a Rust importer; a Python listener serves a
-//! Rust client; the peer's own unit tests, and `vmm_ipc_cuda.py`'s against a fake
-//! `cuda.bindings`. GPU (skipped without a GPU, or without
-//! `cuda.bindings` in `python3`): a `cuda.bindings` exporter gives a VMM buffer to a Rust
-//! importer, and a Rust export is imported by `cuda.bindings`. Each side checks the other's
-//! pattern in its own mapping, and this process's fds end where they started.
+//! Rust client; the peer's own unit tests (version 2's fabric descriptors and byte streams
+//! included), and `vmm_ipc_cuda.py`'s against a fake `cuda.bindings`. GPU (skipped without a
+//! GPU, or without `cuda.bindings` in `python3`): a `cuda.bindings` exporter gives a VMM
+//! buffer to a Rust importer, and a Rust export is imported by `cuda.bindings`. Each side
+//! checks the other's pattern in its own mapping, and this process's fds end where they
+//! started. (The fabric interop tests, both ways over an endpoint and over TCP, wait in
+//! `peer_python_fabric.rs.pending` for the Rust side of protocol version 2.)
 //!
 //! The Python files are embedded in this executable and written to a temporary directory, so
 //! a staged copy of it needs only `python3` (no checkout, no `CARGO_MANIFEST_DIR`).
@@ -29,6 +31,7 @@ const CUDA: &str = include_str!("../../python/vmm_ipc_cuda.py");
 const ROLES: &str = include_str!("../../python/tests/peer_roles.py");
 const UNIT: &str = include_str!("../../python/tests/test_vmm_ipc_peer.py");
 const UNIT_CUDA: &str = include_str!("../../python/tests/test_vmm_ipc_cuda.py");
+const UNIT_FABRIC: &str = include_str!("../../python/tests/test_vmm_ipc_fabric.py");
 const FAKE_CUDA: [(&str, &str); 3] = [
     (
         "fake_cuda/cuda/__init__.py",
@@ -73,6 +76,7 @@ fn python_dir() -> PythonDir {
         ("peer_roles.py", ROLES),
         ("test_vmm_ipc_peer.py", UNIT),
         ("test_vmm_ipc_cuda.py", UNIT_CUDA),
+        ("test_vmm_ipc_fabric.py", UNIT_FABRIC),
     ];
     for (file, text) in files.into_iter().chain(FAKE_CUDA) {
         let path = dir.join(file);
@@ -199,6 +203,7 @@ fn python_unit_tests() {
             "-v",
             "test_vmm_ipc_peer",
             "test_vmm_ipc_cuda",
+            "test_vmm_ipc_fabric",
         ],
     )
     .output()
@@ -208,7 +213,9 @@ fn python_unit_tests() {
     assert!(out.contains("\nOK"), "{out}");
     assert!(
         out.contains("test_a_two_chunk_export_is_imported_over_an_endpoint")
-            && out.contains("test_a_memfd_travels_both_ways_and_nothing_leaks"),
+            && out.contains("test_a_memfd_travels_both_ways_and_nothing_leaks")
+            && out.contains("test_every_receipt_check_of_cuda_fabric")
+            && out.contains("test_a_fabric_export_is_imported_over_tcp"),
         "{out}"
     );
 }

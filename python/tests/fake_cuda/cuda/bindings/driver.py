@@ -12,6 +12,7 @@ import ctypes
 import enum
 import mmap
 import os
+import secrets
 
 GRANULARITY = 2 << 20
 
@@ -22,6 +23,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_NOT_INITIALIZED = 3
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_INVALID_HANDLE = 400
+    CUDA_ERROR_NOT_PERMITTED = 800
 
 
 class CUmemAllocationHandleType(enum.IntEnum):
@@ -79,12 +81,23 @@ class CUmemGenericAllocationHandle(int):
     pass
 
 
+class CUmemFabricHandle:
+    """64 opaque bytes (``data``), as cuda.bindings' CUmemFabricHandle."""
+
+    def __init__(self, data=bytes(64)):
+        self.data = bytes(data)
+
+    def __repr__(self):
+        return "CUmemFabricHandle(<64 bytes>)"
+
+
 class CUdeviceptr(int):
     pass
 
 
 _state = {"init": False, "current": False}
-_allocations = {}  # handle -> (memfd, size, exportable)
+_allocations = {}  # handle -> (memfd, size, requested handle type: NONE when imported)
+_fabric = {}  # fabric handle bytes -> the allocation's handle, while it lives
 _reservations = {}  # va -> size
 _mappings = {}  # va -> (size, handle, mmap, accessible)
 _next = {"handle": 1, "va": 1 << 40}
@@ -148,24 +161,50 @@ def cuMemCreate(size, prop, flags):
     os.ftruncate(fd, size)
     handle = CUmemGenericAllocationHandle(_next["handle"])
     _next["handle"] += 1
-    exportable = prop.requestedHandleTypes == \
-        CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    _allocations[handle] = (fd, size, exportable)
+    requested = CUmemAllocationHandleType(prop.requestedHandleTypes)
+    _allocations[handle] = (fd, size, requested)
     return _ok(handle)
 
 
 def cuMemExportToShareableHandle(handle, handle_type, flags):
     entry = _allocations.get(int(handle))
-    if entry is None or handle_type != \
-            CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR or flags:
+    if entry is None or flags or handle_type not in (
+            CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC):
         return _err(CUresult.CUDA_ERROR_INVALID_VALUE)
-    fd, _, exportable = entry
-    if not exportable:
+    fd, _, requested = entry
+    if requested != handle_type:  # not requested at cuMemCreate, or an imported allocation
         return _err(CUresult.CUDA_ERROR_INVALID_VALUE)
+    if handle_type == CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC:
+        for data, owner in _fabric.items():
+            if owner == int(handle):
+                return _ok(CUmemFabricHandle(data))
+        data = secrets.token_bytes(64)
+        _fabric[data] = int(handle)
+        return _ok(CUmemFabricHandle(data))
     return _ok(os.dup(fd))
 
 
+def _import_fabric(os_handle):
+    if isinstance(os_handle, (int, CUmemFabricHandle)):
+        raise TypeError("this fake takes a fabric handle's bytes (a buffer), as cuda.bindings "
+                        "passes a bytes object's address")
+    data = bytes(memoryview(os_handle))
+    if len(data) != 64:
+        return _err(CUresult.CUDA_ERROR_INVALID_VALUE)
+    owner = _fabric.get(data)
+    if owner is None:  # forged, or the exporter released the memory
+        return _err(CUresult.CUDA_ERROR_INVALID_VALUE)
+    fd, size, _ = _allocations[owner]
+    handle = CUmemGenericAllocationHandle(_next["handle"])
+    _next["handle"] += 1
+    _allocations[handle] = (os.dup(fd), size, CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE)
+    return _ok(handle)
+
+
 def cuMemImportFromShareableHandle(os_handle, handle_type):
+    if handle_type == CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC:
+        return _import_fabric(os_handle)
     if not isinstance(os_handle, int) or handle_type != \
             CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR:
         return _err(CUresult.CUDA_ERROR_INVALID_VALUE)
@@ -177,7 +216,7 @@ def cuMemImportFromShareableHandle(os_handle, handle_type):
     fd = os.dup(os_handle)
     handle = CUmemGenericAllocationHandle(_next["handle"])
     _next["handle"] += 1
-    _allocations[handle] = (fd, st.st_size, False)
+    _allocations[handle] = (fd, st.st_size, CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE)
     return _ok(handle)
 
 
@@ -188,6 +227,8 @@ def cuMemRelease(handle):
     if any(h == int(handle) for (_, h, _, _) in _mappings.values()):
         raise AssertionError("cuMemRelease of a handle that is still mapped (release after unmap)")
     os.close(entry[0])
+    for data in [d for d, owner in _fabric.items() if owner == int(handle)]:
+        del _fabric[data]  # the exporter's last reference: its fabric handles die with it
     return _ok()
 
 
