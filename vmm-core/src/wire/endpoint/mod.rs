@@ -111,7 +111,7 @@ mod name;
 pub use connection::{ConnectOptions, Connection, DEFAULT_TIMEOUT};
 pub(crate) use creds::maybe_overflow_uid;
 pub use creds::{Allow, Credentials};
-pub(crate) use frame::{Frame, FrameLocation, Kind};
+pub(crate) use frame::{FABRIC_HANDLE_BYTES, Frame, FrameLocation, HEADER_LEN, Kind};
 pub use frame::{MAX_CHUNKS, MAX_DATA, PROTOCOL_VERSION};
 pub use listener::{LOG_BURST, LOG_INTERVAL, Listener, ListenerOptions};
 pub use name::Name;
