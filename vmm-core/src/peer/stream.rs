@@ -44,6 +44,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::fmt;
 use std::io::{self, ErrorKind, Read, Write};
 
 use super::{PeerMessage, fabric_frame, from_frame};
@@ -62,8 +63,7 @@ const STREAM: &str = "peer stream";
 ///
 /// A message the protocol cannot carry is refused ([`Error::InvalidArgument`]) before a byte
 /// of it is written. A write that fails leaves the stream holding part of a message, so every
-/// later write is refused too ([`Error::Protocol`]).
-#[derive(Debug)]
+/// later write is refused too ([`Error::Protocol`]). Its `Debug` shows nothing of the stream.
 pub struct StreamWriter<W> {
     writer: W,
     failed: bool,
@@ -132,6 +132,14 @@ impl<W: Write> StreamWriter<W> {
     }
 }
 
+impl<W> fmt::Debug for StreamWriter<W> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamWriter")
+            .field("failed", &self.failed)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Where a [`StreamReader`] stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -147,11 +155,19 @@ enum State {
 ///
 /// Every size in a header is checked against the protocol's maxima before anything more is
 /// read or allocated (at most `1 + 64 + 8 * 253 + 16384` bytes per message). Any refusal or
-/// failure ends the stream: every later [`read_message`](Self::read_message) is refused.
-#[derive(Debug)]
+/// failure ends the stream: every later [`read_message`](Self::read_message) is refused. Its
+/// `Debug` shows nothing of the stream (whose buffer may hold handle bytes).
 pub struct StreamReader<R> {
     reader: R,
     state: State,
+}
+
+impl<R> fmt::Debug for StreamReader<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamReader")
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<R: Read> StreamReader<R> {
