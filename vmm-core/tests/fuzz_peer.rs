@@ -426,10 +426,10 @@ fn stream_one(packet: &Packet) -> Result<(), TestCaseError> {
         bytes: &bytes,
         given: 0,
     };
-    let mut reader = StreamReader::new(&mut source);
-    let first = reader.read_message();
-    let second = reader.read_message();
-    drop(reader);
+    let (first, second) = {
+        let mut reader = StreamReader::new(&mut source);
+        (reader.read_message(), reader.read_message())
+    };
     prop_assert!(source.given <= bytes.len());
     match first {
         Err(_) => {

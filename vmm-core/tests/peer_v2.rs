@@ -414,10 +414,11 @@ fn refused_on_a_stream(bytes: &[u8], words: &str) -> usize {
         bytes: &all,
         given: 0,
     };
-    let mut reader = StreamReader::new(&mut source);
-    protocol_error(reader.read_message(), words);
-    protocol_error(reader.read_message(), "nothing more is read from it");
-    drop(reader);
+    {
+        let mut reader = StreamReader::new(&mut source);
+        protocol_error(reader.read_message(), words);
+        protocol_error(reader.read_message(), "nothing more is read from it");
+    }
     source.given
 }
 
