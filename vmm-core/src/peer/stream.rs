@@ -30,7 +30,7 @@
 //! let (near, far) = UnixStream::pair()?; // or a TcpStream, on either side
 //! let handle = FabricHandle::from_bytes([7; 64]); // from VirtualMemoryBuffer::export_fabric
 //! let descriptor = FabricDescriptor::from_handles(&[handle], &[2 << 20], 2 << 20, [1; 16])?;
-//! let mut writer = StreamWriter::new(&near);
+//! let mut writer = StreamWriter::new(near); // a `&TcpStream` would do too
 //! writer.write_descriptor(&descriptor)?;
 //! writer.write_data(b"import it, then say so")?;
 //!
@@ -39,7 +39,7 @@
 //! let received = received.into_fabric()?; // VirtualMemoryBuffer::import_fabric(&received)
 //! assert_eq!(received.handles(), descriptor.handles());
 //! assert!(matches!(reader.read_message()?, PeerMessage::Data(d) if d == b"import it, then say so"));
-//! drop((writer, near));
+//! drop(writer); // closes `near`: the reader sees the end of the stream
 //! assert!(matches!(reader.read_message(), Err(vmm_core::Error::Disconnected(_))));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
