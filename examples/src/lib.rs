@@ -352,6 +352,9 @@ pub mod client {
             PeerMessage::Descriptor(Descriptor::Cuda(d)) => {
                 Ok(Fetched::Cuda(VirtualMemoryBuffer::import(&d)?))
             }
+            PeerMessage::Descriptor(Descriptor::Fabric(d)) => {
+                Ok(Fetched::Cuda(VirtualMemoryBuffer::import_fabric(&d)?))
+            }
             PeerMessage::Data(reply) => Err(Error::InvalidArgument(format!(
                 "the daemon says: {}",
                 String::from_utf8_lossy(&reply)

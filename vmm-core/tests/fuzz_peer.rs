@@ -1,12 +1,16 @@
-//! Structured fuzzing of the peer protocol (docs/protocol.md) as a hostile but admitted peer
-//! sends it: every header field the peer's choice (magic, version, kind, lengths, flags, handle
-//! type, chunk count and sizes, size, device, location), a payload, a cut anywhere, the frame
-//! byte, and the fds the packet carries (how many, of which kind), received through a named
-//! endpoint's `Connection::recv_message` and imported when it is a descriptor.
+//! Structured fuzzing of the peer protocol (docs/protocol.md, versions 1 and 2) as a hostile
+//! but admitted peer sends it: every header field the peer's choice (magic, version, kind,
+//! lengths, flags, handle type, chunk count and sizes, size, device, location), a payload (a
+//! `CUDA_FABRIC` message's handles), a cut anywhere, the frame byte, and the fds the packet
+//! carries (how many, of which kind), received through a named endpoint's
+//! `Connection::recv_message` and imported when it is a descriptor; then the same bytes, without
+//! fds, through a byte stream's `StreamReader` (followed by a good message).
 //!
 //! For every input: no panic, no abort, and afterwards exactly the fds and mappings this process
 //! had before (every received fd closed, every mapping an import made unmapped), and the
-//! connection still carries a real message.
+//! connection still carries a real message. On the stream: the reader takes at most one
+//! message's bytes (`1 + 64 + 8n + p`, within the maxima) for it, and after a refusal it reads
+//! nothing more.
 //!
 //! A bounded run: `VMM_FUZZ_CASES` inputs (default 10 000), a fixed seed unless `VMM_FUZZ_SEED`
 //! is set; the corpus runs first. The binary has one test, so nothing else opens or closes fds
@@ -23,6 +27,7 @@ use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, soc
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use vmm_core::cuda::VirtualMemoryBuffer;
+use vmm_core::peer::stream::StreamReader;
 use vmm_core::peer::{Descriptor, PeerMessage};
 use vmm_core::shm::HostBuffer;
 use vmm_core::wire::endpoint::{Connection, Listener, ListenerOptions, Name};
@@ -62,8 +67,8 @@ struct Header {
 
 fn header() -> impl Strategy<Value = Header> {
     let magic = prop_oneof![9 => Just(*b"VMMI"), 1 => any::<[u8; 4]>()];
-    let version = prop_oneof![9 => Just(1u16), 1 => any::<u16>()];
-    let kind = prop_oneof![9 => 1u16..=5, 1 => any::<u16>()];
+    let version = prop_oneof![7 => Just(1u16), 2 => Just(2u16), 1 => any::<u16>()];
+    let kind = prop_oneof![9 => 1u16..=6, 1 => any::<u16>()];
     let header_len = prop_oneof![9 => Just(64u16), 1 => any::<u16>()];
     let flags = prop_oneof![4 => Just(0u16), 4 => Just(1u16), 1 => any::<u16>()];
     let handle_type =
@@ -193,10 +198,41 @@ fn coherent() -> impl Strategy<Value = Packet> {
             let fds = vec![fd; chunks.len()];
             Packet::of(header, chunks, fds)
         });
-    (prop_oneof![1 => data, 2 => host, 2 => cuda], mutation()).prop_map(|(mut p, m)| {
-        m.apply(&mut p);
-        p
-    })
+    let fabric = (
+        proptest::collection::vec(prop_oneof![Just(2u64 << 20), size()], 0..4),
+        any::<u8>(),
+        any::<(u32, [u8; 16])>(),
+        prop_oneof![Just(None), (0i32..4).prop_map(Some)],
+        any::<u8>(),
+    )
+        .prop_map(|(chunks, fraction, (ordinal, uuid), numa, seed)| {
+            let total = chunks.iter().fold(0u64, |a, &c| a.saturating_add(c));
+            let size = total / 256 * u64::from(fraction);
+            let mut header = header_of(6, 8, size);
+            header.version = 2;
+            header.flags = 1;
+            header.ordinal = ordinal;
+            header.uuid = uuid;
+            if let Some(node) = numa {
+                header.location_type = 1;
+                header.location_id = node;
+            }
+            let payload = (0..64 * chunks.len())
+                .map(|i| seed.wrapping_add(i as u8))
+                .collect();
+            Packet {
+                payload,
+                ..Packet::of(header, chunks, Vec::new())
+            }
+        });
+    (
+        prop_oneof![1 => data, 2 => host, 2 => cuda, 2 => fabric],
+        mutation(),
+    )
+        .prop_map(|(mut p, m)| {
+            m.apply(&mut p);
+            p
+        })
 }
 
 /// One thing a peer might break in an otherwise coherent message.
@@ -220,8 +256,8 @@ fn mutation() -> impl Strategy<Value = Mutation> {
         1 => fd_kind().prop_map(Mutation::ExtraFd),
         1 => Just(Mutation::DropFd),
         1 => any::<usize>().prop_map(Mutation::Cut),
-        1 => any::<u16>().prop_map(Mutation::Version),
-        1 => (0u16..7).prop_map(Mutation::Kind),
+        1 => prop_oneof![1u16..=3, any::<u16>()].prop_map(Mutation::Version),
+        1 => (0u16..8).prop_map(Mutation::Kind),
         1 => any::<u32>().prop_map(Mutation::HandleType),
         1 => size().prop_map(Mutation::Size),
         1 => (0u32..300).prop_map(Mutation::ChunkCount),
@@ -318,8 +354,9 @@ impl Packet {
     }
 }
 
-/// How the inputs ended: refused, DATA, host descriptor (imported), CUDA descriptor.
-static OUTCOMES: [AtomicUsize; 5] = [const { AtomicUsize::new(0) }; 5];
+/// How the inputs ended: refused, DATA, host descriptor (imported), CUDA descriptor, fabric
+/// descriptor; then on a stream: refused, accepted.
+static OUTCOMES: [AtomicUsize; 8] = [const { AtomicUsize::new(0) }; 8];
 
 /// Receive whatever the packet became, import a descriptor, drop everything.
 fn consume(conn: &Connection) {
@@ -329,6 +366,7 @@ fn consume(conn: &Connection) {
         Ok(PeerMessage::Data(_)) => 1,
         Ok(PeerMessage::Descriptor(Descriptor::Host(_))) => 2,
         Ok(PeerMessage::Descriptor(Descriptor::Cuda(_))) => 4,
+        Ok(PeerMessage::Descriptor(Descriptor::Fabric(_))) => 5,
     };
     OUTCOMES[index].fetch_add(1, Ordering::Relaxed);
     match outcome {
@@ -340,6 +378,9 @@ fn consume(conn: &Connection) {
         }
         Ok(PeerMessage::Descriptor(Descriptor::Cuda(d))) => {
             let _ = VirtualMemoryBuffer::import(&d);
+        }
+        Ok(PeerMessage::Descriptor(Descriptor::Fabric(d))) => {
+            let _ = VirtualMemoryBuffer::import_fabric(&d);
         }
         Ok(PeerMessage::Data(_)) | Err(_) => {}
     }
@@ -360,8 +401,58 @@ fn ok_message() -> Vec<u8> {
     b
 }
 
+/// A reader over bytes that counts how many it gave.
+struct Counting<'a> {
+    bytes: &'a [u8],
+    given: usize,
+}
+
+impl std::io::Read for Counting<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.bytes.len().min(buf.len());
+        buf[..n].copy_from_slice(&self.bytes[..n]);
+        self.bytes = &self.bytes[n..];
+        self.given += n;
+        Ok(n)
+    }
+}
+
+/// The packet's bytes on a byte stream, a good DATA message after them: the reader takes at
+/// most one message's bytes for the first read, and a refusal ends the stream.
+fn stream_one(packet: &Packet) -> Result<(), TestCaseError> {
+    const MAX_MESSAGE: usize = 1 + 64 + 8 * 253 + 16 * 1024;
+    let bytes = [packet.bytes(), ok_message()].concat();
+    let mut source = Counting {
+        bytes: &bytes,
+        given: 0,
+    };
+    let (first, second) = {
+        let mut reader = StreamReader::new(&mut source);
+        (reader.read_message(), reader.read_message())
+    };
+    prop_assert!(source.given <= bytes.len());
+    match first {
+        Err(_) => {
+            OUTCOMES[6].fetch_add(1, Ordering::Relaxed);
+            prop_assert!(second.is_err(), "read on after a refusal: {:?}", second);
+            prop_assert!(source.given <= MAX_MESSAGE);
+        }
+        Ok(message) => {
+            OUTCOMES[7].fetch_add(1, Ordering::Relaxed);
+            let fdless = matches!(
+                message,
+                PeerMessage::Data(_) | PeerMessage::Descriptor(Descriptor::Fabric(_))
+            );
+            prop_assert!(fdless, "a stream gave {:?}", message);
+            prop_assert!(source.given <= 2 * MAX_MESSAGE);
+        }
+    }
+    Ok(())
+}
+
 fn run_one(client: &OwnedFd, conn: &Connection, packet: &Packet) -> Result<(), TestCaseError> {
     let before = holdings();
+    stream_one(packet)?;
     {
         let fds: Vec<OwnedFd> = packet.fds.iter().map(make).collect();
         send_raw(client.as_fd(), &packet.bytes(), &fds);
@@ -444,7 +535,72 @@ fn corpus() -> Vec<Packet> {
             vec![2 << 20],
             vec![FdKind::SizeSealed(2 << 20)],
         ),
+        // Version 2: a coherent CUDA_FABRIC message of the most chunks (forged handles).
+        fabric_packet(vec![2 << 20; 253], Vec::new()),
+        // ... with fds attached.
+        fabric_packet(
+            vec![2 << 20; 2],
+            vec![FdKind::Pipe, FdKind::SizeSealed(4096)],
+        ),
+        // ... marked version 1.
+        Packet {
+            header: Header {
+                version: 1,
+                ..fabric_packet(vec![4096], Vec::new()).header
+            },
+            ..fabric_packet(vec![4096], Vec::new())
+        },
+        // ... claiming the most chunks and payload, with one chunk's worth.
+        Packet {
+            header: Header {
+                chunk_count: Some(253),
+                payload_len: Some(16384),
+                ..fabric_packet(vec![4096], Vec::new()).header
+            },
+            ..fabric_packet(vec![4096], Vec::new())
+        },
+        // ... with one chunk and no handle, and with no chunk at all.
+        Packet {
+            payload: Vec::new(),
+            ..fabric_packet(vec![4096], Vec::new())
+        },
+        fabric_packet(Vec::new(), Vec::new()),
+        // HELLO marked version 2; a version 3 message.
+        Packet {
+            header: Header {
+                version: 2,
+                ..header_of(1, 0, 0)
+            },
+            ..packet(header_of(1, 0, 0), Vec::new(), Vec::new())
+        },
+        Packet {
+            header: Header {
+                version: 3,
+                ..header_of(3, 0, 0)
+            },
+            ..packet(header_of(3, 0, 0), Vec::new(), Vec::new())
+        },
     ]
+}
+
+/// A coherent CUDA_FABRIC message (version 2) with `chunks`, one 64-byte handle each, the
+/// owner named, carrying `fds` (which it must not).
+fn fabric_packet(chunks: Vec<u64>, fds: Vec<FdKind>) -> Packet {
+    let size = chunks.iter().sum();
+    let header = Header {
+        version: 2,
+        flags: 1,
+        uuid: [0x5a; 16],
+        ..header_of(6, 8, size)
+    };
+    Packet {
+        frame_byte: 0,
+        payload: vec![0xab; 64 * chunks.len()],
+        header,
+        chunk_sizes: chunks,
+        cut: None,
+        fds,
+    }
 }
 
 #[test]
@@ -515,7 +671,7 @@ fn hostile_peer_messages_never_panic_or_leak() {
     eprintln!(
         "fuzz_peer: {} corpus inputs and {cases} generated inputs (seed {seed:#x}) in {:.1?} \
          ({} refused, {} DATA, {} host descriptors of which {} imported, {} CUDA \
-         descriptors): {}",
+         descriptors, {} fabric descriptors; on a stream {} refused, {} accepted): {}",
         corpus().len(),
         started.elapsed(),
         n(0),
@@ -523,6 +679,9 @@ fn hostile_peer_messages_never_panic_or_leak() {
         n(2),
         n(3),
         n(4),
+        n(5),
+        n(6),
+        n(7),
         match &result {
             Ok(()) => "0 findings".to_owned(),
             Err(e) => format!("finding: {e}"),

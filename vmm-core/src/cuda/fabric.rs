@@ -552,6 +552,28 @@ pub fn fabric_availability() -> std::result::Result<(), String> {
     device.check_fabric().map_err(|e| e.to_string())
 }
 
+/// A descriptor received as a peer-protocol message (`CUDA_FABRIC`, see [`crate::peer`]):
+/// checked by the same layout rules as [`FabricDescriptor::from_handles`], with the owner's
+/// ordinal and the location the message named.
+impl FabricDescriptor {
+    pub(crate) fn received(
+        handles: Vec<FabricHandle>,
+        chunk_sizes: Vec<usize>,
+        size: usize,
+        owner: DeviceIdentity,
+        location: Location,
+    ) -> Result<FabricDescriptor> {
+        validate_fabric_layout(handles.len(), &chunk_sizes, size)?;
+        Ok(FabricDescriptor::exported(
+            handles,
+            chunk_sizes,
+            size,
+            owner,
+            location,
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

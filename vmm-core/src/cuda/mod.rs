@@ -50,6 +50,8 @@ mod options;
 mod resource;
 
 pub use buffer::VirtualMemoryBuffer;
+/// The descriptors' layout rule, also the peer protocol's for its CUDA kinds (one place for it).
+pub(crate) use descriptor::validate_chunks;
 pub use descriptor::{DeviceIdentity, IpcDescriptor};
 pub use device::{Device, availability};
 pub use fabric::{FabricDescriptor, FabricHandle, fabric_availability};

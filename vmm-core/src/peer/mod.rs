@@ -1,22 +1,49 @@
-//! The cross-language descriptor protocol: CUDA VMM and host (memfd) descriptors to and from
-//! processes vmm-core did not start, in any language.
+//! The cross-language descriptor protocol: CUDA VMM, fabric and host (memfd) descriptors to
+//! and from processes vmm-core did not start, in any language, on a named endpoint or (for
+//! messages without fds) on any byte stream.
 //!
 //! One message is a small self-describing header (magic `VMMI`, version, kind, handle type,
-//! chunk count and sizes, size, device UUID, location) and one fd per chunk in `SCM_RIGHTS`;
-//! `docs/protocol.md` in the repository is the specification, and `python/vmm_ipc_peer.py` a
-//! standard-library Python peer. This module turns those messages into
-//! [`IpcDescriptor`]s and [`HostDescriptor`]s and back, and gives
-//! [`Connection`] (a named endpoint's connection, see [`wire::endpoint`](crate::wire::endpoint))
-//! [`send_descriptor`](Connection::send_descriptor) and
-//! [`recv_descriptor`](Connection::recv_descriptor).
+//! chunk count and sizes, size, device UUID, location), then a payload, and for `CUDA_VMM` and
+//! `HOST_MEMFD` one fd per chunk in `SCM_RIGHTS`; `docs/protocol.md` in the repository is the
+//! specification, and `python/vmm_ipc_peer.py` a standard-library Python peer. This module
+//! turns those messages into [`IpcDescriptor`]s, [`FabricDescriptor`]s and [`HostDescriptor`]s
+//! and back, and gives [`Connection`] (a named endpoint's connection, see
+//! [`wire::endpoint`](crate::wire::endpoint)) [`send_descriptor`](Connection::send_descriptor)
+//! and [`recv_descriptor`](Connection::recv_descriptor); [`stream`] writes and reads the
+//! messages without fds (`CUDA_FABRIC`, `DATA`) on any [`std::io::Write`]/[`std::io::Read`],
+//! a TCP connection say, so a fabric descriptor crosses machines.
+//!
+//! # Versions
+//!
+//! Each message carries the version that defines its kind: `HELLO`, `REFUSED`, `DATA`,
+//! `CUDA_VMM` and `HOST_MEMFD` are version 1 and are sent exactly as version 1 sent them;
+//! `CUDA_FABRIC` (one 64-byte fabric handle per chunk, no fds) is version 2. So this crate
+//! speaks version 1 to a version 1 peer as long as it sends it no fabric descriptor, and a
+//! version 1 peer refuses one, naming the version it speaks. A message whose version is not
+//! its kind's, or an unknown version, is refused ([`Error::Protocol`], naming the versions this
+//! crate speaks). Whether a peer takes fabric descriptors is for the applications to agree
+//! (there is no negotiation on the wire).
+//!
+//! # Checks on receipt
 //!
 //! Receiving validates as importing does, before anything is mapped: the header's counts
 //! against the documented maxima and the fds the kernel delivered, then the descriptor's
 //! layout by import's own rules (non-empty chunks, no overflow, size within the chunks, a
-//! handle type this crate can import); the fds are owned (and close-on-exec) from the moment
-//! they arrive and are closed on any refusal. The descriptor that comes out is an ordinary
-//! one: [`VirtualMemoryBuffer::import`](crate::cuda::VirtualMemoryBuffer::import) (or
+//! handle type this crate can import, one fabric handle per chunk); the fds are owned (and
+//! close-on-exec) from the moment they arrive and are closed on any refusal. The descriptor
+//! that comes out is an ordinary one:
+//! [`VirtualMemoryBuffer::import`](crate::cuda::VirtualMemoryBuffer::import),
+//! [`VirtualMemoryBuffer::import_fabric`](crate::cuda::VirtualMemoryBuffer::import_fabric) (or
 //! [`HostBuffer::import`](crate::shm::HostBuffer::import)) runs its full checks again and maps.
+//!
+//! # Fabric handles are bearer tokens
+//!
+//! Whoever holds a fabric handle's 64 bytes (and an IMEX channel of the same NVLink domain)
+//! can map the memory: send a [`FabricDescriptor`] only to a peer you would give the memory
+//! (on an endpoint, an admitted peer; on a stream, one the stream authenticates). No `Debug`
+//! output and no error of this module shows a handle byte. A handle does not keep the memory
+//! alive: keep the exported buffer until the importer says it has imported (a `DATA` reply).
+//! See [`cuda::fabric`](crate::cuda::fabric).
 //!
 //! For a transport of your own, [`encode_descriptor`] and [`decode_message`] are the codec
 //! (a message's bytes exclude the packet's leading frame byte; see the specification).
@@ -25,13 +52,19 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 
 use serde::Serialize;
 
-use crate::cuda::{DeviceIdentity, HandleType, IpcDescriptor, Location};
+use crate::cuda::{
+    DeviceIdentity, FabricDescriptor, FabricHandle, HandleType, IpcDescriptor, Location,
+};
 use crate::shm::HostDescriptor;
-use crate::wire::endpoint::{Connection, Frame, FrameLocation, Kind};
+use crate::wire::endpoint::{
+    Connection, FABRIC_HANDLE_BYTES, Frame, FrameLocation, Kind, MAX_CHUNKS,
+};
 use crate::{Error, Result};
 
-/// A descriptor received from a peer: a CUDA VMM buffer's, or a host (memfd) buffer's. It owns
-/// the fds that came with it.
+pub mod stream;
+
+/// A descriptor received from a peer: a CUDA VMM buffer's (by fd or by fabric handle), or a
+/// host (memfd) buffer's. It owns the fds that came with it.
 #[derive(Debug)]
 pub enum Descriptor {
     /// A CUDA VMM descriptor (kind `CUDA_VMM`): import it with
@@ -40,26 +73,54 @@ pub enum Descriptor {
     /// A host memfd descriptor (kind `HOST_MEMFD`): import it with
     /// [`HostBuffer::import`](crate::shm::HostBuffer::import).
     Host(HostDescriptor),
+    /// A CUDA VMM descriptor as fabric handles (kind `CUDA_FABRIC`, protocol version 2; no
+    /// fds): import it with
+    /// [`VirtualMemoryBuffer::import_fabric`](crate::cuda::VirtualMemoryBuffer::import_fabric).
+    /// Its handles are bearer tokens (its `Debug` shows none).
+    Fabric(FabricDescriptor),
 }
 
 impl Descriptor {
-    /// The CUDA descriptor, or an [`Error::Protocol`] saying the peer sent a host one.
-    pub fn into_cuda(self) -> Result<IpcDescriptor> {
+    /// The protocol's name for the descriptor's kind.
+    fn kind_name(&self) -> &'static str {
         match self {
-            Descriptor::Cuda(d) => Ok(d),
-            Descriptor::Host(_) => Err(Error::Protocol(
-                "expected a CUDA_VMM descriptor, the peer sent a HOST_MEMFD one".into(),
-            )),
+            Descriptor::Cuda(_) => Kind::Cuda.name(),
+            Descriptor::Host(_) => Kind::Host.name(),
+            Descriptor::Fabric(_) => Kind::Fabric.name(),
         }
     }
 
-    /// The host descriptor, or an [`Error::Protocol`] saying the peer sent a CUDA one.
+    /// `Error::Protocol`: expected `wanted`, the peer sent this.
+    fn unexpected(&self, wanted: Kind) -> Error {
+        Error::Protocol(format!(
+            "expected a {} descriptor, the peer sent a {} one",
+            wanted.name(),
+            self.kind_name()
+        ))
+    }
+
+    /// The CUDA descriptor, or an [`Error::Protocol`] saying which kind the peer sent instead.
+    pub fn into_cuda(self) -> Result<IpcDescriptor> {
+        match self {
+            Descriptor::Cuda(d) => Ok(d),
+            other => Err(other.unexpected(Kind::Cuda)),
+        }
+    }
+
+    /// The host descriptor, or an [`Error::Protocol`] saying which kind the peer sent instead.
     pub fn into_host(self) -> Result<HostDescriptor> {
         match self {
             Descriptor::Host(d) => Ok(d),
-            Descriptor::Cuda(_) => Err(Error::Protocol(
-                "expected a HOST_MEMFD descriptor, the peer sent a CUDA_VMM one".into(),
-            )),
+            other => Err(other.unexpected(Kind::Host)),
+        }
+    }
+
+    /// The fabric descriptor, or an [`Error::Protocol`] saying which kind the peer sent
+    /// instead.
+    pub fn into_fabric(self) -> Result<FabricDescriptor> {
+        match self {
+            Descriptor::Fabric(d) => Ok(d),
+            other => Err(other.unexpected(Kind::Fabric)),
         }
     }
 
@@ -68,6 +129,7 @@ impl Descriptor {
         match self {
             Descriptor::Cuda(d) => d.size(),
             Descriptor::Host(d) => d.size(),
+            Descriptor::Fabric(d) => d.size(),
         }
     }
 }
@@ -84,6 +146,12 @@ impl From<HostDescriptor> for Descriptor {
     }
 }
 
+impl From<FabricDescriptor> for Descriptor {
+    fn from(d: FabricDescriptor) -> Self {
+        Descriptor::Fabric(d)
+    }
+}
+
 /// A descriptor to send, borrowed: it keeps its fds (the message carries duplicates made by
 /// the kernel).
 #[derive(Debug, Clone, Copy)]
@@ -92,6 +160,8 @@ pub enum DescriptorRef<'a> {
     Cuda(&'a IpcDescriptor),
     /// A host memfd descriptor.
     Host(&'a HostDescriptor),
+    /// A fabric descriptor (no fds; its handles are bearer tokens).
+    Fabric(&'a FabricDescriptor),
 }
 
 impl<'a> From<&'a IpcDescriptor> for DescriptorRef<'a> {
@@ -106,11 +176,18 @@ impl<'a> From<&'a HostDescriptor> for DescriptorRef<'a> {
     }
 }
 
+impl<'a> From<&'a FabricDescriptor> for DescriptorRef<'a> {
+    fn from(d: &'a FabricDescriptor) -> Self {
+        DescriptorRef::Fabric(d)
+    }
+}
+
 impl<'a> From<&'a Descriptor> for DescriptorRef<'a> {
     fn from(d: &'a Descriptor) -> Self {
         match d {
             Descriptor::Cuda(d) => DescriptorRef::Cuda(d),
             Descriptor::Host(d) => DescriptorRef::Host(d),
+            Descriptor::Fabric(d) => DescriptorRef::Fabric(d),
         }
     }
 }
@@ -124,12 +201,38 @@ pub enum PeerMessage {
     Data(Vec<u8>),
 }
 
+/// The header's device fields for `device`: its ordinal must fit 32 bits.
+fn frame_device(ordinal: usize, uuid: [u8; 16]) -> Result<(u32, [u8; 16])> {
+    let ordinal = u32::try_from(ordinal).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "device ordinal {ordinal} does not fit the header's 32 bits"
+        ))
+    })?;
+    Ok((ordinal, uuid))
+}
+
+fn frame_location(location: Location) -> FrameLocation {
+    match location {
+        Location::Device => FrameLocation::Device,
+        Location::HostNuma(node) => FrameLocation::HostNuma(node),
+    }
+}
+
+fn location(location: FrameLocation) -> Location {
+    match location {
+        FrameLocation::Device => Location::Device,
+        FrameLocation::HostNuma(node) => Location::HostNuma(node),
+    }
+}
+
 /// The protocol message for `descriptor` (its bytes, without the packet's frame byte) and the
-/// fds to send with it, borrowed from the descriptor, one per chunk.
+/// fds to send with it, borrowed from the descriptor, one per chunk (none for a fabric
+/// descriptor).
 ///
-/// Refused with [`Error::InvalidArgument`] for what the protocol cannot carry: a handle type
-/// other than [`HandleType::PosixFd`], more than [`MAX_CHUNKS`](crate::wire::endpoint::MAX_CHUNKS)
-/// chunks, a device ordinal over `u32::MAX`.
+/// Refused with [`Error::InvalidArgument`] for what the protocol cannot carry: an
+/// [`IpcDescriptor`] of a handle type other than [`HandleType::PosixFd`] (a fabric export is a
+/// [`FabricDescriptor`]), more than [`MAX_CHUNKS`] chunks, a fabric descriptor of no chunks,
+/// a device ordinal over `u32::MAX`.
 pub fn encode_descriptor<'a>(
     descriptor: impl Into<DescriptorRef<'a>>,
 ) -> Result<(Vec<u8>, Vec<BorrowedFd<'a>>)> {
@@ -137,32 +240,21 @@ pub fn encode_descriptor<'a>(
         DescriptorRef::Cuda(d) => {
             if d.handle_type() != HandleType::PosixFd {
                 return Err(Error::InvalidArgument(format!(
-                    "a descriptor of handle type {:?} cannot travel as a peer message: the \
-                     protocol carries PosixFd descriptors only",
+                    "a descriptor of handle type {:?} cannot travel as a CUDA_VMM peer \
+                     message: it carries PosixFd descriptors only (fabric handles travel as a \
+                     FabricDescriptor)",
                     d.handle_type()
                 )));
             }
-            let device = match d.device() {
-                None => None,
-                Some(identity) => Some((
-                    u32::try_from(identity.ordinal).map_err(|_| {
-                        Error::InvalidArgument(format!(
-                            "device ordinal {} does not fit the header's 32 bits",
-                            identity.ordinal
-                        ))
-                    })?,
-                    identity.uuid,
-                )),
-            };
-            let location = match d.location() {
-                Location::Device => FrameLocation::Device,
-                Location::HostNuma(node) => FrameLocation::HostNuma(node),
-            };
+            let device = d
+                .device()
+                .map(|identity| frame_device(identity.ordinal, identity.uuid))
+                .transpose()?;
             let frame = Frame {
                 handle_type: 1,
                 size: d.size() as u64,
                 device,
-                location,
+                location: frame_location(d.location()),
                 chunk_sizes: d.chunk_sizes().iter().map(|&s| s as u64).collect(),
                 ..Frame::empty(Kind::Cuda)
             };
@@ -181,8 +273,42 @@ pub fn encode_descriptor<'a>(
             };
             (frame, fds)
         }
+        DescriptorRef::Fabric(d) => (fabric_frame(d)?, Vec::new()),
     };
     Ok((frame.encode()?, fds))
+}
+
+/// The `CUDA_FABRIC` message of `d`: its handles in the payload, in chunk order.
+fn fabric_frame(d: &FabricDescriptor) -> Result<Frame> {
+    let count = d.handles().len();
+    if count == 0 {
+        return Err(Error::InvalidArgument(
+            "a FabricDescriptor of no chunks cannot travel as a peer message: CUDA_FABRIC \
+             carries at least one chunk"
+                .into(),
+        ));
+    }
+    if count > MAX_CHUNKS {
+        return Err(Error::InvalidArgument(format!(
+            "a FabricDescriptor of {count} chunks cannot travel as one peer message: \
+             CUDA_FABRIC carries at most {MAX_CHUNKS}"
+        )));
+    }
+    // The ordinal is informative only; a descriptor made with from_handles has none (0).
+    let device = frame_device(d.owner_ordinal().unwrap_or(0), *d.owner_uuid())?;
+    let mut payload = Vec::with_capacity(FABRIC_HANDLE_BYTES * count);
+    for handle in d.handles() {
+        payload.extend_from_slice(handle.as_bytes());
+    }
+    Ok(Frame {
+        handle_type: HandleType::Fabric.to_raw(),
+        size: d.size() as u64,
+        device: Some(device),
+        location: frame_location(d.location()),
+        chunk_sizes: d.chunk_sizes().iter().map(|&s| s as u64).collect(),
+        payload,
+        ..Frame::empty(Kind::Fabric)
+    })
 }
 
 /// Decode one protocol message (its bytes, without the packet's frame byte) and the fds the
@@ -197,9 +323,12 @@ fn from_frame(frame: Frame, mut fds: Vec<OwnedFd>) -> Result<PeerMessage> {
     match frame.kind {
         Kind::Data => Ok(PeerMessage::Data(frame.payload)),
         Kind::Cuda => cuda_descriptor(&frame, fds).map(|d| PeerMessage::Descriptor(d.into())),
+        Kind::Fabric => fabric_descriptor(frame).map(|d| PeerMessage::Descriptor(d.into())),
         Kind::Host => {
             // The frame checked: no fd with size 0, one fd of `size` bytes otherwise.
-            let size = usize::try_from(frame.size).expect("checked by Frame::decode");
+            let size = usize::try_from(frame.size).map_err(|_| {
+                Error::Protocol(format!("peer message: HOST_MEMFD size {}", frame.size))
+            })?;
             Ok(PeerMessage::Descriptor(Descriptor::Host(HostDescriptor {
                 size,
                 fd: fds.pop(),
@@ -210,6 +339,49 @@ fn from_frame(frame: Frame, mut fds: Vec<OwnedFd>) -> Result<PeerMessage> {
             frame.kind.name()
         ))),
     }
+}
+
+/// The [`FabricDescriptor`] of a decoded `CUDA_FABRIC` message. `Frame::decode` has checked
+/// the kind's rules (one 64-byte handle per chunk, the owner named, the chunks' layout);
+/// the descriptor's own rules run again as it is built, as they do for any fabric
+/// descriptor.
+fn fabric_descriptor(frame: Frame) -> Result<FabricDescriptor> {
+    let Some((ordinal, uuid)) = frame.device else {
+        return Err(Error::Protocol(
+            "peer message: CUDA_FABRIC: no owner device".into(),
+        ));
+    };
+    let handles = frame
+        .payload
+        .chunks_exact(FABRIC_HANDLE_BYTES)
+        .map(|bytes| {
+            let mut handle = [0u8; FABRIC_HANDLE_BYTES];
+            handle.copy_from_slice(bytes);
+            FabricHandle::from_bytes(handle)
+        })
+        .collect();
+    let fit = |v: u64| {
+        usize::try_from(v).map_err(|_| {
+            Error::Protocol(format!(
+                "peer message: CUDA_FABRIC: {v} does not fit this platform's usize"
+            ))
+        })
+    };
+    let chunk_sizes = frame
+        .chunk_sizes
+        .iter()
+        .map(|&c| fit(c))
+        .collect::<Result<Vec<_>>>()?;
+    FabricDescriptor::received(
+        handles,
+        chunk_sizes,
+        fit(frame.size)?,
+        DeviceIdentity {
+            ordinal: ordinal as usize,
+            uuid,
+        },
+        location(frame.location),
+    )
 }
 
 /// The serde form of [`IpcDescriptor`] (see `cuda::descriptor`): its fields, then fd indices.
@@ -237,10 +409,7 @@ fn cuda_descriptor(frame: &Frame, fds: Vec<OwnedFd>) -> Result<IpcDescriptor> {
             ordinal: ordinal as usize,
             uuid,
         }),
-        location: match frame.location {
-            FrameLocation::Device => Location::Device,
-            FrameLocation::HostNuma(node) => Location::HostNuma(node),
-        },
+        location: location(frame.location),
         fds: (0..fds.len() as u32).collect(),
     };
     let bytes = postcard::to_stdvec(&form).map_err(|e| Error::Serde(e.to_string()))?;
@@ -248,14 +417,17 @@ fn cuda_descriptor(frame: &Frame, fds: Vec<OwnedFd>) -> Result<IpcDescriptor> {
 }
 
 impl Connection {
-    /// Send a CUDA or host descriptor as a protocol message (a peer in any language reads it);
-    /// the descriptor keeps its fds. See [`encode_descriptor`] for what is refused.
+    /// Send a CUDA, fabric or host descriptor as a protocol message (a peer in any language
+    /// reads it); the descriptor keeps its fds. A [`FabricDescriptor`] travels as
+    /// `CUDA_FABRIC` (protocol version 2, no fds): send it only to a peer that takes version 2
+    /// (a version 1 peer refuses it) and that you would give the memory. See
+    /// [`encode_descriptor`] for what is refused.
     pub fn send_descriptor<'a>(&self, descriptor: impl Into<DescriptorRef<'a>>) -> Result<()> {
         let (bytes, fds) = encode_descriptor(descriptor)?;
         self.send_raw(&bytes, &fds)
     }
 
-    /// Receive a descriptor (CUDA or host), validated as described in [the module
+    /// Receive a descriptor (CUDA, fabric or host), validated as described in [the module
     /// docs](crate::peer). A `DATA` message instead is an [`Error::Protocol`].
     pub fn recv_descriptor(&self) -> Result<Descriptor> {
         match self.recv_message()? {
@@ -277,11 +449,12 @@ impl Connection {
 
 /// The fds a [`Descriptor`] holds, borrowed.
 impl Descriptor {
-    /// Its fds, one per chunk (none for an empty host buffer).
+    /// Its fds, one per chunk (none for an empty host buffer, none for a fabric descriptor).
     pub fn fds(&self) -> Vec<BorrowedFd<'_>> {
         match self {
             Descriptor::Cuda(d) => d.fds().collect(),
             Descriptor::Host(d) => d.fd().into_iter().collect(),
+            Descriptor::Fabric(_) => Vec::new(),
         }
     }
 }

@@ -1,30 +1,48 @@
-//! The peer protocol's message (version 1): a fixed 64-byte little-endian header, the chunk
-//! sizes, a payload; the fds ride in the packet's `SCM_RIGHTS`. `docs/protocol.md` is the
-//! specification; this is its one Rust codec, and it knows nothing of CUDA or memfds: the
-//! descriptor kinds are checked here only as far as numbers go, and
-//! [`peer`](crate::peer) turns them into descriptors.
+//! The peer protocol's message (versions 1 and 2): a fixed 64-byte little-endian header, the
+//! chunk sizes, a payload; the fds ride in the packet's `SCM_RIGHTS`. `docs/protocol.md` is the
+//! specification; this is its one Rust codec, for packets on a named endpoint and for messages
+//! on a byte stream alike. It knows nothing of importing: the descriptor kinds are checked
+//! here as far as numbers go (the chunk layout by the descriptors' own rule, shared with
+//! [`cuda`](crate::cuda)), and [`peer`](crate::peer) turns them into descriptors.
+//!
+//! Each message carries the version that defines its kind ([`Kind::version`]): the five kinds
+//! of version 1 are encoded exactly as version 1 always encoded them, `CUDA_FABRIC` as version
+//! 2. A message whose version is not its kind's, or is neither 1 nor 2, is refused.
 //!
 //! Every number in a header is the peer's choice. [`Frame::decode`] checks each one against the
 //! documented maximum and against what the kernel said (the message's length, its fd count)
 //! before it allocates anything; fields a kind does not use must be zero.
+//! [`Frame::check_stream_header`] makes the same checks on a header alone, for a reader that
+//! must know how much more to read before it reads it.
+
+use std::fmt;
 
 use crate::{Error, Result};
 
 /// The first four bytes of every message: `VMMI`.
 pub(crate) const MAGIC: [u8; 4] = *b"VMMI";
 
-/// The protocol version this crate speaks (and the only one it accepts).
-pub const PROTOCOL_VERSION: u16 = 1;
+/// The newest protocol version this crate speaks. It speaks every version up to it (1 and 2):
+/// each message carries its kind's version, so a version 2 peer speaks version 1, byte for
+/// byte, to a version 1 peer as long as it sends no `CUDA_FABRIC` message.
+pub const PROTOCOL_VERSION: u16 = 2;
 
-/// The header's length in bytes (version 1).
+/// The versions this crate accepts, for errors.
+const VERSIONS_SPOKEN: &str = "versions 1 and 2";
+
+/// The header's length in bytes (versions 1 and 2).
 pub(crate) const HEADER_LEN: usize = 64;
 
 /// The most chunks (and so fds) one descriptor message may carry: the kernel's `SCM_MAX_FD`.
+/// A `CUDA_FABRIC` message, which carries no fds, has the same bound.
 pub const MAX_CHUNKS: usize = super::super::MAX_FDS;
 
 /// The most payload bytes one message may carry (a `DATA` message's bytes, a `REFUSED`
-/// message's reason).
+/// message's reason, a `CUDA_FABRIC` message's handles).
 pub const MAX_DATA: usize = 16 * 1024;
+
+/// The bytes of one fabric handle in a `CUDA_FABRIC` payload (`CUmemFabricHandle`).
+pub(crate) const FABRIC_HANDLE_BYTES: usize = 64;
 
 /// The longest message of docs/protocol.md (without the packet's frame byte): a header, the
 /// most chunk sizes and the most payload. A receiver reads at most this plus the frame byte.
@@ -32,6 +50,11 @@ pub(crate) const MAX_FRAME: usize = HEADER_LEN + 8 * MAX_CHUNKS + MAX_DATA;
 
 /// Header flag: the device UUID and ordinal fields are set (CUDA descriptors only).
 pub(crate) const FLAG_DEVICE: u16 = 1;
+
+/// `CUmemAllocationHandleType` of a POSIX fd, the handle type of `CUDA_VMM`.
+const HANDLE_TYPE_POSIX_FD: u32 = 1;
+/// `CUmemAllocationHandleType` of a fabric handle, the handle type of `CUDA_FABRIC`.
+const HANDLE_TYPE_FABRIC: u32 = 8;
 
 /// What a message is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +70,9 @@ pub(crate) enum Kind {
     Cuda = 4,
     /// A host (memfd) descriptor: one fd, or none for an empty buffer.
     Host = 5,
+    /// A CUDA VMM descriptor as fabric handles (version 2): one 64-byte handle per chunk in
+    /// the payload, no fds.
+    Fabric = 6,
 }
 
 impl Kind {
@@ -57,6 +83,7 @@ impl Kind {
             3 => Kind::Data,
             4 => Kind::Cuda,
             5 => Kind::Host,
+            6 => Kind::Fabric,
             _ => return None,
         })
     }
@@ -68,7 +95,27 @@ impl Kind {
             Kind::Data => "DATA",
             Kind::Cuda => "CUDA_VMM",
             Kind::Host => "HOST_MEMFD",
+            Kind::Fabric => "CUDA_FABRIC",
         }
+    }
+
+    /// The protocol version that defines the kind: what a message of this kind carries in its
+    /// version field, and the only version it is accepted with.
+    pub(crate) fn version(self) -> u16 {
+        match self {
+            Kind::Hello | Kind::Refused | Kind::Data | Kind::Cuda | Kind::Host => 1,
+            Kind::Fabric => 2,
+        }
+    }
+
+    /// Whether a message of this kind carries fds (one per chunk); the others carry none.
+    pub(crate) fn carries_fds(self) -> bool {
+        matches!(self, Kind::Cuda | Kind::Host)
+    }
+
+    /// Whether the kind belongs to a named endpoint's handshake.
+    pub(crate) fn is_handshake(self) -> bool {
+        matches!(self, Kind::Hello | Kind::Refused)
     }
 }
 
@@ -81,11 +128,15 @@ pub(crate) enum FrameLocation {
 }
 
 /// One message, decoded (or to be encoded). `fd_count` is not a field: the header's chunk
-/// count is, and it must equal the fds the kernel delivered.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// count is, and it must equal the fds the kernel delivered for a kind that carries fds.
+///
+/// Its `Debug` shows the payload's length, never its bytes (a `CUDA_FABRIC` payload is bearer
+/// tokens).
+#[derive(Clone, PartialEq, Eq)]
 pub(crate) struct Frame {
     pub kind: Kind,
-    /// The driver's `CUmemAllocationHandleType` (1, POSIX fd) for CUDA; 0 otherwise.
+    /// The driver's `CUmemAllocationHandleType`: 1 (POSIX fd) for `CUDA_VMM`, 8 (fabric) for
+    /// `CUDA_FABRIC`; 0 otherwise.
     pub handle_type: u32,
     pub size: u64,
     /// `(ordinal, uuid)` of the exporting device, when the exporter named it.
@@ -93,6 +144,312 @@ pub(crate) struct Frame {
     pub location: FrameLocation,
     pub chunk_sizes: Vec<u64>,
     pub payload: Vec<u8>,
+}
+
+impl fmt::Debug for Frame {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Frame")
+            .field("kind", &self.kind)
+            .field("handle_type", &self.handle_type)
+            .field("size", &self.size)
+            .field("device", &self.device.map(|(ordinal, _)| ordinal))
+            .field("location", &self.location)
+            .field("chunk_sizes", &self.chunk_sizes)
+            .field("payload", &format_args!("<{} bytes>", self.payload.len()))
+            .finish()
+    }
+}
+
+/// `Err(Error::Protocol("peer message: {why}"))`.
+fn refuse<T>(why: String) -> Result<T> {
+    Err(Error::Protocol(format!("peer message: {why}")))
+}
+
+/// What a header's fields say, after rules 1 and 2 and the counts of rule 3 of
+/// docs/protocol.md ("Limits and checks on receipt").
+struct RawHeader {
+    kind: Kind,
+    flags: u16,
+    handle_type: u32,
+    chunk_count: usize,
+    payload_len: usize,
+    size: u64,
+    uuid: [u8; 16],
+    ordinal: u32,
+    location_type: u32,
+    location_id: i32,
+}
+
+/// A header whose fields passed rule 4 too (device fields only with the flag, a known
+/// location), with its counts.
+struct Header {
+    kind: Kind,
+    handle_type: u32,
+    size: u64,
+    device: Option<(u32, [u8; 16])>,
+    location: FrameLocation,
+    chunk_count: usize,
+    payload_len: usize,
+}
+
+impl RawHeader {
+    /// Rules 1, 2 and the counts of rule 3, on the first bytes of a message (`bytes` may be a
+    /// whole message, or fewer bytes than a header: then the magic and the version are
+    /// checked first, so an unknown version is named even in a short message).
+    fn parse(bytes: &[u8]) -> Result<RawHeader> {
+        let len = bytes.len();
+        if len < MAGIC.len() || bytes[..MAGIC.len()] != MAGIC {
+            let start = &bytes[..len.min(MAGIC.len())];
+            return refuse(format!(
+                "it does not start with the magic \"VMMI\" (got {start:02x?}, {len} bytes): not \
+                 a vmm-ipc peer message"
+            ));
+        }
+        if len < 6 {
+            return refuse(format!(
+                "{len} bytes end inside the header's version field (the header has {HEADER_LEN})"
+            ));
+        }
+        let u16_at = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]);
+        let u32_at = |at: usize| {
+            u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+        };
+        let u64_at = |at: usize| u64::from(u32_at(at)) | u64::from(u32_at(at + 4)) << 32;
+        let version = u16_at(4);
+        if !(1..=PROTOCOL_VERSION).contains(&version) {
+            return refuse(format!(
+                "protocol version {version} is not supported: this peer speaks \
+                 {VERSIONS_SPOKEN}"
+            ));
+        }
+        if len < HEADER_LEN {
+            return refuse(format!(
+                "{len} bytes: shorter than the {HEADER_LEN}-byte header (a partial header)"
+            ));
+        }
+        let raw_kind = u16_at(6);
+        let Some(kind) = Kind::from_raw(raw_kind) else {
+            return refuse(format!(
+                "unknown message kind {raw_kind} (version {version} message; {VERSIONS_SPOKEN} \
+                 know 1 HELLO, 2 REFUSED, 3 DATA, 4 CUDA_VMM, 5 HOST_MEMFD and, in version 2, \
+                 6 CUDA_FABRIC)"
+            ));
+        };
+        if version != kind.version() {
+            return refuse(format!(
+                "{} is a version {} kind, but the message is marked version {version}: a \
+                 message carries the version that defines its kind",
+                kind.name(),
+                kind.version()
+            ));
+        }
+        let header_len = u16_at(8);
+        if usize::from(header_len) != HEADER_LEN {
+            return refuse(format!(
+                "header length {header_len}: version {version} headers are {HEADER_LEN} bytes"
+            ));
+        }
+        let flags = u16_at(10);
+        if flags & !FLAG_DEVICE != 0 {
+            return refuse(format!(
+                "unknown flags {flags:#06x} (only 0x0001 is defined)"
+            ));
+        }
+        let reserved = u32_at(60);
+        if reserved != 0 {
+            return refuse(format!("reserved header field is {reserved:#x}, not 0"));
+        }
+        let chunk_count = u32_at(16) as usize;
+        let payload_len = u32_at(20) as usize;
+        if chunk_count > MAX_CHUNKS {
+            return refuse(format!(
+                "{chunk_count} chunks: at most {MAX_CHUNKS} (one fd each) may travel in one message"
+            ));
+        }
+        if payload_len > MAX_DATA {
+            return refuse(format!(
+                "{payload_len} payload bytes: at most {MAX_DATA} may travel in one message"
+            ));
+        }
+        let mut uuid = [0u8; 16];
+        uuid.copy_from_slice(&bytes[32..48]);
+        Ok(RawHeader {
+            kind,
+            flags,
+            handle_type: u32_at(12),
+            chunk_count,
+            payload_len,
+            size: u64_at(24),
+            uuid,
+            ordinal: u32_at(48),
+            location_type: u32_at(52),
+            location_id: u32_at(56) as i32,
+        })
+    }
+
+    /// The message's length: header, chunk sizes, payload (bounded by [`MAX_FRAME`]).
+    fn message_len(&self) -> usize {
+        HEADER_LEN + 8 * self.chunk_count + self.payload_len
+    }
+
+    /// The second half of rule 3: the kernel delivered exactly the fds the kind carries (one
+    /// per chunk for `CUDA_VMM` and `HOST_MEMFD`, none for the others).
+    fn check_fds(&self, fd_count: usize) -> Result<()> {
+        let (expected, rule) = if self.kind.carries_fds() {
+            (
+                self.chunk_count,
+                "a message carries exactly one fd per chunk".to_owned(),
+            )
+        } else {
+            (0, format!("a {} message carries no fds", self.kind.name()))
+        };
+        if fd_count != expected {
+            return refuse(format!(
+                "{} message with {} chunk(s) arrived with {fd_count} fd(s): {rule}",
+                self.kind.name(),
+                self.chunk_count
+            ));
+        }
+        Ok(())
+    }
+
+    /// Rule 4: device fields only with the flag; a known location.
+    fn resolve(self) -> Result<Header> {
+        let device_named = self.flags & FLAG_DEVICE != 0;
+        if !device_named && (self.ordinal != 0 || self.uuid != [0; 16]) {
+            return refuse(
+                "device fields are set but the device flag (0x0001) is not: fields a message \
+                 does not use must be zero"
+                    .into(),
+            );
+        }
+        let location = match (self.location_type, self.location_id) {
+            (0, 0) => FrameLocation::Device,
+            (0, id) => {
+                return refuse(format!(
+                    "location type 0 (device) with location id {id}: the id must be 0"
+                ));
+            }
+            (1, node) if node >= 0 => FrameLocation::HostNuma(node),
+            (1, node) => return refuse(format!("host NUMA node {node} is negative")),
+            (other, _) => {
+                return refuse(format!(
+                    "unknown location type {other} (0 device, 1 host NUMA node)"
+                ));
+            }
+        };
+        Ok(Header {
+            kind: self.kind,
+            handle_type: self.handle_type,
+            size: self.size,
+            device: device_named.then_some((self.ordinal, self.uuid)),
+            location,
+            chunk_count: self.chunk_count,
+            payload_len: self.payload_len,
+        })
+    }
+}
+
+impl Header {
+    /// Rule 5, as far as the header decides it: which fields the kind uses (the others must be
+    /// zero) and how its counts relate. The chunk sizes' rules are [`Frame::check_chunks`].
+    fn check_kind(&self) -> Result<()> {
+        let name = self.kind.name();
+        let refuse = |why: String| refuse(format!("{name}: {why}"));
+        let (count, payload) = (self.chunk_count, self.payload_len);
+        let descriptor_fields = self.handle_type != 0
+            || self.size != 0
+            || self.device.is_some()
+            || self.location != FrameLocation::Device
+            || count != 0;
+        match self.kind {
+            Kind::Hello => {
+                if descriptor_fields || payload != 0 {
+                    return refuse("every field after the header's length must be zero".into());
+                }
+            }
+            Kind::Refused | Kind::Data => {
+                if descriptor_fields {
+                    return refuse(
+                        "carries descriptor fields or chunks; only a payload is allowed".into(),
+                    );
+                }
+            }
+            Kind::Cuda => {
+                if payload != 0 {
+                    return refuse(format!("{payload} payload bytes: a descriptor has none"));
+                }
+                if self.handle_type != HANDLE_TYPE_POSIX_FD {
+                    return refuse(format!(
+                        "handle type {} is not carried by CUDA_VMM: only 1 \
+                         (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) is{}",
+                        self.handle_type,
+                        if self.handle_type == HANDLE_TYPE_FABRIC {
+                            "; fabric handles (8) travel as CUDA_FABRIC (kind 6, version 2)"
+                        } else {
+                            ""
+                        }
+                    ));
+                }
+            }
+            Kind::Fabric => {
+                if self.handle_type != HANDLE_TYPE_FABRIC {
+                    return refuse(format!(
+                        "handle type {} is not carried by CUDA_FABRIC: only 8 \
+                         (CU_MEM_HANDLE_TYPE_FABRIC) is",
+                        self.handle_type
+                    ));
+                }
+                if self.device.is_none() {
+                    return refuse(
+                        "the device flag (0x0001) is not set: a CUDA_FABRIC message names the \
+                         device that owns the memory"
+                            .into(),
+                    );
+                }
+                if count == 0 {
+                    return refuse("0 chunks: a CUDA_FABRIC message carries at least one".into());
+                }
+                if payload != FABRIC_HANDLE_BYTES * count {
+                    return refuse(format!(
+                        "{payload} payload bytes for {count} chunk(s): the payload is exactly \
+                         one {FABRIC_HANDLE_BYTES}-byte fabric handle per chunk ({} bytes)",
+                        FABRIC_HANDLE_BYTES * count
+                    ));
+                }
+            }
+            Kind::Host => {
+                if payload != 0 {
+                    return refuse(format!("{payload} payload bytes: a descriptor has none"));
+                }
+                if self.handle_type != 0
+                    || self.device.is_some()
+                    || self.location != FrameLocation::Device
+                {
+                    return refuse(
+                        "handle type, device and location must be zero for a memfd".into(),
+                    );
+                }
+                if usize::try_from(self.size).is_err() {
+                    return refuse(format!(
+                        "size {} is more than this platform's usize",
+                        self.size
+                    ));
+                }
+                match count {
+                    0 if self.size != 0 => {
+                        return refuse(format!(
+                            "size {} with no fd: only an empty buffer has none",
+                            self.size
+                        ));
+                    }
+                    0 | 1 => {}
+                    _ => return refuse(format!("{count} fds: a memfd descriptor has at most 1")),
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Frame {
@@ -117,13 +474,13 @@ impl Frame {
         }
     }
 
-    /// The message's bytes (what follows the packet's frame byte).
+    /// The message's bytes (what follows the packet's frame byte), with its kind's version.
     ///
     /// Refuses a message that breaks the limits it would be refused for on arrival.
     pub(crate) fn encode(&self) -> Result<Vec<u8>> {
         if self.chunk_sizes.len() > MAX_CHUNKS {
             return Err(Error::InvalidArgument(format!(
-                "a peer message carries at most {MAX_CHUNKS} chunks (one fd each), this one has {}",
+                "a peer message carries at most {MAX_CHUNKS} chunks, this one has {}",
                 self.chunk_sizes.len()
             )));
         }
@@ -135,7 +492,7 @@ impl Frame {
         }
         let mut out = Vec::with_capacity(self.len());
         out.extend_from_slice(&MAGIC);
-        out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        out.extend_from_slice(&self.kind.version().to_le_bytes());
         out.extend_from_slice(&(self.kind as u16).to_le_bytes());
         out.extend_from_slice(&(HEADER_LEN as u16).to_le_bytes());
         let flags = if self.device.is_some() {
@@ -172,238 +529,116 @@ impl Frame {
 
     /// Decode a message of `bytes` that arrived with `fd_count` fds. Every rule of
     /// `docs/protocol.md` is checked here, in its order; nothing is allocated before the counts
-    /// check out. Errors are [`Error::Protocol`], naming the rule and the numbers.
+    /// check out. Errors are [`Error::Protocol`], naming the rule and the numbers (never a
+    /// payload byte).
     pub(crate) fn decode(bytes: &[u8], fd_count: usize) -> Result<Frame> {
-        let refuse = |why: String| Err(Error::Protocol(format!("peer message: {why}")));
-        let len = bytes.len();
-        if len < MAGIC.len() || bytes[..MAGIC.len()] != MAGIC {
-            let start = &bytes[..len.min(MAGIC.len())];
-            return refuse(format!(
-                "it does not start with the magic \"VMMI\" (got {start:02x?}, {len} bytes): not \
-                 a vmm-ipc peer message"
-            ));
-        }
-        if len < 6 {
-            return refuse(format!(
-                "{len} bytes end inside the header's version field (the header has {HEADER_LEN})"
-            ));
-        }
-        let u16_at = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]);
-        let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4"));
-        let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8"));
-        let version = u16_at(4);
-        if version != PROTOCOL_VERSION {
-            return refuse(format!(
-                "protocol version {version} is not supported: this peer speaks version \
-                 {PROTOCOL_VERSION} only"
-            ));
-        }
-        if len < HEADER_LEN {
-            return refuse(format!(
-                "{len} bytes: shorter than the {HEADER_LEN}-byte header (a partial header)"
-            ));
-        }
-        let raw_kind = u16_at(6);
-        let Some(kind) = Kind::from_raw(raw_kind) else {
-            return refuse(format!(
-                "unknown message kind {raw_kind} (version {PROTOCOL_VERSION} knows 1 HELLO, 2 \
-                 REFUSED, 3 DATA, 4 CUDA_VMM, 5 HOST_MEMFD)"
-            ));
-        };
-        let header_len = u16_at(8);
-        if usize::from(header_len) != HEADER_LEN {
-            return refuse(format!(
-                "header length {header_len}: version {PROTOCOL_VERSION} headers are \
-                 {HEADER_LEN} bytes"
-            ));
-        }
-        let flags = u16_at(10);
-        if flags & !FLAG_DEVICE != 0 {
-            return refuse(format!(
-                "unknown flags {flags:#06x} (only 0x0001 is defined)"
-            ));
-        }
-        let handle_type = u32_at(12);
-        let chunk_count = u32_at(16) as usize;
-        let payload_len = u32_at(20) as usize;
-        let size = u64_at(24);
-        let uuid: [u8; 16] = bytes[32..48].try_into().expect("16");
-        let ordinal = u32_at(48);
-        let location_type = u32_at(52);
-        let location_id = u32_at(56) as i32;
-        let reserved = u32_at(60);
-        if reserved != 0 {
-            return refuse(format!("reserved header field is {reserved:#x}, not 0"));
-        }
-        if chunk_count > MAX_CHUNKS {
-            return refuse(format!(
-                "{chunk_count} chunks: at most {MAX_CHUNKS} (one fd each) may travel in one message"
-            ));
-        }
-        if payload_len > MAX_DATA {
-            return refuse(format!(
-                "{payload_len} payload bytes: at most {MAX_DATA} may travel in one message"
-            ));
-        }
-        let expected = HEADER_LEN + 8 * chunk_count + payload_len;
+        let raw = RawHeader::parse(bytes)?;
+        let (len, expected) = (bytes.len(), raw.message_len());
         if len != expected {
             return refuse(format!(
-                "its header announces {chunk_count} chunk size(s) and {payload_len} payload \
-                 bytes ({expected} bytes in all), but the message has {len} bytes"
+                "its header announces {} chunk size(s) and {} payload bytes ({expected} bytes \
+                 in all), but the message has {len} bytes",
+                raw.chunk_count, raw.payload_len
             ));
         }
-        if fd_count != chunk_count {
-            return refuse(format!(
-                "{} message with {chunk_count} chunk(s) arrived with {fd_count} fd(s): a message \
-                 carries exactly one fd per chunk",
-                kind.name()
-            ));
-        }
-        let device_named = flags & FLAG_DEVICE != 0;
-        if !device_named && (ordinal != 0 || uuid != [0; 16]) {
-            return refuse(
-                "device fields are set but the device flag (0x0001) is not: fields a message \
-                 does not use must be zero"
-                    .into(),
-            );
-        }
-        let location = match (location_type, location_id) {
-            (0, 0) => FrameLocation::Device,
-            (0, id) => {
-                return refuse(format!(
-                    "location type 0 (device) with location id {id}: the id must be 0"
-                ));
-            }
-            (1, node) if node >= 0 => FrameLocation::HostNuma(node),
-            (1, node) => return refuse(format!("host NUMA node {node} is negative")),
-            (other, _) => {
-                return refuse(format!(
-                    "unknown location type {other} (0 device, 1 host NUMA node)"
-                ));
-            }
-        };
-        let chunk_sizes: Vec<u64> = (0..chunk_count)
-            .map(|i| u64_at(HEADER_LEN + 8 * i))
+        raw.check_fds(fd_count)?;
+        let header = raw.resolve()?;
+        header.check_kind()?;
+        let sizes = &bytes[HEADER_LEN..HEADER_LEN + 8 * header.chunk_count];
+        let chunk_sizes: Vec<u64> = sizes
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
             .collect();
-        let payload = bytes[HEADER_LEN + 8 * chunk_count..].to_vec();
         let frame = Frame {
-            kind,
-            handle_type,
-            size,
-            device: device_named.then_some((ordinal, uuid)),
-            location,
+            kind: header.kind,
+            handle_type: header.handle_type,
+            size: header.size,
+            device: header.device,
+            location: header.location,
             chunk_sizes,
-            payload,
+            payload: bytes[HEADER_LEN + 8 * header.chunk_count..].to_vec(),
         };
-        frame.check_kind()?;
+        frame.check_chunks()?;
         Ok(frame)
     }
 
-    /// The rules of each kind: which fields it uses (the others must be zero) and how its
-    /// numbers relate.
-    fn check_kind(&self) -> Result<()> {
-        let name = self.kind.name();
-        let refuse = |why: String| Err(Error::Protocol(format!("peer message: {name}: {why}")));
-        let count = self.chunk_sizes.len();
-        let unused_descriptor_fields = |f: &Frame| {
-            f.handle_type != 0
-                || f.size != 0
-                || f.device.is_some()
-                || f.location != FrameLocation::Device
-                || !f.chunk_sizes.is_empty()
-        };
-        match self.kind {
-            Kind::Hello => {
-                if unused_descriptor_fields(self) || !self.payload.is_empty() {
-                    return refuse("every field after the header's length must be zero".into());
-                }
-            }
-            Kind::Refused | Kind::Data => {
-                if unused_descriptor_fields(self) {
-                    return refuse(
-                        "carries descriptor fields or fds; only a payload is allowed".into(),
-                    );
-                }
-            }
-            Kind::Cuda => {
-                if !self.payload.is_empty() {
-                    return refuse(format!(
-                        "{} payload bytes: a descriptor has none",
-                        self.payload.len()
-                    ));
-                }
-                if self.handle_type != 1 {
-                    return refuse(format!(
-                        "handle type {} is not carried by protocol version {PROTOCOL_VERSION}: \
-                         only 1 (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) is",
-                        self.handle_type
-                    ));
-                }
-                let mut total = 0u64;
-                for (index, &chunk) in self.chunk_sizes.iter().enumerate() {
-                    let which = format!("chunk {} of {count}", index + 1);
-                    if chunk == 0 {
-                        return refuse(format!("{which} has size 0: chunks are never empty"));
-                    }
-                    if usize::try_from(chunk).is_err() {
-                        return refuse(format!(
-                            "{which} has size {chunk}, more than this platform's usize"
-                        ));
-                    }
-                    total = match total.checked_add(chunk) {
-                        Some(total) if usize::try_from(total).is_ok() => total,
-                        _ => return refuse(format!("{which}: the sum of chunk sizes overflows")),
-                    };
-                }
-                if self.size > total {
-                    return refuse(format!(
-                        "size {} exceeds the {total} bytes that its {count} chunk(s) hold",
-                        self.size
-                    ));
-                }
-            }
-            Kind::Host => {
-                if !self.payload.is_empty() {
-                    return refuse(format!(
-                        "{} payload bytes: a descriptor has none",
-                        self.payload.len()
-                    ));
-                }
-                if self.handle_type != 0
-                    || self.device.is_some()
-                    || self.location != FrameLocation::Device
-                {
-                    return refuse(
-                        "handle type, device and location must be zero for a memfd".into(),
-                    );
-                }
-                if usize::try_from(self.size).is_err() {
-                    return refuse(format!(
-                        "size {} is more than this platform's usize",
-                        self.size
-                    ));
-                }
-                match (count, self.chunk_sizes.first()) {
-                    (0, _) if self.size == 0 => {}
-                    (0, _) => {
-                        return refuse(format!(
-                            "size {} with no fd: only an empty buffer has none",
-                            self.size
-                        ));
-                    }
-                    (1, Some(&chunk)) if chunk == self.size && chunk != 0 => {}
-                    (1, Some(&chunk)) => {
-                        return refuse(format!(
-                            "its one chunk has size {chunk} but the buffer's size is {}: they \
-                             must be equal and non-zero",
-                            self.size
-                        ));
-                    }
-                    _ => return refuse(format!("{count} fds: a memfd descriptor has at most 1")),
-                }
-            }
+    /// For a byte stream (docs/protocol.md, "Byte streams"): check `header`, the bytes that
+    /// followed the frame byte (64 of them, or fewer where the stream ended), by every rule
+    /// the header alone decides, and refuse the kinds a stream does not carry (those with fds,
+    /// and the handshake's); return how many more bytes the message has (at most
+    /// `8 * MAX_CHUNKS + MAX_DATA`). The caller reads exactly those, then [`decode`]s the
+    /// whole message with no fds.
+    ///
+    /// [`decode`]: Frame::decode
+    pub(crate) fn check_stream_header(header: &[u8]) -> Result<usize> {
+        let raw = RawHeader::parse(header)?;
+        let name = raw.kind.name();
+        if raw.kind.carries_fds() {
+            return refuse(format!(
+                "{name} on a byte stream: its kind carries fds, which a stream cannot (send it \
+                 on a named endpoint)"
+            ));
         }
-        Ok(())
+        if raw.kind.is_handshake() {
+            return refuse(format!(
+                "{name} on a byte stream: it belongs to a named endpoint's handshake, and a \
+                 stream has none"
+            ));
+        }
+        let body = raw.message_len() - HEADER_LEN;
+        let header = raw.resolve()?;
+        header.check_kind()?;
+        Ok(body)
+    }
+
+    /// Rule 5, the chunk sizes: a CUDA descriptor's layout by the descriptors' own rule
+    /// (non-empty chunks whose sum fits this platform, `size` within it), a memfd's one chunk
+    /// equal to its size.
+    fn check_chunks(&self) -> Result<()> {
+        let name = self.kind.name();
+        match self.kind {
+            Kind::Hello | Kind::Refused | Kind::Data => Ok(()),
+            Kind::Cuda | Kind::Fabric => {
+                let count = self.chunk_sizes.len();
+                let mut sizes = Vec::new();
+                if sizes.try_reserve_exact(count).is_err() {
+                    return refuse(format!("{name}: no memory for {count} chunk sizes"));
+                }
+                for (index, &chunk) in self.chunk_sizes.iter().enumerate() {
+                    match usize::try_from(chunk) {
+                        Ok(chunk) => sizes.push(chunk),
+                        Err(_) => {
+                            return refuse(format!(
+                                "{name}: chunk {} of {count} has size {chunk}, more than this \
+                                 platform's usize",
+                                index + 1
+                            ));
+                        }
+                    }
+                }
+                let Ok(size) = usize::try_from(self.size) else {
+                    return refuse(format!(
+                        "{name}: size {} is more than this platform's usize",
+                        self.size
+                    ));
+                };
+                match crate::cuda::validate_chunks(name, &sizes, size, 1) {
+                    Ok(_) => Ok(()),
+                    // "invalid CUDA_VMM: chunk 2 of 3 has size 0: ...": the rule, by name.
+                    Err(Error::InvalidArgument(why)) => refuse(why),
+                    Err(other) => Err(other),
+                }
+            }
+            Kind::Host => match self.chunk_sizes.first() {
+                None => Ok(()),
+                Some(&chunk) if chunk == self.size && chunk != 0 => Ok(()),
+                Some(&chunk) => refuse(format!(
+                    "{name}: its one chunk has size {chunk} but the buffer's size is {}: they \
+                     must be equal and non-zero",
+                    self.size
+                )),
+            },
+        }
     }
 }
 
@@ -425,6 +660,283 @@ mod tests {
             Err(Error::Protocol(m)) => m,
             other => panic!("wanted Error::Protocol, got {other:?}"),
         }
+    }
+
+    fn fabric(sizes: &[u64], size: u64) -> Frame {
+        Frame {
+            handle_type: 8,
+            size,
+            device: Some((1, [0x42; 16])),
+            chunk_sizes: sizes.to_vec(),
+            payload: (0..64 * sizes.len())
+                .map(|i| (i % 251) as u8 ^ 0x5c)
+                .collect(),
+            ..Frame::empty(Kind::Fabric)
+        }
+    }
+
+    /// What the version 1 codec (before version 2 existed, at 23f2e89) wrote for these
+    /// messages, byte for byte: version 1 kinds must keep exactly these bytes, and decode
+    /// from them to the same messages, so a version 1 peer sees no change.
+    const V1_GOLDEN: [&str; 8] = [
+        "564d4d49010001004000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000",
+        "564d4d490100020040000000000000000000000014000000000000000000000000000000000000000000000000000000000000000000000000000000000000007569642037206973206e6f7420616c6c6f776564",
+        "564d4d49010003004000000000000000000000000b000000000000000000000000000000000000000000000000000000000000000000000000000000000000006765742077656967687473",
+        "564d4d49010003004000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000",
+        "564d4d490100040040000000010000000200000000000000fbff5f0000000000000000000000000000000000000000000000000000000000000000000000000000002000000000000000400000000000",
+        "564d4d4901000400400001000100000001000000000000000000200000000000a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5030000000100000001000000000000000000200000000000",
+        "564d4d490100050040000000000000000100000000000000001000000000000000000000000000000000000000000000000000000000000000000000000000000010000000000000",
+        "564d4d49010005004000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000",
+    ];
+
+    fn v1_messages() -> [Frame; 8] {
+        let g = 2 << 20;
+        [
+            Frame::empty(Kind::Hello),
+            Frame::with_payload(Kind::Refused, b"uid 7 is not allowed"),
+            Frame::with_payload(Kind::Data, b"get weights"),
+            Frame::with_payload(Kind::Data, &[]),
+            cuda(&[g, 2 * g], 3 * g - 5),
+            Frame {
+                device: Some((3, [0xa5; 16])),
+                location: FrameLocation::HostNuma(1),
+                ..cuda(&[g], g)
+            },
+            Frame {
+                size: 4096,
+                chunk_sizes: vec![4096],
+                ..Frame::empty(Kind::Host)
+            },
+            Frame::empty(Kind::Host),
+        ]
+    }
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn unhex(text: &str) -> Vec<u8> {
+        (0..text.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn version_1_messages_are_byte_for_byte_what_version_1_wrote() {
+        for (frame, golden) in v1_messages().into_iter().zip(V1_GOLDEN) {
+            let bytes = frame.encode().unwrap();
+            assert_eq!(hex(&bytes), golden, "{frame:?}");
+            assert_eq!(bytes[4..6], [1, 0], "a version 1 kind is sent as version 1");
+            let fds = if frame.kind.carries_fds() {
+                frame.chunk_sizes.len()
+            } else {
+                0
+            };
+            assert_eq!(Frame::decode(&unhex(golden), fds).unwrap(), frame);
+        }
+    }
+
+    #[test]
+    fn fabric_messages_round_trip_as_version_2() {
+        let g = 2 << 20;
+        for frame in [
+            fabric(&[g], g),
+            fabric(&[g, 4 * g, g], 5 * g + 1),
+            Frame {
+                location: FrameLocation::HostNuma(2),
+                ..fabric(&vec![g; MAX_CHUNKS], 1)
+            },
+        ] {
+            let bytes = frame.encode().unwrap();
+            assert_eq!(bytes.len(), 64 + 72 * frame.chunk_sizes.len());
+            assert_eq!(bytes[4..6], [2, 0], "version 2");
+            assert_eq!(bytes[6..8], [6, 0], "kind CUDA_FABRIC");
+            assert_eq!(bytes[10..12], [1, 0], "device flag");
+            assert_eq!(bytes[12..16], [8, 0, 0, 0], "handle type fabric");
+            assert_eq!(bytes[32..48], [0x42; 16]);
+            assert_eq!(Frame::decode(&bytes, 0).unwrap(), frame);
+            assert_eq!(
+                Frame::check_stream_header(&bytes[..64]).unwrap(),
+                bytes.len() - 64
+            );
+        }
+    }
+
+    #[test]
+    fn a_version_must_be_its_kinds() {
+        let mut fabric_v1 = fabric(&[4096], 4096).encode().unwrap();
+        fabric_v1[4] = 1;
+        let m = refused(&fabric_v1, 0);
+        assert!(
+            m.contains("CUDA_FABRIC is a version 2 kind, but the message is marked version 1"),
+            "{m}"
+        );
+        let mut hello_v2 = Frame::empty(Kind::Hello).encode().unwrap();
+        hello_v2[4] = 2;
+        let m = refused(&hello_v2, 0);
+        assert!(
+            m.contains("HELLO is a version 1 kind, but the message is marked version 2"),
+            "{m}"
+        );
+        for kind in [1u8, 2, 3, 4, 5] {
+            let mut b = v1_messages()[0].encode().unwrap();
+            b[6] = kind;
+            b[4] = 2;
+            assert!(refused(&b, 0).contains("is a version 1 kind"));
+        }
+        let mut unknown = Frame::empty(Kind::Data).encode().unwrap();
+        unknown[4] = 2;
+        unknown[6] = 7;
+        let m = refused(&unknown, 0);
+        assert!(m.contains("unknown message kind 7"), "{m}");
+    }
+
+    #[test]
+    fn fabric_rules_are_checked_before_anything_is_allocated() {
+        let g = 2 << 20;
+        let with = |f: &dyn Fn(&mut Frame)| {
+            let mut frame = fabric(&[g, g], 2 * g);
+            f(&mut frame);
+            frame.encode().unwrap()
+        };
+        let cases: Vec<(Vec<u8>, usize, &str)> = vec![
+            (
+                with(&|f| f.handle_type = 1),
+                0,
+                "handle type 1 is not carried by CUDA_FABRIC",
+            ),
+            (
+                with(&|f| f.handle_type = 9),
+                0,
+                "handle type 9 is not carried by CUDA_FABRIC",
+            ),
+            (
+                with(&|f| f.device = None),
+                0,
+                "device flag (0x0001) is not set",
+            ),
+            (
+                with(&|f| {
+                    f.chunk_sizes.clear();
+                    f.payload.clear();
+                    f.size = 0;
+                }),
+                0,
+                "0 chunks: a CUDA_FABRIC message carries at least one",
+            ),
+            (
+                with(&|f| f.payload.truncate(100)),
+                0,
+                "100 payload bytes for 2 chunk(s)",
+            ),
+            (
+                with(&|f| f.payload.push(0)),
+                0,
+                "129 payload bytes for 2 chunk(s)",
+            ),
+            (
+                with(&|_| {}),
+                2,
+                "CUDA_FABRIC message with 2 chunk(s) arrived with 2 fd(s): a CUDA_FABRIC \
+                 message carries no fds",
+            ),
+            (
+                with(&|f| f.chunk_sizes[1] = 0),
+                0,
+                "invalid CUDA_FABRIC: chunk 2 of 2 has size 0",
+            ),
+            (
+                with(&|f| f.chunk_sizes = vec![u64::MAX, 2]),
+                0,
+                "invalid CUDA_FABRIC: chunk 2 of 2: the sum of chunk sizes overflows",
+            ),
+            (
+                with(&|f| f.size = 2 * g + 1),
+                0,
+                "exceeds the 4194304 bytes that its 2 chunk(s) hold",
+            ),
+            (
+                with(&|f| f.location = FrameLocation::HostNuma(-3)),
+                0,
+                "host NUMA node -3 is negative",
+            ),
+        ];
+        for (bytes, fds, words) in cases {
+            let m = refused(&bytes, fds);
+            assert!(m.contains(words), "{words:?} not in {m}");
+        }
+        // A header that claims the most of everything is refused from its counts.
+        let mut claims = fabric(&[g], g).encode().unwrap();
+        claims[16..20].copy_from_slice(&253u32.to_le_bytes());
+        claims[20..24].copy_from_slice(&16384u32.to_le_bytes());
+        let m = refused(&claims, 0);
+        assert!(m.contains("announces 253 chunk size(s)"), "{m}");
+        let m = match Frame::check_stream_header(&claims[..64]) {
+            Err(Error::Protocol(m)) => m,
+            other => panic!("{other:?}"),
+        };
+        assert!(m.contains("16384 payload bytes for 253 chunk(s)"), "{m}");
+    }
+
+    #[test]
+    fn a_stream_header_is_checked_alone_and_refuses_fd_and_handshake_kinds() {
+        let stream_refused = |bytes: &[u8]| match Frame::check_stream_header(bytes) {
+            Err(Error::Protocol(m)) => m,
+            other => panic!("wanted Error::Protocol, got {other:?}"),
+        };
+        let data = Frame::with_payload(Kind::Data, b"hello").encode().unwrap();
+        assert_eq!(Frame::check_stream_header(&data[..64]).unwrap(), 5);
+        for (frame, words) in [
+            (
+                cuda(&[4096], 4096),
+                "CUDA_VMM on a byte stream: its kind carries fds",
+            ),
+            (
+                Frame {
+                    size: 4096,
+                    chunk_sizes: vec![4096],
+                    ..Frame::empty(Kind::Host)
+                },
+                "HOST_MEMFD on a byte stream: its kind carries fds",
+            ),
+            (Frame::empty(Kind::Host), "HOST_MEMFD on a byte stream"),
+            (Frame::empty(Kind::Hello), "HELLO on a byte stream"),
+            (
+                Frame::with_payload(Kind::Refused, b"no"),
+                "REFUSED on a byte stream",
+            ),
+        ] {
+            let m = stream_refused(&frame.encode().unwrap()[..64]);
+            assert!(m.contains(words), "{words:?} not in {m}");
+        }
+        let m = stream_refused(&data[..30]);
+        assert!(
+            m.contains("30 bytes: shorter than the 64-byte header"),
+            "{m}"
+        );
+        let m = stream_refused(&[b"VMMI".as_slice(), &[3, 0]].concat());
+        assert!(m.contains("protocol version 3 is not supported"), "{m}");
+        let m = stream_refused(b"GET / HT");
+        assert!(m.contains("not a vmm-ipc peer message"), "{m}");
+    }
+
+    #[test]
+    fn debug_and_errors_show_no_payload_byte() {
+        let frame = Frame {
+            payload: vec![0xd7; 128],
+            ..fabric(&[4096, 4096], 8192)
+        };
+        let shown = format!("{frame:?} {frame:#?}");
+        assert!(shown.contains("<128 bytes>"), "{shown}");
+        for needle in ["d7", "215", "0xd7", "D7"] {
+            assert!(!shown.contains(needle), "{needle} in {shown}");
+        }
+        let mut bad = frame.encode().unwrap();
+        bad[24] = 0xff; // size beyond the chunks
+        bad[25] = 0xff;
+        let m = refused(&bad, 0);
+        assert!(!m.contains("d7") && !m.contains("215"), "{m}");
     }
 
     #[test]
@@ -499,13 +1011,18 @@ mod tests {
             m.contains("40 bytes") && m.contains("partial header"),
             "{m}"
         );
-        let mut v2 = good.clone();
-        v2[4] = 2;
-        let m = refused(&v2, 0);
-        assert!(m.contains("protocol version 2 is not supported"), "{m}");
+        let mut v3 = good.clone();
+        v3[4] = 3;
+        let m = refused(&v3, 0);
+        assert!(
+            m.contains("protocol version 3 is not supported: this peer speaks versions 1 and 2"),
+            "{m}"
+        );
         // A future version is refused even when it is shorter than a v1 header.
-        let m = refused(&v2[..10], 0);
-        assert!(m.contains("protocol version 2"), "{m}");
+        let m = refused(&v3[..10], 0);
+        assert!(m.contains("protocol version 3"), "{m}");
+        let m = refused(&[b"VMMI".as_slice(), &[0, 0]].concat(), 0);
+        assert!(m.contains("protocol version 0 is not supported"), "{m}");
         let mut kind = good.clone();
         kind[6] = 9;
         let m = refused(&kind, 0);

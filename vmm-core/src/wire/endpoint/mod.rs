@@ -8,6 +8,18 @@
 //! [`Connection::send_descriptor`](crate::wire::endpoint::Connection::send_descriptor), in
 //! [`peer`](crate::peer)), so a Python process speaks to it with the standard library alone.
 //!
+//! The protocol has two versions, and a connection speaks both, message by message: each
+//! message carries the version of its kind. Version 1's kinds (the handshake, `DATA`,
+//! `CUDA_VMM` and `HOST_MEMFD` descriptors with their fds) are sent exactly as version 1 sent
+//! them, so a version 1 peer sees no change; version 2 adds `CUDA_FABRIC`, a CUDA buffer as
+//! one 64-byte fabric handle per chunk and no fds (a
+//! [`FabricDescriptor`](crate::cuda::FabricDescriptor), a bearer token: send it only to a peer
+//! you would give the memory). A version 1 peer refuses it, naming the version it speaks;
+//! this crate refuses an unknown version, or a message whose version is not its kind's, the
+//! same way ([`PROTOCOL_VERSION`] is the newest it speaks). The messages without fds also
+//! cross byte streams (TCP, say) with the same bytes: see
+//! [`peer::stream`](crate::peer::stream).
+//!
 //! ```
 //! use std::time::Duration;
 //! use vmm_core::shm::HostBuffer;
@@ -111,7 +123,7 @@ mod name;
 pub use connection::{ConnectOptions, Connection, DEFAULT_TIMEOUT};
 pub(crate) use creds::maybe_overflow_uid;
 pub use creds::{Allow, Credentials};
-pub(crate) use frame::{Frame, FrameLocation, Kind};
+pub(crate) use frame::{FABRIC_HANDLE_BYTES, Frame, FrameLocation, HEADER_LEN, Kind};
 pub use frame::{MAX_CHUNKS, MAX_DATA, PROTOCOL_VERSION};
 pub use listener::{LOG_BURST, LOG_INTERVAL, Listener, ListenerOptions};
 pub use name::Name;
