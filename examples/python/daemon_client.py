@@ -49,7 +49,7 @@ def main():
                 import vmm_ipc_cuda as vc  # needs cuda.bindings, a GPU and an IMEX channel
                 ctx = vc.Context(0)
                 mapping = vc.import_fabric(ctx, desc)
-                kind, contents = "cuda fabric", mapping.read(0, mapping.size)
+                kind, contents = "cuda-fabric", mapping.read(0, mapping.size)
                 mapping.close()
             else:
                 import vmm_ipc_cuda as vc  # needs cuda.bindings and a GPU

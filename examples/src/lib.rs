@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use vmm_core::cuda::VirtualMemoryBuffer;
+use vmm_core::cuda::{HandleType, VirtualMemoryBuffer};
 use vmm_core::peer::Descriptor;
 use vmm_core::shm::HostBuffer;
 use vmm_core::wire::endpoint::{Connection, Listener};
@@ -47,6 +47,7 @@ impl Served {
     fn kind(&self) -> &'static str {
         match self {
             Served::Host(_) => "host",
+            Served::Cuda(b) if b.handle_type() == HandleType::Fabric => "cuda-fabric",
             Served::Cuda(_) => "cuda",
         }
     }
@@ -58,10 +59,14 @@ impl Served {
         }
     }
 
-    /// A fresh descriptor (its fds are closed once it is sent and dropped).
+    /// A fresh descriptor (its fds are closed once it is sent and dropped): by fabric handle
+    /// for a buffer allocated with `HandleType::Fabric`, else by POSIX fd.
     fn export(&self) -> Result<Descriptor> {
         Ok(match self {
             Served::Host(b) => b.export()?.into(),
+            Served::Cuda(b) if b.handle_type() == HandleType::Fabric => {
+                Descriptor::Fabric(b.export_fabric()?)
+            }
             Served::Cuda(b) => b.export()?.into(),
         })
     }
@@ -239,19 +244,21 @@ pub mod daemon {
         STOP.store(true, Ordering::Relaxed);
     }
 
-    /// `vmm-daemon [--gpu] [--size BYTES] [--allow-uid UID]... [--max-connections N] [NAME]`:
-    /// own one buffer, `weights` (a CUDA VMM buffer of two chunks with `--gpu`, else a host
-    /// memfd buffer of BYTES, default 4 MiB), filled with the examples' pattern of seed 7, and
+    /// `vmm-daemon [--gpu [--fabric]] [--size BYTES] [--allow-uid UID]... [--max-connections N]
+    /// [NAME]`: own one buffer, `weights` (a CUDA VMM buffer of two chunks with `--gpu`, served
+    /// by fabric handle with `--fabric`, else by POSIX fd; a host memfd buffer of BYTES, default
+    /// 4 MiB, without `--gpu`), filled with the examples' pattern of seed 7, and
     /// serve it on NAME (default `@vmm-ipc-daemon`) until SIGINT or SIGTERM, to at most N
     /// connections at once (default [`DEFAULT_MAX_CONNECTIONS`]).
     pub fn run(args: &[String]) -> Result<()> {
         let usage = |what: &str| Error::InvalidArgument(format!("vmm-daemon: {what}"));
         let mut args = args.iter();
         let (mut gpu, mut size, mut allow, mut name) = (false, 4 << 20, Allow::same_user(), None);
-        let mut max = DEFAULT_MAX_CONNECTIONS;
+        let (mut max, mut fabric) = (DEFAULT_MAX_CONNECTIONS, false);
         while let Some(arg) = args.next() {
             match arg.as_str() {
                 "--gpu" => gpu = true,
+                "--fabric" => fabric = true,
                 "--size" => {
                     size = args
                         .next()
@@ -277,9 +284,18 @@ pub mod daemon {
         let name: Name = name.as_deref().unwrap_or("@vmm-ipc-daemon").into();
         let mut daemon = Daemon::new();
         daemon.set_max_connections(max);
+        if fabric && !gpu {
+            return Err(usage("--fabric shares a CUDA buffer: it needs --gpu"));
+        }
         let weights = if gpu {
-            let resource =
-                VirtualMemoryResource::new(&Device::new(0)?, ResourceOptions::default())?;
+            let handle_type = match fabric {
+                true => HandleType::Fabric,
+                false => HandleType::PosixFd,
+            };
+            let resource = VirtualMemoryResource::new(
+                &Device::new(0)?,
+                ResourceOptions::default().handle_type(handle_type),
+            )?;
             let g = resource.granularity();
             let buf = resource.grow(&resource.allocate(g)?, 2 * g)?;
             buf.write_at(0, &pattern(7, buf.size()))?;
@@ -406,6 +422,7 @@ pub mod client {
         }
         let kind = match fetched {
             Fetched::Host(_) => "host",
+            Fetched::Cuda(b) if b.handle_type() == HandleType::Fabric => "cuda-fabric",
             Fetched::Cuda(_) => "cuda",
         };
         Ok(format!(

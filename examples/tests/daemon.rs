@@ -94,13 +94,19 @@ fn python_cuda() -> Result<(), String> {
 }
 
 fn rust_client(name: &Name, seed: u8) -> Child {
+    rust_client_command(name, seed).spawn().unwrap()
+}
+
+/// The Rust client's command (this executable's `client_role`), not started yet.
+fn rust_client_command(name: &Name, seed: u8) -> Command {
     let args = [
         name.to_string(),
         "weights".into(),
         "--check-seed".into(),
         seed.to_string(),
     ];
-    Command::new(std::env::current_exe().unwrap())
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
         .args([
             "--exact",
             "client_role",
@@ -112,12 +118,11 @@ fn rust_client(name: &Name, seed: u8) -> Child {
         .env(ARGS_VAR, args.join("\u{1f}"))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+        .stderr(Stdio::piped());
+    command
 }
 
-fn python_client(dir: &PythonDir, name: &Name, seed: u8) -> Child {
+fn python_client(dir: &PythonDir, name: &Name, seed: u8, fabric: bool) -> Child {
     let dir = &dir.0;
     Command::new("python3")
         .args([
@@ -127,6 +132,7 @@ fn python_client(dir: &PythonDir, name: &Name, seed: u8) -> Child {
             "--check-seed",
         ])
         .arg(seed.to_string())
+        .args(fabric.then_some("--fabric"))
         .current_dir(dir)
         .env("PYTHONPATH", dir)
         .env("PYTHONDONTWRITEBYTECODE", "1")
@@ -188,7 +194,11 @@ fn serve_to_both(weights: Served, seed: u8, kind: &str, size: usize, within: Dur
         let _stop = StopOnDrop(&stop);
         // Connected and admitted first, and never says a word while the others are served.
         let silent = Connection::connect(&name).unwrap();
-        let (rust, python) = (rust_client(&name, seed), python_client(&py, &name, seed));
+        let fabric = kind == "cuda-fabric";
+        let (rust, python) = (
+            rust_client(&name, seed),
+            python_client(&py, &name, seed, fabric),
+        );
         let expected = format!(
             "OK weights: {kind}, {size} bytes, from daemon pid {}",
             std::process::id()
@@ -217,6 +227,74 @@ fn the_daemon_serves_a_host_buffer_to_rust_and_python_clients() {
     buf.write_at(0, &pattern(7, size)).unwrap();
     serve_to_both(Served::Host(buf), 7, "host", size, Duration::from_secs(60));
     assert_eq!(settled_open_fds().unwrap(), before);
+}
+
+/// The daemon's `--gpu --fabric` buffer: served as a `CUDA_FABRIC` descriptor (protocol
+/// version 2, no fds), imported over the fabric by both clients.
+#[test]
+fn the_daemon_serves_a_fabric_buffer_to_rust_and_python_clients() {
+    let _serial = serial();
+    let requirement =
+        python_cuda().and_then(|()| vmm_core::testing::cuda_fabric().map_err(|e| e.to_string()));
+    if !skip_unless(requirement) {
+        return;
+    }
+    let resource = VirtualMemoryResource::new(
+        &Device::new(0).unwrap(),
+        ResourceOptions::default().handle_type(vmm_core::cuda::HandleType::Fabric),
+    )
+    .unwrap();
+    let g = resource.granularity();
+    let buf = resource
+        .grow(&resource.allocate(g).unwrap(), 2 * g)
+        .unwrap();
+    buf.write_at(0, &pattern(11, buf.size())).unwrap();
+    serve_to_both(
+        Served::Cuda(buf),
+        11,
+        "cuda-fabric",
+        2 * g,
+        Duration::from_secs(120),
+    );
+}
+
+/// The same, to a client that sees only the other GPU (`CUDA_VISIBLE_DEVICES=1`): the owner
+/// is a device the client cannot see, and the memory is mapped for the client's own GPU.
+#[test]
+fn two_gpus_the_daemon_serves_a_fabric_buffer_to_a_client_of_the_other_gpu() {
+    let _serial = serial();
+    let requirement = vmm_core::testing::cuda_devices(2)
+        .and_then(|()| vmm_core::testing::cuda_fabric())
+        .map_err(|e| e.to_string());
+    if !skip_unless(requirement) {
+        return;
+    }
+    let resource = VirtualMemoryResource::new(
+        &Device::new(0).unwrap(),
+        ResourceOptions::default().handle_type(vmm_core::cuda::HandleType::Fabric),
+    )
+    .unwrap();
+    let buf = resource.allocate(resource.granularity()).unwrap();
+    buf.write_at(0, &pattern(12, buf.size())).unwrap();
+    let name = Name::abstract_name(format!(
+        "vmm-example-daemon-{}-other-gpu",
+        std::process::id()
+    ));
+    let listener = Listener::bind(&name).unwrap();
+    let mut daemon = Daemon::new();
+    daemon.add("weights", Served::Cuda(buf));
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let serving = scope.spawn(|| daemon.serve(&listener, &stop));
+        let client = rust_client_command(&name, 12)
+            .env("CUDA_VISIBLE_DEVICES", "1")
+            .spawn()
+            .unwrap();
+        let out = report(client, Duration::from_secs(120));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(out.contains("OK weights: cuda-fabric"), "{out}");
+        serving.join().unwrap().unwrap();
+    });
 }
 
 #[test]

@@ -1,7 +1,3 @@
-// ENABLE AFTER MERGE: rename to peer_python_fabric.rs once the Rust side of protocol version 2
-// (issue 17) is merged. Every name of that API this file uses is in `mod v2` below, so the
-// adaptation at merge is there: `Connection::send_descriptor(&FabricDescriptor)`, a received
-// descriptor's `into_fabric()`, and `vmm_core::peer::stream::{write_message, read_message}`.
 //! Rust and the standard-library Python peer exchanging fabric descriptors (protocol version 2,
 //! `CUDA_FABRIC`: one 64-byte fabric handle per chunk, no fds), both ways, over a named
 //! endpoint and over TCP loopback with the byte-stream framing:
@@ -37,14 +33,13 @@ const PEER: &str = include_str!("../../python/vmm_ipc_peer.py");
 const CUDA: &str = include_str!("../../python/vmm_ipc_cuda.py");
 const ROLES: &str = include_str!("../../python/tests/peer_roles.py");
 
-/// The Rust v2 API these tests use, in one place (written from docs/protocol.md before that
-/// API existed; adapt the names here at merge).
+/// The Rust v2 API these tests use, in one place.
 mod v2 {
     use std::io::{Read, Write};
 
     use vmm_core::cuda::FabricDescriptor;
     use vmm_core::peer::PeerMessage;
-    use vmm_core::peer::stream::{read_message, write_message};
+    use vmm_core::peer::stream::{StreamReader, StreamWriter};
     use vmm_core::wire::endpoint::Connection;
     use vmm_core::{Error, Result};
 
@@ -60,17 +55,17 @@ mod v2 {
 
     /// Write a fabric descriptor as one message on a byte stream.
     pub fn write_fabric(stream: &mut impl Write, descriptor: &FabricDescriptor) -> Result<()> {
-        write_message(stream, descriptor)
+        StreamWriter::new(stream).write_descriptor(descriptor)
     }
 
     /// Write a DATA message on a byte stream.
     pub fn write_data(stream: &mut impl Write, bytes: &[u8]) -> Result<()> {
-        write_message(stream, bytes)
+        StreamWriter::new(stream).write_data(bytes)
     }
 
     /// Read one message from a byte stream: a fabric descriptor.
     pub fn read_fabric(stream: &mut impl Read) -> Result<FabricDescriptor> {
-        match read_message(stream)? {
+        match StreamReader::new(stream).read_message()? {
             PeerMessage::Descriptor(d) => d.into_fabric(),
             PeerMessage::Data(b) => Err(Error::Protocol(format!(
                 "expected a CUDA_FABRIC message, got DATA of {} bytes",
@@ -81,7 +76,7 @@ mod v2 {
 
     /// Read one message from a byte stream: DATA.
     pub fn read_data(stream: &mut impl Read) -> Result<Vec<u8>> {
-        match read_message(stream)? {
+        match StreamReader::new(stream).read_message()? {
             PeerMessage::Data(b) => Ok(b),
             PeerMessage::Descriptor(d) => Err(Error::Protocol(format!(
                 "expected DATA, got a descriptor ({d:?})"
