@@ -11,6 +11,9 @@
 //!   Baseline `descriptor/socketpair`: the same descriptor through a `Queue` to a live child
 //!   that imports, drops and acks on a `Queue<u8>` (`handoff::LiveChild`, spawn). Each child
 //!   runs alone, as in `handoff`.
+//! - `gpu-endpoint/fabric-descriptor/endpoint` (where fabric handles can be used): the same
+//!   endpoint hand-off with a one-chunk fabric descriptor (`CUDA_FABRIC`, no fd; the child
+//!   imports with `import_fabric`), next to the POSIX-fd `descriptor/endpoint`.
 
 use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;
@@ -22,7 +25,8 @@ use std::time::{Duration, Instant};
 
 use criterion::Criterion;
 use vmm_core::cuda::{
-    Device, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource,
+    Device, FabricDescriptor, HandleType, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer,
+    VirtualMemoryResource,
 };
 use vmm_core::peer::{Descriptor, DescriptorRef, PeerMessage};
 use vmm_core::process::{Context, Process, StartMethod};
@@ -152,6 +156,8 @@ pub enum Work {
     Host,
     /// `VirtualMemoryBuffer::import`, drop.
     Cuda,
+    /// `VirtualMemoryBuffer::import_fabric`, drop.
+    Fabric,
 }
 
 /// The endpoint hand-off child: connect to `name`, then import and ack each descriptor until a
@@ -167,6 +173,9 @@ pub fn endpoint_serve((name, work): (String, Work)) {
             }
             PeerMessage::Descriptor(Descriptor::Cuda(d)) if matches!(work, Work::Cuda) => {
                 drop(VirtualMemoryBuffer::import(&d).expect("child: import descriptor"));
+            }
+            PeerMessage::Descriptor(Descriptor::Fabric(d)) if matches!(work, Work::Fabric) => {
+                drop(VirtualMemoryBuffer::import_fabric(&d).expect("child: import fabric"));
             }
             PeerMessage::Data(_) => return,
             other => panic!("child: unexpected {other:?}"),
@@ -277,5 +286,40 @@ pub fn gpu(c: &mut Criterion) {
     let socketpair = Some(buffer.export().expect("export"));
     let mut group = Group::new(c, GPU_GROUP, Kind::Processes);
     handoffs(&mut group, Work::Cuda, &descriptor, &socketpair);
+    fabric_handoff(&mut group, size);
     group.finish();
+}
+
+/// `fabric-descriptor/endpoint`: a one-chunk fabric descriptor (`CUDA_FABRIC`, protocol
+/// version 2: 64 handle bytes, no fd) handed over an endpoint to a live child that imports it,
+/// next to the POSIX-fd `descriptor/endpoint` of the same run. One `SKIP` line where fabric
+/// handles cannot be used.
+fn fabric_handoff(group: &mut Group<'_>, size: usize) {
+    let id = "fabric-descriptor/endpoint";
+    if let Err(why) = crate::fabric::availability() {
+        eprintln!("SKIP {GPU_GROUP}/{id}: {why}");
+        return;
+    }
+    row(
+        &key(GPU_GROUP, id),
+        &key(GPU_GROUP, "descriptor/endpoint"),
+        Target::None,
+    );
+    let resource = VirtualMemoryResource::new(
+        &Device::new(0).expect("device 0"),
+        ResourceOptions::default().handle_type(HandleType::Fabric),
+    )
+    .expect("fabric resource");
+    let buffer = resource.allocate(size).expect("allocate");
+    let descriptor: FabricDescriptor = buffer.export_fabric().expect("export_fabric");
+    let mut live: Option<EndpointChild> = None;
+    group.bench(id, || {
+        live.get_or_insert_with(|| EndpointChild::start(Work::Fabric, &descriptor))
+            .send(&descriptor)
+    });
+    if let Some(live) = live {
+        live.stop();
+    }
+    // Every import was acknowledged: the buffer may go.
+    drop(buffer);
 }
