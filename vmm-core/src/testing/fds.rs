@@ -11,11 +11,17 @@ pub fn open_fds() -> Result<usize> {
 }
 
 /// [`open_fds`] once it has stopped changing: after the [warm pool](crate::process::warm_pool)'s
-/// replacements in flight have been launched (each adds the fds of the child it replaces), the
-/// same count three times in a row, a millisecond apart (other threads may be closing fds, for
-/// example a child's reaper), or the last count after one second.
+/// replacements in flight have been launched (each adds the fds of the child it replaces) and
+/// the fds a peer sent that endpoints refused have been closed (on a background thread; at most
+/// five seconds are given to a close that blocks), the same count three times in a row, a
+/// millisecond apart (other threads may be closing fds, for example a child's reaper), or the
+/// last count after one second.
 pub fn settled_open_fds() -> Result<usize> {
     crate::process::quiesce_warm_pool();
+    let closing = Instant::now() + Duration::from_secs(5);
+    while crate::wire::endpoint::closing_fds() > 0 && Instant::now() < closing {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let deadline = Instant::now() + Duration::from_secs(1);
     let mut last = open_fds()?;
     let mut same = 1;

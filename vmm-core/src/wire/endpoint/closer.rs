@@ -11,7 +11,7 @@
 //! every later refused fd open either.
 
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -32,6 +32,15 @@ struct Closer {
     tx: Sender<Vec<OwnedFd>>,
     /// When its current close started, in nanoseconds since [`epoch`] plus one; 0 when idle.
     busy_since: Arc<AtomicU64>,
+}
+
+/// Fds handed to [`close_later`] and not closed yet.
+static PENDING: AtomicUsize = AtomicUsize::new(0);
+
+/// How many fds handed to [`close_later`] are not closed yet (a close that blocks counts until
+/// it returns): what [`settled_open_fds`](crate::testing::settled_open_fds) waits for.
+pub(crate) fn pending() -> usize {
+    PENDING.load(Ordering::Acquire)
 }
 
 fn epoch() -> Instant {
@@ -61,6 +70,7 @@ impl Closer {
                         busy.store(now_nanos(), Ordering::Release);
                         drop(fd);
                         busy.store(0, Ordering::Release);
+                        PENDING.fetch_sub(1, Ordering::AcqRel);
                     }
                 }
             })
@@ -77,6 +87,7 @@ pub(crate) fn close_later(fds: Vec<OwnedFd>) {
         return;
     }
     static CLOSERS: Mutex<Vec<Closer>> = Mutex::new(Vec::new());
+    let count = fds.len();
     let mut closers = CLOSERS.lock().unwrap_or_else(|e| e.into_inner());
     let free = closers.iter().position(|c| !c.stuck());
     let index = match free {
@@ -94,8 +105,10 @@ pub(crate) fn close_later(fds: Vec<OwnedFd>) {
         },
         None => closers.len() - 1,
     };
+    PENDING.fetch_add(count, Ordering::AcqRel);
     if let Err(returned) = closers[index].tx.send(fds) {
         // Its thread is gone (it never is): close them here.
         drop(returned.0);
+        PENDING.fetch_sub(count, Ordering::AcqRel);
     }
 }

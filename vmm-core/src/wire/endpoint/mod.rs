@@ -120,6 +120,7 @@ mod frame;
 mod listener;
 mod name;
 
+pub(crate) use closer::pending as closing_fds;
 pub use connection::{ConnectOptions, Connection, DEFAULT_TIMEOUT};
 pub(crate) use creds::maybe_overflow_uid;
 pub use creds::{Allow, Credentials};
