@@ -17,6 +17,14 @@ pub enum Target {
     RatioAtMost(f64),
     /// The figure's median under this many nanoseconds (the baseline is shown for context).
     Under(f64),
+    /// What the figure adds to its baseline, per chunk, at most this many nanoseconds: for
+    /// calls so short (tens of nanoseconds) that a ratio is decided by noise.
+    AddedPerChunkAtMost {
+        /// The chunks one iteration handles.
+        chunks: usize,
+        /// The bound on (figure - baseline) / chunks, in nanoseconds.
+        ns: f64,
+    },
 }
 
 impl Target {
@@ -25,14 +33,19 @@ impl Target {
             Target::None => "-".to_owned(),
             Target::RatioAtMost(r) => format!("<= {r:.2}x"),
             Target::Under(ns) => format!("< {}", format_ns(ns)),
+            Target::AddedPerChunkAtMost { ns, .. } => format!("<= +{}/chunk", format_ns(ns)),
         }
     }
 
-    fn verdict(self, figure_ns: f64, ratio: Option<f64>) -> Option<bool> {
+    fn verdict(self, figure_ns: f64, baseline_ns: Option<f64>) -> Option<bool> {
+        let ratio = baseline_ns.filter(|&b| b > 0.0).map(|b| figure_ns / b);
         match self {
             Target::None => None,
             Target::RatioAtMost(max) => ratio.map(|r| r <= max),
             Target::Under(ns) => Some(figure_ns < ns),
+            Target::AddedPerChunkAtMost { chunks, ns } => {
+                baseline_ns.map(|b| (figure_ns - b) / chunks.max(1) as f64 <= ns)
+            }
         }
     }
 }
@@ -128,7 +141,9 @@ fn collect() -> Vec<JsonRow> {
                 .filter(|b| b.median_ns > 0.0)
                 .map(|b| figure.median_ns / b.median_ns);
             Some(JsonRow {
-                pass: row.target.verdict(figure.median_ns, ratio),
+                pass: row
+                    .target
+                    .verdict(figure.median_ns, baseline.map(|b| b.median_ns)),
                 target: row.target.describe(),
                 figure: row.figure,
                 median_ns: figure.median_ns,
@@ -255,16 +270,30 @@ mod tests {
 
     #[test]
     fn targets() {
+        // figure 11 / baseline 10 = 1.1x; 13 / 10 = 1.3x.
         assert_eq!(
-            Target::RatioAtMost(1.2).verdict(10.0, Some(1.1)),
+            Target::RatioAtMost(1.2).verdict(11.0, Some(10.0)),
             Some(true)
         );
         assert_eq!(
-            Target::RatioAtMost(1.2).verdict(10.0, Some(1.3)),
+            Target::RatioAtMost(1.2).verdict(13.0, Some(10.0)),
             Some(false)
         );
+        assert_eq!(Target::RatioAtMost(1.2).verdict(13.0, None), None);
         assert_eq!(Target::Under(1e6).verdict(2e6, None), Some(false));
         assert_eq!(Target::None.verdict(1.0, Some(9.0)), None);
+        // 16 chunks: 445 ns against 357 ns adds 5.5 ns a chunk.
+        let added = Target::AddedPerChunkAtMost {
+            chunks: 16,
+            ns: 150.0,
+        };
+        assert_eq!(added.verdict(445.0, Some(357.0)), Some(true));
+        assert_eq!(
+            added.verdict(357.0 + 16.0 * 151.0, Some(357.0)),
+            Some(false)
+        );
+        assert_eq!(added.verdict(445.0, None), None);
+        assert_eq!(added.describe(), "<= +150 ns/chunk");
     }
 
     #[test]
