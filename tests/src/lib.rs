@@ -139,3 +139,50 @@ pub fn with_context_of(device: &Device, f: impl FnOnce()) {
         sys::cuDevicePrimaryCtxRelease_v2(raw)
     });
 }
+
+/// Embedded Python files (the peer, the CUDA helper, test roles), written to a fresh directory
+/// for one test and removed when dropped: tests never read the repository's files at run time
+/// (the GPU machine runs the built executables from elsewhere).
+#[derive(Debug)]
+pub struct PythonDir(pub std::path::PathBuf);
+
+impl PythonDir {
+    /// Write `files` (path relative to the directory, contents) to a fresh directory named
+    /// after `tag`, this process and a counter.
+    pub fn new<'a>(tag: &str, files: impl IntoIterator<Item = (&'a str, &'a str)>) -> PythonDir {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static N: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "vmm-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (file, text) in files {
+            let path = dir.join(file);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, text).unwrap();
+        }
+        PythonDir(dir)
+    }
+}
+
+impl Drop for PythonDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `Ok` when `python3` (3.9 or newer, for `socket.send_fds`) runs here and the `-c` program
+/// `check` succeeds in it; else `Err(missing)`, a reason for a skip line.
+pub fn python3_can(check: &str, missing: &str) -> Result<(), String> {
+    let program = format!("import sys; assert sys.version_info >= (3, 9); {check}");
+    let ok = Command::new("python3")
+        .args(["-c", &program])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if ok { Ok(()) } else { Err(missing.to_owned()) }
+}

@@ -15,7 +15,6 @@
 //! a staged copy of it needs only `python3` (no checkout, no `CARGO_MANIFEST_DIR`).
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -24,7 +23,7 @@ use vmm_core::cuda::{Device, ResourceOptions, VirtualMemoryBuffer, VirtualMemory
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::{cuda_vmm_ipc, settled_open_fds, skip_unless};
 use vmm_core::wire::endpoint::{Connection, Credentials, Listener, Name};
-use vmm_tests::pattern;
+use vmm_tests::{PythonDir, pattern, python3_can};
 
 const PEER: &str = include_str!("../../python/vmm_ipc_peer.py");
 const CUDA: &str = include_str!("../../python/vmm_ipc_cuda.py");
@@ -52,24 +51,7 @@ fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The embedded Python files, written to a fresh directory that is removed on drop.
-struct PythonDir(PathBuf);
-
-impl Drop for PythonDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn python_dir() -> PythonDir {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "vmm-peer-python-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
     let files = [
         ("vmm_ipc_peer.py", PEER),
         ("vmm_ipc_cuda.py", CUDA),
@@ -78,44 +60,21 @@ fn python_dir() -> PythonDir {
         ("test_vmm_ipc_cuda.py", UNIT_CUDA),
         ("test_vmm_ipc_fabric.py", UNIT_FABRIC),
     ];
-    for (file, text) in files.into_iter().chain(FAKE_CUDA) {
-        let path = dir.join(file);
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(path, text).unwrap();
-    }
-    PythonDir(dir)
+    PythonDir::new("peer-python", files.into_iter().chain(FAKE_CUDA))
 }
 
 /// `python3` can run here (3.9+, for socket.send_fds).
 fn python3() -> Result<(), String> {
-    let ok = Command::new("python3")
-        .args(["-c", "import sys; assert sys.version_info >= (3, 9)"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if ok {
-        Ok(())
-    } else {
-        Err("no python3 (3.9 or newer) on PATH".into())
-    }
+    python3_can("", "no python3 (3.9 or newer) on PATH")
 }
 
 /// The GPU peer can run: a GPU for vmm-core, and `cuda.bindings` in python3.
 fn python_cuda() -> Result<(), String> {
     cuda_vmm_ipc()?;
-    python3()?;
-    let ok = Command::new("python3")
-        .args(["-c", "import cuda.bindings.driver"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if ok {
-        Ok(())
-    } else {
-        Err("python3 cannot import cuda.bindings (pip install cuda-python)".into())
-    }
+    python3_can(
+        "import cuda.bindings.driver",
+        "python3 (3.9+) cannot import cuda.bindings (pip install cuda-python)",
+    )
 }
 
 fn python(dir: &PythonDir, args: &[&str]) -> Command {

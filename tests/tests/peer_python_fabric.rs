@@ -15,7 +15,6 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -25,7 +24,7 @@ use vmm_core::cuda::{
 };
 use vmm_core::testing::{cuda_fabric, settled_open_fds, skip_unless};
 use vmm_core::wire::endpoint::{Credentials, Listener, Name};
-use vmm_tests::pattern;
+use vmm_tests::{PythonDir, pattern, python3_can};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -90,56 +89,25 @@ fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The embedded Python files, written to a fresh directory that is removed on drop.
-struct PythonDir(PathBuf);
-
-impl Drop for PythonDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn python_dir() -> PythonDir {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "vmm-peer-python-fabric-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    for (file, text) in [
+    let files = [
         ("vmm_ipc_peer.py", PEER),
         ("vmm_ipc_cuda.py", CUDA),
         ("peer_roles.py", ROLES),
-    ] {
-        std::fs::write(dir.join(file), text).unwrap();
-    }
-    PythonDir(dir)
+    ];
+    PythonDir::new("peer-python-fabric", files)
 }
 
 /// Fabric handles work here for vmm-core (a GPU with fabric support and an IMEX channel), and
 /// `python3` (3.9+) imports a `cuda.bindings` that knows fabric handles.
 fn python_fabric() -> Result<(), String> {
     cuda_fabric()?;
-    let check = "import sys; assert sys.version_info >= (3, 9); from cuda.bindings import driver; \
-                 driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC";
-    let ok = Command::new("python3")
-        .args(["-c", check])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if ok {
-        Ok(())
-    } else {
-        Err(
-            "python3 (3.9+) cannot import a cuda.bindings with fabric handles \
-             (pip install cuda-python)"
-                .into(),
-        )
-    }
+    python3_can(
+        "from cuda.bindings import driver; \
+         driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC",
+        "python3 (3.9+) cannot import a cuda.bindings with fabric handles \
+         (pip install cuda-python)",
+    )
 }
 
 /// `peer_roles.py ROLE ARGS...`, started.
