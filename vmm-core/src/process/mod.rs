@@ -63,7 +63,6 @@
 //! (`PR_SET_PDEATHSIG`), and a dropped, unjoined [`Process`] kills and reaps it; the parent
 //! watches the child process itself, so no use of its channel can keep a join from its
 //! deadline or leave a zombie.
-
 //!
 //! # Threat model
 //!
@@ -109,7 +108,7 @@
 // - server: the forkserver's own loop (forks children)
 // - entry: a child's life: (warm-up,) start message, entry point, report, exit
 // - entries: the entry table (what a child may run on its parent's word) and its lookup
-// - worker: a pool worker's life: warm-up, then tasks until the channel closes
+// - worker: a pool worker's life: warm-up, then tasks from its task socket until it closes
 // - child: what every child does (exit codes, die with the parent, record panics, warm up)
 // - launch: posix_spawn of /proc/self/exe on the launcher thread; the running test's name;
 //   `Made` (a child waiting for its first message) and its output memfds
