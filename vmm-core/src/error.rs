@@ -206,11 +206,21 @@ impl Error {
         Self::io(op, io::Error::from_raw_os_error(errno as i32))
     }
 
+    /// An [`Error::FdLimit`] for `op`, with the limit and (where it can still be counted) the
+    /// number of open fds.
+    pub(crate) fn fd_limit(op: String) -> Self {
+        Error::FdLimit {
+            op,
+            soft_limit: crate::limits::nofile_soft_limit(),
+            open: crate::limits::open_fds().ok(),
+        }
+    }
+
     /// An [`Error::Os`] for `op`, or [`Error::FdLimit`] when the error is `EMFILE`.
     pub(crate) fn io(op: impl Into<String>, source: io::Error) -> Self {
         let op = op.into();
         if source.raw_os_error() == Some(libc::EMFILE) {
-            return crate::limits::fd_limit_error(op);
+            return Self::fd_limit(op);
         }
         Error::Os { op, source }
     }

@@ -1,11 +1,9 @@
 //! What the kernel lets this process hold: open fds against `RLIMIT_NOFILE`.
 //!
-//! Below every other module (errors use it to say which limit was hit), so it knows nothing of
-//! channels, buffers or tests.
+//! Below every other module, errors included (they use it to say which limit was hit), so it
+//! knows nothing of errors, channels, buffers or tests.
 
 use nix::sys::resource::{Resource, getrlimit};
-
-use crate::Error;
 
 /// The number of open fds of this process: entries of `/proc/self/fd`, not counting the one
 /// the listing itself holds open. `None` when the listing cannot be opened (at the fd limit, for
@@ -19,14 +17,4 @@ pub(crate) fn open_fds() -> std::io::Result<usize> {
 /// The soft `RLIMIT_NOFILE`.
 pub(crate) fn nofile_soft_limit() -> u64 {
     getrlimit(Resource::RLIMIT_NOFILE).map_or(u64::MAX, |(soft, _)| soft)
-}
-
-/// An [`Error::FdLimit`] for `op`, with the limit and (where it can still be counted) the
-/// number of open fds.
-pub(crate) fn fd_limit_error(op: String) -> Error {
-    Error::FdLimit {
-        op,
-        soft_limit: nofile_soft_limit(),
-        open: open_fds().ok(),
-    }
 }

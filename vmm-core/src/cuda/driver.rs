@@ -503,7 +503,7 @@ fn export_failure(
     let at_limit =
         errno == libc::EMFILE || count_fds().is_err_and(|e| e.raw_os_error() == Some(libc::EMFILE));
     if at_limit {
-        crate::limits::fd_limit_error(format!(
+        Error::fd_limit(format!(
             "{EXPORT_CALL} needs a fresh fd for each exported chunk ({error})"
         ))
     } else {

@@ -181,7 +181,7 @@ fn request(
         // child was forked, but it never gets its start message (see `Context::spawn`): it
         // exits without running its function, and the server reaps it.
         Err(Error::Protocol(why)) if at_fd_limit() => {
-            return Err(crate::limits::fd_limit_error(format!(
+            return Err(Error::fd_limit(format!(
                 "receiving the forkserver's reply, which carries a pidfd for the new child \
                  (that child will exit without running its function; {why})"
             )));
