@@ -941,26 +941,7 @@ mod tests {
 
     #[test]
     fn every_kind_round_trips() {
-        let g = 2 << 20;
-        let frames = [
-            Frame::empty(Kind::Hello),
-            Frame::with_payload(Kind::Refused, b"uid 7 is not allowed"),
-            Frame::with_payload(Kind::Data, b"get weights"),
-            Frame::with_payload(Kind::Data, &[]),
-            cuda(&[g, 2 * g], 3 * g - 5),
-            Frame {
-                device: Some((3, [0xa5; 16])),
-                location: FrameLocation::HostNuma(1),
-                ..cuda(&[g], g)
-            },
-            Frame {
-                size: 4096,
-                chunk_sizes: vec![4096],
-                ..Frame::empty(Kind::Host)
-            },
-            Frame::empty(Kind::Host),
-        ];
-        for frame in frames {
+        for frame in v1_messages() {
             let bytes = frame.encode().unwrap();
             assert_eq!(bytes.len(), frame.len());
             assert_eq!(&bytes[..4], b"VMMI");
