@@ -656,7 +656,25 @@ def _address(name):
     return b"\0" + name[1:].encode() if name.startswith("@") else name
 
 
-class Connection:
+class _Receives:
+    """``recv_descriptor`` and ``recv_data`` over a class's ``recv()``, shared by endpoint and
+    stream connections. An unwanted descriptor's fds are closed (a stream's carry none)."""
+
+    def recv_descriptor(self):
+        message = self.recv()
+        if isinstance(message, Data):
+            raise ProtocolError(f"expected a descriptor, got DATA ({len(message)} bytes)")
+        return message
+
+    def recv_data(self):
+        message = self.recv()
+        if not isinstance(message, Data):
+            _discard(message)
+            raise ProtocolError(f"expected DATA, got {type(message).__name__}")
+        return bytes(message)
+
+
+class Connection(_Receives):
     """An admitted connection: send and receive descriptors and DATA messages. ``peer`` is the
     kernel's Credentials for the other side. Every send and receive is bounded by ``timeout``
     (seconds; None for no limit): TimeoutError (socket.timeout) when it passes."""
@@ -688,18 +706,6 @@ class Connection:
             raise ProtocolError(f"{type(message).__name__.upper()} after the handshake")
         return message
 
-    def recv_descriptor(self):
-        message = self.recv()
-        if isinstance(message, Data):
-            raise ProtocolError(f"expected a descriptor, got DATA ({len(message)} bytes)")
-        return message
-
-    def recv_data(self):
-        message = self.recv()
-        if not isinstance(message, Data):
-            _discard(message)
-            raise ProtocolError(f"expected DATA, got {type(message).__name__}")
-        return bytes(message)
 
     def _recv(self):
         space = socket.CMSG_SPACE(MAX_CHUNKS * array.array("i").itemsize)
@@ -1090,7 +1096,7 @@ def read_message(stream, timeout=DEFAULT_TIMEOUT):
             stream.settimeout(previous)
 
 
-class StreamConnection:
+class StreamConnection(_Receives):
     """DATA and CUDA_FABRIC messages over a connected stream socket (TCP, a Unix SOCK_STREAM).
     A stream has no credentials: who the peer is, and whether to trust it with fabric handles
     (bearer tokens), is the stream's business (TLS, a VPN, an SSH tunnel, a socket only one
@@ -1125,17 +1131,6 @@ class StreamConnection:
                 pass
             raise
 
-    def recv_descriptor(self):
-        message = self.recv()
-        if isinstance(message, Data):
-            raise ProtocolError(f"expected a descriptor, got DATA ({len(message)} bytes)")
-        return message
-
-    def recv_data(self):
-        message = self.recv()
-        if not isinstance(message, Data):
-            raise ProtocolError(f"expected DATA, got {type(message).__name__}")
-        return bytes(message)
 
     def close(self):
         self.sock.close()
