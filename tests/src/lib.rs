@@ -186,3 +186,22 @@ pub fn python3_can(check: &str, missing: &str) -> Result<(), String> {
         .is_ok_and(|s| s.success());
     if ok { Ok(()) } else { Err(missing.to_owned()) }
 }
+
+/// A fresh abstract endpoint name, `vmm-<prefix>-<tag>-<pid>-<n>`: unique in this process
+/// and across processes running at once.
+pub fn unique_name(prefix: &str, tag: &str) -> vmm_core::wire::endpoint::Name {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    vmm_core::wire::endpoint::Name::abstract_name(format!(
+        "vmm-{prefix}-{tag}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+/// This process's uid, as a peer role takes it on its command line.
+pub fn own_uid() -> String {
+    vmm_core::wire::endpoint::Credentials::of_this_process()
+        .uid
+        .to_string()
+}

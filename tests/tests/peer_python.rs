@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use vmm_core::cuda::{Device, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource};
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::{cuda_vmm_ipc, settled_open_fds, skip_unless};
-use vmm_core::wire::endpoint::{Connection, Credentials, Listener, Name};
-use vmm_tests::{PythonDir, pattern, python3_can};
+use vmm_core::wire::endpoint::{Connection, Listener, Name};
+use vmm_tests::{PythonDir, own_uid, pattern, python3_can, unique_name};
 
 const PEER: &str = include_str!("../../python/vmm_ipc_peer.py");
 const CUDA: &str = include_str!("../../python/vmm_ipc_cuda.py");
@@ -132,17 +132,7 @@ fn finish_ok_after(mut child: Child, within: Duration, seen: &str) -> String {
 }
 
 fn unique(tag: &str) -> Name {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    Name::abstract_name(format!(
-        "vmm-peer-python-{tag}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ))
-}
-
-fn uid() -> String {
-    Credentials::of_this_process().uid.to_string()
+    unique_name("peer-python", tag)
 }
 
 #[test]
@@ -194,7 +184,11 @@ fn a_rust_listener_serves_a_host_buffer_to_the_python_peer() {
         let listener = Listener::bind(&name).unwrap();
         let buf = HostBuffer::new(3 << 20).unwrap();
         buf.write_at(0, &pattern(20, buf.size())).unwrap();
-        let child = role(&py, "host-client", &[&name.to_string(), &uid(), "20", "21"]);
+        let child = role(
+            &py,
+            "host-client",
+            &[&name.to_string(), &own_uid(), "20", "21"],
+        );
         let pid = child.id() as i32;
         let conn = listener.accept(Some(Duration::from_secs(30))).unwrap();
         assert_eq!(conn.peer().pid, pid, "the kernel names the Python process");
@@ -226,7 +220,7 @@ fn a_python_memfd_exporter_sends_to_a_rust_importer() {
     let child = role(
         &py,
         "host-exporter",
-        &[&name.to_string(), &uid(), &size.to_string(), "30"],
+        &[&name.to_string(), &own_uid(), &size.to_string(), "30"],
     );
     let conn = listener.accept(Some(Duration::from_secs(30))).unwrap();
     let descriptor = conn.recv_descriptor().unwrap().into_host().unwrap();
@@ -307,7 +301,7 @@ fn a_python_cuda_exporter_gives_a_vmm_buffer_to_a_rust_importer() {
         let child = role(
             &py,
             "cuda-exporter",
-            &[&name.to_string(), &uid(), &seed.to_string(), "2"],
+            &[&name.to_string(), &own_uid(), &seed.to_string(), "2"],
         );
         let conn = listener.accept(Some(Duration::from_secs(60))).unwrap();
         let descriptor = conn.recv_descriptor().unwrap().into_cuda().unwrap();
@@ -355,7 +349,7 @@ fn a_rust_vmm_export_is_imported_by_python_cuda_bindings() {
         let child = role(
             &py,
             "cuda-importer",
-            &[&name.to_string(), &uid(), &seed.to_string()],
+            &[&name.to_string(), &own_uid(), &seed.to_string()],
         );
         let conn = listener.accept(Some(Duration::from_secs(60))).unwrap();
         let descriptor = buf.export().unwrap();

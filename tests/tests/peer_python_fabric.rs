@@ -23,8 +23,8 @@ use vmm_core::cuda::{
     Device, HandleType, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource,
 };
 use vmm_core::testing::{cuda_fabric, settled_open_fds, skip_unless};
-use vmm_core::wire::endpoint::{Credentials, Listener, Name};
-use vmm_tests::{PythonDir, pattern, python3_can};
+use vmm_core::wire::endpoint::{Listener, Name};
+use vmm_tests::{PythonDir, own_uid, pattern, python3_can, unique_name};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -187,17 +187,7 @@ fn accept_tcp(listener: &TcpListener, child: &mut Child) -> TcpStream {
 }
 
 fn unique(tag: &str) -> Name {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    Name::abstract_name(format!(
-        "vmm-peer-python-fabric-{tag}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ))
-}
-
-fn uid() -> String {
-    Credentials::of_this_process().uid.to_string()
+    unique_name("peer-python-fabric", tag)
 }
 
 /// Run `exchange` twice: the first run opens whatever the driver keeps open for the life of
@@ -273,7 +263,7 @@ fn python_fabric_export_to_rust_over_an_endpoint() {
         let child = role(
             &py,
             "fabric-exporter",
-            &["endpoint", &name.to_string(), &uid(), &seed_arg, "2"],
+            &["endpoint", &name.to_string(), &own_uid(), &seed_arg, "2"],
         );
         let conn = listener.accept(Some(TIMEOUT)).unwrap();
         let descriptor = v2::recv(&conn).unwrap();
@@ -302,7 +292,7 @@ fn rust_fabric_export_to_python_over_an_endpoint() {
         let child = role(
             &py,
             "fabric-importer",
-            &["endpoint", &name.to_string(), &uid(), &seed_arg],
+            &["endpoint", &name.to_string(), &own_uid(), &seed_arg],
         );
         let conn = listener.accept(Some(TIMEOUT)).unwrap();
         v2::send(&conn, &buf.export_fabric().unwrap()).unwrap();
@@ -335,7 +325,7 @@ fn python_fabric_export_to_rust_over_tcp() {
         let mut child = role(
             &py,
             "fabric-exporter",
-            &["tcp", &addr, &uid(), &seed_arg, "2"],
+            &["tcp", &addr, &own_uid(), &seed_arg, "2"],
         );
         let mut stream = accept_tcp(&listener, &mut child);
         let descriptor = v2::read_fabric(&mut stream).unwrap();
@@ -362,7 +352,11 @@ fn rust_fabric_export_to_python_over_tcp() {
         let addr = listener.local_addr().unwrap().to_string();
         let buf = rust_export(&resource, seed);
         let seed_arg = seed.to_string();
-        let mut child = role(&py, "fabric-importer", &["tcp", &addr, &uid(), &seed_arg]);
+        let mut child = role(
+            &py,
+            "fabric-importer",
+            &["tcp", &addr, &own_uid(), &seed_arg],
+        );
         let mut stream = accept_tcp(&listener, &mut child);
         v2::write_fabric(&mut stream, &buf.export_fabric().unwrap()).unwrap();
         assert_eq!(v2::read_data(&mut stream).unwrap(), b"written");
