@@ -11,14 +11,15 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::ser::{SerializeTuple, Serializer};
 
-use super::descriptor::{DeviceIdentity, IpcDescriptor, chunk_name, ipc_error};
+use super::descriptor::{DeviceIdentity, IpcDescriptor};
 use super::device::Device;
 use super::driver::{self, CUdeviceptr};
 use super::fabric::{FabricDescriptor, FabricHandle};
 use super::handle::{Allocation, Segment};
 use super::keeper;
 use super::options::{HandleType, Location};
-use crate::share::{IMPORTED_CANNOT_EXPORT, check_range};
+use crate::error::{Chunk, IpcOp, IpcStep};
+use crate::share::{check_range, imported_cannot_export};
 use crate::wire::{FdOut, FdOwner, serialize_error};
 use crate::{Error, Result};
 
@@ -173,7 +174,7 @@ impl VirtualMemoryBuffer {
         self.inner.imported || self.chunks().any(|c| c.is_imported())
     }
 
-    fn check_range(&self, op: &str, offset: usize, len: usize) -> Result<()> {
+    fn check_range(&self, op: &'static str, offset: usize, len: usize) -> Result<()> {
         check_range(op, offset, len, self.inner.size)
     }
 
@@ -251,15 +252,13 @@ impl VirtualMemoryBuffer {
     /// Export for another process: one fresh fd per chunk, owned by the returned descriptor.
     /// The buffer keeps nothing; each call makes new fds.
     ///
-    /// Refused ([`Error::InvalidArgument`]) for an imported buffer and for one allocated with
+    /// Refused ([`Error::NotExportable`]) for an imported buffer and for one allocated with
     /// [`HandleType::None`]. A chunk that cannot be exported fails the whole export with an
     /// [`Error::Ipc`] naming the chunk, whose source is [`Error::FdLimit`] when the process is
     /// at its fd limit; the fds taken so far are closed.
     pub fn export(&self) -> Result<IpcDescriptor> {
         if self.is_imported() {
-            return Err(Error::InvalidArgument(format!(
-                "export: {IMPORTED_CANNOT_EXPORT}"
-            )));
+            return Err(imported_cannot_export("export"));
         }
         if !self.handle_type().exports_posix_fd() {
             let fabric = if self.handle_type().exports_fabric() {
@@ -267,11 +266,14 @@ impl VirtualMemoryBuffer {
             } else {
                 ""
             };
-            return Err(Error::InvalidArgument(format!(
-                "export: the buffer was allocated with handle type {:?}; create its \
-                 VirtualMemoryResource with HandleType::PosixFd to share it{fabric}",
-                self.handle_type()
-            )));
+            return Err(Error::NotExportable {
+                op: "export".into(),
+                reason: format!(
+                    "the buffer was allocated with handle type {:?}; create its \
+                     VirtualMemoryResource with HandleType::PosixFd to share it{fabric}",
+                    self.handle_type()
+                ),
+            });
         }
         let chunks: Vec<&Arc<Allocation>> = self.chunks().collect();
         let count = chunks.len();
@@ -286,9 +288,12 @@ impl VirtualMemoryBuffer {
             .enumerate()
             .map(|(index, chunk)| {
                 chunk.export_posix_fd().map_err(|e| {
-                    let step =
-                        format!("while exporting {}", chunk_name(index, count, chunk.size()));
-                    ipc_error("export", step, e)
+                    let size = chunk.size();
+                    Error::ipc(
+                        IpcOp::Export,
+                        IpcStep::Export(Chunk { index, count, size }),
+                        e,
+                    )
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -311,22 +316,23 @@ impl VirtualMemoryBuffer {
     /// buffer until every importer has imported). Takes about a microsecond per chunk, where a
     /// POSIX-fd export takes hundreds.
     ///
-    /// Refused ([`Error::InvalidArgument`]) for an imported buffer and for one allocated
+    /// Refused ([`Error::NotExportable`]) for an imported buffer and for one allocated
     /// without [`HandleType::Fabric`] or [`HandleType::PosixFdAndFabric`]. A chunk that cannot
     /// be exported fails the whole export with an [`Error::Ipc`] naming the chunk.
     pub fn export_fabric(&self) -> Result<FabricDescriptor> {
         if self.is_imported() {
-            return Err(Error::InvalidArgument(format!(
-                "export_fabric: {IMPORTED_CANNOT_EXPORT}"
-            )));
+            return Err(imported_cannot_export("export_fabric"));
         }
         if !self.handle_type().exports_fabric() {
-            return Err(Error::InvalidArgument(format!(
-                "export_fabric: the buffer was allocated with handle type {:?}; create its \
-                 VirtualMemoryResource with HandleType::Fabric (or PosixFdAndFabric) to share \
-                 it by fabric handle",
-                self.handle_type()
-            )));
+            return Err(Error::NotExportable {
+                op: "export_fabric".into(),
+                reason: format!(
+                    "the buffer was allocated with handle type {:?}; create its \
+                     VirtualMemoryResource with HandleType::Fabric (or PosixFdAndFabric) to \
+                     share it by fabric handle",
+                    self.handle_type()
+                ),
+            });
         }
         let count = self.chunks().count();
         let mut handles = Vec::with_capacity(count);
@@ -336,9 +342,12 @@ impl VirtualMemoryBuffer {
             let _current = self.device().make_current()?;
             for (index, chunk) in self.chunks().enumerate() {
                 let handle = chunk.export_fabric().map_err(|e| {
-                    let step =
-                        format!("while exporting {}", chunk_name(index, count, chunk.size()));
-                    ipc_error("export", step, e)
+                    let size = chunk.size();
+                    Error::ipc(
+                        IpcOp::Export,
+                        IpcStep::Export(Chunk { index, count, size }),
+                        e,
+                    )
                 })?;
                 handles.push(FabricHandle::from_bytes(handle));
                 sizes.push(chunk.size());
@@ -419,16 +428,13 @@ impl FdOwner for VirtualMemoryBuffer {
 ///   to, or the message was dropped unread) and closed that fd, so the sender may drop its own
 ///   handles at once, as with fds; [`wait_imported`](Self::wait_imported) waits for it.
 ///
-/// Imported buffers are refused ([`Error::InvalidArgument`]; forward their descriptor
+/// Imported buffers are refused ([`Error::NotExportable`]; forward their descriptor
 /// instead), as is serialising outside a [`wire`](crate::wire) transport. The receiving side is
 /// described on the `Deserialize` impl.
 impl Serialize for VirtualMemoryBuffer {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         if self.is_imported() {
-            return Err(serialize_error::<S>(Error::InvalidArgument(format!(
-                "{}: {IMPORTED_CANNOT_EXPORT}",
-                Self::WHAT
-            ))));
+            return Err(serialize_error::<S>(imported_cannot_export(Self::WHAT)));
         }
         if self.handle_type() == HandleType::Fabric {
             return self.serialize_fabric(serializer);
@@ -474,13 +480,23 @@ mod tests {
         check_range("read_at", 10, 0, 10).unwrap();
         let err = check_range("read_at", 5, 6, 10).unwrap_err();
         assert!(
-            matches!(&err, Error::InvalidArgument(m)
-                if m == "read_at: 6 bytes at offset 5 are out of bounds of the 10-byte buffer"),
+            matches!(&err, Error::OutOfBounds { op, offset: 5, len: 6, size: 10 } if op == "read_at"),
             "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "read_at: 6 bytes at offset 5 are out of bounds of the 10-byte buffer"
         );
         let err = check_range("write_at", usize::MAX, 1, 10).unwrap_err();
         assert!(
-            matches!(&err, Error::InvalidArgument(m) if m.starts_with("write_at: 1 bytes at")),
+            matches!(
+                &err,
+                Error::OutOfBounds {
+                    offset: usize::MAX,
+                    len: 1,
+                    ..
+                }
+            ),
             "{err:?}"
         );
     }

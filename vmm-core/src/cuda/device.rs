@@ -58,9 +58,12 @@ impl Device {
         static DEVICES: OnceLock<Mutex<HashMap<usize, Device>>> = OnceLock::new();
         let count = Self::count()?;
         if ordinal >= count {
-            return Err(Error::InvalidArgument(format!(
-                "device ordinal {ordinal} does not exist: this process sees {count} CUDA device(s)"
-            )));
+            return Err(Error::NoSuchDevice {
+                message: format!(
+                    "device ordinal {ordinal} does not exist: this process sees {count} CUDA \
+                     device(s)"
+                ),
+            });
         }
         let mut devices = DEVICES
             .get_or_init(Default::default)
@@ -92,10 +95,12 @@ impl Device {
                 return Ok(device);
             }
         }
-        Err(Error::InvalidArgument(format!(
-            "no CUDA device in this process has UUID {}; check CUDA_VISIBLE_DEVICES",
-            format_uuid(uuid)
-        )))
+        Err(Error::NoSuchDevice {
+            message: format!(
+                "no CUDA device in this process has UUID {}; check CUDA_VISIBLE_DEVICES",
+                format_uuid(uuid)
+            ),
+        })
     }
 
     /// The ordinal in this process.
@@ -292,7 +297,7 @@ mod tests {
                 assert!(matches!(Device::new(0), Err(Error::CudaUnavailable(_))));
             }
             Ok(0) => assert!(
-                matches!(Device::new(0), Err(Error::InvalidArgument(m))
+                matches!(Device::new(0), Err(Error::NoSuchDevice { message: m })
                     if m.contains("device ordinal 0 does not exist")),
                 "{reason}"
             ),

@@ -60,6 +60,7 @@ use super::device::{Device, availability, format_uuid};
 use super::driver::{self, FABRIC_HANDLE_LEN};
 use super::handle::Allocation;
 use super::options::{HandleType, Location};
+use crate::error::DescriptorRule;
 use crate::wire::deserialize_error;
 use crate::{Error, Result};
 
@@ -330,16 +331,22 @@ impl FabricDescriptor {
 fn validate_fabric_layout(handle_count: usize, chunk_sizes: &[usize], size: usize) -> Result<()> {
     let count = chunk_sizes.len();
     if handle_count != count {
-        return Err(Error::InvalidArgument(format!(
-            "invalid FabricDescriptor: {handle_count} handle(s) for {count} chunk(s): a \
-             descriptor carries exactly one fabric handle per chunk"
-        )));
+        return Err(Error::descriptor(
+            DescriptorRule::ChunkCount,
+            format!(
+                "invalid FabricDescriptor: {handle_count} handle(s) for {count} chunk(s): a \
+                 descriptor carries exactly one fabric handle per chunk"
+            ),
+        ));
     }
     if count > MAX_FABRIC_CHUNKS {
-        return Err(Error::InvalidArgument(format!(
-            "invalid FabricDescriptor: {count} chunks, more than the {MAX_FABRIC_CHUNKS} a \
-             FabricDescriptor may name"
-        )));
+        return Err(Error::descriptor(
+            DescriptorRule::ChunkCount,
+            format!(
+                "invalid FabricDescriptor: {count} chunks, more than the {MAX_FABRIC_CHUNKS} a \
+                 FabricDescriptor may name"
+            ),
+        ));
     }
     validate_chunks("FabricDescriptor", chunk_sizes, size, 1).map(drop)
 }
@@ -363,18 +370,22 @@ impl Wire {
         if self.handle_type != HandleType::Fabric.to_raw() {
             let named = HandleType::from_raw(self.handle_type)
                 .map_or_else(|_| "unknown".to_owned(), |h| format!("{h:?}"));
-            return Err(Error::InvalidArgument(format!(
-                "invalid FabricDescriptor: handle type {} ({named}): a FabricDescriptor carries \
-                 fabric handles ({}); a POSIX-fd descriptor is an IpcDescriptor",
-                self.handle_type,
-                HandleType::Fabric.to_raw()
-            )));
+            return Err(Error::descriptor(
+                DescriptorRule::HandleType,
+                format!(
+                    "invalid FabricDescriptor: handle type {} ({named}): a FabricDescriptor \
+                     carries fabric handles ({}); a POSIX-fd descriptor is an IpcDescriptor",
+                    self.handle_type,
+                    HandleType::Fabric.to_raw()
+                ),
+            ));
         }
         let fit = |v: u64| {
             usize::try_from(v).map_err(|_| {
-                Error::InvalidArgument(format!(
-                    "invalid FabricDescriptor: {v} does not fit this platform's usize"
-                ))
+                Error::descriptor(
+                    DescriptorRule::Size,
+                    format!("invalid FabricDescriptor: {v} does not fit this platform's usize"),
+                )
             })
         };
         let chunk_sizes = self
@@ -626,8 +637,8 @@ mod tests {
         assert_eq!(d.handle_type(), HandleType::Fabric);
         let refused = |handles: &[FabricHandle], sizes: &[usize], size: usize| {
             match FabricDescriptor::from_handles(handles, sizes, size, [0; 16]) {
-                Err(Error::InvalidArgument(m)) => m,
-                other => panic!("expected InvalidArgument, got {other:?}"),
+                Err(Error::InvalidDescriptor { message, .. }) => message,
+                other => panic!("expected InvalidDescriptor, got {other:?}"),
             }
         };
         assert_eq!(
@@ -673,7 +684,7 @@ mod tests {
             let bytes = postcard::to_stdvec(&wire(raw)).unwrap();
             let err = crate::wire::decode::<FabricDescriptor>(&bytes, Vec::new()).unwrap_err();
             assert!(
-                matches!(&err, Error::InvalidArgument(m)
+                matches!(&err, Error::InvalidDescriptor { rule: DescriptorRule::HandleType, message: m }
                     if m == &format!("invalid FabricDescriptor: handle type {raw} ({named}): a \
                                       FabricDescriptor carries fabric handles (8); a POSIX-fd \
                                       descriptor is an IpcDescriptor")),
@@ -692,15 +703,19 @@ mod tests {
             code: 101,
         };
         let failed = Error::Ipc {
-            op: "import".into(),
-            step: "while mapping chunk 1 of 1 (2097152 bytes)".into(),
+            op: crate::error::IpcOp::Import,
+            step: crate::error::IpcStep::Map(crate::error::Chunk {
+                index: 0,
+                count: 1,
+                size: 2 << 20,
+            }),
             source: Box::new(refused),
         };
         let explained = unreachable_from(failed, &[0xAB; 16], "device 0 (NVIDIA H200)");
         let Error::Ipc { source, step, .. } = &explained else {
             panic!("the step is kept: {explained:?}");
         };
-        assert!(step.starts_with("while mapping chunk 1"));
+        assert!(step.to_string().starts_with("while mapping chunk 1"));
         assert!(
             matches!(source.as_ref(), Error::FabricUnreachable { owner, .. }
                 if owner == "GPU-abababab-abab-abab-abab-abababababab"),
@@ -724,8 +739,12 @@ mod tests {
             Error::NoImexChannel { .. }
         ));
         assert!(matches!(
-            unreachable_from(Error::InvalidArgument("x".into()), &[0xAB; 16], "device 0"),
-            Error::InvalidArgument(_)
+            unreachable_from(
+                Error::descriptor(DescriptorRule::Location, "x"),
+                &[0xAB; 16],
+                "device 0"
+            ),
+            Error::InvalidDescriptor { .. }
         ));
     }
 }
