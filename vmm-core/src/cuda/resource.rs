@@ -8,7 +8,8 @@ use super::buffer::VirtualMemoryBuffer;
 use super::descriptor::{IpcDescriptor, validate_chunks, validate_layout};
 use super::device::{Device, format_uuid};
 use super::driver::{self, CUmemAccessDesc, CUmemLocation};
-use super::fabric::{self, FabricDescriptor};
+use super::fabric::FabricDescriptor;
+use super::fabric_support;
 use super::handle::{Allocation, Reservation, Segment};
 use super::options::{Access, Granularity, HandleType, Location, ResourceOptions};
 use crate::error::{Chunk, DescriptorRule, IpcOp, IpcStep};
@@ -190,7 +191,7 @@ impl VirtualMemoryResource {
         match chunk {
             Ok(chunk) => Ok(Arc::new(chunk)),
             Err(e) if handle_type.exports_fabric() => {
-                Err(fabric::explain_refusal(e, &self.inner.device))
+                Err(fabric_support::explain_refusal(e, &self.inner.device))
             }
             Err(e) => Err(e),
         }
@@ -394,11 +395,11 @@ impl VirtualMemoryResource {
             (descriptor.location(), HandleType::Fabric),
             |device, index, size| {
                 Allocation::import_fabric(device, handles[index].as_bytes(), size)
-                    .map_err(|e| fabric::explain_refusal(e, device))
+                    .map_err(|e| fabric_support::explain_refusal(e, device))
             },
         )
         .map_err(|e| match remote {
-            true => fabric::unreachable(e, &owner, self.device()),
+            true => fabric_support::unreachable(e, &owner, self.device()),
             false => e,
         })
         .map(|buffer| buffer.owned_by(owner))
