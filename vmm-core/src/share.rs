@@ -37,6 +37,45 @@ pub trait SharedBuffer: Clone + Serialize + DeserializeOwned + Send + Sync + 'st
     fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()>;
 }
 
+/// `impl SharedBuffer for $buffer` by its inherent methods of the same names, which both
+/// backends have (they are the API; the trait only lets code be written once for both).
+macro_rules! shared_buffer_by_inherent_methods {
+    ($buffer:ty, $descriptor:ty) => {
+        impl $crate::SharedBuffer for $buffer {
+            type Descriptor = $descriptor;
+
+            fn size(&self) -> usize {
+                <$buffer>::size(self)
+            }
+
+            fn is_imported(&self) -> bool {
+                <$buffer>::is_imported(self)
+            }
+
+            fn export(&self) -> $crate::Result<$descriptor> {
+                <$buffer>::export(self)
+            }
+
+            fn import(descriptor: &$descriptor) -> $crate::Result<Self> {
+                <$buffer>::import(descriptor)
+            }
+
+            fn fill(&self, value: u8) -> $crate::Result<()> {
+                <$buffer>::fill(self, value)
+            }
+
+            fn write_at(&self, offset: usize, data: &[u8]) -> $crate::Result<()> {
+                <$buffer>::write_at(self, offset, data)
+            }
+
+            fn read_at(&self, offset: usize, out: &mut [u8]) -> $crate::Result<()> {
+                <$buffer>::read_at(self, offset, out)
+            }
+        }
+    };
+}
+pub(crate) use shared_buffer_by_inherent_methods;
+
 /// Why imported memory is not exported again, in the words every refusal (both backends) uses.
 pub(crate) const IMPORTED_CANNOT_EXPORT: &str = "an imported buffer cannot be exported again \
      (the CUDA driver refuses to re-export imported memory, and host buffers follow the same \

@@ -163,12 +163,7 @@ pub(crate) fn validate_layout(
     size: usize,
     granularity: usize,
 ) -> Result<usize> {
-    let bad = |rule, message: String| {
-        Err(Error::descriptor(
-            rule,
-            format!("invalid IpcDescriptor: {message}"),
-        ))
-    };
+    let bad = |rule, message: String| refuse("IpcDescriptor", rule, message);
     if handle_type != HandleType::PosixFd {
         return bad(
             DescriptorRule::HandleType,
@@ -188,6 +183,14 @@ pub(crate) fn validate_layout(
     validate_chunks("IpcDescriptor", chunk_sizes, size, granularity)
 }
 
+/// An [`Error::InvalidDescriptor`] for `rule`: `invalid {what}: {message}`.
+fn refuse<T>(what: &str, rule: DescriptorRule, message: String) -> Result<T> {
+    Err(Error::descriptor(
+        rule,
+        format!("invalid {what}: {message}"),
+    ))
+}
+
 /// The layout rules every descriptor (`what`: its type, for errors) meets: no empty chunk,
 /// each a multiple of `granularity`, a sum that does not overflow and is at least `size`.
 /// Returns the sum of the chunk sizes.
@@ -197,12 +200,7 @@ pub(crate) fn validate_chunks(
     size: usize,
     granularity: usize,
 ) -> Result<usize> {
-    let bad = |rule, message: String| {
-        Err(Error::descriptor(
-            rule,
-            format!("invalid {what}: {message}"),
-        ))
-    };
+    let bad = |rule, message: String| refuse(what, rule, message);
     let count = chunk_sizes.len();
     let mut total = 0usize;
     for (index, &chunk) in chunk_sizes.iter().enumerate() {
@@ -383,73 +381,75 @@ mod tests {
         );
     }
 
+    /// `validate_layout(handle_type, fds, sizes, size, G)` is refused for `rule`, with a message
+    /// that contains every one of `needles`.
+    #[track_caller]
+    fn refused(
+        rule: DescriptorRule,
+        (handle_type, fds, sizes, size): (HandleType, usize, &[usize], usize),
+        needles: &[&str],
+    ) {
+        let m = err(rule, validate_layout(handle_type, fds, sizes, size, G));
+        for needle in needles {
+            assert!(m.contains(needle), "{needle:?} missing from {m}");
+        }
+    }
+
     #[test]
     fn handle_type_none_is_refused() {
-        let m = err(
+        let layout = (HandleType::None, 1, &[G][..], G);
+        refused(
             DescriptorRule::HandleType,
-            validate_layout(HandleType::None, 1, &[G], G, G),
-        );
-        assert!(
-            m.contains("handle type None") && m.contains("PosixFd"),
-            "{m}"
+            layout,
+            &["handle type None", "PosixFd"],
         );
     }
 
     #[test]
     fn fd_and_chunk_counts_must_match() {
-        let m = err(
-            DescriptorRule::Fds,
-            validate_layout(HandleType::PosixFd, 1, &[G, G], G, G),
-        );
-        assert!(
-            m.contains("1 fd(s) for 2 chunk(s)") && m.contains("one fd per chunk"),
-            "{m}"
-        );
+        let layout = (HandleType::PosixFd, 1, &[G, G][..], G);
+        let needles = ["1 fd(s) for 2 chunk(s)", "one fd per chunk"];
+        refused(DescriptorRule::Fds, layout, &needles);
     }
 
     #[test]
     fn empty_chunk_is_refused_by_number() {
-        let m = err(
+        let layout = (HandleType::PosixFd, 3, &[G, 0, G][..], G);
+        refused(
             DescriptorRule::ChunkSize,
-            validate_layout(HandleType::PosixFd, 3, &[G, 0, G], G, G),
+            layout,
+            &["chunk 2 of 3 has size 0"],
         );
-        assert!(m.contains("chunk 2 of 3 has size 0"), "{m}");
     }
 
     #[test]
     fn unaligned_chunk_is_refused_by_number() {
-        let m = err(
-            DescriptorRule::ChunkSize,
-            validate_layout(HandleType::PosixFd, 2, &[G, G + 1], G, G),
-        );
-        assert!(
-            m.contains("chunk 2 of 2 has size 2097153") && m.contains("granularity 2097152"),
-            "{m}"
-        );
+        let layout = (HandleType::PosixFd, 2, &[G, G + 1][..], G);
+        let needles = ["chunk 2 of 2 has size 2097153", "granularity 2097152"];
+        refused(DescriptorRule::ChunkSize, layout, &needles);
     }
 
     #[test]
     fn overflowing_sum_is_refused_by_number() {
         let big = usize::MAX / G * G;
-        let m = err(
-            DescriptorRule::Size,
-            validate_layout(HandleType::PosixFd, 2, &[big, big], G, G),
-        );
-        assert!(m.contains("chunk 2 of 2") && m.contains("overflows"), "{m}");
+        let layout = (HandleType::PosixFd, 2, &[big, big][..], G);
+        refused(DescriptorRule::Size, layout, &["chunk 2 of 2", "overflows"]);
     }
 
     #[test]
     fn size_beyond_chunks_is_refused() {
-        let m = err(
+        let layout = (HandleType::PosixFd, 1, &[G][..], G + 1);
+        refused(
             DescriptorRule::Size,
-            validate_layout(HandleType::PosixFd, 1, &[G], G + 1, G),
+            layout,
+            &["size 2097153 exceeds the 2097152 bytes"],
         );
-        assert!(m.contains("size 2097153 exceeds the 2097152 bytes"), "{m}");
-        let m = err(
+        let layout = (HandleType::PosixFd, 0, &[][..], 1);
+        refused(
             DescriptorRule::Size,
-            validate_layout(HandleType::PosixFd, 0, &[], 1, G),
+            layout,
+            &["size 1 exceeds the 0 bytes"],
         );
-        assert!(m.contains("size 1 exceeds the 0 bytes"), "{m}");
     }
 
     #[test]

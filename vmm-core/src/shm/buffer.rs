@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::descriptor::HostDescriptor;
 use super::map::{self, Mapping};
 use crate::error::DescriptorRule;
-use crate::share::{SharedBuffer, check_range, imported_cannot_export};
+use crate::share::{check_range, imported_cannot_export};
 use crate::{Error, Result};
 
 /// Host memory that other processes can map: a sealed memfd, mapped shared.
@@ -272,37 +272,7 @@ impl HostBuffer {
     }
 }
 
-impl SharedBuffer for HostBuffer {
-    type Descriptor = HostDescriptor;
-
-    fn size(&self) -> usize {
-        HostBuffer::size(self)
-    }
-
-    fn is_imported(&self) -> bool {
-        HostBuffer::is_imported(self)
-    }
-
-    fn export(&self) -> Result<HostDescriptor> {
-        HostBuffer::export(self)
-    }
-
-    fn import(descriptor: &HostDescriptor) -> Result<Self> {
-        HostBuffer::import(descriptor)
-    }
-
-    fn fill(&self, value: u8) -> Result<()> {
-        HostBuffer::fill(self, value)
-    }
-
-    fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
-        HostBuffer::write_at(self, offset, data)
-    }
-
-    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        HostBuffer::read_at(self, offset, out)
-    }
-}
+crate::share::shared_buffer_by_inherent_methods!(HostBuffer, HostDescriptor);
 
 /// Serialises by exporting: the message owns the fresh fd; the receiver gets a mapped buffer.
 impl Serialize for HostBuffer {

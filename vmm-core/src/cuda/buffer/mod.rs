@@ -242,38 +242,8 @@ impl VirtualMemoryBuffer {
     }
 }
 
-impl crate::SharedBuffer for VirtualMemoryBuffer {
-    type Descriptor = IpcDescriptor;
-
-    fn size(&self) -> usize {
-        VirtualMemoryBuffer::size(self)
-    }
-
-    fn is_imported(&self) -> bool {
-        VirtualMemoryBuffer::is_imported(self)
-    }
-
-    fn export(&self) -> Result<IpcDescriptor> {
-        VirtualMemoryBuffer::export(self)
-    }
-
-    /// Into this process's [`importer`](super::importer) (see [`VirtualMemoryBuffer::import`]).
-    fn import(descriptor: &IpcDescriptor) -> Result<Self> {
-        VirtualMemoryBuffer::import(descriptor)
-    }
-
-    fn fill(&self, value: u8) -> Result<()> {
-        VirtualMemoryBuffer::fill(self, value)
-    }
-
-    fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
-        VirtualMemoryBuffer::write_at(self, offset, data)
-    }
-
-    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        VirtualMemoryBuffer::read_at(self, offset, out)
-    }
-}
+// Into this process's importer, as `VirtualMemoryBuffer::import` does.
+crate::share::shared_buffer_by_inherent_methods!(VirtualMemoryBuffer, IpcDescriptor);
 
 /// Split `offset..offset+len` over chunks given as (address, size), in order.
 fn pieces(
