@@ -10,7 +10,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::process::ChildError;
+mod child;
+
+pub(crate) use child::NotRunStage;
+pub use child::{ChildError, ExitStatus, StartMethod};
 
 /// Every fallible operation of `vmm_core` returns this error.
 ///

@@ -6,9 +6,9 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::StartMethod;
 use super::handle::Process;
 use super::launch::{self, Launch, Made, current_test_name, dup, output_memfds};
-use super::method::StartMethod;
 use super::protocol::{Begin, Payload, Start};
 use super::timeout::default_timeout;
 use super::tracker::{FateCell, Registry};

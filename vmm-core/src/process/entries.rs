@@ -207,8 +207,8 @@ mod tests {
     use std::process::{Command, Stdio};
     use std::time::Duration;
 
+    use super::super::StartMethod;
     use super::super::child::EXIT_NOT_RUN;
-    use super::super::method::StartMethod;
     use super::super::protocol::{Begin, Payload, ROLE_VAR, Report, Start};
     use super::super::status::{NotRunStage, Outcome};
     use super::super::{entry, sys};

@@ -6,11 +6,11 @@ use std::io::Write;
 use std::os::fd::OwnedFd;
 use std::panic::{self, AssertUnwindSafe};
 
+use super::StartMethod;
 use super::child::{
     EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED, panic_report, record_panics, warm_up,
 };
 use super::entries::{self, ChildEntry, register_entry};
-use super::method::StartMethod;
 use super::protocol::{Begin, Report, Start};
 use super::status::{NotRunStage, Outcome};
 use super::worker;

@@ -12,7 +12,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 
-use super::method::StartMethod;
+use super::StartMethod;
 use super::protocol::Report;
 use super::status::{ChildError, ExitStatus, Observed, Outcome};
 use super::sys;

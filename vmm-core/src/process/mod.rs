@@ -115,7 +115,7 @@
 // - tracker: which children a test started (`#[ipc_test]`'s registry)
 // - protocol: the messages; status: ExitStatus, ChildError, a child's outcome
 // - timeout: `VMM_CHILD_TIMEOUT`, default_timeout
-// - method: StartMethod
+// - StartMethod itself is plain data in crate::error (with ExitStatus and ChildError)
 // - sys: the thin unsafe layer (fork, fd renumbering, pidfds, code addresses, environment)
 mod child;
 mod context;
@@ -124,7 +124,6 @@ mod entry;
 mod forkserver;
 mod handle;
 mod launch;
-mod method;
 mod pool;
 mod protocol;
 mod role;
@@ -136,10 +135,10 @@ mod tracker;
 mod warm;
 mod worker;
 
+pub use crate::error::StartMethod;
 pub use context::Context;
 pub use forkserver::{ensure_running, forkserver_pid};
 pub use handle::Process;
-pub use method::StartMethod;
 pub use pool::{Pool, TaskHandle};
 pub use role::init;
 pub use status::{ChildError, ExitStatus};

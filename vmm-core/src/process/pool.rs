@@ -37,10 +37,10 @@ use nix::unistd::Pid;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::StartMethod;
 use super::context;
 use super::handle::STATUS_REPORT_GRACE;
 use super::launch::current_test_name;
-use super::method::StartMethod;
 use super::protocol::{Begin, Payload, Report, Serve, Task, TaskOutcome};
 use super::status::{ChildError, ExitStatus, Observed, Outcome};
 use super::timeout::default_timeout;

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::method::StartMethod;
+use super::StartMethod;
 use super::status::{ExitStatus, NotRunStage, Outcome};
 use crate::Error;
 

@@ -16,9 +16,9 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Pid, getpid};
 
+use super::StartMethod;
 use super::child::{self, EXIT_NO_START};
 use super::entry;
-use super::method::StartMethod;
 use super::protocol::{ForkReply, ForkRequest, Report};
 use super::status::ExitStatus;
 use super::{launch, sys};

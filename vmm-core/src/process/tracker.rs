@@ -10,7 +10,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 
-use super::method::StartMethod;
+use super::StartMethod;
 use super::sys;
 
 /// What became of a tracked child.

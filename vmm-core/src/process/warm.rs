@@ -26,8 +26,8 @@ use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::Pid;
 
+use super::StartMethod;
 use super::launch::{self, Launch, Made, current_test_name, dup, output_memfds};
-use super::method::StartMethod;
 use super::protocol::{Begin, Report};
 use super::status::{ChildError, ExitStatus, Observed};
 use super::sys;
