@@ -20,7 +20,7 @@ pub enum StartMethod {
     /// A fork of this process's forkserver: a fresh, CUDA-free image forked on request.
     Forkserver,
     /// A child started like `Spawn` (a fresh exec), but ahead of need: it initialised CUDA (where
-    /// there is a GPU) while it waited in this process's [warm pool](crate::process::warm_pool). It still
+    /// there is a GPU) while it waited in this process's [warm pool](crate::process::WarmPool). It still
     /// runs exactly one function, so its isolation is spawn's; only the start-up is moved off
     /// the critical path.
     Warm,

@@ -28,7 +28,7 @@
 //! - **forkserver**: one server per parent, started lazily by spawn, CUDA-free and
 //!   single-threaded, forks each child on request and reports its exit status.
 //! - **warm**: a child started the way spawn starts one, but ahead of need: it waits in this
-//!   process's [warm pool](warm_pool) with CUDA already initialised (where there is a GPU; the
+//!   process's [warm pool](WarmPool) with CUDA already initialised (where there is a GPU; the
 //!   devices and the pool's depth are [`WarmOptions`]), and `spawn` hands it the function. It
 //!   still runs exactly one function, so the isolation is spawn's; only the start-up moved off
 //!   the critical path. A replacement starts in the background; a waiting child that died is
@@ -36,7 +36,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use vmm_core::process::{Context, StartMethod, warm_pool};
+//! use vmm_core::process::{Context, StartMethod, WarmPool};
 //!
 //! fn child(n: u32) {
 //!     assert_eq!(n, 7); // CUDA is initialised here already, on a GPU machine
@@ -44,7 +44,7 @@
 //!
 //! fn main() -> vmm_core::Result<()> {
 //!     vmm_core::process::init();
-//!     warm_pool()?; // optional: start the pool now and wait until it is ready
+//!     WarmPool::global().fill()?; // optional: start the pool now and wait until it is ready
 //!     let ctx = Context::new(StartMethod::Warm);
 //!     ctx.spawn(child, 7)?.join(Duration::from_secs(10))?;
 //!     Ok(())
@@ -123,15 +123,18 @@ mod entries;
 mod entry;
 mod forkserver;
 mod handle;
+pub(crate) mod hook;
 mod launch;
 mod pool;
 mod protocol;
+mod remote;
 mod role;
 mod server;
 mod status;
+mod supervisor;
 mod sys;
 mod timeout;
-mod tracker;
+pub(crate) mod tracker;
 mod warm;
 mod worker;
 
@@ -145,11 +148,4 @@ pub use status::{ChildError, ExitStatus};
 pub use timeout::{
     FALLBACK_TIMEOUT, TIMEOUT_VAR, default_timeout, parse_timeout, try_default_timeout,
 };
-pub use warm::{
-    DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, WarmOptions, set_warm_options, warm_options, warm_pids,
-    warm_pool,
-};
-
-pub(crate) use launch::current_test_name;
-pub(crate) use tracker::Registry;
-pub(crate) use warm::{prestart as prestart_warm_pool, quiesce as quiesce_warm_pool};
+pub use warm::{DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, WarmOptions, WarmPool};
