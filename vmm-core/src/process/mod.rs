@@ -98,24 +98,31 @@
 //! (the kernel's rules, not vmm-core's, decide that).
 
 // Inside, each file one job; dependencies point down this list, never back up:
-// - pool: `Pool` and `TaskHandle` (the parent's side of reusable workers)
+// - pool/: `Pool` (mod), `TaskHandle` (handle), the task table and redelivery (tasks), the
+//   waiters' event loop (events), a worker's reports (report), a worker's start and end (worker)
 // - context: `Context` (what the parent does to start a child), `make` (a child of any
 //   method, waiting for its first message)
-// - handle: `Process` (the parent's handle: join, kill, reap)
-// - warm: the warm pool (children waiting, refilled on the launcher thread)
+// - handle: `Process` (a single-use child's reports; join, kill)
+// - warm/: `WarmPool` (mod), `WarmOptions` (options), one waiting child (waiting)
 // - forkserver: the parent's side of the forkserver (start it, ask it for a child)
 // - role: the pre-`main` hook and `init`: a started process takes its role
 // - server: the forkserver's own loop (forks children)
-// - entry: a child's life: (warm-up,) start message, entry point, report, exit
+// - entry: a child's life: (warm-up,) start message, its call, report, exit
+// - worker: a pool worker's life: warm-up, then calls from its task socket until it closes
+// - remote: one remote call (the entry point registered for a function, the `Call` naming it,
+//   running it in the child), for single-use children and pool tasks alike
 // - entries: the entry table (what a child may run on its parent's word) and its lookup
-// - worker: a pool worker's life: warm-up, then tasks from its task socket until it closes
 // - child: what every child does (exit codes, die with the parent, record panics, warm up)
-// - launch: posix_spawn of /proc/self/exe on the launcher thread; the running test's name;
-//   `Made` (a child waiting for its first message) and its output memfds
-// - tracker: which children a test started (`#[ipc_test]`'s registry)
-// - protocol: the messages; status: ExitStatus, ChildError, a child's outcome
+// - tracker: a child's fate, and the `Tracker` a `Context` tells of each child it starts
+//   (`testing` keeps `#[ipc_test]`'s registry behind it)
+// - supervisor: `Supervised`, the one supervised child (pid, pidfd, channel, output, what is
+//   known of its end; kill, reap, waits by deadline, output reading) that `Process`, a waiting
+//   warm child and a pool worker are built on
+// - launch: posix_spawn of /proc/self/exe on the launcher thread
+// - hook: the argv a re-executed child needs, from the harness (`testing` installs libtest's)
+// - protocol: the messages; status: a child's outcome, and `ChildError` assembled from it
+//   (`ChildError`, `ExitStatus` and `StartMethod` are plain data in `crate::error`)
 // - timeout: `VMM_CHILD_TIMEOUT`, default_timeout
-// - StartMethod itself is plain data in crate::error (with ExitStatus and ChildError)
 // - sys: the thin unsafe layer (fork, fd renumbering, pidfds, code addresses, environment)
 mod child;
 mod context;

@@ -12,7 +12,7 @@ use nix::poll::{PollFd, PollFlags, poll};
 use super::super::supervisor::poll_timeout;
 use super::Shared;
 use super::tasks::{Finished, Inner, TaskState, task_over};
-use crate::wire::Channel;
+use crate::wire::{Channel, spin_window};
 use crate::{Error, Result};
 
 impl Shared {
@@ -168,21 +168,4 @@ impl Shared {
             self.changed.notify_all();
         }
     }
-}
-
-/// How long a waiter keeps reading the workers before it sleeps: [`crate::wire::SPIN_VAR`]
-/// microseconds (the window a wire receive uses), else 20 us on a machine with more than one
-/// CPU, else none.
-fn spin_window() -> Duration {
-    static WINDOW: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *WINDOW.get_or_init(|| {
-        let micros = std::env::var(crate::wire::SPIN_VAR)
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or_else(|| {
-                let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-                if cpus > 1 { 20 } else { 0 }
-            });
-        Duration::from_micros(micros.min(10_000))
-    })
 }
