@@ -320,6 +320,27 @@ fn options_set_the_depth() {
     );
 }
 
+#[test]
+fn an_owned_pool_fills_apart_from_the_global_one_and_its_children_end_with_it() {
+    let _turn = turn();
+    let pool = WarmPool::new(WarmOptions::new().with_depth(2).with_devices([]));
+    let pids = pool.fill().unwrap();
+    assert_eq!(pids.len(), 2);
+    assert_eq!(pool.pids().len(), 2);
+    assert!(
+        pids.iter()
+            .all(|pid| !WarmPool::global().pids().contains(pid)),
+        "the global pool holds none of them"
+    );
+    drop(pool);
+    for pid in pids {
+        assert!(
+            gone_within(pid, TIMEOUT, false),
+            "waiting child {pid} outlived its pool (or was not reaped)"
+        );
+    }
+}
+
 fn start_pool_and_hang(queue: Queue<Vec<u32>>) {
     let pids = WarmPool::global().fill().unwrap();
     queue.put(&pids).unwrap();

@@ -8,14 +8,13 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill};
-use nix::sys::wait::waitpid;
 use nix::unistd::{Pid, getpid};
 
 use super::hook::{self, ChildKind};
 use super::launch::{Launch, launch};
 use super::protocol::{ForkReply, ForkRequest};
 use super::status::ExitStatus;
-use super::supervisor::exit_status;
+use super::supervisor::reap_pid;
 use crate::wire::{self, Channel};
 use crate::{Error, Result};
 
@@ -97,13 +96,10 @@ fn start() -> Result<Server> {
 /// Kill (if needed) and reap a server; say how it ended.
 fn end(pid: Pid) -> String {
     let _ = kill(pid, Signal::SIGKILL);
-    match waitpid(pid, None) {
-        Ok(status) => match exit_status(status) {
-            Some(ExitStatus::Exited(code)) => format!("it exited with code {code}"),
-            Some(killed) => format!("it was {killed}"),
-            None => format!("wait status {status:?}"),
-        },
-        Err(e) => format!("waitpid failed: {e}"),
+    match reap_pid(pid) {
+        Ok(ExitStatus::Exited(code)) => format!("it exited with code {code}"),
+        Ok(killed) => format!("it was {killed}"),
+        Err(e) => e.to_string(),
     }
 }
 

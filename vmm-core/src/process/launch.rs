@@ -75,11 +75,9 @@ pub(crate) fn launch_then(
 /// Start `launch` from the launcher thread and return the child's pid.
 pub(crate) fn launch(launch: Launch) -> Result<Pid> {
     let (tx, rx) = mpsc::sync_channel(1);
-    launcher()?
-        .send(Box::new(move || {
-            let _ = tx.send(spawn_now(launch));
-        }))
-        .map_err(|_| Error::Forkserver("the launcher thread is gone".into()))?;
+    launch_then(launch, move |launched| {
+        let _ = tx.send(launched);
+    })?;
     rx.recv()
         .map_err(|_| Error::Forkserver("the launcher thread dropped a request".into()))?
 }
