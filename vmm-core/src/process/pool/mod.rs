@@ -86,7 +86,7 @@ use worker::{Worker, WorkerState};
 ///   taking it runs on the replacement (at most three workers are tried); a task never runs
 ///   twice. A task that is still waiting for a worker at
 ///   the deadline is [`Error::Timeout`]; a running one is killed with its worker
-///   ([`ChildError::timed_out`]).
+///   ([`ChildError::timed_out`](super::ChildError::timed_out)).
 /// - Dropping the pool kills and reaps every worker (tasks that had not finished fail with
 ///   [`Error::Disconnected`]).
 ///
