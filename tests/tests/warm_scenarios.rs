@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use cudarc::driver::sys;
 use vmm_core::ipc_test;
-use vmm_core::process::{Context, StartMethod, ensure_running, warm_options, warm_pids, warm_pool};
+use vmm_core::process::{Context, StartMethod, WarmPool, ensure_running};
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::Queue;
@@ -37,10 +37,10 @@ fn a_thread_unsafe_warm_test_starts_with_the_pool_full(ctx: &Context) {
     assert_eq!(ctx.method(), StartMethod::Warm);
     // The runner filled the pool before the body: the waiting children are there, and the fd
     // baseline taken now includes them.
-    let waiting = warm_pids();
+    let waiting = WarmPool::global().pids();
     assert_eq!(
         waiting.len(),
-        warm_options().depth(),
+        WarmPool::global().options().depth(),
         "the pool was not filled before the body"
     );
     ensure_running().unwrap();
@@ -58,7 +58,7 @@ fn a_thread_unsafe_warm_test_starts_with_the_pool_full(ctx: &Context) {
         before,
         "a warm child left fds behind"
     );
-    assert_eq!(warm_pool().unwrap().len(), waiting.len());
+    assert_eq!(WarmPool::global().fill().unwrap().len(), waiting.len());
 }
 
 /// Whether device 0's primary context is active in this process, asked before this process

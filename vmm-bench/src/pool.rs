@@ -18,7 +18,7 @@ use criterion::Criterion;
 use vmm_core::cuda::{
     Device, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource,
 };
-use vmm_core::process::{Pool, StartMethod, set_warm_options, warm_options};
+use vmm_core::process::{Pool, StartMethod, WarmPool};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
 
 use crate::handoff::{RawWork, bench_raw};
@@ -77,7 +77,7 @@ fn bench_pool<F, D>(
     drop(pool);
     // The warm pool's waiting children (the worker came from it) would sit beside the baseline:
     // end them (the pool refills on its next use).
-    set_warm_options(warm_options());
+    WarmPool::global().set_options(WarmPool::global().options());
     bench_raw(group, "raw-socket", work, fd, size, |child| {
         child.send(fd, size)
     });

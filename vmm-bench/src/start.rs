@@ -5,7 +5,7 @@
 //!   tiny program, init_cost.c's `noop`) and, for information, of this bench executable with
 //!   `VMM_BENCH_BASELINE=noop` (which exits right after `init()`: the cost of exec'ing a large
 //!   Rust binary, without vmm-core's protocol). `warm`: the same from a warm pool that is full
-//!   and ready when the clock starts (`warm_pool()` untimed before each), next to spawn.
+//!   and ready when the clock starts (`WarmPool::global().fill()` untimed before each), next to spawn.
 //! - gpu-child: a child that initialises CUDA by importing a descriptor, drops it and exits,
 //!   and join, next to this executable re-run with `VMM_BENCH_BASELINE=cuda-init` (`cuInit` +
 //!   primary context, then exit: init_cost.c's `cuda` child). `warm`: the same child taken
@@ -25,9 +25,7 @@ use criterion::Criterion;
 use vmm_core::cuda::{
     Device, HandleType, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource,
 };
-use vmm_core::process::{
-    Context, StartMethod, ensure_running, set_warm_options, warm_options, warm_pool,
-};
+use vmm_core::process::{Context, StartMethod, WarmPool, ensure_running};
 use vmm_core::wire::Queue;
 
 use crate::report::{Target, row};
@@ -69,7 +67,7 @@ where
     F: Fn(A) + Copy,
     A: serde::Serialize + serde::de::DeserializeOwned,
 {
-    warm_pool().expect("warm the pool");
+    WarmPool::global().fill().expect("warm the pool");
     start_join(StartMethod::Warm, f, args)
 }
 
@@ -166,12 +164,12 @@ pub fn child_start(c: &mut Criterion) {
         run_to_exit(Command::new(&exe).env(BASELINE_VAR, "noop"))
     });
     // The host path even on a GPU machine: these warm children initialise no CUDA device.
-    let options = warm_options();
-    set_warm_options(options.clone().with_devices([]));
+    let options = WarmPool::global().options();
+    WarmPool::global().set_options(options.clone().with_devices([]));
     let (warm_up, measure) = warm_times();
     group.times(warm_up, measure);
     group.bench("warm", || warm_start_join(noop, ()));
-    set_warm_options(options);
+    WarmPool::global().set_options(options);
     group.finish();
 }
 
@@ -229,7 +227,7 @@ pub fn gpu_child(c: &mut Criterion) {
     let ack = Queue::new().expect("queue");
     group.bench("warm-acked", || {
         let args = (own(), ack.clone());
-        warm_pool().expect("warm the pool");
+        WarmPool::global().fill().expect("warm the pool");
         let t = Instant::now();
         let child = Context::new(StartMethod::Warm)
             .spawn(gpu_work_acked, args)
@@ -244,5 +242,5 @@ pub fn gpu_child(c: &mut Criterion) {
     });
     group.finish();
     // End the waiting children: they hold a CUDA context each.
-    set_warm_options(warm_options());
+    WarmPool::global().set_options(WarmPool::global().options());
 }

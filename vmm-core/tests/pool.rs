@@ -11,7 +11,7 @@ use nix::unistd::Pid;
 use rstest::rstest;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use vmm_core::Error;
-use vmm_core::process::{Pool, StartMethod, ensure_running, warm_pool};
+use vmm_core::process::{Pool, StartMethod, WarmPool, ensure_running};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::Queue;
@@ -660,7 +660,7 @@ fn the_parents_fds_are_stable_across_tasks_and_replacements(
 ) {
     let _guard = exclusive();
     ensure_running().unwrap();
-    warm_pool().unwrap();
+    WarmPool::global().fill().unwrap();
     let pool = Pool::new(method, 2).unwrap();
     let buf = HostBuffer::new(1 << 16).unwrap();
     let before = settled_open_fds().unwrap();

@@ -11,10 +11,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use vmm_core::Error;
-use vmm_core::process::{
-    Context, DEFAULT_DEPTH, StartMethod, WarmOptions, set_warm_options, warm_options, warm_pids,
-    warm_pool,
-};
+use vmm_core::process::{Context, DEFAULT_DEPTH, StartMethod, WarmOptions, WarmPool};
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::Queue;
@@ -38,14 +35,14 @@ struct Depth;
 
 impl Depth {
     fn set(depth: usize) -> Depth {
-        set_warm_options(WarmOptions::new().with_depth(depth));
+        WarmPool::global().set_options(WarmOptions::new().with_depth(depth));
         Depth
     }
 }
 
 impl Drop for Depth {
     fn drop(&mut self) {
-        set_warm_options(WarmOptions::from_env().unwrap());
+        WarmPool::global().set_options(WarmOptions::from_env().unwrap());
     }
 }
 
@@ -61,7 +58,7 @@ fn count_runs(queue: Queue<(u32, usize)>) {
 fn a_warm_child_was_waiting_runs_one_function_and_is_replaced() {
     let _turn = turn();
     let _depth = Depth::set(2);
-    let waiting = warm_pool().unwrap();
+    let waiting = WarmPool::global().fill().unwrap();
     assert_eq!(waiting.len(), 2);
     let queue = Queue::new().unwrap();
     let ctx = Context::new(StartMethod::Warm);
@@ -82,7 +79,7 @@ fn a_warm_child_was_waiting_runs_one_function_and_is_replaced() {
     );
     seen.dedup();
     assert_eq!(seen.len(), 3, "every spawn got a fresh process");
-    let refilled = warm_pool().unwrap();
+    let refilled = WarmPool::global().fill().unwrap();
     assert_eq!(refilled.len(), waiting.len(), "the pool was refilled");
     assert!(refilled.iter().all(|pid| !seen.contains(pid)));
 }
@@ -93,7 +90,7 @@ fn noop(_: ()) {}
 fn a_waiting_child_that_died_is_replaced_and_never_handed_out() {
     let _turn = turn();
     let _depth = Depth::set(2);
-    let waiting = warm_pool().unwrap();
+    let waiting = WarmPool::global().fill().unwrap();
     assert_eq!(waiting.len(), 2);
     let victim = waiting[0];
     kill(Pid::from_raw(victim as i32), Signal::SIGKILL).unwrap();
@@ -106,7 +103,7 @@ fn a_waiting_child_that_died_is_replaced_and_never_handed_out() {
     assert_eq!(child.pid(), waiting[1], "the live waiting child was used");
     child.join(TIMEOUT).unwrap();
     assert_eq!(state(victim), None, "the dead waiting child was reaped");
-    let refilled = warm_pool().unwrap();
+    let refilled = WarmPool::global().fill().unwrap();
     assert_eq!(refilled.len(), 2);
     assert!(!refilled.contains(&victim) && !refilled.contains(&waiting[1]));
 }
@@ -115,7 +112,7 @@ fn a_waiting_child_that_died_is_replaced_and_never_handed_out() {
 fn every_waiting_child_dead_still_starts_one() {
     let _turn = turn();
     let _depth = Depth::set(2);
-    let waiting = warm_pool().unwrap();
+    let waiting = WarmPool::global().fill().unwrap();
     for &pid in &waiting {
         kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
     }
@@ -144,7 +141,7 @@ fn a_waiting_child_killed_just_before_the_take_is_never_handed_out() {
     let queue = Queue::new().unwrap();
     let ctx = Context::new(StartMethod::Warm);
     for _ in 0..10 {
-        let waiting = warm_pool().unwrap();
+        let waiting = WarmPool::global().fill().unwrap();
         let victim = waiting[0];
         kill(Pid::from_raw(victim as i32), Signal::SIGKILL).unwrap();
         let child = ctx.spawn(count_runs, queue.clone()).unwrap();
@@ -169,7 +166,7 @@ fn a_waiting_child_killed_just_before_the_take_is_never_handed_out() {
 fn a_waiting_child_that_never_answers_is_killed_not_handed_out() {
     let _turn = turn();
     let _depth = Depth::set(2);
-    let waiting = warm_pool().unwrap();
+    let waiting = WarmPool::global().fill().unwrap();
     let stopped = waiting[0];
     kill(Pid::from_raw(stopped as i32), Signal::SIGSTOP).unwrap();
     let queue = Queue::new().unwrap();
@@ -198,7 +195,7 @@ fn fill(buf: HostBuffer) {
 fn fds_are_stable_once_the_pool_is_warm() {
     let _turn = turn();
     let _depth = Depth::set(2);
-    warm_pool().unwrap();
+    WarmPool::global().fill().unwrap();
     let buf = HostBuffer::new(1 << 16).unwrap();
     let before = settled_open_fds().unwrap();
     let ctx = Context::new(StartMethod::Warm);
@@ -212,11 +209,11 @@ fn fds_are_stable_once_the_pool_is_warm() {
         "taking warm children changed the parent's fds"
     );
     // A waiting child that dies is replaced by one with the same fds' worth.
-    let victim = warm_pids()[0];
+    let victim = WarmPool::global().pids()[0];
     kill(Pid::from_raw(victim as i32), Signal::SIGKILL).unwrap();
     assert!(gone_within(victim, TIMEOUT, true));
     ctx.spawn(noop, ()).unwrap().join(TIMEOUT).unwrap();
-    warm_pool().unwrap();
+    WarmPool::global().fill().unwrap();
     assert_eq!(settled_open_fds().unwrap(), before);
 }
 
@@ -297,13 +294,13 @@ fn a_context_with_env_gets_children_started_with_it() {
 #[test]
 fn options_set_the_depth() {
     let _turn = turn();
-    set_warm_options(WarmOptions::new().with_depth(3).with_devices([]));
-    assert_eq!(warm_pool().unwrap().len(), 3);
-    assert_eq!(warm_options().devices(), &[] as &[usize]);
-    set_warm_options(WarmOptions::new().with_depth(0));
-    assert!(warm_pool().unwrap().is_empty());
+    WarmPool::global().set_options(WarmOptions::new().with_depth(3).with_devices([]));
+    assert_eq!(WarmPool::global().fill().unwrap().len(), 3);
+    assert_eq!(WarmPool::global().options().devices(), &[] as &[usize]);
+    WarmPool::global().set_options(WarmOptions::new().with_depth(0));
+    assert!(WarmPool::global().fill().unwrap().is_empty());
     assert!(
-        warm_pids().is_empty(),
+        WarmPool::global().pids().is_empty(),
         "children of the old options were ended"
     );
     // With no pool, a warm child is started on demand.
@@ -312,10 +309,10 @@ fn options_set_the_depth() {
         .unwrap()
         .join(TIMEOUT)
         .unwrap();
-    assert!(warm_pids().is_empty());
-    set_warm_options(WarmOptions::from_env().unwrap());
+    assert!(WarmPool::global().pids().is_empty());
+    WarmPool::global().set_options(WarmOptions::from_env().unwrap());
     assert_eq!(
-        warm_options().depth(),
+        WarmPool::global().options().depth(),
         std::env::var("VMM_WARM_DEPTH")
             .ok()
             .and_then(|d| d.parse().ok())
@@ -323,8 +320,29 @@ fn options_set_the_depth() {
     );
 }
 
+#[test]
+fn an_owned_pool_fills_apart_from_the_global_one_and_its_children_end_with_it() {
+    let _turn = turn();
+    let pool = WarmPool::new(WarmOptions::new().with_depth(2).with_devices([]));
+    let pids = pool.fill().unwrap();
+    assert_eq!(pids.len(), 2);
+    assert_eq!(pool.pids().len(), 2);
+    assert!(
+        pids.iter()
+            .all(|pid| !WarmPool::global().pids().contains(pid)),
+        "the global pool holds none of them"
+    );
+    drop(pool);
+    for pid in pids {
+        assert!(
+            gone_within(pid, TIMEOUT, false),
+            "waiting child {pid} outlived its pool (or was not reaped)"
+        );
+    }
+}
+
 fn start_pool_and_hang(queue: Queue<Vec<u32>>) {
-    let pids = warm_pool().unwrap();
+    let pids = WarmPool::global().fill().unwrap();
     queue.put(&pids).unwrap();
     std::thread::sleep(Duration::from_secs(600));
 }

@@ -49,7 +49,7 @@ mod expand;
 ///
 /// - `methods = [spawn, forkserver, warm]`: the start methods to run under, one test each, in the
 ///   given order. Any non-empty subset; the default is `[spawn, forkserver]`. `warm` takes its
-///   children from the process's warm pool (`vmm_core::process::warm_pool`: children started
+///   children from the process's warm pool (`vmm_core::process::WarmPool::global()`: children started
 ///   ahead of need, CUDA initialised where there is a GPU, each still running one function);
 ///   its test fills the pool first (and, for a `thread_unsafe` test, waits until it is full, so
 ///   that an fd baseline taken in the body includes it). It is opt-in because waiting children

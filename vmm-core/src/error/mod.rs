@@ -10,11 +10,12 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub use rules::{Chunk, DescriptorRule, IpcOp, IpcStep, SpawnRule};
-
-use crate::process::ChildError;
-
+mod child;
 mod rules;
+
+pub(crate) use child::NotRunStage;
+pub use child::{ChildError, ExitStatus, StartMethod};
+pub use rules::{Chunk, DescriptorRule, IpcOp, IpcStep, SpawnRule};
 
 /// Every fallible operation of `vmm_core` returns this error.
 ///

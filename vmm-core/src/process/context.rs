@@ -6,13 +6,16 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::StartMethod;
 use super::handle::Process;
-use super::launch::{self, Launch, Made, current_test_name, dup, output_memfds};
-use super::method::StartMethod;
-use super::protocol::{Begin, Payload, Start};
+use super::hook::{self, ChildKind};
+use super::launch::{self, Launch};
+use super::protocol::{Begin, Call, Start};
+use super::supervisor::{Made, Output, Supervised};
 use super::timeout::default_timeout;
-use super::tracker::{FateCell, Registry};
-use super::{entry, forkserver, sys, warm};
+use super::tracker::{FateCell, Tracked, Tracker};
+use super::warm::WarmPool;
+use super::{forkserver, remote};
 use crate::wire::{self, Channel};
 use crate::{Error, Result};
 
@@ -29,8 +32,8 @@ pub struct Context {
     method: StartMethod,
     timeout: Duration,
     env: Vec<(String, String)>,
-    /// Set by `#[ipc_test]`: every child started is recorded so that none outlives the test.
-    registry: Option<Arc<Registry>>,
+    /// Set by `#[ipc_test]`: told of every child started, so that none outlives the test.
+    tracker: Option<Arc<dyn Tracker>>,
 }
 
 impl Context {
@@ -45,7 +48,7 @@ impl Context {
             method,
             timeout,
             env: Vec::new(),
-            registry: None,
+            tracker: None,
         }
     }
 
@@ -74,9 +77,9 @@ impl Context {
         self
     }
 
-    /// Record every child started through this context (and its clones) in `registry`.
-    pub(crate) fn with_registry(mut self, registry: Arc<Registry>) -> Self {
-        self.registry = Some(registry);
+    /// Tell `tracker` of every child started through this context (and its clones).
+    pub(crate) fn with_tracker(mut self, tracker: Arc<dyn Tracker>) -> Self {
+        self.tracker = Some(tracker);
         self
     }
 
@@ -110,41 +113,28 @@ impl Context {
         F: Fn(A) + Copy,
         A: Serialize + DeserializeOwned,
     {
-        let entry = entry::registered::<F, A>(f);
-        // The child finds its entry point by its offset from `code_base`: only addresses in
-        // the main executable's code have the same offset in every process running it.
-        sys::check_main_text(
-            sys::code_base as fn() -> usize as usize,
-            "vmm-core's code (is vmm-core linked as a shared library?)",
-        )?;
-        sys::check_main_text(entry as usize, "the child's entry point for this function")?;
+        let entry = remote::registered::<F, A, ()>(f);
+        let what = "the child's entry point for this function";
+        // Checked before anything is encoded or made (see `Call::new`).
+        let call = Call::to(entry, what)?;
         launch::check_env(&self.env)?;
 
         let encoded = wire::encode(&args)?;
         let start = Begin::Once(Start {
-            layout: sys::code_offset(sys::layout_probe as fn() -> usize as usize),
-            entry: sys::code_offset(entry as usize),
+            call: call.with_args(encoded.bytes().to_vec()),
             method: self.method,
-            args: Payload(encoded.bytes().to_vec()),
         });
         let start = wire::encode(&start)?;
-        let made = make(self.method, &self.env, current_test_name())?;
-        let ready = made.ready;
-        let pid = made.pid;
-        let pidfd = made.pidfd.map(Arc::new);
+        let made = make(self.method, &self.env, hook::child_args(ChildKind::Test))?;
+        let pid = made.child.pid();
         let fate = Arc::new(FateCell::default());
-        let mut process = Process::new(
-            pid,
+        let process = Process::new(
+            made.child,
             self.method,
-            made.channel,
-            (made.stdout, made.stderr),
-            pidfd,
+            made.ready,
             Arc::clone(&fate),
             self.timeout,
         );
-        if ready {
-            process.set_ready_seen();
-        }
         // The child does nothing until its start message arrives, and it is sent only now that
         // the child is known and held by `process`: if anything above failed, the child (if
         // one was made: a forkserver fork whose reply could not be read, say) sees its channel
@@ -161,60 +151,45 @@ impl Context {
         }
         drop(fds);
         drop(encoded);
-        if let Some(registry) = &self.registry {
-            let pidfd = process.pidfd();
-            registry.track(pid, self.method, fate, pidfd);
+        if let Some(tracker) = &self.tracker {
+            tracker.track(Tracked::new(pid, self.method, fate, process.pidfd()));
         }
         Ok(process)
     }
 }
 
 /// Make a child with `method` that waits for its first message. `env` reaches a spawned or
-/// warm child at exec (a forkserver child from the server, as it forks); `test_name` is the
-/// running test, for a spawned child's argv.
+/// warm child at exec (a forkserver child from the server, as it forks); `args` is a spawned
+/// child's argv after argv[0] (see `hook::child_args`).
 pub(crate) fn make(
     method: StartMethod,
     env: &[(String, String)],
-    test_name: Option<String>,
+    args: Vec<String>,
 ) -> Result<Made> {
-    match method {
+    let child = match method {
         StartMethod::Spawn => {
             let (ours, theirs) = Channel::pair()?;
-            let (stdout, stderr) = output_memfds()?;
+            let output = Output::new()?;
             let pid = launch::launch(Launch {
                 role: "spawn",
                 role_arg: None,
                 channel: theirs.into_fd(),
-                output: Some((dup(&stdout)?, dup(&stderr)?)),
-                test_name,
+                output: Some(output.child_ends()?),
+                args,
                 env: env.to_vec(),
             })?;
-            // Ours until reaped, so the pid is still this child. Without a pidfd (at the fd
-            // limit) the child is watched by polling `waitpid`.
-            let pidfd = sys::pidfd_open(pid).ok();
-            Ok(Made {
-                pid,
-                pidfd,
-                channel: ours,
-                stdout,
-                stderr,
-                ready: false,
-            })
+            Supervised::ours(pid, ours, output)
         }
         StartMethod::Forkserver => {
             let (ours, theirs) = Channel::pair()?;
-            let (stdout, stderr) = output_memfds()?;
-            let theirs = theirs.into_fd();
-            let (pid, pidfd) = forkserver::fork(&theirs, &stdout, &stderr, env)?;
-            Ok(Made {
-                pid,
-                pidfd,
-                channel: ours,
-                stdout,
-                stderr,
-                ready: false,
-            })
+            let output = Output::new()?;
+            let (pid, pidfd) = forkserver::fork(&theirs.into_fd(), output.fds(), env)?;
+            Supervised::forked(pid, pidfd, ours, output)
         }
-        StartMethod::Warm => warm::take(env),
-    }
+        StartMethod::Warm => return WarmPool::global().take(env),
+    };
+    Ok(Made {
+        child,
+        ready: false,
+    })
 }

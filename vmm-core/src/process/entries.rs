@@ -7,13 +7,12 @@
 //! linker built from this executable's own code, and refuses anything else (a forged offset,
 //! `std::process::abort`'s, a wild one) without calling it.
 //!
-//! Each entry point is a trampoline monomorphised for one user function and argument type
-//! (`entry::trampoline::<F, A>`, `worker::task_trampoline::<F, A, R>`). The function `F` is a
-//! zero-sized type (a `fn` item or a closure that captures nothing), so the trampoline itself
-//! names the function: there is no second, unchecked address. Instantiating `Context::spawn`
-//! or `Pool::submit` for an `F` places the trampoline's address in a linker section
-//! (`vmm_ipc_child_entries` or `vmm_ipc_task_entries`, `SHF_GNU_RETAIN` so that no
-//! `--gc-sections` drops it); the linker gathers every such address of the executable between
+//! Each entry point is a trampoline monomorphised for one user function, argument and result
+//! type (`remote::trampoline::<F, A, R>`). The function `F` is a zero-sized type (a `fn` item
+//! or a closure that captures nothing), so the trampoline itself names the function: there is
+//! no second, unchecked address. Instantiating `Context::spawn` or `Pool::submit` for an `F`
+//! places the trampoline's address in a linker section (`vmm_ipc_entries`, `SHF_GNU_RETAIN` so
+//! that no `--gc-sections` drops it); the linker gathers every such address of the executable between
 //! `__start_<section>` and `__stop_<section>`. The table is data of the executable, relocated
 //! by the loader before any code runs, and nothing at run time adds to it.
 
@@ -23,29 +22,26 @@ use std::sync::OnceLock;
 use super::sys;
 use crate::{Error, Result};
 
-/// A single-use child's entry point: receive the argument (postcard bytes and its fds), run
-/// the function it was registered for. `Err` when the argument could not be received.
-pub(crate) type ChildEntry = fn(args: &[u8], fds: Vec<OwnedFd>) -> Result<()>;
-
-/// A pool task's entry point: receive the argument, run the function, serialise its result.
-/// `Err` when the argument could not be received; `Ok(Err)` when the result could not be
-/// serialised; else the result's bytes and its fds (owned copies).
-pub(crate) type TaskEntry =
+/// An entry point: receive the argument (postcard bytes and its fds), run the function it was
+/// registered for, serialise its result. `Err` when the argument could not be received;
+/// `Ok(Err)` when the result could not be serialised; else the result's bytes and its fds
+/// (owned copies). A single-use child's function returns `()`, whose bytes are empty.
+pub(crate) type Entry =
     fn(args: &[u8], fds: Vec<OwnedFd>) -> Result<Result<(Vec<u8>, Vec<OwnedFd>)>>;
 
 /// Place the address of the function `$entry` (a path, with its generic arguments) in the
-/// linker section `$section`. Expands to a statement; the code it emits does nothing at run
+/// entry table's linker section. Expands to a statement; the code it emits does nothing at run
 /// time.
 ///
-/// Only the two tables below may be named, and only functions of their entry type placed in
-/// them: [`find_child`] and [`find_task`] call what they find there as that type.
+/// Only functions of type [`Entry`] may be placed there: [`find`] calls what it finds there as
+/// that type.
 macro_rules! register_entry {
-    ($section:literal, $entry:path) => {
+    ($entry:path) => {
         // SAFETY: the assembly only emits data into another section (an address the loader
         // relocates); it runs no instruction, touches no register, memory or stack.
         unsafe {
             ::std::arch::asm!(
-                concat!(".pushsection ", $section, ",\"awR\",%progbits"),
+                ".pushsection vmm_ipc_entries,\"awR\",%progbits",
                 ".balign 8",
                 ".8byte {entry}",
                 ".popsection",
@@ -57,57 +53,39 @@ macro_rules! register_entry {
 }
 pub(crate) use register_entry;
 
-/// The child entry table's section.
-pub(crate) const CHILD_SECTION: &str = "vmm_ipc_child_entries";
-/// The task entry table's section.
-pub(crate) const TASK_SECTION: &str = "vmm_ipc_task_entries";
+/// The entry table's section.
+pub(crate) const SECTION: &str = "vmm_ipc_entries";
 
-// The bounds the linker defines for each section (a section with a C-identifier name).
+// The bounds the linker defines for the section (a section with a C-identifier name).
 unsafe extern "C" {
-    #[link_name = "__start_vmm_ipc_child_entries"]
-    static CHILD_START: [usize; 0];
-    #[link_name = "__stop_vmm_ipc_child_entries"]
-    static CHILD_STOP: [usize; 0];
-    #[link_name = "__start_vmm_ipc_task_entries"]
-    static TASK_START: [usize; 0];
-    #[link_name = "__stop_vmm_ipc_task_entries"]
-    static TASK_STOP: [usize; 0];
+    #[link_name = "__start_vmm_ipc_entries"]
+    static START: [usize; 0];
+    #[link_name = "__stop_vmm_ipc_entries"]
+    static STOP: [usize; 0];
 }
 
-/// The entry table of `$section`, bounded by the linker's `$start` and `$stop`: every address
-/// in it, sorted (a zero anchors the section, so that it exists in an executable that starts
-/// no child; it is left out). Built once.
-macro_rules! entry_table {
-    ($section:literal, $start:ident, $stop:ident) => {{
-        static TABLE: OnceLock<Vec<usize>> = OnceLock::new();
-        TABLE.get_or_init(|| {
-            // The anchor lives here, with the code that reads the section, so that whatever
-            // links this code also links a section for `__start_`/`__stop_` to bound.
-            // SAFETY: emits one zero word into the section; runs nothing.
-            unsafe {
-                std::arch::asm!(
-                    concat!(".pushsection ", $section, ",\"awR\",%progbits"),
-                    ".balign 8",
-                    ".8byte 0",
-                    ".popsection",
-                    options(nomem, nostack, preserves_flags)
-                )
-            };
-            // SAFETY: the linker defines both symbols as the bounds of the section, which
-            // holds only 8-byte-aligned words (every entry and the anchor are `.balign 8` +
-            // `.8byte`), and the section is data of this executable for the life of the
-            // process.
-            unsafe { sorted_words(&raw const $start, &raw const $stop) }
-        })
-    }};
-}
-
-fn child_table() -> &'static [usize] {
-    entry_table!("vmm_ipc_child_entries", CHILD_START, CHILD_STOP)
-}
-
-fn task_table() -> &'static [usize] {
-    entry_table!("vmm_ipc_task_entries", TASK_START, TASK_STOP)
+/// The entry table: every address in the section, sorted (a zero anchors the section, so that
+/// it exists in an executable that starts no child; it is left out). Built once.
+fn table() -> &'static [usize] {
+    static TABLE: OnceLock<Vec<usize>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        // The anchor lives here, with the code that reads the section, so that whatever links
+        // this code also links a section for `__start_`/`__stop_` to bound.
+        // SAFETY: emits one zero word into the section; runs nothing.
+        unsafe {
+            std::arch::asm!(
+                ".pushsection vmm_ipc_entries,\"awR\",%progbits",
+                ".balign 8",
+                ".8byte 0",
+                ".popsection",
+                options(nomem, nostack, preserves_flags)
+            )
+        };
+        // SAFETY: the linker defines both symbols as the bounds of the section, which holds
+        // only 8-byte-aligned words (every entry and the anchor are `.balign 8` + `.8byte`),
+        // and the section is data of this executable for the life of the process.
+        unsafe { sorted_words(&raw const START, &raw const STOP) }
+    })
 }
 
 /// The non-zero words from `start` to `stop`, sorted and deduplicated (an entry instantiated
@@ -143,34 +121,19 @@ fn address(layout: isize, offset: isize) -> Result<usize> {
     Ok((sys::code_base as fn() -> usize as usize).wrapping_add(offset as usize))
 }
 
-fn unregistered(kind: &str, offset: isize, section: &str) -> Error {
-    Error::Protocol(format!(
-        "the parent asked for a {kind} at offset {offset:#x}, which is not an entry point this \
-         executable registered (section {section}); refused without calling it"
-    ))
-}
-
-/// The child entry point at `offset`, if this executable registered one there.
-pub(crate) fn find_child(layout: isize, offset: isize) -> Result<ChildEntry> {
+/// The entry point at `offset`, if this executable registered one there.
+pub(crate) fn find(layout: isize, offset: isize) -> Result<Entry> {
     let address = address(layout, offset)?;
-    if child_table().binary_search(&address).is_err() {
-        return Err(unregistered("child entry", offset, CHILD_SECTION));
+    if table().binary_search(&address).is_err() {
+        return Err(Error::Protocol(format!(
+            "the parent asked for an entry at offset {offset:#x}, which is not an entry point \
+             this executable registered (section {SECTION}); refused without calling it"
+        )));
     }
-    // SAFETY: `address` is in the child entry table, into which only `register_entry!` writes,
-    // and only `entry::registered` names that section, with a `ChildEntry` (see there). A
-    // function pointer and a code address are the same size.
-    Ok(unsafe { std::mem::transmute::<usize, ChildEntry>(address) })
-}
-
-/// The task entry point at `offset`, if this executable registered one there.
-pub(crate) fn find_task(layout: isize, offset: isize) -> Result<TaskEntry> {
-    let address = address(layout, offset)?;
-    if task_table().binary_search(&address).is_err() {
-        return Err(unregistered("task entry", offset, TASK_SECTION));
-    }
-    // SAFETY: `address` is in the task entry table, into which only `register_entry!` writes,
-    // and only `worker::registered` names that section, with a `TaskEntry` (see there).
-    Ok(unsafe { std::mem::transmute::<usize, TaskEntry>(address) })
+    // SAFETY: `address` is in the entry table, into which only `register_entry!` writes, and
+    // only `remote::registered` uses that macro, with an `Entry` (see there). A function
+    // pointer and a code address are the same size.
+    Ok(unsafe { std::mem::transmute::<usize, Entry>(address) })
 }
 
 /// The one value of the zero-sized function type `F`, made from nothing.
@@ -207,18 +170,18 @@ mod tests {
     use std::process::{Command, Stdio};
     use std::time::Duration;
 
+    use super::super::StartMethod;
     use super::super::child::EXIT_NOT_RUN;
-    use super::super::method::StartMethod;
-    use super::super::protocol::{Begin, Payload, ROLE_VAR, Report, Start};
+    use super::super::protocol::{Begin, Call, Payload, ROLE_VAR, Report, Start};
     use super::super::status::{NotRunStage, Outcome};
-    use super::super::{entry, sys};
+    use super::super::{remote, sys};
     use super::*;
     use crate::wire::{self, Channel};
 
     const WAIT: Duration = Duration::from_secs(30);
 
     /// Not registered, but with exactly an entry point's type: it must never run either.
-    fn lookalike(_: &[u8], _: Vec<OwnedFd>) -> Result<()> {
+    fn lookalike(_: &[u8], _: Vec<OwnedFd>) -> Result<Result<(Vec<u8>, Vec<OwnedFd>)>> {
         std::process::exit(77)
     }
 
@@ -255,10 +218,12 @@ mod tests {
     fn run_forged(entry: isize, args: &[u8]) -> (Outcome, std::process::ExitStatus) {
         let (ours, mut child) = start_child();
         let start = Begin::Once(Start {
-            layout: sys::code_offset(sys::layout_probe as fn() -> usize as usize),
-            entry,
+            call: Call {
+                layout: sys::code_offset(sys::layout_probe as fn() -> usize as usize),
+                entry,
+                args: Payload(args.to_vec()),
+            },
             method: StartMethod::Spawn,
-            args: Payload(args.to_vec()),
         });
         ours.send_value(&start).unwrap();
         assert!(matches!(
@@ -309,7 +274,7 @@ mod tests {
 
     #[test]
     fn an_unregistered_function_of_the_entry_type_is_refused() {
-        assert_refused(sys::code_offset(lookalike as ChildEntry as usize));
+        assert_refused(sys::code_offset(lookalike as Entry as usize));
     }
 
     #[test]
@@ -319,7 +284,7 @@ mod tests {
                 std::process::exit(78);
             }
         }
-        let registered = entry::registered::<_, u32>(seven);
+        let registered = remote::registered::<_, u32, ()>(seven);
         let args = wire::encode(&7u32).unwrap();
         let (outcome, status) = run_forged(sys::code_offset(registered as usize), args.bytes());
         assert!(matches!(outcome, Outcome::Returned), "{outcome:?}");
@@ -328,7 +293,7 @@ mod tests {
 
     #[test]
     fn a_forged_task_entry_is_refused_and_the_worker_serves_on() {
-        use super::super::protocol::{Serve, Task, TaskOutcome};
+        use super::super::protocol::{Serve, TaskOutcome};
         use std::os::fd::AsFd;
 
         let (ours, mut child) = start_child();
@@ -347,7 +312,7 @@ mod tests {
             sys::code_offset(std::process::abort as fn() -> ! as usize),
             0x7ead_beef,
         ] {
-            let task = Task {
+            let task = Call {
                 layout,
                 entry,
                 args: Payload(args.clone()),
@@ -367,11 +332,10 @@ mod tests {
     }
 
     #[test]
-    fn the_tables_hold_registered_entries_and_no_zero() {
+    fn the_table_holds_registered_entries_and_no_zero() {
         fn registered_here(_: ()) {}
-        let entry = entry::registered::<_, ()>(registered_here) as usize;
-        assert!(child_table().binary_search(&entry).is_ok());
-        assert!(!child_table().contains(&0));
-        assert!(!task_table().contains(&0));
+        let entry = remote::registered::<_, (), ()>(registered_here) as usize;
+        assert!(table().binary_search(&entry).is_ok());
+        assert!(!table().contains(&0));
     }
 }

@@ -1,21 +1,18 @@
 //! A child's life once it has its channel: (for a warm child: warm up and say so,) take the
-//! start message, acknowledge, run the function through its trampoline, report how it ended,
+//! start message, acknowledge, run the function (a `remote` call), report how it ended,
 //! exit. A child whose first message makes it a pool worker goes on in `worker`.
 
 use std::io::Write;
 use std::os::fd::OwnedFd;
-use std::panic::{self, AssertUnwindSafe};
 
-use super::child::{
-    EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED, panic_report, record_panics, warm_up,
-};
-use super::entries::{self, ChildEntry, register_entry};
-use super::method::StartMethod;
+use super::StartMethod;
+use super::child::{EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED, record_panics, warm_up};
 use super::protocol::{Begin, Report, Start};
+use super::remote::{self, Ended};
 use super::status::{NotRunStage, Outcome};
 use super::worker;
+use crate::Error;
 use crate::wire::{self, Channel};
-use crate::{Error, Result};
 
 /// A warm child: initialise CUDA for `devices`, say so, then wait for the start message like
 /// any child (or become a pool worker).
@@ -91,60 +88,17 @@ fn finish(channel: Channel, outcome: Outcome) -> ! {
     std::process::exit(code)
 }
 
+/// Run the start message's call and say how it ended, as the parent's [`Outcome`].
 fn run_function(start: &Start, fds: Vec<OwnedFd>) -> Outcome {
-    // Only an entry point this executable registered is ever called: a forged offset is
-    // refused here, not jumped to.
-    let entry = match entries::find_child(start.layout, start.entry) {
-        Ok(entry) => entry,
-        Err(error) => {
-            return Outcome::NotRun {
-                stage: NotRunStage::Entry,
-                error,
-            };
-        }
-    };
-    let called = panic::catch_unwind(AssertUnwindSafe(|| entry(&start.args, fds)));
-    match called {
-        Ok(Ok(())) => Outcome::Returned,
-        Ok(Err(error)) => Outcome::NotRun {
+    match remote::run(&start.call, fds) {
+        // A `()` result: nothing to send back.
+        Ended::Returned(..) => Outcome::Returned,
+        Ended::NotRun { stage, error } => Outcome::NotRun { stage, error },
+        Ended::Panicked { message, location } => Outcome::Panicked { message, location },
+        // Serialising `()` cannot fail; were it to, the function ran but its end is not clean.
+        Ended::Unsendable(error) => Outcome::NotRun {
             stage: NotRunStage::Argument,
             error,
         },
-        Err(payload) => {
-            let (message, location) = panic_report(payload.as_ref());
-            Outcome::Panicked { message, location }
-        }
     }
-}
-
-/// The child entry point for `F` (a `fn(A)` item or a closure that captures nothing), placed
-/// in this executable's child entry table: what `Context::spawn` sends, by its offset.
-///
-/// Taking an `F` proves that the type is inhabited, which [`trampoline`] relies on.
-#[inline(always)]
-pub(crate) fn registered<F, A>(_f: F) -> ChildEntry
-where
-    F: Fn(A) + Copy,
-    A: serde::de::DeserializeOwned,
-{
-    register_entry!("vmm_ipc_child_entries", trampoline::<F, A>);
-    trampoline::<F, A>
-}
-
-/// What a child runs: receive the argument, call `F`.
-///
-/// An argument that cannot be received is the error its deserialisation raised (an import's
-/// [`Error::InvalidArgument`], say), as that variant. Reached only through the entry table, for
-/// an `F` that [`registered`] was given a value of.
-fn trampoline<F, A>(args: &[u8], fds: Vec<OwnedFd>) -> Result<()>
-where
-    F: Fn(A) + Copy,
-    A: serde::de::DeserializeOwned,
-{
-    let arg: A = wire::decode(args, fds)?;
-    // SAFETY: this function is only named by `registered::<F, A>`, which was given a value of
-    // `F` (a `Copy` type) in a process running this executable, so `F` is inhabited.
-    let f: F = unsafe { entries::conjure::<F>() };
-    f(arg);
-    Ok(())
 }

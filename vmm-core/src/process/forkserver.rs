@@ -3,16 +3,18 @@
 //!
 //! The parent keeps one permanent fd for it: the request channel.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill};
-use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::{Pid, getpid};
 
-use super::launch::{Launch, current_test_name, launch};
+use super::hook::{self, ChildKind};
+use super::launch::{Launch, launch};
 use super::protocol::{ForkReply, ForkRequest};
+use super::status::ExitStatus;
+use super::supervisor::reap_pid;
 use crate::wire::{self, Channel};
 use crate::{Error, Result};
 
@@ -72,7 +74,7 @@ fn start() -> Result<Server> {
         role_arg: None,
         channel: theirs.into_fd(),
         output: None,
-        test_name: current_test_name(),
+        args: hook::child_args(ChildKind::Test),
         env: Vec::new(),
     })?;
     match requests.recv_value::<ForkReply>(Some(SERVER_TIMEOUT)) {
@@ -94,11 +96,10 @@ fn start() -> Result<Server> {
 /// Kill (if needed) and reap a server; say how it ended.
 fn end(pid: Pid) -> String {
     let _ = kill(pid, Signal::SIGKILL);
-    match waitpid(pid, None) {
-        Ok(WaitStatus::Exited(_, code)) => format!("it exited with code {code}"),
-        Ok(WaitStatus::Signaled(_, signal, _)) => format!("it was killed by {signal}"),
-        Ok(other) => format!("wait status {other:?}"),
-        Err(e) => format!("waitpid failed: {e}"),
+    match reap_pid(pid) {
+        Ok(ExitStatus::Exited(code)) => format!("it exited with code {code}"),
+        Ok(killed) => format!("it was {killed}"),
+        Err(e) => e.to_string(),
     }
 }
 
@@ -109,8 +110,7 @@ fn end(pid: Pid) -> String {
 /// A server that has died is reported on stderr, replaced, and asked again once.
 pub(crate) fn fork(
     channel: &OwnedFd,
-    stdout: &OwnedFd,
-    stderr: &OwnedFd,
+    output: [BorrowedFd<'_>; 2],
     env: &[(String, String)],
 ) -> Result<(Pid, Option<OwnedFd>)> {
     let mut slot = server_slot();
@@ -118,7 +118,7 @@ pub(crate) fn fork(
     loop {
         attempts += 1;
         let server = running(&mut slot)?;
-        match request(server, channel, stdout, stderr, env) {
+        match request(server, channel, output, env) {
             Ok(forked) => return Ok(forked),
             Err(Error::Disconnected(_)) if attempts < 2 => {
                 let pid = server.pid;
@@ -161,8 +161,7 @@ fn at_fd_limit() -> bool {
 fn request(
     server: &Server,
     channel: &OwnedFd,
-    stdout: &OwnedFd,
-    stderr: &OwnedFd,
+    [stdout, stderr]: [BorrowedFd<'_>; 2],
     env: &[(String, String)],
 ) -> Result<(Pid, Option<OwnedFd>)> {
     let request = ForkRequest {
@@ -172,7 +171,7 @@ fn request(
     let encoded = wire::encode(&request)?;
     server.requests.send_timeout(
         encoded.bytes(),
-        &[channel.as_fd(), stdout.as_fd(), stderr.as_fd()],
+        &[channel.as_fd(), stdout, stderr],
         Some(SERVER_TIMEOUT),
     )?;
     let reply = match server.requests.recv(Some(SERVER_TIMEOUT)) {

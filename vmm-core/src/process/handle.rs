@@ -1,29 +1,19 @@
-//! The parent's handle on a child ([`Process`]): join with a timeout, kill, reap.
+//! The parent's handle on a single-use child ([`Process`]): its reports, join with a timeout,
+//! kill. Watching, killing and reaping the child itself is the [`Supervised`] it holds.
 
-use std::fs::File;
-use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::FileExt;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-use nix::sys::signal::{Signal, kill};
-use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
-use nix::unistd::Pid;
+use nix::poll::{PollFd, PollFlags, poll};
 
-use super::method::StartMethod;
+use super::StartMethod;
 use super::protocol::Report;
 use super::status::{ChildError, ExitStatus, Observed, Outcome};
-use super::sys;
+use super::supervisor::{Incoming, Reaper, STATUS_REPORT_GRACE, Supervised, poll_timeout};
 use super::tracker::{Fate, FateCell};
-use crate::wire::{self, Channel, Message};
 use crate::{Error, Result};
-
-/// Once a forkserver child is known to have exited (its pidfd said so), how long the parent
-/// waits for the server's report of its exit status before calling the status lost. Only a
-/// dead or stuck server needs it: a live one reports within milliseconds.
-pub(crate) const STATUS_REPORT_GRACE: Duration = Duration::from_secs(5);
 
 /// While a spawned child cannot be watched through a pidfd (none could be opened, at the fd
 /// limit say), how often `waitpid` is asked whether it has exited.
@@ -57,15 +47,8 @@ enum ChannelState {
 /// is reaped.
 #[derive(Debug)]
 pub struct Process {
-    pid: Pid,
+    child: Supervised,
     method: StartMethod,
-    channel: Channel,
-    stdout: OwnedFd,
-    stderr: OwnedFd,
-    /// A pidfd for the child where one could be had: watched for its exit, and used to signal
-    /// it (never a recycled pid). Forkserver children: the server reaps them; spawned children
-    /// are ours until we reap them.
-    pidfd: Option<Arc<OwnedFd>>,
     /// Shared with the registry of the `#[ipc_test]` that started it, if any.
     fate: Arc<FateCell>,
     default_timeout: Duration,
@@ -73,9 +56,6 @@ pub struct Process {
     /// A warm child's `Ready` report was seen (it may come before `Started`, once).
     ready_seen: bool,
     outcome: Option<Outcome>,
-    status: Option<ExitStatus>,
-    /// Why the exit status will never be known, once that is certain.
-    status_unknown: Option<String>,
     channel_state: ChannelState,
     /// The first way the child broke the protocol on its channel, and how many more followed.
     violation: Option<(String, usize)>,
@@ -83,54 +63,36 @@ pub struct Process {
     /// ended.
     channel_closed_early: bool,
     exec_program: Option<String>,
-    /// When the child was seen to have exited (its pidfd became readable).
-    exited_at: Option<Instant>,
 }
 
 impl Process {
+    /// Hold `child`, started with `method`; `ready` when a warm child's `Ready` report was
+    /// read already.
     pub(crate) fn new(
-        pid: Pid,
+        child: Supervised,
         method: StartMethod,
-        channel: Channel,
-        (stdout, stderr): (OwnedFd, OwnedFd),
-        pidfd: Option<Arc<OwnedFd>>,
+        ready: bool,
         fate: Arc<FateCell>,
         default_timeout: Duration,
     ) -> Process {
         Process {
-            pid,
+            child,
             method,
-            channel,
-            stdout,
-            stderr,
-            pidfd,
             fate,
             default_timeout,
             started: false,
-            ready_seen: method != StartMethod::Warm,
+            ready_seen: ready || method != StartMethod::Warm,
             outcome: None,
-            status: None,
-            status_unknown: None,
             channel_state: ChannelState::Open,
             violation: None,
             channel_closed_early: false,
             exec_program: None,
-            exited_at: None,
         }
     }
 
     /// Send the child its start message (see `Context::spawn`: the child waits for it).
-    pub(crate) fn send_start(
-        &self,
-        bytes: &[u8],
-        fds: &[std::os::fd::BorrowedFd<'_>],
-    ) -> Result<()> {
-        self.channel.send(bytes, fds)
-    }
-
-    /// A warm child whose `Ready` report the pool already took: another one is out of turn.
-    pub(crate) fn set_ready_seen(&mut self) {
-        self.ready_seen = true;
+    pub(crate) fn send_start(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+        self.child.channel().send(bytes, fds)
     }
 
     /// The child will never get its start message: kill and reap it, as intended (no fate to
@@ -142,12 +104,12 @@ impl Process {
 
     /// The pidfd, for the registry.
     pub(crate) fn pidfd(&self) -> Option<&Arc<OwnedFd>> {
-        self.pidfd.as_ref()
+        self.child.pidfd()
     }
 
     /// The child's pid.
     pub fn pid(&self) -> u32 {
-        self.pid.as_raw() as u32
+        self.child.pid().as_raw() as u32
     }
 
     /// The start method it was started with.
@@ -157,7 +119,7 @@ impl Process {
 
     /// Kill the child (SIGKILL). It is reaped by [`join`](Self::join) or on drop.
     pub fn kill(&self) -> Result<()> {
-        if self.finished() {
+        if self.child.ended() {
             return Ok(());
         }
         self.fate.set(Fate::Killed);
@@ -165,19 +127,10 @@ impl Process {
     }
 
     fn signal_kill(&self) -> Result<()> {
-        if self.fate.get() == Fate::Reaped || self.finished() {
+        if self.fate.get() == Fate::Reaped {
             return Ok(());
         }
-        match &self.pidfd {
-            Some(pidfd) => sys::pidfd_kill(pidfd),
-            None if self.method.is_direct_child() => match kill(self.pid, Signal::SIGKILL) {
-                Ok(()) | Err(Errno::ESRCH) => Ok(()),
-                Err(e) => Err(Error::errno(format!("kill({}, SIGKILL)", self.pid), e)),
-            },
-            // No pidfd (old kernel): the server may have reaped it and the pid been reused;
-            // only signal while the server has not reported its exit, which we just checked.
-            None => kill(self.pid, Signal::SIGKILL).or(Ok(())),
-        }
+        self.child.kill()
     }
 
     /// Wait up to the default timeout (`VMM_CHILD_TIMEOUT`, else 60 s); see [`join`](Self::join).
@@ -205,12 +158,13 @@ impl Process {
         if self.fate.get() == Fate::Running {
             self.fate.set(Fate::Finished);
         }
+        let status = self.child.status();
         let clean = self.started
             && matches!(self.outcome, Some(Outcome::Returned))
-            && self.status.is_some_and(ExitStatus::success)
+            && status.is_some_and(ExitStatus::success)
             && self.violation.is_none()
             && !timed_out;
-        let (stdout, stderr) = (read_all(&self.stdout), read_all(&self.stderr));
+        let (stdout, stderr) = self.child.output().read();
         if clean {
             print!("{stdout}");
             eprint!("{stderr}");
@@ -222,13 +176,13 @@ impl Process {
                 n => format!("{first} (and {n} more such packets)"),
             }),
             exec_program: self.exec_program.take(),
-            status_unknown: self.status_unknown.take(),
+            status_unknown: self.child.lost().map(str::to_owned),
             channel_closed_early: self.channel_closed_early,
             notes: Vec::new(),
         };
         Err(Error::Child(Box::new(ChildError::new(
             (self.method, self.pid()),
-            (self.status, self.started),
+            (status, self.started),
             self.outcome.take(),
             timed_out.then_some(timeout),
             observed,
@@ -236,19 +190,14 @@ impl Process {
         ))))
     }
 
-    /// Whether the child's end is known (its status, or that it never will be).
-    fn finished(&self) -> bool {
-        self.status.is_some() || self.status_unknown.is_some()
-    }
-
     /// Read reports and watch the child until its end is known. Past `deadline` (`None`:
     /// never), kill it and keep going until it has been reaped. Returns whether the deadline
-    /// passed. Never fails: what goes wrong is recorded (`status_unknown`, `violation`).
+    /// passed. Never fails: what goes wrong is recorded (a lost status, `violation`).
     fn wait_until(&mut self, deadline: Option<Instant>) -> bool {
         let mut timed_out = false;
         loop {
             self.drain();
-            if self.finished() || self.end_known() {
+            if self.child.ended() || self.end_known() {
                 return timed_out;
             }
             match self.wait_event(deadline.filter(|_| !timed_out)) {
@@ -275,54 +224,45 @@ impl Process {
     /// Whether the child's end is known from the outside: a spawned child has been reaped; a
     /// forkserver child's status will never come. Records what it learns.
     fn end_known(&mut self) -> bool {
-        match self.method {
-            StartMethod::Spawn | StartMethod::Warm => {
+        match self.child.reaper() {
+            Reaper::Us => {
                 if self.fate.get() == Fate::Reaped {
-                    self.status_unknown = Some(
+                    self.child.set_lost(
                         "the test's registry killed and reaped it, its Process having outlived \
                          the test"
                             .into(),
                     );
                     return true;
                 }
-                match waitpid(self.pid, Some(WaitPidFlag::WNOHANG)) {
-                    Ok(WaitStatus::Exited(_, code)) => self.status = Some(ExitStatus::Exited(code)),
-                    Ok(WaitStatus::Signaled(_, signal, _)) => {
-                        self.status = Some(ExitStatus::Signaled(signal as i32))
+                if !self.child.try_reap() {
+                    if self.channel_state == ChannelState::HungUp && self.outcome.is_none() {
+                        // Its channel closed while it runs: it may have exec'd.
+                        self.note_exec();
                     }
-                    Ok(_) | Err(Errno::EINTR) => {
-                        if self.channel_state == ChannelState::HungUp && self.outcome.is_none() {
-                            // Its channel closed while it runs: it may have exec'd.
-                            self.note_exec();
-                        }
-                        return false;
-                    }
-                    Err(e) => {
-                        self.status_unknown = Some(format!("waitpid({}) failed: {e}", self.pid));
-                        return true;
-                    }
+                    return false;
                 }
                 // Everything it wrote before it exited is queued by now.
                 self.drain();
                 true
             }
-            StartMethod::Forkserver => {
+            Reaper::Forkserver => {
                 let why = if self.channel_state == ChannelState::HungUp {
                     "the forkserver died before reporting it".to_owned()
                 } else if self
-                    .exited_at
+                    .child
+                    .exited_at()
                     .is_some_and(|at| at.elapsed() >= STATUS_REPORT_GRACE)
                 {
                     format!(
                         "the forkserver did not report it within {STATUS_REPORT_GRACE:?} of the \
                          child's death"
                     )
-                } else if self.channel_state == ChannelState::Broken && self.pidfd.is_none() {
+                } else if self.channel_state == ChannelState::Broken && self.pidfd().is_none() {
                     "its channel could not be read, and there is no pidfd to watch it by".into()
                 } else {
                     return false;
                 };
-                self.status_unknown = Some(why);
+                self.child.set_lost(why);
                 true
             }
         }
@@ -331,23 +271,20 @@ impl Process {
     /// Sleep until the channel has something (or hangs up), the child exits, or `deadline`
     /// passes. `Ok(false)` only when `deadline` passed.
     fn wait_event(&mut self, deadline: Option<Instant>) -> Result<bool> {
+        let exited_at = self.child.exited_at();
         let watch_channel = self.channel_state == ChannelState::Open;
-        let watch_pidfd = self.exited_at.is_none();
-        let pidfd = self.pidfd.as_deref().filter(|_| watch_pidfd);
+        let pidfd = self.child.pidfd().filter(|_| exited_at.is_none());
         let mut until = deadline;
-        let mut tick = None;
-        if self.method == StartMethod::Forkserver
-            && let Some(at) = self.exited_at
+        if self.child.reaper() == Reaper::Forkserver
+            && let Some(at) = exited_at
         {
             let grace_end = at + STATUS_REPORT_GRACE;
             until = Some(until.map_or(grace_end, |d| d.min(grace_end)));
         }
-        if self.method.is_direct_child() && pidfd.is_none() {
-            tick = Some(REAP_POLL);
-        }
+        let tick = (self.child.reaper() == Reaper::Us && pidfd.is_none()).then_some(REAP_POLL);
         let mut fds = Vec::with_capacity(2);
         if watch_channel {
-            fds.push(PollFd::new(self.channel.as_fd(), PollFlags::POLLIN));
+            fds.push(PollFd::new(self.child.channel().as_fd(), PollFlags::POLLIN));
         }
         if let Some(pidfd) = pidfd {
             fds.push(PollFd::new(pidfd.as_fd(), PollFlags::POLLIN));
@@ -359,31 +296,25 @@ impl Process {
                     .into(),
             ));
         }
-        let mut left = until.map(|u| u.saturating_duration_since(Instant::now()));
         if let Some(tick) = tick {
-            left = Some(left.map_or(tick, |l| l.min(tick)));
+            let next = Instant::now() + tick;
+            until = Some(until.map_or(next, |u| u.min(next)));
         }
-        // Round up so that a wait never ends before its deadline.
-        let timeout = match left {
-            None => PollTimeout::NONE,
-            Some(left) => PollTimeout::try_from(left.as_nanos().div_ceil(1_000_000))
-                .unwrap_or(PollTimeout::MAX),
-        };
-        let woke = match poll(&mut fds, timeout) {
+        let woke = match poll(&mut fds, poll_timeout(until)) {
             Ok(n) => n > 0,
             Err(Errno::EINTR) => return Ok(true),
             Err(e) => return Err(Error::errno("poll(child channel, pidfd)", e)),
         };
-        if woke && pidfd.is_some() {
-            let pidfd_ready = fds
+        let pidfd_ready = woke
+            && pidfd.is_some()
+            && fds
                 .last()
                 .and_then(PollFd::revents)
                 .is_some_and(|r| !r.is_empty());
-            if pidfd_ready {
-                self.exited_at = Some(Instant::now());
-            }
-        }
         drop(fds);
+        if pidfd_ready {
+            self.child.note_exited();
+        }
         Ok(woke || deadline.is_none_or(|d| Instant::now() < d))
     }
 
@@ -395,10 +326,14 @@ impl Process {
             if self.channel_state == ChannelState::Broken {
                 return;
             }
-            match self.channel.try_recv() {
-                Ok(Some(message)) => self.take(message),
-                Ok(None) => return,
-                Err(Error::Disconnected(_)) => {
+            match self.child.next_report() {
+                Incoming::Report(report, fds) if fds.is_empty() => self.take(report),
+                // Closes the fds it carried.
+                Incoming::Report(report, fds) => {
+                    self.violate(format!("a report carrying {} fds ({report:?})", fds.len()))
+                }
+                Incoming::Empty => return,
+                Incoming::HungUp => {
                     self.channel_state = ChannelState::HungUp;
                     // An empty packet from a peer that closed right after reads like the
                     // hang-up itself: one more read tells them apart.
@@ -408,8 +343,8 @@ impl Process {
                     }
                 }
                 // The offending packet was consumed: keep reading.
-                Err(Error::Protocol(why)) => self.violate(why),
-                Err(e) => {
+                Incoming::NotAReport(why) => self.violate(why),
+                Incoming::Broken(e) => {
                     self.violate(format!("reading its channel failed: {e}"));
                     self.channel_state = ChannelState::Broken;
                 }
@@ -417,27 +352,15 @@ impl Process {
         }
     }
 
-    fn take(&mut self, message: Message) {
-        let fds = message.fds.len();
-        let report = wire::decode::<Report>(&message.bytes, Vec::new());
-        drop(message); // closes any fds it carried
-        let report = match report {
-            Ok(report) if fds == 0 => report,
-            Ok(report) => {
-                return self.violate(format!("a report carrying {fds} fds ({report:?})"));
-            }
-            Err(e) => {
-                return self.violate(format!("a packet that is not a report ({fds} fds): {e}"));
-            }
-        };
+    fn take(&mut self, report: Report) {
         match report {
             Report::Ready if !self.ready_seen && !self.started => self.ready_seen = true,
             Report::Started if !self.started => self.started = true,
             Report::Finished(outcome) if self.outcome.is_none() => self.outcome = Some(outcome),
             Report::Exited(status)
-                if self.method == StartMethod::Forkserver && self.status.is_none() =>
+                if self.child.reaper() == Reaper::Forkserver && !self.child.ended() =>
             {
-                self.status = Some(status)
+                self.child.set_reaped(status)
             }
             other => self.violate(format!("a report out of turn ({other:?})")),
         }
@@ -453,35 +376,28 @@ impl Process {
     /// Record the program the child runs, if it is not this executable (it exec'd). Only
     /// called while the child is known not to have been reaped, so that its pid is still it.
     fn note_exec(&mut self) {
-        if self.exec_program.is_some() || self.exited_at.is_some() {
-            return;
-        }
-        let ours = std::fs::read_link("/proc/self/exe");
-        let theirs = std::fs::read_link(format!("/proc/{}/exe", self.pid));
-        if let (Ok(ours), Ok(theirs)) = (ours, theirs)
-            && ours != theirs
-        {
-            self.exec_program = Some(theirs.display().to_string());
+        if self.exec_program.is_none() && self.child.exited_at().is_none() {
+            self.exec_program = self.child.foreign_program();
         }
     }
 
     /// Watching failed: end the child as surely as possible and record why.
     fn give_up(&mut self, why: String) {
         let _ = self.signal_kill();
-        if self.method.is_direct_child() && self.fate.get() != Fate::Reaped {
+        if self.child.reaper() == Reaper::Us && self.fate.get() != Fate::Reaped {
             // SIGKILLed: this blocks only until the kernel has ended it.
-            if let Ok(status) = reap(self.pid) {
-                self.status = Some(status);
+            self.child.reap();
+            if self.child.status().is_some() {
                 return;
             }
         }
-        self.status_unknown = Some(why);
+        self.child.set_lost(why);
     }
 }
 
 impl Drop for Process {
     fn drop(&mut self) {
-        if !self.finished() {
+        if !self.child.ended() {
             if self.fate.get() == Fate::Running {
                 self.fate.set(Fate::DroppedRunning);
             }
@@ -491,31 +407,4 @@ impl Drop for Process {
             self.fate.set(Fate::Finished);
         }
     }
-}
-
-fn reap(pid: Pid) -> Result<ExitStatus> {
-    loop {
-        match waitpid(pid, None) {
-            Ok(WaitStatus::Exited(_, code)) => return Ok(ExitStatus::Exited(code)),
-            Ok(WaitStatus::Signaled(_, signal, _)) => {
-                return Ok(ExitStatus::Signaled(signal as i32));
-            }
-            Ok(_) | Err(Errno::EINTR) => continue,
-            Err(e) => return Err(Error::errno(format!("waitpid({pid})"), e)),
-        }
-    }
-}
-
-fn read_all(fd: &OwnedFd) -> String {
-    let Ok(file) = fd.try_clone().map(File::from) else {
-        return "(captured output unreadable: dup failed)".to_owned();
-    };
-    let mut out = Vec::new();
-    let mut buf = [0u8; 64 * 1024];
-    let mut offset = 0u64;
-    while let Ok(n @ 1..) = file.read_at(&mut buf, offset) {
-        out.extend_from_slice(&buf[..n]);
-        offset += n as u64;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }

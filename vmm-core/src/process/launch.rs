@@ -12,15 +12,13 @@ use std::os::unix::ffi::OsStrExt;
 use std::sync::OnceLock;
 use std::sync::mpsc::{self, Sender};
 
-use nix::fcntl::{FcntlArg, OFlag, fcntl};
+use nix::fcntl::OFlag;
 use nix::spawn::{PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags, posix_spawn};
-use nix::sys::memfd::{MFdFlags, memfd_create};
 use nix::sys::signal::SigSet;
 use nix::sys::stat::Mode;
 use nix::unistd::{Pid, getpid};
 
 use super::protocol::ROLE_VAR;
-use crate::wire::Channel;
 use crate::{Error, Result};
 
 /// What to start: a child or a forkserver, and what it inherits.
@@ -35,17 +33,10 @@ pub(crate) struct Launch {
     pub channel: OwnedFd,
     /// Where the child's stdout and stderr go; `None` inherits the parent's.
     pub output: Option<(OwnedFd, OwnedFd)>,
-    /// The running test's name, for the child's argv.
-    pub test_name: Option<String>,
+    /// The child's argv after argv[0] (see [`hook::child_args`](super::hook::child_args)).
+    pub args: Vec<String>,
     /// Extra environment variables.
     pub env: Vec<(String, String)>,
-}
-
-/// The running test's name: libtest names each test's thread after the test.
-pub(crate) fn current_test_name() -> Option<String> {
-    let thread = std::thread::current();
-    let name = thread.name()?;
-    (name != "main" && !name.starts_with("vmm-ipc-")).then(|| name.to_owned())
 }
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -84,11 +75,9 @@ pub(crate) fn launch_then(
 /// Start `launch` from the launcher thread and return the child's pid.
 pub(crate) fn launch(launch: Launch) -> Result<Pid> {
     let (tx, rx) = mpsc::sync_channel(1);
-    launcher()?
-        .send(Box::new(move || {
-            let _ = tx.send(spawn_now(launch));
-        }))
-        .map_err(|_| Error::Forkserver("the launcher thread is gone".into()))?;
+    launch_then(launch, move |launched| {
+        let _ = tx.send(launched);
+    })?;
     rx.recv()
         .map_err(|_| Error::Forkserver("the launcher thread dropped a request".into()))?
 }
@@ -148,10 +137,8 @@ fn spawn_now(launch: Launch) -> Result<Pid> {
         .next()
         .unwrap_or_else(|| OsString::from("vmm-ipc-child"));
     let mut argv = vec![cstring(argv0.as_bytes())?];
-    if let Some(name) = &launch.test_name {
-        for arg in ["--exact", name, "--nocapture", "--test-threads=1", "-q"] {
-            argv.push(cstring(arg.as_bytes())?);
-        }
+    for arg in &launch.args {
+        argv.push(cstring(arg.as_bytes())?);
     }
     let mut env = Vec::new();
     for (key, value) in std::env::vars_os() {
@@ -180,42 +167,4 @@ fn spawn_now(launch: Launch) -> Result<Pid> {
         )
     })
     // `launch` drops here: the parent's copies of the child's channel and output fds close.
-}
-
-/// A child that exists and has not been given its first message yet: ours to reap (spawn,
-/// warm) or the forkserver's. It waits for a [`Begin`] on `channel`.
-#[derive(Debug)]
-pub(crate) struct Made {
-    pub pid: Pid,
-    /// A pidfd for it, where one could be had.
-    pub pidfd: Option<OwnedFd>,
-    /// The parent's end of its channel.
-    pub channel: Channel,
-    /// Its stdout and stderr (memfds, `O_APPEND`).
-    pub stdout: OwnedFd,
-    pub stderr: OwnedFd,
-    /// Its `Ready` report (a warm child's) has been read already.
-    pub ready: bool,
-}
-
-/// A child's stdout and stderr: memfds, CLOEXEC, opened for appending (so that a pool can empty
-/// them between tasks while the child keeps writing at their end).
-pub(crate) fn output_memfds() -> Result<(OwnedFd, OwnedFd)> {
-    Ok((
-        output_memfd(c"vmm-ipc-child-stdout")?,
-        output_memfd(c"vmm-ipc-child-stderr")?,
-    ))
-}
-
-fn output_memfd(name: &std::ffi::CStr) -> Result<OwnedFd> {
-    let fd = memfd_create(name, MFdFlags::MFD_CLOEXEC)
-        .map_err(|e| Error::errno("memfd_create(child output)", e))?;
-    // The status flags belong to the open file, which the child's stdout (a dup) shares.
-    fcntl(&fd, FcntlArg::F_SETFL(OFlag::O_APPEND))
-        .map_err(|e| Error::errno("fcntl(F_SETFL, O_APPEND) on child output", e))?;
-    Ok(fd)
-}
-
-pub(crate) fn dup(fd: &OwnedFd) -> Result<OwnedFd> {
-    fd.try_clone().map_err(|e| Error::io("dup", e))
 }

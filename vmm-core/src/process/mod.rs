@@ -28,7 +28,7 @@
 //! - **forkserver**: one server per parent, started lazily by spawn, CUDA-free and
 //!   single-threaded, forks each child on request and reports its exit status.
 //! - **warm**: a child started the way spawn starts one, but ahead of need: it waits in this
-//!   process's [warm pool](warm_pool) with CUDA already initialised (where there is a GPU; the
+//!   process's [warm pool](WarmPool) with CUDA already initialised (where there is a GPU; the
 //!   devices and the pool's depth are [`WarmOptions`]), and `spawn` hands it the function. It
 //!   still runs exactly one function, so the isolation is spawn's; only the start-up moved off
 //!   the critical path. A replacement starts in the background; a waiting child that died is
@@ -36,7 +36,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use vmm_core::process::{Context, StartMethod, warm_pool};
+//! use vmm_core::process::{Context, StartMethod, WarmPool};
 //!
 //! fn child(n: u32) {
 //!     assert_eq!(n, 7); // CUDA is initialised here already, on a GPU machine
@@ -44,7 +44,7 @@
 //!
 //! fn main() -> vmm_core::Result<()> {
 //!     vmm_core::process::init();
-//!     warm_pool()?; // optional: start the pool now and wait until it is ready
+//!     WarmPool::global().fill()?; // optional: start the pool now and wait until it is ready
 //!     let ctx = Context::new(StartMethod::Warm);
 //!     ctx.spawn(child, 7)?.join(Duration::from_secs(10))?;
 //!     Ok(())
@@ -98,24 +98,31 @@
 //! (the kernel's rules, not vmm-core's, decide that).
 
 // Inside, each file one job; dependencies point down this list, never back up:
-// - pool: `Pool` and `TaskHandle` (the parent's side of reusable workers)
+// - pool/: `Pool` (mod), `TaskHandle` (handle), the task table and redelivery (tasks), the
+//   waiters' event loop (events), a worker's reports (report), a worker's start and end (worker)
 // - context: `Context` (what the parent does to start a child), `make` (a child of any
 //   method, waiting for its first message)
-// - handle: `Process` (the parent's handle: join, kill, reap)
-// - warm: the warm pool (children waiting, refilled on the launcher thread)
+// - handle: `Process` (a single-use child's reports; join, kill)
+// - warm/: `WarmPool` (mod), `WarmOptions` (options), one waiting child (waiting)
 // - forkserver: the parent's side of the forkserver (start it, ask it for a child)
 // - role: the pre-`main` hook and `init`: a started process takes its role
 // - server: the forkserver's own loop (forks children)
-// - entry: a child's life: (warm-up,) start message, entry point, report, exit
+// - entry: a child's life: (warm-up,) start message, its call, report, exit
+// - worker: a pool worker's life: warm-up, then calls from its task socket until it closes
+// - remote: one remote call (the entry point registered for a function, the `Call` naming it,
+//   running it in the child), for single-use children and pool tasks alike
 // - entries: the entry table (what a child may run on its parent's word) and its lookup
-// - worker: a pool worker's life: warm-up, then tasks from its task socket until it closes
 // - child: what every child does (exit codes, die with the parent, record panics, warm up)
-// - launch: posix_spawn of /proc/self/exe on the launcher thread; the running test's name;
-//   `Made` (a child waiting for its first message) and its output memfds
-// - tracker: which children a test started (`#[ipc_test]`'s registry)
-// - protocol: the messages; status: ExitStatus, ChildError, a child's outcome
+// - tracker: a child's fate, and the `Tracker` a `Context` tells of each child it starts
+//   (`testing` keeps `#[ipc_test]`'s registry behind it)
+// - supervisor: `Supervised`, the one supervised child (pid, pidfd, channel, output, what is
+//   known of its end; kill, reap, waits by deadline, output reading) that `Process`, a waiting
+//   warm child and a pool worker are built on
+// - launch: posix_spawn of /proc/self/exe on the launcher thread
+// - hook: the argv a re-executed child needs, from the harness (`testing` installs libtest's)
+// - protocol: the messages; status: a child's outcome, and `ChildError` assembled from it
+//   (`ChildError`, `ExitStatus` and `StartMethod` are plain data in `crate::error`)
 // - timeout: `VMM_CHILD_TIMEOUT`, default_timeout
-// - method: StartMethod
 // - sys: the thin unsafe layer (fork, fd renumbering, pidfds, code addresses, environment)
 mod child;
 mod context;
@@ -123,34 +130,29 @@ mod entries;
 mod entry;
 mod forkserver;
 mod handle;
+pub(crate) mod hook;
 mod launch;
-mod method;
 mod pool;
 mod protocol;
+mod remote;
 mod role;
 mod server;
 mod status;
+mod supervisor;
 mod sys;
 mod timeout;
-mod tracker;
+pub(crate) mod tracker;
 mod warm;
 mod worker;
 
+pub use crate::error::StartMethod;
 pub use context::Context;
 pub use forkserver::{ensure_running, forkserver_pid};
 pub use handle::Process;
-pub use method::StartMethod;
 pub use pool::{Pool, TaskHandle};
 pub use role::init;
 pub use status::{ChildError, ExitStatus};
 pub use timeout::{
     FALLBACK_TIMEOUT, TIMEOUT_VAR, default_timeout, parse_timeout, try_default_timeout,
 };
-pub use warm::{
-    DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, WarmOptions, set_warm_options, warm_options, warm_pids,
-    warm_pool,
-};
-
-pub(crate) use launch::current_test_name;
-pub(crate) use tracker::Registry;
-pub(crate) use warm::{prestart as prestart_warm_pool, quiesce as quiesce_warm_pool};
+pub use warm::{DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, WarmOptions, WarmPool};

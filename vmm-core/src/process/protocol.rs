@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::method::StartMethod;
+use super::StartMethod;
 use super::status::{ExitStatus, NotRunStage, Outcome};
 use crate::Error;
 
@@ -19,7 +19,7 @@ pub(crate) enum Begin {
     /// Run one function and exit; the argument's fds ride along.
     Once(Start),
     /// Become a [`Pool`](super::Pool) worker: warm up, say [`Report::Serving`], then run
-    /// [`Task`]s from its task socket until the pool closes it.
+    /// [`Call`]s from its task socket until the pool closes it.
     Serve(Serve),
     /// Not a beginning: a waiting warm child answers [`Report::Pong`] and waits on. The warm
     /// pool asks before it hands a child out, since a killed child's pidfd and channel can stay
@@ -32,34 +32,29 @@ pub(crate) enum Begin {
 /// where it is made (at exec, or from the forkserver as it forks), never from a message.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Start {
+    pub call: Call,
+    pub method: StartMethod,
+}
+
+/// A function to run in a child: a single-use child's ([`Start`]), or a pool task (alone on
+/// a worker's task socket, the argument's fds riding along).
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Call {
     /// Offset of `sys::layout_probe` in the parent, to check that the child runs the same image.
     pub layout: isize,
-    /// Offset of the child entry point (`entry::registered`); the child calls it only if it is
-    /// in its entry table (`entries::find_child`).
+    /// Offset of the entry point (`remote::registered`); the child calls it only if it is in
+    /// its entry table (`entries::find`).
     pub entry: isize,
-    pub method: StartMethod,
     /// The argument, postcard with fds out of band.
     pub args: Payload,
 }
 
 /// How a pool worker prepares. The message carries one fd: the worker's end of its task
-/// socket, where its [`Task`]s arrive (the pool keeps a reference to it too: see `pool`).
+/// socket, where its tasks ([`Call`]s) arrive (the pool keeps a reference to it too: see `pool`).
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Serve {
     /// The CUDA devices (ordinals) whose primary context the worker retains before it serves.
     pub devices: Vec<usize>,
-}
-
-/// Parent -> pool worker: one task; the argument's fds ride along.
-#[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct Task {
-    /// As in [`Start`].
-    pub layout: isize,
-    /// Offset of the task entry point (`worker::registered`); the worker calls it only if it is
-    /// in its entry table (`entries::find_task`).
-    pub entry: isize,
-    /// The argument, postcard with fds out of band.
-    pub args: Payload,
 }
 
 /// A serialised argument or result. Its `Debug` shows only its length: what it holds is the
@@ -161,15 +156,17 @@ mod tests {
             format!(
                 "{:?}",
                 Begin::Once(Start {
-                    layout: 1,
-                    entry: 2,
+                    call: Call {
+                        layout: 1,
+                        entry: 2,
+                        args: Payload(secret.clone()),
+                    },
                     method: StartMethod::Spawn,
-                    args: Payload(secret.clone()),
                 })
             ),
             format!(
                 "{:?}",
-                Task {
+                Call {
                     layout: 1,
                     entry: 2,
                     args: Payload(secret.clone()),

@@ -25,9 +25,9 @@ use std::sync::Mutex;
 use nix::sys::socket::{getsockopt, sockopt};
 use nix::unistd::{Pid, getppid};
 
+use super::StartMethod;
 use super::child;
 use super::entry;
-use super::method::StartMethod;
 use super::protocol::ROLE_VAR;
 use super::{server, sys};
 use crate::wire::Channel;

@@ -16,11 +16,11 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Pid, getpid};
 
+use super::StartMethod;
 use super::child::{self, EXIT_NO_START};
 use super::entry;
-use super::method::StartMethod;
 use super::protocol::{ForkReply, ForkRequest, Report};
-use super::status::ExitStatus;
+use super::supervisor::exit_status;
 use super::{launch, sys};
 use crate::Error;
 use crate::wire::{self, Channel, Message};
@@ -199,10 +199,12 @@ fn fork_one(
 fn reap(children: &mut HashMap<Pid, Channel>) {
     loop {
         let (pid, status) = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::Exited(pid, code)) => (pid, ExitStatus::Exited(code)),
-            Ok(WaitStatus::Signaled(pid, signal, _)) => (pid, ExitStatus::Signaled(signal as i32)),
             Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => return,
-            Ok(_) | Err(Errno::EINTR) => continue,
+            Ok(status) => match (status.pid(), exit_status(status)) {
+                (Some(pid), Some(exited)) => (pid, exited),
+                _ => continue,
+            },
+            Err(Errno::EINTR) => continue,
             Err(_) => return,
         };
         if let Some(channel) = children.remove(&pid) {

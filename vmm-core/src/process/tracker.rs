@@ -1,17 +1,18 @@
-//! Which children a scope (one `#[ipc_test]`) started, so that none outlives it unnoticed.
+//! Watching a scope's children from outside their [`Process`](super::Process)es: a child's
+//! [`Fate`], shared with whoever tracks it, and the [`Tracker`] a [`Context`](super::Context)
+//! tells of every child it starts (the `#[ipc_test]` runtime's registry, so that none outlives
+//! its test unnoticed).
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::fmt;
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
 
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-use nix::sys::signal::{Signal, kill};
-use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 
-use super::method::StartMethod;
-use super::sys;
+use super::StartMethod;
+use super::supervisor::{Reaper, kill_child, pidfd_exits_within, reap_within};
 
 /// What became of a tracked child.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,12 +25,12 @@ pub(crate) enum Fate {
     Killed = 2,
     /// Its `Process` was dropped while it ran, without `kill()`: it was killed by the drop.
     DroppedRunning = 3,
-    /// The registry killed and reaped it (its `Process` outlived the scope): the pid is no
+    /// The tracker killed and reaped it (its `Process` outlived the scope): the pid is no
     /// longer this child's, so the `Process` must never signal or wait for it again.
     Reaped = 4,
 }
 
-/// The fate of one child, shared by its `Process` and the registry.
+/// The fate of one child, shared by its `Process` and the tracker.
 #[derive(Debug, Default)]
 pub(crate) struct FateCell(AtomicU8);
 
@@ -49,130 +50,77 @@ impl FateCell {
     }
 }
 
+/// One child started through a tracked [`Context`](super::Context), as its tracker sees it.
 #[derive(Debug)]
-struct Entry {
+pub(crate) struct Tracked {
     pid: Pid,
     method: StartMethod,
     fate: Arc<FateCell>,
-    /// Forkserver children: the Process's pidfd, while the Process exists.
+    /// The Process's pidfd, while the Process exists.
     pidfd: Option<Weak<OwnedFd>>,
 }
 
-/// The children started through one `Context` and its clones.
-#[derive(Debug, Default)]
-pub(crate) struct Registry {
-    entries: Mutex<Vec<Entry>>,
-}
-
-impl Registry {
-    pub(crate) fn track(
-        &self,
+impl Tracked {
+    pub(crate) fn new(
         pid: Pid,
         method: StartMethod,
         fate: Arc<FateCell>,
         pidfd: Option<&Arc<OwnedFd>>,
-    ) {
-        let entry = Entry {
+    ) -> Tracked {
+        Tracked {
             pid,
             method,
             fate,
             pidfd: pidfd.map(Arc::downgrade),
+        }
+    }
+
+    pub(crate) fn pid(&self) -> Pid {
+        self.pid
+    }
+
+    pub(crate) fn method(&self) -> StartMethod {
+        self.method
+    }
+
+    pub(crate) fn fate(&self) -> Fate {
+        self.fate.get()
+    }
+
+    /// SIGKILL it if it is still running (through the pidfd where its Process still holds
+    /// one; an unreaped child of ours by pid; a forkserver child without a pidfd cannot be
+    /// told from a reused pid, and is left to its Process). Best effort: a child that is gone
+    /// already needs no signal.
+    pub(crate) fn kill_if_running(&self) {
+        if self.fate() != Fate::Running {
+            return;
+        }
+        let reaper = Reaper::of(self.method);
+        let pidfd = self.pidfd.as_ref().and_then(Weak::upgrade);
+        if pidfd.is_some() || reaper == Reaper::Us {
+            let _ = kill_child(self.pid, pidfd.as_deref(), reaper);
+        }
+    }
+
+    /// Take it from its Process, which outlived the scope: it is seen dead (a child of ours
+    /// reaped, a forkserver child's pidfd readable) within `limit` (`Some(false)`: not), or
+    /// cannot be watched (`None`: no pidfd). Its Process never touches the pid again.
+    pub(crate) fn take_over(&self, limit: Duration) -> Option<bool> {
+        let dead = match Reaper::of(self.method) {
+            Reaper::Us => Some(reap_within(self.pid, limit)),
+            Reaper::Forkserver => self
+                .pidfd
+                .as_ref()
+                .and_then(Weak::upgrade)
+                .and_then(|pidfd| pidfd_exits_within(&pidfd, limit)),
         };
-        self.entries
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(entry);
-    }
-
-    /// Kill (through the pidfd where there is one) every child that is still running.
-    pub(crate) fn kill_running(&self) {
-        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        for entry in entries.iter().filter(|e| e.fate.get() == Fate::Running) {
-            // Best effort: a child that is already gone needs no signal.
-            let _ = match entry.pidfd.as_ref().and_then(Weak::upgrade) {
-                Some(pidfd) => sys::pidfd_kill(&pidfd),
-                // Unreaped children of ours: the pid cannot have been reused.
-                None if entry.method.is_direct_child() => {
-                    kill(entry.pid, Signal::SIGKILL).map_err(|e| crate::Error::errno("kill", e))
-                }
-                None => Ok(()),
-            };
-        }
-    }
-
-    /// End the scope: kill and reap children still running (their `Process` was leaked, or the
-    /// scope timed out while they ran), and describe every child that was left running. A
-    /// child is said to have been killed only once it is seen dead (reaped, or its pidfd
-    /// readable), at most [`KILL_CONFIRM`] after the signal.
-    pub(crate) fn finish(&self, timed_out: bool) -> Vec<String> {
-        self.kill_running();
-        let entries = std::mem::take(&mut *self.entries.lock().unwrap_or_else(|e| e.into_inner()));
-        let mut problems = Vec::new();
-        for entry in entries {
-            let (pid, method) = (entry.pid, entry.method);
-            match entry.fate.get() {
-                Fate::Running => {
-                    let dead = match method {
-                        StartMethod::Spawn | StartMethod::Warm => reap_within(pid, KILL_CONFIRM),
-                        StartMethod::Forkserver => match entry.pidfd.as_ref().and_then(Weak::upgrade) {
-                            Some(pidfd) => exits_within(&pidfd, KILL_CONFIRM),
-                            None => None,
-                        },
-                    };
-                    entry.fate.set(Fate::Reaped);
-                    let when = if timed_out {
-                        "was still running at the timeout"
-                    } else {
-                        "was still running when the test ended (its Process was never dropped \
-                         or joined)"
-                    };
-                    let end = match dead {
-                        Some(true) => "it has been killed".to_owned(),
-                        Some(false) => format!(
-                            "it was sent SIGKILL but was still alive {KILL_CONFIRM:?} later"
-                        ),
-                        None => "it was sent SIGKILL (its death could not be watched: no pidfd)"
-                            .to_owned(),
-                    };
-                    problems.push(format!("child {pid} ({method}) {when}; {end}"));
-                }
-                Fate::DroppedRunning => problems.push(format!(
-                    "child {pid} ({method}) was still running when its Process was dropped; join it, \
-                     or call kill() first if ending it early is intended"
-                )),
-                Fate::Finished | Fate::Killed | Fate::Reaped => {}
-            }
-        }
-        problems
+        self.fate.set(Fate::Reaped);
+        dead
     }
 }
 
-/// How long [`Registry::finish`] waits to see a killed child dead.
-const KILL_CONFIRM: Duration = Duration::from_secs(5);
-
-/// Reap `pid` (a child of ours) within `limit`: `Some(true)` once reaped (or already gone).
-fn reap_within(pid: Pid, limit: Duration) -> Option<bool> {
-    let deadline = Instant::now() + limit;
-    loop {
-        match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::StillAlive) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(1))
-            }
-            Ok(WaitStatus::StillAlive) => return Some(false),
-            _ => return Some(true),
-        }
-    }
-}
-
-/// Whether the process behind `pidfd` exits within `limit` (its pidfd becomes readable).
-fn exits_within(pidfd: &OwnedFd, limit: Duration) -> Option<bool> {
-    let ms = u16::try_from(limit.as_millis()).unwrap_or(u16::MAX);
-    let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
-    loop {
-        match poll(&mut fds, PollTimeout::from(ms)) {
-            Ok(n) => return Some(n > 0),
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(_) => return None,
-        }
-    }
+/// Told of every child a [`Context`](super::Context) starts.
+pub(crate) trait Tracker: Send + Sync + fmt::Debug {
+    /// A child was started (and holds its start message).
+    fn track(&self, child: Tracked);
 }

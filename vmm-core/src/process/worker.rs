@@ -9,17 +9,13 @@
 
 use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
-use std::panic::{self, AssertUnwindSafe};
-
-use serde::Serialize;
-use serde::de::DeserializeOwned;
 
 use super::child::{self, EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED};
-use super::entries::{self, TaskEntry, register_entry};
-use super::protocol::{Payload, Report, Serve, Task, TaskOutcome};
+use super::protocol::{Call, Payload, Report, Serve, TaskOutcome};
+use super::remote::{self, Ended};
 use super::status::NotRunStage;
+use crate::Error;
 use crate::wire::{self, Channel};
-use crate::{Error, Result};
 
 /// Serve tasks until the pool closes its end of the task socket, whose other end came with
 /// `serve` (in `fds`); report each on `channel`. Never returns.
@@ -47,7 +43,7 @@ pub(crate) fn serve(channel: Channel, serve: Serve, fds: Vec<OwnedFd>) -> ! {
             received => received,
         };
         let task = received.and_then(|message| {
-            wire::decode::<Task>(&message.bytes, Vec::new()).map(|task| (task, message.fds))
+            wire::decode::<Call>(&message.bytes, Vec::new()).map(|task| (task, message.fds))
         });
         match task {
             Ok((task, fds)) => run_task(&channel, &task, fds),
@@ -66,33 +62,17 @@ pub(crate) fn serve(channel: Channel, serve: Serve, fds: Vec<OwnedFd>) -> ! {
 }
 
 /// Run one task and report how it ended; exit if it panicked.
-fn run_task(channel: &Channel, task: &Task, fds: Vec<OwnedFd>) {
-    // Only an entry point this executable registered is ever called: a forged offset is
-    // refused here, not jumped to.
-    let entry = match entries::find_task(task.layout, task.entry) {
-        Ok(entry) => entry,
-        Err(error) => {
-            let stage = NotRunStage::Entry;
-            return report(channel, TaskOutcome::NotRun { stage, error }, &[]);
-        }
-    };
-    // A panic an earlier task caught itself must not be taken for this task's.
-    let _ = child::take_recorded_panic();
-    let called = panic::catch_unwind(AssertUnwindSafe(|| entry(&task.args, fds)));
-    match called {
-        Ok(Ok(Ok((bytes, fds)))) => {
+fn run_task(channel: &Channel, task: &Call, fds: Vec<OwnedFd>) {
+    match remote::run(task, fds) {
+        Ended::Returned(bytes, fds) => {
             let fds: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
             report(channel, TaskOutcome::Returned(Payload(bytes)), &fds);
         }
-        Ok(Ok(Err(error))) => report(channel, TaskOutcome::Unsendable(error), &[]),
-        Ok(Err(error)) => {
-            let stage = NotRunStage::Argument;
-            report(channel, TaskOutcome::NotRun { stage, error }, &[]);
+        Ended::Unsendable(error) => report(channel, TaskOutcome::Unsendable(error), &[]),
+        Ended::NotRun { stage, error } => {
+            report(channel, TaskOutcome::NotRun { stage, error }, &[])
         }
-        Err(payload) => {
-            let (message, location) = child::panic_report(payload.as_ref());
-            // The payload may own anything; dropping it could panic again. Leave it.
-            std::mem::forget(payload);
+        Ended::Panicked { message, location } => {
             report(channel, TaskOutcome::Panicked { message, location }, &[]);
             std::process::exit(EXIT_PANICKED);
         }
@@ -123,45 +103,4 @@ fn report(channel: &Channel, outcome: TaskOutcome, fds: &[std::os::fd::BorrowedF
             std::process::exit(EXIT_NOT_RUN)
         }
     }
-}
-
-/// The task entry point for `F` (a `fn(A) -> R` item or a closure that captures nothing),
-/// placed in this executable's task entry table: what `Pool::submit` sends, by its offset.
-///
-/// Taking an `F` proves that the type is inhabited, which [`task_trampoline`] relies on.
-#[inline(always)]
-pub(crate) fn registered<F, A, R>(_f: F) -> TaskEntry
-where
-    F: Fn(A) -> R + Copy,
-    A: DeserializeOwned,
-    R: Serialize,
-{
-    register_entry!("vmm_ipc_task_entries", task_trampoline::<F, A, R>);
-    task_trampoline::<F, A, R>
-}
-
-/// What a pool task runs: receive the argument, call `F`, serialise the result (and drop it).
-/// `Err`: the argument could not be received; `Ok(Err)`: the result could not be serialised.
-/// Reached only through the entry table, for an `F` that [`registered`] was given a value of.
-fn task_trampoline<F, A, R>(
-    args: &[u8],
-    fds: Vec<OwnedFd>,
-) -> Result<Result<(Vec<u8>, Vec<OwnedFd>)>>
-where
-    F: Fn(A) -> R + Copy,
-    A: DeserializeOwned,
-    R: Serialize,
-{
-    let arg: A = wire::decode(args, fds)?;
-    // SAFETY: this function is only named by `registered::<F, A, R>`, which was given a value
-    // of `F` (a `Copy` type) in a process running this executable, so `F` is inhabited.
-    let f: F = unsafe { entries::conjure::<F>() };
-    let result: R = f(arg);
-    Ok(encode_owned(&result))
-}
-
-/// A value's bytes and fds of their own, so that the value can be dropped before they
-/// are sent.
-pub(crate) fn encode_owned<T: Serialize + ?Sized>(value: &T) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
-    wire::encode(value)?.into_owned()
 }

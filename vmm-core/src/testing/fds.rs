@@ -10,14 +10,14 @@ pub fn open_fds() -> Result<usize> {
     crate::limits::open_fds().map_err(|e| Error::io("read_dir(/proc/self/fd)", e))
 }
 
-/// [`open_fds`] once it has stopped changing: after the [warm pool](crate::process::warm_pool)'s
+/// [`open_fds`] once it has stopped changing: after the [warm pool](crate::process::WarmPool)'s
 /// replacements in flight have been launched (each adds the fds of the child it replaces) and
 /// the fds a peer sent that endpoints refused have been closed (on a background thread; at most
 /// five seconds are given to a close that blocks), the same count three times in a row, a
 /// millisecond apart (other threads may be closing fds, for example a child's reaper), or the
 /// last count after one second.
 pub fn settled_open_fds() -> Result<usize> {
-    crate::process::quiesce_warm_pool();
+    crate::process::WarmPool::global().quiesce();
     let closing = Instant::now() + Duration::from_secs(5);
     while crate::wire::endpoint::closing_fds() > 0 && Instant::now() < closing {
         std::thread::sleep(Duration::from_millis(1));

@@ -12,6 +12,8 @@
 
 mod exclusive;
 mod fds;
+mod harness;
+mod registry;
 mod requirements;
 mod runner;
 mod skip;

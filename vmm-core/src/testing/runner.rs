@@ -4,11 +4,11 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use super::harness::current_test_name;
+use super::registry::Registry;
 use super::spec::Spec;
 use super::{exclusive, skip};
-use crate::process::{
-    Context, Registry, StartMethod, prestart_warm_pool, try_default_timeout, warm_pool,
-};
+use crate::process::{Context, StartMethod, WarmPool, try_default_timeout};
 
 pub(crate) fn run<Q, B>(spec: Spec, requirement: Q, body: B)
 where
@@ -32,17 +32,17 @@ where
         if spec.thread_unsafe.is_some() {
             // A test that runs alone may count fds: the pool is full and ready before it starts,
             // as `ensure_running` makes the forkserver's fd part of the baseline.
-            if let Err(e) = warm_pool() {
+            if let Err(e) = WarmPool::global().fill() {
                 panic!("{name} ({}) cannot warm the pool: {e}", spec.method);
             }
         } else {
             // Beside other tests: have children on their way, without waiting for a full pool.
-            prestart_warm_pool();
+            WarmPool::global().prestart();
         }
     }
     let registry = Arc::new(Registry::default());
-    let ctx =
-        Context::with_method_and_timeout(spec.method, timeout).with_registry(Arc::clone(&registry));
+    let ctx = Context::with_method_and_timeout(spec.method, timeout)
+        .with_tracker(Arc::clone(&registry) as _);
 
     // The body runs on its own thread, named like the test (children take the running test's
     // name from the thread), so that the test can end at its timeout even if the body blocks.
@@ -86,7 +86,7 @@ where
 /// The running test's full name: libtest names the test's thread after it; outside libtest
 /// (a custom harness), the generated path.
 fn test_name(spec: &Spec) -> String {
-    crate::process::current_test_name().unwrap_or_else(|| {
+    current_test_name().unwrap_or_else(|| {
         let module = spec
             .module_path
             .split_once("::")

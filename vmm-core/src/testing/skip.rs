@@ -49,7 +49,7 @@ pub fn skip_unless(requirement: impl Requirement) -> bool {
         Ok(()) => true,
         Err(reason) => {
             let name =
-                crate::process::current_test_name().unwrap_or_else(|| "<unnamed test>".into());
+                super::harness::current_test_name().unwrap_or_else(|| "<unnamed test>".into());
             skip(&name, &reason);
             false
         }

@@ -421,8 +421,8 @@ impl AsRawFd for Channel {
 pub const SPIN_VAR: &str = "VMM_IPC_SPIN_US";
 
 /// [`SPIN_VAR`], else 20 us on a machine with more than one CPU (on one CPU the sender cannot
-/// run while we spin), else zero.
-fn spin_window() -> Duration {
+/// run while we spin), else zero. The pool's waiters spin for the same window.
+pub(crate) fn spin_window() -> Duration {
     static WINDOW: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *WINDOW.get_or_init(|| {
         let micros = std::env::var(SPIN_VAR)

@@ -14,6 +14,7 @@ mod oob;
 mod queue;
 mod sys;
 
+pub(crate) use channel::spin_window;
 pub(crate) use channel::wait_hangup;
 pub use channel::{Channel, INLINE_MAX, MAX_MESSAGE, Message, SPIN_VAR};
 pub use fd::Fd;

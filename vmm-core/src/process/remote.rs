@@ -1,0 +1,131 @@
+//! A remote call: a registered function, run in a child on an argument's bytes and fds, and
+//! how it ended. One path for both kinds of child: a single-use child runs one call
+//! (`Context::spawn`: an `F: Fn(A)`, whose `()` result is empty), a pool worker one per task
+//! (`Pool::submit`: an `F: Fn(A) -> R`).
+//!
+//! The parent side names the function by its entry point ([`registered`]) and makes the
+//! [`Call`] (checking first that the code lies where a child can find it); the child side
+//! looks the entry point up in its own entry table (`entries::find`) and [`run`]s it.
+
+use std::os::fd::OwnedFd;
+use std::panic::{self, AssertUnwindSafe};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::child;
+use super::entries::{self, Entry, register_entry};
+use super::protocol::{Call, Payload};
+use super::status::NotRunStage;
+use super::sys;
+use crate::wire;
+use crate::{Error, Result};
+
+/// The entry point for `F` (a `fn(A) -> R` item or a closure that captures nothing), placed in
+/// this executable's entry table: what a [`Call`] names, by its offset.
+///
+/// Taking an `F` proves that the type is inhabited, which [`trampoline`] relies on.
+#[inline(always)]
+pub(crate) fn registered<F, A, R>(_f: F) -> Entry
+where
+    F: Fn(A) -> R + Copy,
+    A: DeserializeOwned,
+    R: Serialize,
+{
+    register_entry!(trampoline::<F, A, R>);
+    trampoline::<F, A, R>
+}
+
+/// What a child runs for `F`: receive the argument, call `F`, serialise the result (and drop
+/// it). `Err`: the argument could not be received (the error its deserialisation raised, an
+/// import's [`Error::InvalidArgument`] say, as that variant); `Ok(Err)`: the result could not
+/// be serialised. Reached only through the entry table, for an `F` that [`registered`] was
+/// given a value of.
+fn trampoline<F, A, R>(args: &[u8], fds: Vec<OwnedFd>) -> Result<Result<(Vec<u8>, Vec<OwnedFd>)>>
+where
+    F: Fn(A) -> R + Copy,
+    A: DeserializeOwned,
+    R: Serialize,
+{
+    let arg: A = wire::decode(args, fds)?;
+    // SAFETY: this function is only named by `registered::<F, A, R>`, which was given a value
+    // of `F` (a `Copy` type) in a process running this executable, so `F` is inhabited.
+    let f: F = unsafe { entries::conjure::<F>() };
+    let result: R = f(arg);
+    Ok(wire::encode(&result).and_then(|encoded| encoded.into_owned()))
+}
+
+impl Call {
+    /// A call of `entry` (from [`registered`]; `what` names it in errors), its argument still
+    /// empty (see [`with_args`](Self::with_args)).
+    ///
+    /// A child finds the entry point by its offset from `sys::code_base` in its own copy of the
+    /// executable, so both must lie in the main executable's code: otherwise
+    /// [`Error::InvalidArgument`], before anything is started or sent.
+    pub(crate) fn to(entry: Entry, what: &str) -> Result<Call> {
+        sys::check_main_text(
+            sys::code_base as fn() -> usize as usize,
+            "vmm-core's code (is vmm-core linked as a shared library?)",
+        )?;
+        sys::check_main_text(entry as usize, what)?;
+        Ok(Call {
+            layout: sys::code_offset(sys::layout_probe as fn() -> usize as usize),
+            entry: sys::code_offset(entry as usize),
+            args: Payload::default(),
+        })
+    }
+
+    /// The call with `args` (postcard bytes; the fds travel beside the message) as its argument.
+    pub(crate) fn with_args(self, args: Vec<u8>) -> Call {
+        Call {
+            args: Payload(args),
+            ..self
+        }
+    }
+}
+
+/// How a call ended, in the child.
+#[derive(Debug)]
+pub(crate) enum Ended {
+    /// The function returned; its result's bytes and fds.
+    Returned(Vec<u8>, Vec<OwnedFd>),
+    /// The function returned, but its result could not be serialised.
+    Unsendable(Error),
+    /// The function did not run: its entry point is not registered here, or its argument could
+    /// not be received.
+    NotRun { stage: NotRunStage, error: Error },
+    /// The function panicked (the message and location the panic hook recorded). The process
+    /// may be in any state: it reports and exits.
+    Panicked {
+        message: String,
+        location: Option<String>,
+    },
+}
+
+/// Run `call` (its argument's fds are `fds`), if its entry point is one this executable
+/// registered: a forged offset is refused here, never jumped to. A panic is caught.
+pub(crate) fn run(call: &Call, fds: Vec<OwnedFd>) -> Ended {
+    let entry = match entries::find(call.layout, call.entry) {
+        Ok(entry) => entry,
+        Err(error) => {
+            let stage = NotRunStage::Entry;
+            return Ended::NotRun { stage, error };
+        }
+    };
+    // A panic an earlier call caught itself must not be taken for this one's.
+    let _ = child::take_recorded_panic();
+    match panic::catch_unwind(AssertUnwindSafe(|| entry(&call.args, fds))) {
+        Ok(Ok(Ok((bytes, fds)))) => Ended::Returned(bytes, fds),
+        Ok(Ok(Err(error))) => Ended::Unsendable(error),
+        Ok(Err(error)) => {
+            let stage = NotRunStage::Argument;
+            Ended::NotRun { stage, error }
+        }
+        Err(payload) => {
+            let (message, location) = child::panic_report(payload.as_ref());
+            // The payload may own anything; dropping it could panic again. Leave it.
+            std::mem::forget(payload);
+            Ended::Panicked { message, location }
+        }
+    }
+}

@@ -1,0 +1,96 @@
+//! One child waiting in a warm pool: what it said (its `Ready`), whether it is still alive and
+//! well, and handing it out.
+
+use std::time::{Duration, Instant};
+
+use super::super::protocol::{Begin, Report};
+use super::super::supervisor::{Incoming, Made, Supervised};
+use crate::wire;
+
+/// How long a ready waiting child has to answer a [`Begin::Ping`] before it is taken for dead.
+/// A live one answers in microseconds; this covers a machine under heavy load.
+const PING_LIMIT: Duration = Duration::from_secs(2);
+
+/// A waiting child. Dropping it kills and reaps the child (it never ran anything).
+#[derive(Debug)]
+pub(super) struct Waiting {
+    pub(super) child: Supervised,
+    /// Its `Ready` report has been read.
+    pub(super) ready: bool,
+}
+
+/// Whether a waiting child may still be handed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Health {
+    Alive,
+    Dead,
+}
+
+impl Waiting {
+    pub(super) fn new(child: Supervised) -> Waiting {
+        Waiting {
+            child,
+            ready: false,
+        }
+    }
+
+    /// The child's pid, as the public API shows pids.
+    pub(super) fn pid(&self) -> u32 {
+        self.child.pid().as_raw() as u32
+    }
+
+    /// Read what it said (its `Ready`), and whether it is still alive and well.
+    pub(super) fn check(&mut self) -> Health {
+        if self.child.poll_exited() {
+            return Health::Dead;
+        }
+        loop {
+            match self.child.next_report() {
+                Incoming::Empty => return Health::Alive,
+                Incoming::Report(Report::Ready, fds) if !self.ready && fds.is_empty() => {
+                    self.ready = true
+                }
+                // Anything else breaks the protocol (or says it is gone): it is not handed out.
+                _ => return Health::Dead,
+            }
+        }
+    }
+
+    /// Hand it out if it is alive: it is not exiting (`/proc`), and, once ready, it answers a
+    /// [`Begin::Ping`] within [`PING_LIMIT`]. Otherwise it is given back, to be dropped.
+    ///
+    /// A child still warming up is handed out without the ping: waiting for its warm-up here
+    /// would hold the caller (a `Pool` replacing a worker inside a `join`) for as long as CUDA
+    /// takes to start. If it was killed meanwhile, its start fails as any child's would
+    /// (`join` says it never started; a `Pool` replaces a worker that dies starting).
+    pub(super) fn confirm(mut self) -> Result<Made, Waiting> {
+        if self.check() == Health::Dead || self.child.exiting() {
+            return Err(self);
+        }
+        if !self.ready {
+            return Ok(self.into_made());
+        }
+        let deadline = Instant::now() + PING_LIMIT;
+        let Ok(ping) = wire::encode(&Begin::Ping) else {
+            return Err(self);
+        };
+        let channel = self.child.channel();
+        if channel.send(ping.bytes(), &[]).is_err() {
+            return Err(self);
+        }
+        let answer = channel.recv(Some(deadline.saturating_duration_since(Instant::now())));
+        match answer.map(|m| (wire::decode::<Report>(&m.bytes, Vec::new()), m.fds.len())) {
+            Ok((Ok(Report::Pong), 0)) => Ok(self.into_made()),
+            // Hung up (dead), silent past the limit (stopped, or stuck), or off the protocol:
+            // not handed out.
+            _ => Err(self),
+        }
+    }
+
+    pub(super) fn into_made(self) -> Made {
+        Made {
+            child: self.child,
+            ready: self.ready,
+        }
+    }
+}
