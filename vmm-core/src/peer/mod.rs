@@ -7,11 +7,21 @@
 //! `HOST_MEMFD` one fd per chunk in `SCM_RIGHTS`; `docs/protocol.md` in the repository is the
 //! specification, and `python/vmm_ipc_peer.py` a standard-library Python peer. This module
 //! turns those messages into [`IpcDescriptor`]s, [`FabricDescriptor`]s and [`HostDescriptor`]s
-//! and back, and gives [`Connection`] (a named endpoint's connection, see
-//! [`wire::endpoint`](crate::wire::endpoint)) [`send_descriptor`](Connection::send_descriptor)
-//! and [`recv_descriptor`](Connection::recv_descriptor); [`stream`] writes and reads the
-//! messages without fds (`CUDA_FABRIC`, `DATA`) on any [`std::io::Write`]/[`std::io::Read`],
-//! a TCP connection say, so a fabric descriptor crosses machines.
+//! and back. [`Session`] speaks the protocol on a named endpoint's authenticated connection
+//! ([`wire::endpoint::Connection`](crate::wire::endpoint::Connection)): the handshake, then
+//! [`send_descriptor`](Session::send_descriptor), [`recv_descriptor`](Session::recv_descriptor)
+//! and `DATA`; [`stream`] writes and reads the messages without fds (`CUDA_FABRIC`, `DATA`) on
+//! any [`std::io::Write`]/[`std::io::Read`], a TCP connection say, so a fabric descriptor
+//! crosses machines.
+//!
+//! # Layers
+//!
+//! The protocol sits above the transport ([`wire`](crate::wire): packets, fds, credentials,
+//! which knows nothing of descriptors) and above the descriptors it carries
+//! ([`cuda`](crate::cuda), [`shm`](crate::shm)), whose rules it reuses rather than restates:
+//! the message codec (`frame`) checks a descriptor's chunk layout with the rule every
+//! descriptor meets, and names handle types by [`HandleType`]'s driver numbers. So `wire`
+//! imports nothing of `cuda` or `peer`, and nothing imports `peer` back.
 //!
 //! # Versions
 //!
@@ -56,12 +66,15 @@ use crate::cuda::{
     DeviceIdentity, FabricDescriptor, FabricHandle, HandleType, IpcDescriptor, Location,
 };
 use crate::shm::HostDescriptor;
-use crate::wire::endpoint::{
-    Connection, FABRIC_HANDLE_BYTES, Frame, FrameLocation, Kind, MAX_CHUNKS,
-};
 use crate::{Error, Result};
 
+mod frame;
+mod session;
 pub mod stream;
+
+use frame::{FABRIC_HANDLE_BYTES, Frame, FrameLocation, Kind};
+pub use frame::{MAX_CHUNKS, MAX_DATA, PROTOCOL_VERSION};
+pub use session::{Handshake, Session};
 
 /// A descriptor received from a peer: a CUDA VMM buffer's (by fd or by fabric handle), or a
 /// host (memfd) buffer's. It owns the fds that came with it.
@@ -130,6 +143,15 @@ impl Descriptor {
             Descriptor::Cuda(d) => d.size(),
             Descriptor::Host(d) => d.size(),
             Descriptor::Fabric(d) => d.size(),
+        }
+    }
+
+    /// Its fds, one per chunk (none for an empty host buffer, none for a fabric descriptor).
+    pub fn fds(&self) -> Vec<BorrowedFd<'_>> {
+        match self {
+            Descriptor::Cuda(d) => d.fds().collect(),
+            Descriptor::Host(d) => d.fd().into_iter().collect(),
+            Descriptor::Fabric(_) => Vec::new(),
         }
     }
 }
@@ -414,49 +436,6 @@ fn cuda_descriptor(frame: &Frame, fds: Vec<OwnedFd>) -> Result<IpcDescriptor> {
     };
     let bytes = postcard::to_stdvec(&form).map_err(|e| Error::Serde(e.to_string()))?;
     crate::wire::decode::<IpcDescriptor>(&bytes, fds)
-}
-
-impl Connection {
-    /// Send a CUDA, fabric or host descriptor as a protocol message (a peer in any language
-    /// reads it); the descriptor keeps its fds. A [`FabricDescriptor`] travels as
-    /// `CUDA_FABRIC` (protocol version 2, no fds): send it only to a peer that takes version 2
-    /// (a version 1 peer refuses it) and that you would give the memory. See
-    /// [`encode_descriptor`] for what is refused.
-    pub fn send_descriptor<'a>(&self, descriptor: impl Into<DescriptorRef<'a>>) -> Result<()> {
-        let (bytes, fds) = encode_descriptor(descriptor)?;
-        self.send_raw(&bytes, &fds)
-    }
-
-    /// Receive a descriptor (CUDA, fabric or host), validated as described in [the module
-    /// docs](crate::peer). A `DATA` message instead is an [`Error::Protocol`].
-    pub fn recv_descriptor(&self) -> Result<Descriptor> {
-        match self.recv_message()? {
-            PeerMessage::Descriptor(d) => Ok(d),
-            PeerMessage::Data(bytes) => Err(Error::Protocol(format!(
-                "endpoint {}: expected a descriptor, got a DATA message of {} bytes",
-                self.endpoint(),
-                bytes.len()
-            ))),
-        }
-    }
-
-    /// Receive the next protocol message: a descriptor or application bytes.
-    pub fn recv_message(&self) -> Result<PeerMessage> {
-        let (frame, fds) = self.recv_frame()?;
-        from_frame(frame, fds)
-    }
-}
-
-/// The fds a [`Descriptor`] holds, borrowed.
-impl Descriptor {
-    /// Its fds, one per chunk (none for an empty host buffer, none for a fabric descriptor).
-    pub fn fds(&self) -> Vec<BorrowedFd<'_>> {
-        match self {
-            Descriptor::Cuda(d) => d.fds().collect(),
-            Descriptor::Host(d) => d.fd().into_iter().collect(),
-            Descriptor::Fabric(_) => Vec::new(),
-        }
-    }
 }
 
 #[cfg(test)]

@@ -9,8 +9,8 @@
 //! A stream has no packet boundaries and no credentials, so:
 //! - the reader reads the frame byte and the 64-byte header first and checks them (every rule
 //!   the header alone decides: magic, version, kind and its version, flags, counts against
-//!   [`MAX_CHUNKS`](crate::wire::endpoint::MAX_CHUNKS) and
-//!   [`MAX_DATA`](crate::wire::endpoint::MAX_DATA), device and location fields, the kind's
+//!   [`MAX_CHUNKS`](crate::peer::MAX_CHUNKS) and
+//!   [`MAX_DATA`](crate::peer::MAX_DATA), device and location fields, the kind's
 //!   rules) before it reads or allocates anything more; then it reads exactly the chunk sizes
 //!   and payload the header announced (at most `8 * 253 + 16384` bytes) and checks the rest;
 //! - any refusal or failure ends the stream: after a bad or cut message nobody can know where
@@ -47,9 +47,9 @@
 use std::fmt;
 use std::io::{self, ErrorKind, Read, Write};
 
+use super::frame::{Frame, HEADER_LEN, Kind};
 use super::{PeerMessage, fabric_frame, from_frame};
 use crate::cuda::FabricDescriptor;
-use crate::wire::endpoint::{Frame, HEADER_LEN, Kind};
 use crate::{Error, Result};
 
 /// The frame byte every message starts with, on a stream as in a packet.
@@ -84,7 +84,7 @@ impl<W: Write> StreamWriter<W> {
     /// buffer until that reader says it has imported.
     ///
     /// Refused ([`Error::InvalidArgument`]) for a descriptor of no chunks, of more than
-    /// [`MAX_CHUNKS`](crate::wire::endpoint::MAX_CHUNKS), or whose owner's ordinal does not fit
+    /// [`MAX_CHUNKS`](crate::peer::MAX_CHUNKS), or whose owner's ordinal does not fit
     /// 32 bits.
     pub fn write_descriptor(&mut self, descriptor: &FabricDescriptor) -> Result<()> {
         let frame = fabric_frame(descriptor)?;
@@ -92,7 +92,7 @@ impl<W: Write> StreamWriter<W> {
     }
 
     /// Write application bytes as a `DATA` message (at most
-    /// [`MAX_DATA`](crate::wire::endpoint::MAX_DATA) bytes).
+    /// [`MAX_DATA`](crate::peer::MAX_DATA) bytes).
     pub fn write_data(&mut self, bytes: &[u8]) -> Result<()> {
         self.write_frame(&Frame::with_payload(Kind::Data, bytes))
     }

@@ -4,6 +4,26 @@
 //! exactly one of them. Payloads larger than [`INLINE_MAX`] travel in a sealed memfd that rides
 //! along as the message's last fd; the packet itself stays small, so nothing is ever fragmented
 //! or truncated.
+//!
+//! # One framing
+//!
+//! Every packet vmm-core sends or takes starts with one frame byte that says what follows, and
+//! every reader refuses, with an [`Error::Protocol`] naming the byte, what it does not expect
+//! before it reads anything more of the packet or its fds:
+//!
+//! | byte | what follows | sent by | taken by |
+//! |---:|---|---|---|
+//! | `0x00` | a peer message of docs/protocol.md (its own header says its kind) | a named endpoint's [`Connection`](super::endpoint::Connection) (and the Python peer) | a named endpoint's connection |
+//! | `0x01` | the length (`u64` LE) of a payload spilled into a sealed memfd, the packet's last fd | [`Channel::send`] of more than [`INLINE_MAX`] bytes | [`Channel::recv`] |
+//! | `0x02` | the payload, inline | [`Channel::send`] | [`Channel::recv`] |
+//!
+//! So a peer message that reaches a channel between processes vmm-core started, or vmm-core's
+//! internal framing that reaches a named endpoint, is recognisably the wrong thing, not a
+//! garbled message. The byte `0x00` is the peer protocol's (docs/protocol.md, whose bytes must
+//! not change); the internal framing uses the other two, at no cost (one byte, as before).
+//! A payload on a channel is whatever its user put there: postcard values with fds out of band
+//! ([`send_value`](Channel::send_value), [`Queue`](super::Queue)), or the process protocol's
+//! messages.
 
 use std::cell::RefCell;
 use std::fs::File;
@@ -33,8 +53,13 @@ pub const INLINE_MAX: usize = 64 * 1024;
 /// refuses a spilled payload whose header (or memfd) claims more before allocating anything.
 pub const MAX_MESSAGE: usize = 1 << 30;
 
-const TAG_INLINE: u8 = 0;
-const TAG_SPILLED: u8 = 1;
+/// Frame byte: a named endpoint's peer message (docs/protocol.md), inline.
+const FRAME_PEER: u8 = 0x00;
+/// Frame byte: vmm-core's internal framing, a payload spilled into a sealed memfd.
+const FRAME_SPILLED: u8 = 0x01;
+/// Frame byte: vmm-core's internal framing, a payload inline.
+const FRAME_INLINE: u8 = 0x02;
+/// A spilled packet: its frame byte and the payload's length.
 const HEADER_SPILLED: usize = 1 + 8;
 
 /// A received message: its bytes and the fds it carried, each already owned (and CLOEXEC).
@@ -110,6 +135,36 @@ impl Channel {
         fds: &[BorrowedFd<'_>],
         timeout: Option<Duration>,
     ) -> Result<()> {
+        self.send_framed(FRAME_INLINE, bytes, fds, timeout)
+    }
+
+    /// Send one peer message of docs/protocol.md (frame byte `0x00`), inline: at most
+    /// [`INLINE_MAX`] bytes (a peer message is never spilled), waiting at most `timeout`.
+    pub(crate) fn send_peer(
+        &self,
+        bytes: &[u8],
+        fds: &[BorrowedFd<'_>],
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        if bytes.len() > INLINE_MAX {
+            return Err(Error::InvalidArgument(format!(
+                "a peer message of {} bytes exceeds the {INLINE_MAX} bytes a named endpoint's \
+                 packet carries",
+                bytes.len()
+            )));
+        }
+        self.send_framed(FRAME_PEER, bytes, fds, timeout)
+    }
+
+    /// Send `bytes` under frame byte `inline` (spilled into a memfd, frame byte `0x01`, when
+    /// longer than [`INLINE_MAX`]).
+    fn send_framed(
+        &self,
+        inline: u8,
+        bytes: &[u8],
+        fds: &[BorrowedFd<'_>],
+        timeout: Option<Duration>,
+    ) -> Result<()> {
         if bytes.len() > MAX_MESSAGE {
             return Err(Error::InvalidArgument(format!(
                 "a message of {} bytes exceeds the most one message may carry \
@@ -141,13 +196,13 @@ impl Channel {
             *slot = fd;
         }
         let raw = &numbers[..needed];
-        let mut spilled_header = [TAG_SPILLED; HEADER_SPILLED];
+        let mut spilled_header = [FRAME_SPILLED; HEADER_SPILLED];
         spilled_header[1..].copy_from_slice(&(bytes.len() as u64).to_le_bytes());
         // The memfd (if any) stays open in `spill` until the message is sent.
         let (header, payload): (&[u8], &[u8]) = if spill.is_some() {
             (&spilled_header, &[])
         } else {
-            (&[TAG_INLINE], bytes)
+            (std::slice::from_ref(&inline), bytes)
         };
         let iov = [IoSlice::new(header), IoSlice::new(payload)];
         let cmsgs = [ControlMessage::ScmRights(raw)];
@@ -351,24 +406,44 @@ impl Channel {
             return Ok(Received::EndOfFile);
         };
         let message = match (tag, accept) {
-            (TAG_INLINE, _) => Ok(Some(Message {
-                bytes: payload,
-                fds,
-            })),
-            // A peer of a named endpoint speaks docs/protocol.md only: vmm-core's spilled
-            // framing is refused before its header's size or its memfd is looked at.
-            (TAG_SPILLED, Accept::Peer { .. }) => {
+            (FRAME_INLINE, Accept::Internal) | (FRAME_PEER, Accept::Peer { .. }) => {
+                Ok(Some(Message {
+                    bytes: payload,
+                    fds,
+                }))
+            }
+            // A peer of a named endpoint speaks docs/protocol.md only: vmm-core's internal
+            // framing is refused before a spilled header's size or its memfd is looked at.
+            (FRAME_SPILLED | FRAME_INLINE, Accept::Peer { .. }) => {
+                let n = fds.len();
+                let what = if tag == FRAME_SPILLED {
+                    "a payload spilled into a memfd"
+                } else {
+                    "a payload inline"
+                };
+                return refuse(
+                    fds,
+                    format!(
+                        "frame byte {tag} (vmm-core's internal framing: {what}; {len} bytes, \
+                         {n} fd(s), closed unread) from an endpoint's peer: a peer message \
+                         starts with frame byte 0 (docs/protocol.md)"
+                    ),
+                );
+            }
+            // A channel between processes vmm-core started carries its internal framing
+            // only: a peer message here was sent to the wrong socket.
+            (FRAME_PEER, Accept::Internal) => {
                 let n = fds.len();
                 return refuse(
                     fds,
                     format!(
-                        "frame byte 1 (vmm-core's internal framing: a payload spilled into a \
-                         memfd; {len} bytes, {n} fd(s), closed unread) from an endpoint's peer: \
-                         a peer message starts with frame byte 0 (docs/protocol.md)"
+                        "frame byte 0 (a named endpoint's peer message of docs/protocol.md; \
+                         {len} bytes, {n} fd(s), closed) on a channel between processes \
+                         vmm-core started, which carries frame bytes 1 and 2 only"
                     ),
                 );
             }
-            (TAG_SPILLED, Accept::Internal) if len == HEADER_SPILLED => {
+            (FRAME_SPILLED, Accept::Internal) if len == HEADER_SPILLED => {
                 let size = u64::from_le_bytes(payload[..].try_into().expect("8 bytes"));
                 let mut fds = fds;
                 let spill = fds.pop().ok_or_else(|| {
@@ -616,7 +691,7 @@ mod tests {
     }
 
     fn spill_header(size: u64) -> Vec<u8> {
-        let mut header = vec![TAG_SPILLED];
+        let mut header = vec![FRAME_SPILLED];
         header.extend_from_slice(&size.to_le_bytes());
         header
     }
@@ -659,6 +734,40 @@ mod tests {
         // The channel is still usable.
         a.send(b"after", &[]).unwrap();
         assert_eq!(b.recv(None).unwrap().bytes, b"after");
+    }
+
+    #[test]
+    fn each_reader_refuses_the_other_framing_by_its_frame_byte() {
+        let (a, b) = Channel::pair().unwrap();
+        // A peer message on an internal channel: named, not mistaken for a payload.
+        a.send_peer(b"VMMI", &[], None).unwrap();
+        let m = protocol_error(b.recv(Some(Duration::from_secs(5))));
+        assert!(
+            m.contains("frame byte 0") && m.contains("peer message"),
+            "{m}"
+        );
+        // vmm-core's internal framing (inline, then spilled) at a peer's receive.
+        let drop_fds: fn(Vec<OwnedFd>) = drop;
+        a.send(b"internal", &[]).unwrap();
+        let m = protocol_error(b.recv_peer(Some(Duration::from_secs(5)), 1024, drop_fds));
+        assert!(
+            m.contains("frame byte 2") && m.contains("internal framing"),
+            "{m}"
+        );
+        a.send(&vec![7u8; INLINE_MAX + 1], &[]).unwrap();
+        let m = protocol_error(b.recv_peer(Some(Duration::from_secs(5)), 1024, drop_fds));
+        assert!(m.contains("frame byte 1") && m.contains("spilled"), "{m}");
+        // Each reader still takes its own.
+        a.send_peer(b"VMMI", &[], None).unwrap();
+        let peer = b.recv_peer(Some(Duration::from_secs(5)), 1024, drop_fds);
+        assert_eq!(peer.unwrap().bytes, b"VMMI");
+        a.send(b"internal", &[]).unwrap();
+        assert_eq!(b.recv(None).unwrap().bytes, b"internal");
+        // A peer message is never spilled.
+        let err = a
+            .send_peer(&vec![0u8; INLINE_MAX + 1], &[], None)
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
     }
 
     #[test]
