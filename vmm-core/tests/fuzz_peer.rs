@@ -3,7 +3,7 @@
 //! lengths, flags, handle type, chunk count and sizes, size, device, location), a payload (a
 //! `CUDA_FABRIC` message's handles), a cut anywhere, the frame byte, and the fds the packet
 //! carries (how many, of which kind), received through a named endpoint's
-//! `Connection::recv_message` and imported when it is a descriptor; then the same bytes, without
+//! `Session::recv_message` and imported when it is a descriptor; then the same bytes, without
 //! fds, through a byte stream's `StreamReader` (followed by a good message).
 //!
 //! For every input: no panic, no abort, and afterwards exactly the fds and mappings this process

@@ -44,8 +44,8 @@ impl Greeting for Handshake {
 /// library alone (`python/vmm_ipc_peer.py`).
 ///
 /// Every send and receive is bounded by the connection's [`timeout`](Self::timeout); what a
-/// receive refuses, and why, is [`Connection`]'s (the packet) and then [`Frame::decode`]'s
-/// (the message).
+/// receive refuses, and why, is [`Connection`]'s (the packet) and then the protocol's codec's
+/// (the message, by the rules of docs/protocol.md, before anything is allocated for it).
 #[derive(Debug)]
 pub struct Session {
     connection: Connection,

@@ -464,18 +464,37 @@ impl Channel {
 
     /// Serialise `value` (fds out of band) and send it as one message.
     pub fn send_value<T: Serialize + ?Sized>(&self, value: &T) -> Result<()> {
+        self.send_value_timeout(value, None)
+    }
+
+    /// [`send_value`](Self::send_value), waiting at most `timeout` for room, as
+    /// [`send_timeout`](Self::send_timeout) does: the typed send a [`Queue`](super::Queue)'s
+    /// `put` is.
+    pub(crate) fn send_value_timeout<T: Serialize + ?Sized>(
+        &self,
+        value: &T,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
         let encoded = oob::encode(value)?;
         if encoded.fd_count() == 0 {
-            return self.send(encoded.bytes(), &[]);
+            return self.send_timeout(encoded.bytes(), &[], timeout);
         }
         let fds: Vec<BorrowedFd<'_>> = encoded.fds().collect();
-        self.send(encoded.bytes(), &fds)
+        self.send_timeout(encoded.bytes(), &fds, timeout)
     }
 
     /// Receive one message and deserialise it, handing the value its fds.
     pub fn recv_value<T: DeserializeOwned>(&self, timeout: Option<Duration>) -> Result<T> {
         let message = self.recv(timeout)?;
         oob::decode(&message.bytes, message.fds)
+    }
+
+    /// Receive and deserialise one message if one is waiting.
+    pub(crate) fn try_recv_value<T: DeserializeOwned>(&self) -> Result<Option<T>> {
+        match self.try_recv()? {
+            Some(message) => oob::decode(&message.bytes, message.fds).map(Some),
+            None => Ok(None),
+        }
     }
 }
 
