@@ -11,8 +11,9 @@ use nix::fcntl::{FcntlArg, OFlag, fcntl};
 use super::closer::close_later;
 use super::creds::{Allow, Credentials, overflow_note};
 use super::name::{Name, seqpacket_socket};
+use crate::wire::Channel;
 use crate::wire::Message;
-use crate::wire::channel::{Channel, Deadline, deadline_after};
+use crate::wire::wait::{Deadline, deadline_after};
 use crate::{Error, Result};
 
 /// How long connecting, and each send and receive of a connection, may take unless told

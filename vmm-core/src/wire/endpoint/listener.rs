@@ -12,7 +12,8 @@ use super::closer::close_later;
 use super::connection::{Connection, DEFAULT_TIMEOUT};
 use super::creds::{Allow, Credentials, overflow_note};
 use super::name::{Name, SocketFile, bind_abstract, bind_path, seqpacket_socket};
-use crate::wire::channel::{Channel, Deadline, deadline_after, wait_readable};
+use crate::wire::Channel;
+use crate::wire::wait::{Deadline, deadline_after, wait_readable};
 use crate::{Error, Result};
 
 /// How many refused peers a listener remembers (the most recent ones).
