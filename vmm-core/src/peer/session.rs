@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::codec::from_frame;
 use super::frame::{Frame, Kind, MAX_FRAME};
-use super::{Descriptor, DescriptorRef, PeerMessage, encode_descriptor, from_frame};
+use super::{Descriptor, DescriptorRef, PeerMessage, encode_descriptor};
 use crate::wire::endpoint::{
     ConnectOptions, Connection, Credentials, Greeting, Listener, Name, close_later,
 };

@@ -47,8 +47,9 @@
 use std::fmt;
 use std::io::{self, ErrorKind, Read, Write};
 
+use super::PeerMessage;
+use super::codec::{fabric_frame, from_frame};
 use super::frame::{Frame, HEADER_LEN, Kind};
-use super::{PeerMessage, fabric_frame, from_frame};
 use crate::cuda::FabricDescriptor;
 use crate::{Error, Result};
 
