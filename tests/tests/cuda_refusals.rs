@@ -2,8 +2,8 @@
 //! parent (the situation the checks exist for: the descriptor is another process's data), under
 //! both start methods. Each case asserts the error's variant and its rule text, and that nothing
 //! is left behind: the child's fd count is back to its baseline (a child is single-threaded
-//! here, so its count is exact). Refusals made before any driver call are `InvalidArgument`s
-//! from validation; refusals by the driver are `Error::Ipc` naming the chunk and step.
+//! here, so its count is exact). Refusals made before any driver call are typed refusals
+//! ([`Error::is_refusal`]) from validation; refusals by the driver are `Error::Ipc` naming the chunk and step.
 //!
 //! Skipped (one `SKIP` line each) where no GPU with VMM IPC support is present; failures under
 //! `VMM_REQUIRE_GPU=1`.
@@ -33,12 +33,13 @@ fn filled(chunks: usize) -> VirtualMemoryBuffer {
     filled_in(&resource(), chunks)
 }
 
-/// The rule text of an `InvalidArgument` (any other outcome fails the test).
+/// The rule text of a refusal made before anything was done ([`Error::is_refusal`]; any other
+/// outcome fails the test).
 #[track_caller]
 fn invalid<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> String {
     match result {
-        Err(Error::InvalidArgument(message)) => message,
-        other => panic!("expected InvalidArgument (refused by validation), got {other:?}"),
+        Err(refusal) if refusal.is_refusal() => refusal.to_string(),
+        other => panic!("expected a refusal (refused by validation), got {other:?}"),
     }
 }
 
@@ -46,7 +47,7 @@ fn invalid<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> String {
 #[track_caller]
 fn ipc<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> (String, String, Error) {
     match result {
-        Err(Error::Ipc { op, step, source }) => (op.into_owned(), step, *source),
+        Err(Error::Ipc { op, step, source }) => (op.to_string(), step.to_string(), *source),
         other => panic!("expected Error::Ipc, got {other:?}"),
     }
 }

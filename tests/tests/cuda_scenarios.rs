@@ -143,12 +143,12 @@ fn refuse_malformed(descriptor: IpcDescriptor) {
     for (result, rule) in cases {
         let refused = result.and_then(|bad| resource.import(&bad));
         match refused {
-            Err(Error::InvalidArgument(message)) => assert_eq!(
+            Err(Error::InvalidDescriptor { message, .. }) => assert_eq!(
                 message,
                 format!("invalid IpcDescriptor: {rule}"),
                 "the refusal names the rule"
             ),
-            other => panic!("{rule}: expected InvalidArgument, got {other:?}"),
+            other => panic!("{rule}: expected InvalidDescriptor, got {other:?}"),
         }
     }
     assert_eq!(
@@ -191,15 +191,15 @@ fn next_or_child_error<T: Serialize + DeserializeOwned>(
 fn try_reexport(args: (VirtualMemoryBuffer, Queue<VirtualMemoryBuffer>, Queue<u8>)) {
     let (buf, queue, ack) = args;
     match buf.export() {
-        Err(Error::InvalidArgument(message)) => {
-            assert_eq!(message, format!("export: {REEXPORT_RULE}"))
+        Err(refused @ Error::NotExportable { .. }) => {
+            assert_eq!(refused.to_string(), format!("export: {REEXPORT_RULE}"))
         }
         other => panic!("re-export must be refused, got {other:?}"),
     }
     // Sending exports on the way, so it is refused the same way (the encode's typed error).
     match queue.put(&buf) {
-        Err(Error::InvalidArgument(message)) => assert_eq!(
-            message,
+        Err(refused @ Error::NotExportable { .. }) => assert_eq!(
+            refused.to_string(),
             format!("vmm_core::cuda::VirtualMemoryBuffer: {REEXPORT_RULE}")
         ),
         other => panic!("sending an imported buffer must be refused, got {other:?}"),
@@ -237,12 +237,12 @@ fn imported_buffer_as_process_argument_is_refused(ctx: &Context) {
     let alias = VirtualMemoryBuffer::import(&buf.export().unwrap()).unwrap();
     let before = settled_open_fds().unwrap();
     match ctx.spawn(read_back_and_reply, alias.clone()) {
-        Err(Error::InvalidArgument(message)) => assert_eq!(
-            message,
+        Err(refused @ Error::NotExportable { .. }) => assert_eq!(
+            refused.to_string(),
             format!("vmm_core::cuda::VirtualMemoryBuffer: {REEXPORT_RULE}")
         ),
         Ok(child) => panic!("an imported buffer went to child {}", child.pid()),
-        Err(other) => panic!("expected InvalidArgument, got {other:?}"),
+        Err(other) => panic!("expected NotExportable, got {other:?}"),
     }
     assert_eq!(
         settled_open_fds().unwrap(),
@@ -520,11 +520,11 @@ fn check_empty(buf: &VirtualMemoryBuffer) {
     buf.write_at(0, &[]).unwrap();
     buf.read_at(0, &mut []).unwrap();
     match buf.read_at(0, &mut [0]) {
-        Err(Error::InvalidArgument(message)) => assert_eq!(
-            message,
+        Err(refused @ Error::OutOfBounds { .. }) => assert_eq!(
+            refused.to_string(),
             "read_at: 1 bytes at offset 0 are out of bounds of the 0-byte buffer"
         ),
-        other => panic!("expected InvalidArgument, got {other:?}"),
+        other => panic!("expected OutOfBounds, got {other:?}"),
     }
 }
 

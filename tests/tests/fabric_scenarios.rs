@@ -17,6 +17,7 @@ use vmm_core::cuda::{
     Access, Device, FabricDescriptor, FabricHandle, HandleType, Location, ResourceOptions,
     VirtualMemoryBuffer, VirtualMemoryResource, importer, set_importer,
 };
+use vmm_core::error::{Chunk, DescriptorRule, IpcOp, IpcStep};
 use vmm_core::ipc_test;
 use vmm_core::process::Context;
 use vmm_core::testing::open_fds;
@@ -244,8 +245,18 @@ fn import_of_released_memory_fails(descriptor: FabricDescriptor) {
     eprintln!("import after the exporter released: {err}");
     match err {
         Error::Ipc { op, step, .. } => {
-            assert_eq!(op, "import");
-            assert!(step.starts_with("while importing chunk 1 of 1"), "{step}");
+            assert_eq!(op, IpcOp::Import);
+            assert!(
+                matches!(
+                    step,
+                    IpcStep::Import(Chunk {
+                        index: 0,
+                        count: 1,
+                        ..
+                    })
+                ),
+                "{step}"
+            );
         }
         other => panic!("expected Error::Ipc while importing, got {other:?}"),
     }
@@ -303,12 +314,12 @@ fn refuse_malformed(descriptor: FabricDescriptor) {
     ];
     for (result, rule) in cases {
         match result.and_then(|bad| resource.import_fabric(&bad)) {
-            Err(Error::InvalidArgument(message)) => assert_eq!(
+            Err(Error::InvalidDescriptor { message, .. }) => assert_eq!(
                 message,
                 format!("invalid FabricDescriptor: {rule}"),
                 "the refusal names the rule"
             ),
-            other => panic!("{rule}: expected InvalidArgument, got {other:?}"),
+            other => panic!("{rule}: expected InvalidDescriptor, got {other:?}"),
         }
     }
     // A forged handle reaches the driver, which refuses it; the real first chunk, imported
@@ -317,8 +328,17 @@ fn refuse_malformed(descriptor: FabricDescriptor) {
     match resource.import_fabric(&from(&[handle, forged], &[g, g], 2 * g, uuid).unwrap()) {
         Err(Error::Ipc { op, step, source }) => {
             eprintln!("forged fabric handle refused {step}: {source}");
-            assert_eq!(op, "import");
-            assert_eq!(step, format!("while importing chunk 2 of 2 ({g} bytes)"));
+            assert_eq!(op, IpcOp::Import);
+            let chunk = Chunk {
+                index: 1,
+                count: 2,
+                size: g,
+            };
+            assert_eq!(step, IpcStep::Import(chunk));
+            assert_eq!(
+                step.to_string(),
+                format!("while importing chunk 2 of 2 ({g} bytes)")
+            );
         }
         other => panic!("a forged handle must be refused, got {other:?}"),
     }
@@ -534,7 +554,10 @@ fn import_posix_of_a_hidden_gpu(descriptor: vmm_core::cuda::IpcDescriptor) {
         Ok(_) => panic!("a POSIX-fd descriptor of a hidden GPU was imported"),
     }
     match resource.import(&descriptor) {
-        Err(Error::InvalidArgument(m)) => assert!(
+        Err(Error::InvalidDescriptor {
+            rule: DescriptorRule::Location,
+            message: m,
+        }) => assert!(
             m.contains("live on the exporter's device") && m.contains(&here.uuid_string()),
             "{m}"
         ),

@@ -13,6 +13,7 @@
 //! - [`process`]: start methods (spawn, forkserver, warm), [`process::Process`], child entry,
 //!   and [`process::Pool`] (reusable warm workers that run tasks).
 //! - [`testing`]: the runtime behind `#[ipc_test]`: fd accounting, requirement checks.
+//! - [`error`]: the one [`Error`] type, and the typed rules and steps its refusals name.
 //!
 //! Linux only. A buffer crosses processes as fds, over an anonymous socketpair between processes
 //! vmm-core started or over a named endpoint that checks the peer's credentials, or (fabric
@@ -22,7 +23,7 @@
 #![deny(missing_docs)]
 
 pub mod cuda;
-mod error;
+pub mod error;
 mod limits;
 pub mod peer;
 pub mod process;

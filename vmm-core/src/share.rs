@@ -44,11 +44,22 @@ pub(crate) const IMPORTED_CANNOT_EXPORT: &str = "an imported buffer cannot be ex
      allocated here and export that";
 
 /// Bounds check shared by both backends' copies: `len` bytes at `offset` within `size`.
-pub(crate) fn check_range(op: &str, offset: usize, len: usize, size: usize) -> Result<()> {
+pub(crate) fn check_range(op: &'static str, offset: usize, len: usize, size: usize) -> Result<()> {
     match offset.checked_add(len) {
         Some(end) if end <= size => Ok(()),
-        _ => Err(crate::Error::InvalidArgument(format!(
-            "{op}: {len} bytes at offset {offset} are out of bounds of the {size}-byte buffer"
-        ))),
+        _ => Err(crate::Error::OutOfBounds {
+            op: op.into(),
+            offset,
+            len,
+            size,
+        }),
+    }
+}
+
+/// An [`Error::NotExportable`](crate::Error::NotExportable) for `op` on an imported buffer.
+pub(crate) fn imported_cannot_export(op: &'static str) -> crate::Error {
+    crate::Error::NotExportable {
+        op: op.into(),
+        reason: IMPORTED_CANNOT_EXPORT.to_owned(),
     }
 }

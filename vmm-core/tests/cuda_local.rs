@@ -54,12 +54,13 @@ fn read(buf: &VirtualMemoryBuffer, offset: usize, len: usize) -> Vec<u8> {
     out
 }
 
-/// The rule text of an `InvalidArgument` (any other outcome fails the test).
+/// The rule text of a refusal made before anything was done ([`Error::is_refusal`]; any other
+/// outcome fails the test).
 #[track_caller]
 fn invalid<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> String {
     match result {
-        Err(Error::InvalidArgument(message)) => message,
-        other => panic!("expected InvalidArgument, got {other:?}"),
+        Err(refusal) if refusal.is_refusal() => refusal.to_string(),
+        other => panic!("expected a refusal, got {other:?}"),
     }
 }
 
@@ -67,7 +68,7 @@ fn invalid<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> String {
 #[track_caller]
 fn ipc<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> (String, String, Error) {
     match result {
-        Err(Error::Ipc { op, step, source }) => (op.into_owned(), step, *source),
+        Err(Error::Ipc { op, step, source }) => (op.to_string(), step.to_string(), *source),
         other => panic!("expected Error::Ipc, got {other:?}"),
     }
 }

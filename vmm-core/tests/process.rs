@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use rstest::rstest;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use vmm_core::Error;
+use vmm_core::error::DescriptorRule;
 use vmm_core::process::ensure_running;
 use vmm_core::process::{Context, StartMethod, forkserver_pid};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
@@ -613,18 +614,21 @@ fn an_argument_the_child_cannot_import_fails_with_the_import_error(
         "{failure}"
     );
     match failure.not_run.as_deref() {
-        Some(Error::InvalidArgument(message)) => {
+        Some(Error::InvalidDescriptor {
+            rule: DescriptorRule::Memfd,
+            message,
+        }) => {
             assert!(message.contains("not sealed"), "{message}")
         }
-        other => panic!("expected the import's InvalidArgument, got {other:?}"),
+        other => panic!("expected the import's InvalidDescriptor, got {other:?}"),
     }
     assert!(
-        matches!(&failure.not_run, Some(e) if matches!(**e, Error::InvalidArgument(_))),
+        matches!(&failure.not_run, Some(e) if matches!(**e, Error::InvalidDescriptor { .. })),
         "{failure}"
     );
     let shown = failure.to_string();
     for needle in [
-        "its function did not run: could not receive its argument: invalid argument",
+        "its function did not run: could not receive its argument: host descriptor's fd",
         "not sealed",
         method.name(),
     ] {

@@ -22,6 +22,7 @@ use nix::sys::socket::{
 };
 use serde::Serialize;
 use vmm_core::Error;
+use vmm_core::error::DescriptorRule;
 use vmm_core::process::{Context, StartMethod};
 use vmm_core::shm::{self, HostBuffer, HostDescriptor};
 use vmm_core::wire::{Channel, Queue, decode};
@@ -160,7 +161,8 @@ fn a_hugetlbfs_memfd_is_refused() {
         let (bytes, fds) = raw_send(size, &fd);
         let err = decode::<HostBuffer>(&bytes, fds).expect_err("a hugetlbfs memfd imported");
         assert!(
-            matches!(&err, Error::InvalidArgument(m) if m.contains("hugetlbfs") && m.contains("tmpfs")),
+            matches!(&err, Error::InvalidDescriptor { rule: DescriptorRule::Memfd, message: m }
+                if m.contains("hugetlbfs") && m.contains("tmpfs")),
             "{size} bytes: {err:?}"
         );
     }

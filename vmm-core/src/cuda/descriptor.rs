@@ -12,6 +12,7 @@ use serde::ser::Serializer;
 use serde::{Deserialize, Serialize};
 
 use super::options::{HandleType, Location};
+use crate::error::DescriptorRule;
 use crate::wire::{FdIn, FdOut, FdOwner, deserialize_error};
 use crate::{Error, Result};
 
@@ -162,21 +163,27 @@ pub(crate) fn validate_layout(
     size: usize,
     granularity: usize,
 ) -> Result<usize> {
-    let bad = |message: String| {
-        Err(Error::InvalidArgument(format!(
-            "invalid IpcDescriptor: {message}"
-        )))
+    let bad = |rule, message: String| {
+        Err(Error::descriptor(
+            rule,
+            format!("invalid IpcDescriptor: {message}"),
+        ))
     };
     if handle_type != HandleType::PosixFd {
-        return bad(format!(
-            "handle type {handle_type:?}: only PosixFd descriptors can be imported"
-        ));
+        return bad(
+            DescriptorRule::HandleType,
+            format!("handle type {handle_type:?}: only PosixFd descriptors can be imported"),
+        );
     }
     let count = chunk_sizes.len();
     if fd_count != count {
-        return bad(format!(
-            "{fd_count} fd(s) for {count} chunk(s): a descriptor carries exactly one fd per chunk"
-        ));
+        return bad(
+            DescriptorRule::Fds,
+            format!(
+                "{fd_count} fd(s) for {count} chunk(s): a descriptor carries exactly one fd per \
+                 chunk"
+            ),
+        );
     }
     validate_chunks("IpcDescriptor", chunk_sizes, size, granularity)
 }
@@ -190,45 +197,48 @@ pub(crate) fn validate_chunks(
     size: usize,
     granularity: usize,
 ) -> Result<usize> {
-    let bad = |message: String| Err(Error::InvalidArgument(format!("invalid {what}: {message}")));
+    let bad = |rule, message: String| {
+        Err(Error::descriptor(
+            rule,
+            format!("invalid {what}: {message}"),
+        ))
+    };
     let count = chunk_sizes.len();
     let mut total = 0usize;
     for (index, &chunk) in chunk_sizes.iter().enumerate() {
         let which = format!("chunk {} of {count}", index + 1);
         if chunk == 0 {
-            return bad(format!("{which} has size 0: chunks are never empty"));
+            return bad(
+                DescriptorRule::ChunkSize,
+                format!("{which} has size 0: chunks are never empty"),
+            );
         }
         if chunk % granularity != 0 {
-            return bad(format!(
-                "{which} has size {chunk}, not a multiple of the allocation granularity \
-                 {granularity}"
-            ));
+            return bad(
+                DescriptorRule::ChunkSize,
+                format!(
+                    "{which} has size {chunk}, not a multiple of the allocation granularity \
+                     {granularity}"
+                ),
+            );
         }
         total = match total.checked_add(chunk) {
             Some(total) => total,
-            None => return bad(format!("{which}: the sum of chunk sizes overflows")),
+            None => {
+                return bad(
+                    DescriptorRule::Size,
+                    format!("{which}: the sum of chunk sizes overflows"),
+                );
+            }
         };
     }
     if size > total {
-        return bad(format!(
-            "size {size} exceeds the {total} bytes that its {count} chunk(s) hold"
-        ));
+        return bad(
+            DescriptorRule::Size,
+            format!("size {size} exceeds the {total} bytes that its {count} chunk(s) hold"),
+        );
     }
     Ok(total)
-}
-
-/// `chunk i of n (size bytes)`, the way every import and export error names a chunk.
-pub(crate) fn chunk_name(index: usize, count: usize, size: usize) -> String {
-    format!("chunk {} of {count} ({size} bytes)", index + 1)
-}
-
-/// An [`Error::Ipc`]: `op` (`"export"` or `"import"`) failed at `step` because of `source`.
-pub(crate) fn ipc_error(op: &'static str, step: String, source: Error) -> Error {
-    Error::Ipc {
-        op: op.into(),
-        step,
-        source: Box::new(source),
-    }
 }
 
 /// The descriptor's serde form: plain fields, then the fds (out of band, by index).
@@ -298,9 +308,10 @@ impl Wire<FdIn<IpcDescriptor>> {
     fn into_descriptor(self) -> Result<IpcDescriptor> {
         let size = |v: u64| {
             usize::try_from(v).map_err(|_| {
-                Error::InvalidArgument(format!(
-                    "invalid IpcDescriptor: size {v} does not fit this platform's usize"
-                ))
+                Error::descriptor(
+                    DescriptorRule::Size,
+                    format!("invalid IpcDescriptor: size {v} does not fit this platform's usize"),
+                )
             })
         };
         Ok(IpcDescriptor {
@@ -345,14 +356,18 @@ mod tests {
 
     const G: usize = 2 << 20;
 
-    /// The rule text of an `InvalidArgument` (any other outcome fails the test).
-    fn err(result: Result<usize>) -> String {
+    /// The text of an `InvalidDescriptor` for `rule` (any other outcome fails the test).
+    fn err(rule: DescriptorRule, result: Result<usize>) -> String {
         match result {
-            Err(Error::InvalidArgument(m)) => {
-                assert!(m.starts_with("invalid IpcDescriptor: "), "{m}");
-                m
+            Err(Error::InvalidDescriptor {
+                rule: broke,
+                message,
+            }) => {
+                assert_eq!(broke, rule, "{message}");
+                assert!(message.starts_with("invalid IpcDescriptor: "), "{message}");
+                message
             }
-            other => panic!("expected InvalidArgument, got {other:?}"),
+            other => panic!("expected InvalidDescriptor({rule:?}), got {other:?}"),
         }
     }
 
@@ -370,7 +385,10 @@ mod tests {
 
     #[test]
     fn handle_type_none_is_refused() {
-        let m = err(validate_layout(HandleType::None, 1, &[G], G, G));
+        let m = err(
+            DescriptorRule::HandleType,
+            validate_layout(HandleType::None, 1, &[G], G, G),
+        );
         assert!(
             m.contains("handle type None") && m.contains("PosixFd"),
             "{m}"
@@ -379,7 +397,10 @@ mod tests {
 
     #[test]
     fn fd_and_chunk_counts_must_match() {
-        let m = err(validate_layout(HandleType::PosixFd, 1, &[G, G], G, G));
+        let m = err(
+            DescriptorRule::Fds,
+            validate_layout(HandleType::PosixFd, 1, &[G, G], G, G),
+        );
         assert!(
             m.contains("1 fd(s) for 2 chunk(s)") && m.contains("one fd per chunk"),
             "{m}"
@@ -388,13 +409,19 @@ mod tests {
 
     #[test]
     fn empty_chunk_is_refused_by_number() {
-        let m = err(validate_layout(HandleType::PosixFd, 3, &[G, 0, G], G, G));
+        let m = err(
+            DescriptorRule::ChunkSize,
+            validate_layout(HandleType::PosixFd, 3, &[G, 0, G], G, G),
+        );
         assert!(m.contains("chunk 2 of 3 has size 0"), "{m}");
     }
 
     #[test]
     fn unaligned_chunk_is_refused_by_number() {
-        let m = err(validate_layout(HandleType::PosixFd, 2, &[G, G + 1], G, G));
+        let m = err(
+            DescriptorRule::ChunkSize,
+            validate_layout(HandleType::PosixFd, 2, &[G, G + 1], G, G),
+        );
         assert!(
             m.contains("chunk 2 of 2 has size 2097153") && m.contains("granularity 2097152"),
             "{m}"
@@ -404,15 +431,24 @@ mod tests {
     #[test]
     fn overflowing_sum_is_refused_by_number() {
         let big = usize::MAX / G * G;
-        let m = err(validate_layout(HandleType::PosixFd, 2, &[big, big], G, G));
+        let m = err(
+            DescriptorRule::Size,
+            validate_layout(HandleType::PosixFd, 2, &[big, big], G, G),
+        );
         assert!(m.contains("chunk 2 of 2") && m.contains("overflows"), "{m}");
     }
 
     #[test]
     fn size_beyond_chunks_is_refused() {
-        let m = err(validate_layout(HandleType::PosixFd, 1, &[G], G + 1, G));
+        let m = err(
+            DescriptorRule::Size,
+            validate_layout(HandleType::PosixFd, 1, &[G], G + 1, G),
+        );
         assert!(m.contains("size 2097153 exceeds the 2097152 bytes"), "{m}");
-        let m = err(validate_layout(HandleType::PosixFd, 0, &[], 1, G));
+        let m = err(
+            DescriptorRule::Size,
+            validate_layout(HandleType::PosixFd, 0, &[], 1, G),
+        );
         assert!(m.contains("size 1 exceeds the 0 bytes"), "{m}");
     }
 
@@ -425,6 +461,7 @@ mod tests {
         assert!(super::super::driver::fd_flags(dup).is_ok());
         assert_eq!((d.chunk_sizes(), d.size(), d.device()), (&[G][..], G, None));
         let m = err(
+            DescriptorRule::Fds,
             IpcDescriptor::from_fds(&[file.as_fd()], &[G, G], HandleType::PosixFd, G).map(|_| 0),
         );
         assert!(m.contains("1 fd(s) for 2 chunk(s)"), "{m}");
@@ -464,7 +501,7 @@ mod tests {
         let bytes = postcard::to_stdvec(&wire).unwrap();
         let err = crate::wire::decode::<IpcDescriptor>(&bytes, Vec::new()).unwrap_err();
         assert!(
-            matches!(&err, Error::InvalidArgument(m)
+            matches!(&err, Error::InvalidDescriptor { rule: DescriptorRule::HandleType, message: m }
                 if m.contains("handle type 2 is not supported")
                     && m.contains("only None (0), PosixFd (1), Fabric (8)")),
             "{err:?}"

@@ -1,7 +1,7 @@
 //! Fabric handles: [`FabricDescriptor`] (one 64-byte [`FabricHandle`] per chunk, plain data
-//! that crosses any transport), its layout rules and serde form, and
-//! [`Device::check_fabric`], which says whether this process can use fabric handles and, if
-//! not, what is missing.
+//! that crosses any transport), its layout rules and serde form. Whether this process can use
+//! fabric handles at all is
+//! [`Device::check_fabric`](super::Device::check_fabric)'s question.
 //!
 //! # A fabric handle is a bearer token
 //!
@@ -56,10 +56,10 @@ use serde::ser::Serializer;
 use serde::{Deserialize, Serialize};
 
 use super::descriptor::{DeviceIdentity, validate_chunks};
-use super::device::{Device, availability, format_uuid};
-use super::driver::{self, FABRIC_HANDLE_LEN};
-use super::handle::Allocation;
+use super::device::format_uuid;
+use super::driver::FABRIC_HANDLE_LEN;
 use super::options::{HandleType, Location};
+use crate::error::DescriptorRule;
 use crate::wire::deserialize_error;
 use crate::{Error, Result};
 
@@ -231,10 +231,30 @@ impl fmt::Debug for FabricDescriptor {
 }
 
 impl FabricDescriptor {
+    /// A descriptor received as a peer-protocol message (`CUDA_FABRIC`, see [`crate::peer`]):
+    /// checked by the same layout rules as [`FabricDescriptor::from_handles`], with the owner's
+    /// ordinal and the location the message named.
+    pub(crate) fn received(
+        handles: Vec<FabricHandle>,
+        chunk_sizes: Vec<usize>,
+        size: usize,
+        owner: DeviceIdentity,
+        location: Location,
+    ) -> Result<FabricDescriptor> {
+        validate_fabric_layout(handles.len(), &chunk_sizes, size)?;
+        Ok(FabricDescriptor::exported(
+            handles,
+            chunk_sizes,
+            size,
+            owner,
+            location,
+        ))
+    }
+
     /// A descriptor from parts received by other means (the counterpart of cuda.core's
     /// `VirtualMemoryFabricBufferDescriptor.from_handles`): one handle per chunk, in chunk
     /// order, the chunk sizes, the buffer's size and the UUID of the device that owns the
-    /// memory ([`Device::uuid`]). The memory is taken to live in device memory
+    /// memory ([`Device::uuid`](super::Device::uuid)). The memory is taken to live in device memory
     /// ([`Location::Device`]).
     ///
     /// The layout is checked as far as it can be without a device (as
@@ -330,16 +350,22 @@ impl FabricDescriptor {
 fn validate_fabric_layout(handle_count: usize, chunk_sizes: &[usize], size: usize) -> Result<()> {
     let count = chunk_sizes.len();
     if handle_count != count {
-        return Err(Error::InvalidArgument(format!(
-            "invalid FabricDescriptor: {handle_count} handle(s) for {count} chunk(s): a \
-             descriptor carries exactly one fabric handle per chunk"
-        )));
+        return Err(Error::descriptor(
+            DescriptorRule::ChunkCount,
+            format!(
+                "invalid FabricDescriptor: {handle_count} handle(s) for {count} chunk(s): a \
+                 descriptor carries exactly one fabric handle per chunk"
+            ),
+        ));
     }
     if count > MAX_FABRIC_CHUNKS {
-        return Err(Error::InvalidArgument(format!(
-            "invalid FabricDescriptor: {count} chunks, more than the {MAX_FABRIC_CHUNKS} a \
-             FabricDescriptor may name"
-        )));
+        return Err(Error::descriptor(
+            DescriptorRule::ChunkCount,
+            format!(
+                "invalid FabricDescriptor: {count} chunks, more than the {MAX_FABRIC_CHUNKS} a \
+                 FabricDescriptor may name"
+            ),
+        ));
     }
     validate_chunks("FabricDescriptor", chunk_sizes, size, 1).map(drop)
 }
@@ -363,18 +389,22 @@ impl Wire {
         if self.handle_type != HandleType::Fabric.to_raw() {
             let named = HandleType::from_raw(self.handle_type)
                 .map_or_else(|_| "unknown".to_owned(), |h| format!("{h:?}"));
-            return Err(Error::InvalidArgument(format!(
-                "invalid FabricDescriptor: handle type {} ({named}): a FabricDescriptor carries \
-                 fabric handles ({}); a POSIX-fd descriptor is an IpcDescriptor",
-                self.handle_type,
-                HandleType::Fabric.to_raw()
-            )));
+            return Err(Error::descriptor(
+                DescriptorRule::HandleType,
+                format!(
+                    "invalid FabricDescriptor: handle type {} ({named}): a FabricDescriptor \
+                     carries fabric handles ({}); a POSIX-fd descriptor is an IpcDescriptor",
+                    self.handle_type,
+                    HandleType::Fabric.to_raw()
+                ),
+            ));
         }
         let fit = |v: u64| {
             usize::try_from(v).map_err(|_| {
-                Error::InvalidArgument(format!(
-                    "invalid FabricDescriptor: {v} does not fit this platform's usize"
-                ))
+                Error::descriptor(
+                    DescriptorRule::Size,
+                    format!("invalid FabricDescriptor: {v} does not fit this platform's usize"),
+                )
             })
         };
         let chunk_sizes = self
@@ -418,200 +448,12 @@ impl<'de> Deserialize<'de> for FabricDescriptor {
     }
 }
 
-impl Device {
-    /// Whether this process can share this device's memory by fabric handle: the device offers
-    /// them (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED`), and a trial allocation of one
-    /// chunk with `CU_MEM_HANDLE_TYPE_FABRIC` and its export succeed (which needs an IMEX
-    /// channel: the attribute alone does not say that). The trial chunk is released at once;
-    /// the whole check takes tens of microseconds.
-    ///
-    /// [`Error::FabricUnsupported`] when the device does not offer fabric handles;
-    /// [`Error::NoImexChannel`] when this process has no IMEX channel (its message says how to
-    /// create one); another error when the driver fails otherwise.
-    pub fn check_fabric(&self) -> Result<()> {
-        let unsupported = |detail: String| Error::FabricUnsupported {
-            device: describe(self),
-            detail,
-        };
-        match self.supports_fabric() {
-            Ok(true) => {}
-            Ok(false) => {
-                return Err(unsupported(
-                    "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED = 0".to_owned(),
-                ));
-            }
-            // Drivers older than CUDA 12.3 do not know the attribute.
-            Err(Error::Cuda { name, .. }) if name == "CUDA_ERROR_INVALID_VALUE" => {
-                return Err(unsupported(format!(
-                    "the driver does not know CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED \
-                     ({name}): it predates fabric handles (CUDA 12.3)"
-                )));
-            }
-            Err(e) => return Err(e),
-        }
-        let _current = self.make_current()?;
-        let prop = driver::allocation_prop(
-            Location::Device.to_driver(self.ordinal_i32()),
-            HandleType::Fabric.to_raw(),
-        );
-        let granularity =
-            driver::allocation_granularity(&prop, false).map_err(|e| classify(e, self))?;
-        let chunk = Allocation::create(self, granularity, &prop).map_err(|e| classify(e, self))?;
-        chunk.export_fabric().map_err(|e| classify(e, self))?;
-        Ok(())
-    }
-}
-
-/// `device 0 (NVIDIA H200)`.
-fn describe(device: &Device) -> String {
-    format!("device {} ({})", device.ordinal(), device.name())
-}
-
-/// A driver error of a fabric call, as what it means: `CUDA_ERROR_NOT_PERMITTED` is
-/// [`Error::NoImexChannel`], `CUDA_ERROR_NOT_SUPPORTED` is [`Error::FabricUnsupported`], and
-/// anything else stays the driver's error.
-fn classify(error: Error, device: &Device) -> Error {
-    let Error::Cuda { call, name, code } = &error else {
-        return error;
-    };
-    let detail = format!("{call} with CU_MEM_HANDLE_TYPE_FABRIC returned {name}");
-    match *code {
-        driver::ERROR_NOT_PERMITTED => {
-            let missing = if std::path::Path::new(IMEX_CHANNEL_DIR).exists() {
-                String::new()
-            } else {
-                format!("; {IMEX_CHANNEL_DIR} does not exist")
-            };
-            Error::NoImexChannel {
-                device: describe(device),
-                detail: format!("{detail}{missing}"),
-            }
-        }
-        driver::ERROR_NOT_SUPPORTED => Error::FabricUnsupported {
-            device: describe(device),
-            detail,
-        },
-        _ => error,
-    }
-}
-
-/// A failed fabric allocation or import, explained: when the driver refused it as not
-/// permitted or not supported, [`Device::check_fabric`] says whether the process lacks an IMEX
-/// channel or the device fabric support, and that is the error; otherwise (a forged handle,
-/// released memory) the driver's own error stays.
-pub(crate) fn explain_refusal(error: Error, device: &Device) -> Error {
-    let refused = matches!(
-        &error,
-        Error::Cuda { code, .. }
-            if *code == driver::ERROR_NOT_PERMITTED || *code == driver::ERROR_NOT_SUPPORTED
-    );
-    if !refused {
-        return error;
-    }
-    match device.check_fabric() {
-        Err(cause @ (Error::NoImexChannel { .. } | Error::FabricUnsupported { .. })) => cause,
-        _ => error,
-    }
-}
-
-/// A failed import of memory that another device owns (`owner`, by UUID), explained: where the
-/// driver refused a step (importing a chunk, mapping it, setting access), the cause is most
-/// likely that `device` cannot reach the owner over the fabric, and [`Error::FabricUnreachable`]
-/// says so and what to do. A refusal already explained (no IMEX channel, no fabric support) and
-/// vmm-core's own checks stay as they are.
-pub(crate) fn unreachable(error: Error, owner: &[u8; 16], device: &Device) -> Error {
-    unreachable_from(error, owner, &describe(device))
-}
-
-/// [`unreachable`], with the importing device already described.
-fn unreachable_from(error: Error, owner: &[u8; 16], device: &str) -> Error {
-    let wrap = |source: Error| match source {
-        Error::Cuda { .. } => Error::FabricUnreachable {
-            owner: format_uuid(owner),
-            device: device.to_owned(),
-            source: Box::new(source),
-        },
-        other => other,
-    };
-    match error {
-        Error::Ipc { op, step, source } => Error::Ipc {
-            op,
-            step,
-            source: Box::new(wrap(*source)),
-        },
-        other => wrap(other),
-    }
-}
-
-/// Whether this process can share CUDA VMM buffers by fabric handle: [`availability`] holds,
-/// and [`Device::check_fabric`] passes for device 0. `Err` says what is missing, for skip
-/// messages (`SKIP <test>: <reason>`). Never panics, with or without a GPU.
-pub fn fabric_availability() -> std::result::Result<(), String> {
-    availability()?;
-    let device = Device::new(0).map_err(|e| e.to_string())?;
-    device.check_fabric().map_err(|e| e.to_string())
-}
-
-/// A descriptor received as a peer-protocol message (`CUDA_FABRIC`, see [`crate::peer`]):
-/// checked by the same layout rules as [`FabricDescriptor::from_handles`], with the owner's
-/// ordinal and the location the message named.
-impl FabricDescriptor {
-    pub(crate) fn received(
-        handles: Vec<FabricHandle>,
-        chunk_sizes: Vec<usize>,
-        size: usize,
-        owner: DeviceIdentity,
-        location: Location,
-    ) -> Result<FabricDescriptor> {
-        validate_fabric_layout(handles.len(), &chunk_sizes, size)?;
-        Ok(FabricDescriptor::exported(
-            handles,
-            chunk_sizes,
-            size,
-            owner,
-            location,
-        ))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn handle(seed: u8) -> FabricHandle {
         FabricHandle::from_bytes(std::array::from_fn(|i| seed.wrapping_add(i as u8)))
-    }
-
-    #[test]
-    fn not_permitted_is_no_imex_channel_and_names_the_recipe() {
-        let error = Error::NoImexChannel {
-            device: "device 0 (NVIDIA H200)".to_owned(),
-            detail: "cuMemCreate with CU_MEM_HANDLE_TYPE_FABRIC returned \
-                     CUDA_ERROR_NOT_PERMITTED"
-                .to_owned(),
-        };
-        let m = error.to_string();
-        for needed in [
-            "device 0 (NVIDIA H200)",
-            "need an IMEX channel",
-            "CUDA_ERROR_NOT_PERMITTED",
-            "/dev/nvidia-caps-imex-channels",
-            "mknod /dev/nvidia-caps-imex-channels/channel0 c \"$maj\" 0",
-            "/proc/devices",
-            "IMEX service (nvidia-imex)",
-        ] {
-            assert!(m.contains(needed), "{needed:?} missing from: {m}");
-        }
-        let m = Error::FabricUnsupported {
-            device: "device 1 (X)".to_owned(),
-            detail: "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED = 0".to_owned(),
-        }
-        .to_string();
-        assert!(
-            m.starts_with("device 1 (X) does not support fabric handles")
-                && m.contains("HandleType::PosixFd"),
-            "{m}"
-        );
     }
 
     #[test]
@@ -626,8 +468,8 @@ mod tests {
         assert_eq!(d.handle_type(), HandleType::Fabric);
         let refused = |handles: &[FabricHandle], sizes: &[usize], size: usize| {
             match FabricDescriptor::from_handles(handles, sizes, size, [0; 16]) {
-                Err(Error::InvalidArgument(m)) => m,
-                other => panic!("expected InvalidArgument, got {other:?}"),
+                Err(Error::InvalidDescriptor { message, .. }) => message,
+                other => panic!("expected InvalidDescriptor, got {other:?}"),
             }
         };
         assert_eq!(
@@ -673,7 +515,7 @@ mod tests {
             let bytes = postcard::to_stdvec(&wire(raw)).unwrap();
             let err = crate::wire::decode::<FabricDescriptor>(&bytes, Vec::new()).unwrap_err();
             assert!(
-                matches!(&err, Error::InvalidArgument(m)
+                matches!(&err, Error::InvalidDescriptor { rule: DescriptorRule::HandleType, message: m }
                     if m == &format!("invalid FabricDescriptor: handle type {raw} ({named}): a \
                                       FabricDescriptor carries fabric handles (8); a POSIX-fd \
                                       descriptor is an IpcDescriptor")),
@@ -682,50 +524,5 @@ mod tests {
         }
         let bytes = postcard::to_stdvec(&wire(8)).unwrap();
         crate::wire::decode::<FabricDescriptor>(&bytes, Vec::new()).unwrap();
-    }
-
-    #[test]
-    fn a_driver_refusal_of_a_remote_owners_memory_says_what_to_do() {
-        let refused = Error::Cuda {
-            call: "cuMemSetAccess".into(),
-            name: "CUDA_ERROR_INVALID_DEVICE".into(),
-            code: 101,
-        };
-        let failed = Error::Ipc {
-            op: "import".into(),
-            step: "while mapping chunk 1 of 1 (2097152 bytes)".into(),
-            source: Box::new(refused),
-        };
-        let explained = unreachable_from(failed, &[0xAB; 16], "device 0 (NVIDIA H200)");
-        let Error::Ipc { source, step, .. } = &explained else {
-            panic!("the step is kept: {explained:?}");
-        };
-        assert!(step.starts_with("while mapping chunk 1"));
-        assert!(
-            matches!(source.as_ref(), Error::FabricUnreachable { owner, .. }
-                if owner == "GPU-abababab-abab-abab-abab-abababababab"),
-            "{source:?}"
-        );
-        let shown = explained.to_string();
-        for needle in [
-            "cannot be reached from device 0",
-            "IMEX service",
-            "CUDA_ERROR_INVALID_DEVICE",
-        ] {
-            assert!(shown.contains(needle), "{needle:?} missing: {shown}");
-        }
-        // A refusal that is already explained, and vmm-core's own checks, stay as they are.
-        let no_channel = Error::NoImexChannel {
-            device: "device 0".into(),
-            detail: "x".into(),
-        };
-        assert!(matches!(
-            unreachable_from(no_channel, &[0xAB; 16], "device 0"),
-            Error::NoImexChannel { .. }
-        ));
-        assert!(matches!(
-            unreachable_from(Error::InvalidArgument("x".into()), &[0xAB; 16], "device 0"),
-            Error::InvalidArgument(_)
-        ));
     }
 }

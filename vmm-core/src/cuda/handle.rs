@@ -249,11 +249,14 @@ impl Segment {
             {
                 return Err((
                     index,
-                    crate::Error::InvalidArgument(format!(
-                        "chunk {} does not fit the {}-byte reservation",
-                        index + 1,
-                        segment.reservation.size
-                    )),
+                    crate::Error::descriptor(
+                        crate::error::DescriptorRule::Size,
+                        format!(
+                            "chunk {} does not fit the {}-byte reservation",
+                            index + 1,
+                            segment.reservation.size
+                        ),
+                    ),
                 ));
             }
             // SAFETY: `offset + size` fits the reservation (checked above), and the chunks are

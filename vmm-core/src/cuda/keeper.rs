@@ -86,9 +86,7 @@ pub(crate) fn keep_until_closed(key: usize, value: Box<dyn Send>, watch: OwnedFd
     if let Err(mpsc::SendError(entry)) = lock(&keeper.entries).send(entry) {
         // The thread is gone (it never returns; only a panic could end it): keep nothing.
         release(keeper, entry.key);
-        return Err(Error::InvalidArgument(
-            "the fabric keeper thread has stopped; a fabric buffer cannot be sent".to_owned(),
-        ));
+        return Err(Error::FabricKeeperStopped);
     }
     // A full socket means a wake-up is pending already.
     let _ = (&keeper.wake).write(&[1]);

@@ -43,6 +43,7 @@ mod descriptor;
 mod device;
 mod driver;
 pub mod fabric;
+mod fabric_support;
 mod handle;
 mod importer;
 mod keeper;
@@ -54,43 +55,11 @@ pub use buffer::VirtualMemoryBuffer;
 pub(crate) use descriptor::validate_chunks;
 pub use descriptor::{DeviceIdentity, IpcDescriptor};
 pub use device::{Device, availability};
-pub use fabric::{FabricDescriptor, FabricHandle, fabric_availability};
+pub use fabric::{FabricDescriptor, FabricHandle};
+pub use fabric_support::fabric_availability;
 pub use importer::{importer, set_importer};
 pub use options::{Access, Granularity, HandleType, Location, PeerAccess, ResourceOptions};
 pub use resource::VirtualMemoryResource;
-
-impl crate::SharedBuffer for VirtualMemoryBuffer {
-    type Descriptor = IpcDescriptor;
-
-    fn size(&self) -> usize {
-        VirtualMemoryBuffer::size(self)
-    }
-
-    fn is_imported(&self) -> bool {
-        VirtualMemoryBuffer::is_imported(self)
-    }
-
-    fn export(&self) -> crate::Result<IpcDescriptor> {
-        VirtualMemoryBuffer::export(self)
-    }
-
-    /// Into this process's [`importer`] (see [`VirtualMemoryBuffer::import`]).
-    fn import(descriptor: &IpcDescriptor) -> crate::Result<Self> {
-        VirtualMemoryBuffer::import(descriptor)
-    }
-
-    fn fill(&self, value: u8) -> crate::Result<()> {
-        VirtualMemoryBuffer::fill(self, value)
-    }
-
-    fn write_at(&self, offset: usize, data: &[u8]) -> crate::Result<()> {
-        VirtualMemoryBuffer::write_at(self, offset, data)
-    }
-
-    fn read_at(&self, offset: usize, out: &mut [u8]) -> crate::Result<()> {
-        VirtualMemoryBuffer::read_at(self, offset, out)
-    }
-}
 
 #[cfg(test)]
 mod tests {

@@ -7,6 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::driver::{self, CUmemLocation};
+use crate::error::DescriptorRule;
 use crate::{Error, Result};
 
 /// Where the physical memory of a resource's chunks lives.
@@ -95,10 +96,13 @@ impl HandleType {
             1 => Ok(HandleType::PosixFd),
             8 => Ok(HandleType::Fabric),
             9 => Ok(HandleType::PosixFdAndFabric),
-            other => Err(Error::InvalidArgument(format!(
-                "handle type {other} is not supported: only None (0), PosixFd (1), Fabric (8) \
-                 and PosixFdAndFabric (9) are"
-            ))),
+            other => Err(Error::descriptor(
+                DescriptorRule::HandleType,
+                format!(
+                    "handle type {other} is not supported: only None (0), PosixFd (1), \
+                     Fabric (8) and PosixFdAndFabric (9) are"
+                ),
+            )),
         }
     }
 }
@@ -194,49 +198,63 @@ impl ResourceOptions {
 
     /// Refuse contradictory options before any driver call; errors name the option.
     pub(crate) fn check(&self, own_device: usize, device_count: usize) -> Result<()> {
-        let bad = |message: String| Err(Error::InvalidArgument(message));
+        let bad = |option: &'static str, message: String| Err(Error::option(option, message));
         if let Location::HostNuma(node) = self.location
             && node < 0
         {
-            return bad(format!(
-                "option `location`: host NUMA node {node} is invalid (must be >= 0)"
-            ));
+            return bad(
+                "location",
+                format!("option `location`: host NUMA node {node} is invalid (must be >= 0)"),
+            );
         }
         for (index, peer) in self.peers.iter().enumerate() {
             if peer.device == own_device {
-                return bad(format!(
-                    "option `peers`: device {own_device} is the resource's own device, which \
+                return bad(
+                    "peers",
+                    format!(
+                        "option `peers`: device {own_device} is the resource's own device, which \
                      always has read-write access; list only other devices"
-                ));
+                    ),
+                );
             }
             if peer.device >= device_count {
-                return bad(format!(
-                    "option `peers`: device {} does not exist (this process sees {device_count} \
+                return bad(
+                    "peers",
+                    format!(
+                        "option `peers`: device {} does not exist (this process sees {device_count} \
                      device(s))",
-                    peer.device
-                ));
+                        peer.device
+                    ),
+                );
             }
             if self.peers[..index].iter().any(|p| p.device == peer.device) {
-                return bad(format!(
-                    "option `peers`: device {} is listed more than once",
-                    peer.device
-                ));
+                return bad(
+                    "peers",
+                    format!(
+                        "option `peers`: device {} is listed more than once",
+                        peer.device
+                    ),
+                );
             }
         }
         if let Some(alignment) = self.alignment
             && !alignment.is_power_of_two()
         {
-            return bad(format!(
-                "option `alignment`: {alignment} is not a power of two"
-            ));
+            return bad(
+                "alignment",
+                format!("option `alignment`: {alignment} is not a power of two"),
+            );
         }
         if let (Some(hint), Some(alignment)) = (self.address_hint, self.alignment)
             && hint % alignment as u64 != 0
         {
-            return bad(format!(
-                "option `address_hint`: {hint:#x} is not a multiple of option `alignment` \
+            return bad(
+                "address_hint",
+                format!(
+                    "option `address_hint`: {hint:#x} is not a multiple of option `alignment` \
                  ({alignment:#x})"
-            ));
+                ),
+            );
         }
         Ok(())
     }
@@ -246,10 +264,13 @@ impl ResourceOptions {
         if let Some(hint) = self.address_hint
             && hint % granularity as u64 != 0
         {
-            return Err(Error::InvalidArgument(format!(
-                "option `address_hint`: {hint:#x} is not a multiple of the allocation \
-                 granularity ({granularity:#x})"
-            )));
+            return Err(Error::option(
+                "address_hint",
+                format!(
+                    "option `address_hint`: {hint:#x} is not a multiple of the allocation \
+                     granularity ({granularity:#x})"
+                ),
+            ));
         }
         Ok(())
     }
@@ -259,11 +280,18 @@ impl ResourceOptions {
 mod tests {
     use super::*;
 
-    /// The rule text of an `InvalidArgument` (any other outcome fails the test).
+    /// The text of an `InvalidOption`, which names its option first (any other outcome fails
+    /// the test).
     fn message(result: Result<()>) -> String {
         match result {
-            Err(Error::InvalidArgument(m)) => m,
-            other => panic!("expected InvalidArgument, got {other:?}"),
+            Err(Error::InvalidOption { option, message }) => {
+                assert!(
+                    message.starts_with(&format!("option `{option}`: ")),
+                    "{message}"
+                );
+                message
+            }
+            other => panic!("expected InvalidOption, got {other:?}"),
         }
     }
 
@@ -359,7 +387,13 @@ mod tests {
         assert_eq!(HandleType::from_raw(1).unwrap(), HandleType::PosixFd);
         assert_eq!(HandleType::from_raw(0).unwrap(), HandleType::None);
         for unknown in [2, 4, 16] {
-            let m = message(HandleType::from_raw(unknown).map(drop));
+            let m = match HandleType::from_raw(unknown) {
+                Err(Error::InvalidDescriptor {
+                    rule: DescriptorRule::HandleType,
+                    message,
+                }) => message,
+                other => panic!("expected InvalidDescriptor(HandleType), got {other:?}"),
+            };
             assert_eq!(
                 m,
                 format!(

@@ -5,12 +5,14 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use super::buffer::VirtualMemoryBuffer;
-use super::descriptor::{IpcDescriptor, chunk_name, ipc_error, validate_chunks, validate_layout};
+use super::descriptor::{IpcDescriptor, validate_chunks, validate_layout};
 use super::device::{Device, format_uuid};
 use super::driver::{self, CUmemAccessDesc, CUmemLocation};
-use super::fabric::{self, FabricDescriptor};
+use super::fabric::FabricDescriptor;
+use super::fabric_support;
 use super::handle::{Allocation, Reservation, Segment};
 use super::options::{Access, Granularity, HandleType, Location, ResourceOptions};
+use crate::error::{Chunk, DescriptorRule, IpcOp, IpcStep};
 use crate::{Error, Result};
 
 /// `size` rounded up to a multiple of `granularity`, or an error naming what overflowed.
@@ -19,10 +21,13 @@ pub(crate) fn round_up(size: usize, granularity: usize) -> Result<usize> {
     size.div_ceil(granularity)
         .checked_mul(granularity)
         .ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "size {size} overflows when rounded up to the allocation granularity \
-                 ({granularity})"
-            ))
+            Error::option(
+                "size",
+                format!(
+                    "size {size} overflows when rounded up to the allocation granularity \
+                     ({granularity})"
+                ),
+            )
         })
 }
 
@@ -58,12 +63,15 @@ impl VirtualMemoryResource {
     /// cannot honour, naming the option.
     pub fn new(device: &Device, options: ResourceOptions) -> Result<Self> {
         options.check(device.ordinal(), Device::count()?)?;
-        let refuse = |option: &str, what: String| {
-            Err(Error::InvalidArgument(format!(
-                "option `{option}`: {what} on device {} ({})",
-                device.ordinal(),
-                device.name()
-            )))
+        let refuse = |option: &'static str, what: String| {
+            Err(Error::option(
+                option,
+                format!(
+                    "option `{option}`: {what} on device {} ({})",
+                    device.ordinal(),
+                    device.name()
+                ),
+            ))
         };
         if !device.supports_vmm()? {
             return refuse(
@@ -183,7 +191,7 @@ impl VirtualMemoryResource {
         match chunk {
             Ok(chunk) => Ok(Arc::new(chunk)),
             Err(e) if handle_type.exports_fabric() => {
-                Err(fabric::explain_refusal(e, &self.inner.device))
+                Err(fabric_support::explain_refusal(e, &self.inner.device))
             }
             Err(e) => Err(e),
         }
@@ -210,7 +218,7 @@ impl VirtualMemoryResource {
     /// either way: the chunks are shared. Grow never shrinks, and the handle type cannot change.
     pub fn grow(&self, buf: &VirtualMemoryBuffer, new_size: usize) -> Result<VirtualMemoryBuffer> {
         let inner = &self.inner;
-        let refuse = |message: String| Err(Error::InvalidArgument(format!("grow: {message}")));
+        let refuse = |reason: String| Err(Error::GrowRefused { reason });
         if buf.device() != &inner.device {
             return refuse(format!(
                 "the buffer is on device {}, this resource allocates on device {}",
@@ -254,9 +262,11 @@ impl VirtualMemoryResource {
             return self.allocate(new_size);
         }
         let extra = round_up(new_size - capacity, inner.granularity)?;
-        capacity.checked_add(extra).ok_or_else(|| {
-            Error::InvalidArgument(format!("grow: new size {new_size} overflows"))
-        })?;
+        capacity
+            .checked_add(extra)
+            .ok_or_else(|| Error::GrowRefused {
+                reason: format!("new size {new_size} overflows"),
+            })?;
         let chunk = self.new_chunk(extra)?;
         let end = buf.end();
         if let Ok(reservation) = Reservation::new(&inner.device, extra, 0, end) {
@@ -285,15 +295,19 @@ impl VirtualMemoryResource {
     /// against this resource's); a failure later undoes all steps and is an [`Error::Ipc`]
     /// naming the chunk and step. The result holds no fd: drop `descriptor` once imported.
     ///
-    /// A resource created with [`HandleType::None`] imports nothing ([`Error::InvalidArgument`]):
+    /// A resource created with [`HandleType::None`] imports nothing ([`Error::InvalidOption`]):
     /// its buffers are not shareable, and an import is shared memory.
     pub fn import(&self, descriptor: &IpcDescriptor) -> Result<VirtualMemoryBuffer> {
         if self.inner.options.handle_type == HandleType::None {
-            return Err(Error::InvalidArgument(format!(
-                "import: this resource's option `handle_type` is {:?}, so its buffers are not \
-                 shareable; import with a VirtualMemoryResource created with HandleType::PosixFd",
-                self.inner.options.handle_type
-            )));
+            return Err(Error::option(
+                "handle_type",
+                format!(
+                    "import: this resource's option `handle_type` is {:?}, so its buffers are \
+                     not shareable; import with a VirtualMemoryResource created with \
+                     HandleType::PosixFd",
+                    self.inner.options.handle_type
+                ),
+            ));
         }
         let sizes = descriptor.chunk_sizes();
         let count = sizes.len();
@@ -306,11 +320,14 @@ impl VirtualMemoryResource {
         )?;
         for (index, fd) in descriptor.fds().enumerate() {
             if let Err(e) = driver::fd_flags(fd.as_raw_fd()) {
-                return Err(Error::InvalidArgument(format!(
-                    "invalid IpcDescriptor: chunk {} of {count}: fd {} is not open ({e})",
-                    index + 1,
-                    fd.as_raw_fd()
-                )));
+                return Err(Error::descriptor(
+                    DescriptorRule::Fds,
+                    format!(
+                        "invalid IpcDescriptor: chunk {} of {count}: fd {} is not open ({e})",
+                        index + 1,
+                        fd.as_raw_fd()
+                    ),
+                ));
             }
         }
         self.check_origin(
@@ -341,11 +358,11 @@ impl VirtualMemoryResource {
     /// A resource created with [`HandleType::None`] imports nothing, as for [`Self::import`].
     pub fn import_fabric(&self, descriptor: &FabricDescriptor) -> Result<VirtualMemoryBuffer> {
         if self.inner.options.handle_type == HandleType::None {
-            return Err(Error::InvalidArgument(
-                "import_fabric: this resource's option `handle_type` is None, so its buffers are \
-                 not shareable; import with a VirtualMemoryResource created with \
-                 HandleType::Fabric"
-                    .into(),
+            return Err(Error::option(
+                "handle_type",
+                "import_fabric: this resource's option `handle_type` is None, so its buffers \
+                 are not shareable; import with a VirtualMemoryResource created with \
+                 HandleType::Fabric",
             ));
         }
         let sizes = descriptor.chunk_sizes();
@@ -359,11 +376,14 @@ impl VirtualMemoryResource {
         if handles.len() != sizes.len() {
             // Unreachable through the public API (every constructor checks it); kept so that
             // indexing below can never go out of bounds.
-            return Err(Error::InvalidArgument(format!(
-                "invalid FabricDescriptor: {} handle(s) for {} chunk(s)",
-                handles.len(),
-                sizes.len()
-            )));
+            return Err(Error::descriptor(
+                DescriptorRule::ChunkCount,
+                format!(
+                    "invalid FabricDescriptor: {} handle(s) for {} chunk(s)",
+                    handles.len(),
+                    sizes.len()
+                ),
+            ));
         }
         // The owner may be any GPU of the fabric, one this process cannot see included: only
         // the kind of location must match; the driver decides whether it can reach the memory.
@@ -375,11 +395,11 @@ impl VirtualMemoryResource {
             (descriptor.location(), HandleType::Fabric),
             |device, index, size| {
                 Allocation::import_fabric(device, handles[index].as_bytes(), size)
-                    .map_err(|e| fabric::explain_refusal(e, device))
+                    .map_err(|e| fabric_support::explain_refusal(e, device))
             },
         )
         .map_err(|e| match remote {
-            true => fabric::unreachable(e, &owner, self.device()),
+            true => fabric_support::unreachable(e, &owner, self.device()),
             false => e,
         })
         .map(|buffer| buffer.owned_by(owner))
@@ -412,16 +432,15 @@ impl VirtualMemoryResource {
         let device = self.device();
         let _current = device
             .make_current()
-            .map_err(|e| ipc_error("import", "while making the device current".into(), e))?;
+            .map_err(|e| Error::ipc(IpcOp::Import, IpcStep::MakeCurrent, e))?;
         let mut chunks = Vec::with_capacity(count);
-        for (index, &chunk_size) in sizes.iter().enumerate() {
-            let step =
-                |verb: &str| format!("while {verb} {}", chunk_name(index, count, chunk_size));
-            let chunk = import_one(device, index, chunk_size)
-                .map_err(|e| ipc_error("import", step("importing"), e))?;
+        for (index, &size) in sizes.iter().enumerate() {
+            let chunk_ref = Chunk { index, count, size };
+            let chunk = import_one(device, index, size)
+                .map_err(|e| Error::ipc(IpcOp::Import, IpcStep::Import(chunk_ref), e))?;
             let there = chunk
                 .location()
-                .map_err(|e| ipc_error("import", step("checking the location of"), e))?;
+                .map_err(|e| Error::ipc(IpcOp::Import, IpcStep::CheckLocation(chunk_ref), e))?;
             let here = &self.inner.location;
             // A fabric chunk may live on a GPU this process does not see (another node's):
             // there the kind of location must match, not the device.
@@ -430,34 +449,34 @@ impl VirtualMemoryResource {
                 _ => driver::same_location(&there, here),
             };
             if !matches {
-                return Err(ipc_error(
-                    "import",
-                    step("checking the location of"),
-                    Error::InvalidArgument(format!(
-                        "the chunk lives on {}, but this resource maps {} ({}); import with a \
-                         VirtualMemoryResource for the chunk's device",
-                        driver::describe_location(&there),
-                        driver::describe_location(here),
-                        device.name()
-                    )),
+                return Err(Error::ipc(
+                    IpcOp::Import,
+                    IpcStep::CheckLocation(chunk_ref),
+                    Error::descriptor(
+                        DescriptorRule::Location,
+                        format!(
+                            "the chunk lives on {}, but this resource maps {} ({}); import with \
+                             a VirtualMemoryResource for the chunk's device",
+                            driver::describe_location(&there),
+                            driver::describe_location(here),
+                            device.name()
+                        ),
+                    ),
                 ));
             }
             chunks.push(Arc::new(chunk));
         }
         let reservation = self.reserve(total).map_err(|e| {
-            ipc_error(
-                "import",
-                format!("while reserving {total} bytes for {count} chunk(s)"),
-                e,
-            )
+            let step = IpcStep::Reserve {
+                bytes: total,
+                chunks: count,
+            };
+            Error::ipc(IpcOp::Import, step, e)
         })?;
         let segment =
             Segment::map(reservation, chunks, &self.inner.access).map_err(|(index, e)| {
-                ipc_error(
-                    "import",
-                    format!("while mapping {}", chunk_name(index, count, sizes[index])),
-                    e,
-                )
+                let size = sizes[index];
+                Error::ipc(IpcOp::Import, IpcStep::Map(Chunk { index, count, size }), e)
             })?;
         Ok(imported(vec![Arc::new(segment)], size))
     }
@@ -477,22 +496,28 @@ impl VirtualMemoryResource {
             && &uuid != here.uuid()
         {
             let ordinal = ordinal.map_or_else(String::new, |o| format!("{o} "));
-            return Err(Error::InvalidArgument(format!(
-                "invalid {what}: its chunks live on the exporter's device {ordinal}({}), but \
-                 this resource is on device {} ({}, {}); import with a VirtualMemoryResource \
-                 for that device",
-                format_uuid(&uuid),
-                here.ordinal(),
-                here.name(),
-                here.uuid_string()
-            )));
+            return Err(Error::descriptor(
+                DescriptorRule::Location,
+                format!(
+                    "invalid {what}: its chunks live on the exporter's device {ordinal}({}), \
+                     but this resource is on device {} ({}, {}); import with a \
+                     VirtualMemoryResource for that device",
+                    format_uuid(&uuid),
+                    here.ordinal(),
+                    here.name(),
+                    here.uuid_string()
+                ),
+            ));
         }
         if location != self.options().location {
-            return Err(Error::InvalidArgument(format!(
-                "invalid {what}: its location is {location:?}, this resource's option \
-                 `location` is {:?}",
-                self.options().location
-            )));
+            return Err(Error::descriptor(
+                DescriptorRule::Location,
+                format!(
+                    "invalid {what}: its location is {location:?}, this resource's option \
+                     `location` is {:?}",
+                    self.options().location
+                ),
+            ));
         }
         Ok(())
     }
@@ -510,7 +535,7 @@ mod tests {
         assert_eq!(round_up(G + 1, G).unwrap(), 2 * G);
         assert_eq!(round_up(0, G).unwrap(), 0);
         assert!(
-            matches!(round_up(usize::MAX - 5, G), Err(Error::InvalidArgument(m))
+            matches!(round_up(usize::MAX - 5, G), Err(Error::InvalidOption { message: m, .. })
                 if m.contains("overflows when rounded up to the allocation granularity")),
         );
     }

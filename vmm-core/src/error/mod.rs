@@ -10,7 +10,11 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub use rules::{Chunk, DescriptorRule, IpcOp, IpcStep, SpawnRule};
+
 use crate::process::ChildError;
+
+mod rules;
 
 /// Every fallible operation of `vmm_core` returns this error.
 ///
@@ -100,6 +104,100 @@ pub enum Error {
     /// An argument was refused before anything was done.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A descriptor (another process's input) broke `rule`; nothing was imported, mapped or
+    /// sent.
+    #[error("{message}")]
+    InvalidDescriptor {
+        /// The rule it broke.
+        rule: DescriptorRule,
+        /// The descriptor, the rule and the values, for people.
+        message: String,
+    },
+    /// An option or argument is outside what the operation accepts; nothing was done.
+    #[error("{message}")]
+    InvalidOption {
+        /// The option or argument, e.g. `handle_type`, `size`, `workers`.
+        option: Cow<'static, str>,
+        /// The rule and the value, for people.
+        message: String,
+    },
+    /// An environment variable that configures vmm-core holds a value it cannot use.
+    #[error("{message}")]
+    InvalidEnv {
+        /// The variable, e.g. `VMM_CHILD_TIMEOUT`.
+        variable: Cow<'static, str>,
+        /// The value and what it should look like.
+        message: String,
+    },
+    /// No CUDA device in this process has the ordinal or UUID asked for.
+    #[error("{message}")]
+    NoSuchDevice {
+        /// Which device was asked for and what this process sees.
+        message: String,
+    },
+    /// A read or write of `len` bytes at `offset` reaches past a `size`-byte buffer.
+    #[error("{op}: {len} bytes at offset {offset} are out of bounds of the {size}-byte buffer")]
+    OutOfBounds {
+        /// The operation, e.g. `read_at`.
+        op: Cow<'static, str>,
+        /// Where it starts.
+        offset: usize,
+        /// How many bytes.
+        len: usize,
+        /// The buffer's size.
+        size: usize,
+    },
+    /// The buffer cannot be exported: it was imported (its memory belongs to its exporter), or
+    /// it was allocated without the handle type the export needs.
+    #[error("{op}: {reason}")]
+    NotExportable {
+        /// The operation, e.g. `export_fabric`.
+        op: Cow<'static, str>,
+        /// Why, and what to do instead.
+        reason: String,
+    },
+    /// A resource refused to grow a buffer (another device's, an imported one, a smaller size).
+    #[error("grow: {reason}")]
+    GrowRefused {
+        /// Why.
+        reason: String,
+    },
+    /// A child was not started because of `rule`; nothing was started.
+    #[error("{message}")]
+    SpawnRefused {
+        /// The rule.
+        rule: SpawnRule,
+        /// What broke it, for people.
+        message: String,
+    },
+    /// A message is larger than the transport carries (`size` over `max`); nothing was sent.
+    #[error("{message}")]
+    TooLarge {
+        /// The message's size, in the unit `max` counts (bytes, chunks).
+        size: u64,
+        /// The most the transport carries.
+        max: u64,
+        /// What was too large, for people.
+        message: String,
+    },
+    /// A named endpoint's name, directory or socket file is not one vmm-core binds or
+    /// connects to.
+    #[error("{message}")]
+    InvalidEndpoint {
+        /// The name and the rule it breaks.
+        message: String,
+    },
+    /// A value that carries fds was given to something that cannot move fds: another serde
+    /// format, or a named endpoint's plain values.
+    #[error("{message}")]
+    FdsCannotTravel {
+        /// What carries the fds, and the transport that moves them.
+        message: String,
+    },
+    /// The thread that keeps exported fabric allocations alive has stopped, so a fabric buffer
+    /// cannot be sent.
+    #[error("the fabric keeper thread has stopped; a fabric buffer cannot be sent")]
+    FabricKeeperStopped,
     /// A child process failed: it panicked, exited non-zero, was killed or timed out.
     #[error(transparent)]
     Child(Box<ChildError>),
@@ -173,11 +271,11 @@ pub enum Error {
     /// An export or import of a buffer failed part way; everything done so far was undone.
     #[error("{op} failed {step}: {source}")]
     Ipc {
-        /// `"export"` or `"import"`.
-        op: Cow<'static, str>,
-        /// Where it failed, naming the chunk and the step, e.g.
+        /// Export or import.
+        op: IpcOp,
+        /// Where it failed, naming the chunk: its `Display` is e.g.
         /// `while mapping chunk 2 of 2 (4194304 bytes)`.
-        step: String,
+        step: IpcStep,
         /// What went wrong.
         #[source]
         source: Box<Error>,
@@ -206,6 +304,31 @@ impl Error {
         Self::io(op, io::Error::from_raw_os_error(errno as i32))
     }
 
+    /// An [`Error::InvalidDescriptor`]: a descriptor broke `rule`.
+    pub(crate) fn descriptor(rule: DescriptorRule, message: impl Into<String>) -> Self {
+        Error::InvalidDescriptor {
+            rule,
+            message: message.into(),
+        }
+    }
+
+    /// An [`Error::InvalidOption`]: `option`'s value is refused.
+    pub(crate) fn option(option: impl Into<Cow<'static, str>>, message: impl Into<String>) -> Self {
+        Error::InvalidOption {
+            option: option.into(),
+            message: message.into(),
+        }
+    }
+
+    /// An [`Error::Ipc`]: `op` failed at `step` because of `source`.
+    pub(crate) fn ipc(op: IpcOp, step: IpcStep, source: Error) -> Self {
+        Error::Ipc {
+            op,
+            step,
+            source: Box::new(source),
+        }
+    }
+
     /// An [`Error::FdLimit`] for `op`, with the limit and (where it can still be counted) the
     /// number of open fds.
     pub(crate) fn fd_limit(op: String) -> Self {
@@ -223,6 +346,32 @@ impl Error {
             return Self::fd_limit(op);
         }
         Error::Os { op, source }
+    }
+
+    /// Whether the operation was refused before it did anything, because an input broke a
+    /// rule: a descriptor, an option, an environment variable, a range, a size, a name (the
+    /// typed refusals: [`Error::InvalidDescriptor`], [`Error::InvalidOption`],
+    /// [`Error::InvalidEnv`], [`Error::NoSuchDevice`], [`Error::OutOfBounds`],
+    /// [`Error::NotExportable`], [`Error::GrowRefused`], [`Error::SpawnRefused`],
+    /// [`Error::TooLarge`], [`Error::LimitExceeded`], [`Error::InvalidEndpoint`],
+    /// [`Error::FdsCannotTravel`]). Retrying with the same input fails the same way.
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            Error::InvalidArgument(_)
+                | Error::InvalidDescriptor { .. }
+                | Error::InvalidOption { .. }
+                | Error::InvalidEnv { .. }
+                | Error::NoSuchDevice { .. }
+                | Error::OutOfBounds { .. }
+                | Error::NotExportable { .. }
+                | Error::GrowRefused { .. }
+                | Error::SpawnRefused { .. }
+                | Error::TooLarge { .. }
+                | Error::LimitExceeded { .. }
+                | Error::InvalidEndpoint { .. }
+                | Error::FdsCannotTravel { .. }
+        )
     }
 
     /// The error's `errno`, where it has one (an [`Error::Os`], or `EMFILE` for
@@ -278,14 +427,28 @@ mod tests {
     #[test]
     fn errors_cross_serde_as_the_same_variant() {
         let os = Error::errno("open(x)", nix::errno::Errno::ENOENT);
+        let step = IpcStep::Import(Chunk {
+            index: 1,
+            count: 3,
+            size: 1 << 21,
+        });
         let ipc = Error::Ipc {
-            op: "import".into(),
-            step: "while importing chunk 2 of 3".into(),
+            op: IpcOp::Import,
+            step,
             source: Box::new(os),
         };
+        assert_eq!(
+            ipc.to_string(),
+            "import failed while importing chunk 2 of 3 (2097152 bytes): open(x) failed: No such \
+             file or directory (os error 2)"
+        );
         match round_trip(&ipc) {
-            Error::Ipc { op, step, source } => {
-                assert_eq!((op.as_ref(), step.as_str()), ("import", ipc_step(&ipc)));
+            Error::Ipc {
+                op: IpcOp::Import,
+                step: got,
+                source,
+            } => {
+                assert_eq!(got, step);
                 assert!(matches!(*source, Error::Os { ref op, .. } if op == "open(x)"));
                 assert_eq!(source.raw_os_error(), Some(libc::ENOENT));
             }
@@ -305,13 +468,6 @@ mod tests {
             }
         ));
         assert!(limit.to_string().contains("soft limit 64, ? fds open"));
-    }
-
-    fn ipc_step(error: &Error) -> &str {
-        match error {
-            Error::Ipc { step, .. } => step,
-            _ => unreachable!(),
-        }
     }
 
     #[test]

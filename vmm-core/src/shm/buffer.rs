@@ -11,7 +11,8 @@ use serde::{Deserialize, Serialize};
 
 use super::descriptor::HostDescriptor;
 use super::map::{self, Mapping};
-use crate::share::{IMPORTED_CANNOT_EXPORT, SharedBuffer, check_range};
+use crate::error::DescriptorRule;
+use crate::share::{SharedBuffer, check_range, imported_cannot_export};
 use crate::{Error, Result};
 
 /// Host memory that other processes can map: a sealed memfd, mapped shared.
@@ -145,11 +146,13 @@ impl HostBuffer {
         let (Some(fd), Some(len)) = (descriptor.fd(), NonZeroUsize::new(descriptor.size)) else {
             return match (descriptor.fd.is_some(), descriptor.size) {
                 (false, 0) => Ok(Self::empty(true)),
-                (false, size) => Err(Error::InvalidArgument(format!(
-                    "host descriptor of {size} bytes carries no fd"
-                ))),
-                (true, _) => Err(Error::InvalidArgument(
-                    "host descriptor of 0 bytes carries an fd; an empty buffer has none".into(),
+                (false, size) => Err(Error::descriptor(
+                    DescriptorRule::Fds,
+                    format!("host descriptor of {size} bytes carries no fd"),
+                )),
+                (true, _) => Err(Error::descriptor(
+                    DescriptorRule::Fds,
+                    "host descriptor of 0 bytes carries an fd; an empty buffer has none",
                 )),
             };
         };
@@ -169,9 +172,7 @@ impl HostBuffer {
     /// Refused for imported memory, like the CUDA path: forward the descriptor instead.
     pub fn export(&self) -> Result<HostDescriptor> {
         if self.inner.imported {
-            return Err(Error::InvalidArgument(format!(
-                "export: {IMPORTED_CANNOT_EXPORT}"
-            )));
+            return Err(imported_cannot_export("export"));
         }
         let fd = match (&self.inner.mapping, &self.inner.fd) {
             (None, _) => None,

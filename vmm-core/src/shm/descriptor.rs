@@ -6,6 +6,7 @@ use serde::de::Deserializer;
 use serde::ser::Serializer;
 use serde::{Deserialize, Serialize};
 
+use crate::error::DescriptorRule;
 use crate::wire::{self, FdIn, FdOut, FdOwner};
 use crate::{Error, Result};
 
@@ -79,10 +80,13 @@ impl<'de> Deserialize<'de> for HostDescriptor {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let fields = Fields::<FdIn<HostDescriptor>>::deserialize(deserializer)?;
         let size = usize::try_from(fields.size).map_err(|_| {
-            wire::deserialize_error::<D>(Error::InvalidArgument(format!(
-                "host descriptor of {} bytes: the size does not fit this platform's usize",
-                fields.size
-            )))
+            wire::deserialize_error::<D>(Error::descriptor(
+                DescriptorRule::Size,
+                format!(
+                    "host descriptor of {} bytes: the size does not fit this platform's usize",
+                    fields.size
+                ),
+            ))
         })?;
         Ok(HostDescriptor {
             size,

@@ -13,6 +13,7 @@ use nix::sys::stat::{Mode, fstat};
 use nix::sys::statfs::{FsType, HUGETLBFS_MAGIC, TMPFS_MAGIC, fstatfs};
 use nix::unistd::ftruncate;
 
+use crate::error::DescriptorRule;
 use crate::{Error, Result};
 
 /// The seals every shared buffer carries: its size can never change, so no process can make
@@ -164,25 +165,31 @@ impl Mapping {
                 HUGETLBFS_MAGIC => "hugetlbfs".to_owned(),
                 other => format!("a filesystem of type {:#x}", other.0),
             };
-            return Err(Error::InvalidArgument(format!(
-                "host descriptor's fd is a file on {fs}, not a memfd on tmpfs (f_type {:#x}); \
-                 only those are mapped: a hugetlbfs memfd faults (SIGBUS) on a hole and cannot be \
-                 unmapped at a size that is not a multiple of its page",
-                TMPFS_MAGIC.0
-            )));
+            return Err(Error::descriptor(
+                DescriptorRule::Memfd,
+                format!(
+                    "host descriptor's fd is a file on {fs}, not a memfd on tmpfs (f_type \
+                     {:#x}); only those are mapped: a hugetlbfs memfd faults (SIGBUS) on a hole \
+                     and cannot be unmapped at a size that is not a multiple of its page",
+                    TMPFS_MAGIC.0
+                ),
+            ));
         }
         if !facts.size_sealed {
-            return Err(Error::InvalidArgument(
+            return Err(Error::descriptor(
+                DescriptorRule::Memfd,
                 "host descriptor's fd is not sealed against shrinking and growing \
-                 (F_SEAL_SHRINK | F_SEAL_GROW); mapping it would let its owner crash this process"
-                    .into(),
+                 (F_SEAL_SHRINK | F_SEAL_GROW); mapping it would let its owner crash this process",
             ));
         }
         if facts.size < len.get() as u64 {
-            return Err(Error::InvalidArgument(format!(
-                "host descriptor says {len} bytes but its file holds {}",
-                facts.size
-            )));
+            return Err(Error::descriptor(
+                DescriptorRule::Size,
+                format!(
+                    "host descriptor says {len} bytes but its file holds {}",
+                    facts.size
+                ),
+            ));
         }
         // SAFETY: a fresh shared mapping at an address of the kernel's choosing; it aliases no
         // Rust object, and the file is sealed against shrinking and holds `len` bytes (checked
@@ -240,7 +247,7 @@ pub(crate) fn create_sealed(len: usize) -> Result<OwnedFd> {
     )
     .map_err(|e| Error::errno("memfd_create(host buffer)", e))?;
     let size =
-        i64::try_from(len).map_err(|_| Error::InvalidArgument(format!("size {len} too large")))?;
+        i64::try_from(len).map_err(|_| Error::option("size", format!("size {len} too large")))?;
     ftruncate(&fd, size).map_err(|e| Error::errno(format!("ftruncate(memfd, {len})"), e))?;
     fcntl(
         &fd,
@@ -271,10 +278,10 @@ pub(crate) fn inspect(fd: BorrowedFd<'_>) -> Result<FileFacts> {
     let fs_type = filesystem_type(fd, stat.st_dev)?;
     let seals = fcntl(fd, FcntlArg::F_GET_SEALS).map_err(|e| {
         if e == nix::errno::Errno::EINVAL {
-            Error::InvalidArgument(
+            Error::descriptor(
+                DescriptorRule::Memfd,
                 "host descriptor's fd is not a memfd (it has no seals), so nothing stops its \
-                 owner from shrinking it"
-                    .into(),
+                 owner from shrinking it",
             )
         } else {
             Error::errno("fcntl(F_GET_SEALS)", e)

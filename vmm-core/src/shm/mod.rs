@@ -57,6 +57,7 @@ pub fn buffers_hold_no_fd() -> bool {
 mod tests {
     use super::*;
     use crate::Error;
+    use crate::error::DescriptorRule;
     use crate::wire::{decode, encode};
 
     #[test]
@@ -119,7 +120,7 @@ mod tests {
         let unsealed = HostDescriptor::from_fd(std::os::fd::AsFd::as_fd(&fd), 4096).unwrap();
         let err = HostBuffer::import(&unsealed).unwrap_err();
         assert!(
-            matches!(&err, Error::InvalidArgument(m) if m.contains("not sealed")),
+            matches!(&err, Error::InvalidDescriptor { rule: DescriptorRule::Memfd, message: m } if m.contains("not sealed")),
             "{err:?}"
         );
         let buf = HostBuffer::new(100).unwrap();
@@ -127,14 +128,14 @@ mod tests {
         short.size = 200;
         let err = HostBuffer::import(&short).unwrap_err();
         assert!(
-            matches!(&err, Error::InvalidArgument(m) if m.contains("says 200 bytes but its file holds 100")),
+            matches!(&err, Error::InvalidDescriptor { rule: DescriptorRule::Size, message: m } if m.contains("says 200 bytes but its file holds 100")),
             "{err:?}"
         );
         let file = std::fs::File::open("/proc/self/stat").unwrap();
         let not_memfd = HostDescriptor::from_fd(std::os::fd::AsFd::as_fd(&file), 16).unwrap();
         let err = HostBuffer::import(&not_memfd).unwrap_err();
         assert!(
-            matches!(&err, Error::InvalidArgument(m) if m.contains("not a memfd")),
+            matches!(&err, Error::InvalidDescriptor { rule: DescriptorRule::Memfd, message: m } if m.contains("not a memfd")),
             "{err:?}"
         );
     }

@@ -146,7 +146,7 @@ impl Frame {
                 match validate_chunks(name, &sizes, size, 1) {
                     Ok(_) => Ok(()),
                     // "invalid CUDA_VMM: chunk 2 of 3 has size 0: ...": the rule, by name.
-                    Err(Error::InvalidArgument(why)) => refuse(why),
+                    Err(Error::InvalidDescriptor { message, .. }) => refuse(message),
                     Err(other) => Err(other),
                 }
             }

@@ -1,26 +1,19 @@
-//! [`VirtualMemoryBuffer`]: a contiguous device address range made of chunks; its copies, its
-//! export, and how it is sent (as a fresh export).
-//!
-//! How a buffer is received (imported into this process's importer) is
-//! [`importer`](super::importer)'s job, beside the registry it reads.
+//! [`VirtualMemoryBuffer`]: a contiguous device address range made of chunks, and its copies.
+//! How it leaves this process is [`export`]'s job (an export, or a send as a fresh export); how
+//! one arrives is [`import`]'s (into this process's importer for its device and location).
 
-use std::os::fd::OwnedFd;
 use std::sync::Arc;
-use std::time::Duration;
 
-use serde::Serialize;
-use serde::ser::{SerializeTuple, Serializer};
-
-use super::descriptor::{DeviceIdentity, IpcDescriptor, chunk_name, ipc_error};
+use super::descriptor::IpcDescriptor;
 use super::device::Device;
 use super::driver::{self, CUdeviceptr};
-use super::fabric::{FabricDescriptor, FabricHandle};
 use super::handle::{Allocation, Segment};
-use super::keeper;
 use super::options::{HandleType, Location};
-use crate::share::{IMPORTED_CANNOT_EXPORT, check_range};
-use crate::wire::{FdOut, FdOwner, serialize_error};
-use crate::{Error, Result};
+use crate::Result;
+use crate::share::check_range;
+
+mod export;
+mod import;
 
 /// A range of device virtual memory backed by one or more chunks mapped back to back.
 ///
@@ -173,7 +166,7 @@ impl VirtualMemoryBuffer {
         self.inner.imported || self.chunks().any(|c| c.is_imported())
     }
 
-    fn check_range(&self, op: &str, offset: usize, len: usize) -> Result<()> {
+    fn check_range(&self, op: &'static str, offset: usize, len: usize) -> Result<()> {
         check_range(op, offset, len, self.inner.size)
     }
 
@@ -247,195 +240,38 @@ impl VirtualMemoryBuffer {
                 unsafe { driver::memcpy_dtoh(&mut dst[at..at + len], ptr) }
             })
     }
-
-    /// Export for another process: one fresh fd per chunk, owned by the returned descriptor.
-    /// The buffer keeps nothing; each call makes new fds.
-    ///
-    /// Refused ([`Error::InvalidArgument`]) for an imported buffer and for one allocated with
-    /// [`HandleType::None`]. A chunk that cannot be exported fails the whole export with an
-    /// [`Error::Ipc`] naming the chunk, whose source is [`Error::FdLimit`] when the process is
-    /// at its fd limit; the fds taken so far are closed.
-    pub fn export(&self) -> Result<IpcDescriptor> {
-        if self.is_imported() {
-            return Err(Error::InvalidArgument(format!(
-                "export: {IMPORTED_CANNOT_EXPORT}"
-            )));
-        }
-        if !self.handle_type().exports_posix_fd() {
-            let fabric = if self.handle_type().exports_fabric() {
-                " (or share it by fabric handle: export_fabric)"
-            } else {
-                ""
-            };
-            return Err(Error::InvalidArgument(format!(
-                "export: the buffer was allocated with handle type {:?}; create its \
-                 VirtualMemoryResource with HandleType::PosixFd to share it{fabric}",
-                self.handle_type()
-            )));
-        }
-        let chunks: Vec<&Arc<Allocation>> = self.chunks().collect();
-        let count = chunks.len();
-        let _current = if count > 0 {
-            Some(self.device().make_current()?)
-        } else {
-            None
-        };
-        // Fds taken so far are closed by the partial `Vec`'s drop if one fails.
-        let fds = chunks
-            .iter()
-            .enumerate()
-            .map(|(index, chunk)| {
-                chunk.export_posix_fd().map_err(|e| {
-                    let step =
-                        format!("while exporting {}", chunk_name(index, count, chunk.size()));
-                    ipc_error("export", step, e)
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(IpcDescriptor::exported(
-            fds,
-            chunks.iter().map(|c| c.size()).collect(),
-            HandleType::PosixFd,
-            self.size(),
-            DeviceIdentity {
-                ordinal: self.device().ordinal(),
-                uuid: *self.device().uuid(),
-            },
-            self.location(),
-        ))
-    }
-
-    /// Export for another process as fabric handles: one 64-byte handle per chunk, plain data
-    /// that any transport can carry (see [`FabricDescriptor`], and its module's notes on
-    /// bearer tokens and lifetime: the handles do not keep the memory alive, so keep this
-    /// buffer until every importer has imported). Takes about a microsecond per chunk, where a
-    /// POSIX-fd export takes hundreds.
-    ///
-    /// Refused ([`Error::InvalidArgument`]) for an imported buffer and for one allocated
-    /// without [`HandleType::Fabric`] or [`HandleType::PosixFdAndFabric`]. A chunk that cannot
-    /// be exported fails the whole export with an [`Error::Ipc`] naming the chunk.
-    pub fn export_fabric(&self) -> Result<FabricDescriptor> {
-        if self.is_imported() {
-            return Err(Error::InvalidArgument(format!(
-                "export_fabric: {IMPORTED_CANNOT_EXPORT}"
-            )));
-        }
-        if !self.handle_type().exports_fabric() {
-            return Err(Error::InvalidArgument(format!(
-                "export_fabric: the buffer was allocated with handle type {:?}; create its \
-                 VirtualMemoryResource with HandleType::Fabric (or PosixFdAndFabric) to share \
-                 it by fabric handle",
-                self.handle_type()
-            )));
-        }
-        let count = self.chunks().count();
-        let mut handles = Vec::with_capacity(count);
-        let mut sizes = Vec::with_capacity(count);
-        if count > 0 {
-            // Once for all chunks: a fabric export is about a microsecond.
-            let _current = self.device().make_current()?;
-            for (index, chunk) in self.chunks().enumerate() {
-                let handle = chunk.export_fabric().map_err(|e| {
-                    let step =
-                        format!("while exporting {}", chunk_name(index, count, chunk.size()));
-                    ipc_error("export", step, e)
-                })?;
-                handles.push(FabricHandle::from_bytes(handle));
-                sizes.push(chunk.size());
-            }
-        }
-        Ok(FabricDescriptor::exported(
-            handles,
-            sizes,
-            self.size(),
-            DeviceIdentity {
-                ordinal: self.device().ordinal(),
-                uuid: *self.device().uuid(),
-            },
-            self.location(),
-        ))
-    }
-
-    /// Wait until every receiver this buffer (or a clone of it) was sent to as a fabric buffer
-    /// (a process argument or a [`Queue`](crate::wire::Queue) item, with
-    /// [`HandleType::Fabric`]) is done with it: it has imported the buffer, or failed to, or
-    /// the message was dropped unread. Waits at most `timeout` (`Duration::MAX`: no limit);
-    /// [`Error::Timeout`] says how many are left.
-    ///
-    /// Not needed for the memory's sake: until then the sending process keeps the buffer
-    /// alive by itself (see the buffer's `Serialize` impl), so the
-    /// sender may drop its handles at once. It tells the sender *when*: e.g. before it exits,
-    /// which would free the memory under a receiver that has not imported yet. Returns at once
-    /// for buffers sent by POSIX fd (an fd in flight keeps the memory alive by itself) and for
-    /// buffers never sent.
-    pub fn wait_imported(&self, timeout: Duration) -> Result<()> {
-        keeper::wait_released(self.keeper_key(), timeout)
-    }
-
-    /// How many receivers this buffer (or a clone) was sent to as a fabric buffer and are not
-    /// done with it yet (see [`wait_imported`](Self::wait_imported)).
-    pub fn pending_imports(&self) -> usize {
-        keeper::pending(self.keeper_key())
-    }
-
-    /// What the keeper counts this buffer's sends under: its shared state, which clones share
-    /// and which stays allocated while the keeper holds a clone.
-    fn keeper_key(&self) -> usize {
-        Arc::as_ptr(&self.inner) as usize
-    }
-
-    /// Serialise as a fabric buffer: the handle type, the acknowledgement pipe's write end (out
-    /// of band), then the [`FabricDescriptor`] (in band). The pipe's read end and a clone of
-    /// this buffer go to the keeper, which drops the clone once the receiver has closed the
-    /// write end. The fd goes first, so that outside a transport nothing of the descriptor is
-    /// written before the refusal.
-    fn serialize_fabric<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let (reader, writer) = std::io::pipe().map_err(|e| {
-            serialize_error::<S>(Error::io("pipe for a fabric buffer's acknowledgement", e))
-        })?;
-        let mut form = serializer.serialize_tuple(3)?;
-        form.serialize_element(&HandleType::Fabric.to_raw())?;
-        form.serialize_element(&FdOut::<VirtualMemoryBuffer>::given(OwnedFd::from(writer)))?;
-        let descriptor = self.export_fabric().map_err(serialize_error::<S>)?;
-        form.serialize_element(&descriptor)?;
-        let done = form.end()?;
-        keeper::keep_until_closed(self.keeper_key(), Box::new(self.clone()), reader.into())
-            .map_err(serialize_error::<S>)?;
-        Ok(done)
-    }
 }
 
-impl FdOwner for VirtualMemoryBuffer {
-    const WHAT: &'static str = "vmm_core::cuda::VirtualMemoryBuffer";
-}
+impl crate::SharedBuffer for VirtualMemoryBuffer {
+    type Descriptor = IpcDescriptor;
 
-/// Sending a buffer exports it on the way, as its handle type says:
-/// - [`HandleType::PosixFd`] and [`HandleType::PosixFdAndFabric`]: the message takes fresh fds
-///   (in the [`IpcDescriptor`]'s form), the buffer keeps none; the fds in flight keep the
-///   memory alive until the receiver has imported it.
-/// - [`HandleType::Fabric`]: the message carries the fabric handles in band (in the
-///   [`FabricDescriptor`]'s form) and one acknowledgement fd (whatever the chunk count). The
-///   sending process keeps a clone of the buffer until the receiver has imported it (or failed
-///   to, or the message was dropped unread) and closed that fd, so the sender may drop its own
-///   handles at once, as with fds; [`wait_imported`](Self::wait_imported) waits for it.
-///
-/// Imported buffers are refused ([`Error::InvalidArgument`]; forward their descriptor
-/// instead), as is serialising outside a [`wire`](crate::wire) transport. The receiving side is
-/// described on the `Deserialize` impl.
-impl Serialize for VirtualMemoryBuffer {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        if self.is_imported() {
-            return Err(serialize_error::<S>(Error::InvalidArgument(format!(
-                "{}: {IMPORTED_CANNOT_EXPORT}",
-                Self::WHAT
-            ))));
-        }
-        if self.handle_type() == HandleType::Fabric {
-            return self.serialize_fabric(serializer);
-        }
-        self.export()
-            .map_err(serialize_error::<S>)?
-            .serialize_given::<VirtualMemoryBuffer, S>(serializer)
+    fn size(&self) -> usize {
+        VirtualMemoryBuffer::size(self)
+    }
+
+    fn is_imported(&self) -> bool {
+        VirtualMemoryBuffer::is_imported(self)
+    }
+
+    fn export(&self) -> Result<IpcDescriptor> {
+        VirtualMemoryBuffer::export(self)
+    }
+
+    /// Into this process's [`importer`](super::importer) (see [`VirtualMemoryBuffer::import`]).
+    fn import(descriptor: &IpcDescriptor) -> Result<Self> {
+        VirtualMemoryBuffer::import(descriptor)
+    }
+
+    fn fill(&self, value: u8) -> Result<()> {
+        VirtualMemoryBuffer::fill(self, value)
+    }
+
+    fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
+        VirtualMemoryBuffer::write_at(self, offset, data)
+    }
+
+    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        VirtualMemoryBuffer::read_at(self, offset, out)
     }
 }
 
@@ -474,13 +310,23 @@ mod tests {
         check_range("read_at", 10, 0, 10).unwrap();
         let err = check_range("read_at", 5, 6, 10).unwrap_err();
         assert!(
-            matches!(&err, Error::InvalidArgument(m)
-                if m == "read_at: 6 bytes at offset 5 are out of bounds of the 10-byte buffer"),
+            matches!(&err, Error::OutOfBounds { op, offset: 5, len: 6, size: 10 } if op == "read_at"),
             "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "read_at: 6 bytes at offset 5 are out of bounds of the 10-byte buffer"
         );
         let err = check_range("write_at", usize::MAX, 1, 10).unwrap_err();
         assert!(
-            matches!(&err, Error::InvalidArgument(m) if m.starts_with("write_at: 1 bytes at")),
+            matches!(
+                &err,
+                Error::OutOfBounds {
+                    offset: usize::MAX,
+                    len: 1,
+                    ..
+                }
+            ),
             "{err:?}"
         );
     }

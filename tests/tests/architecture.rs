@@ -1,0 +1,546 @@
+//! vmm-core's module graph, checked against the README's "Architecture" table: every top-level
+//! module has a row, imports only the modules its row allows, and no two modules import each
+//! other, directly or around a circle.
+//!
+//! The sources and the README are embedded at build time (see `build.rs`), so this runs
+//! wherever the test executable runs. An "import" is any path that leaves the module: `crate::x`
+//! (in a `use` or inline, groups included), a `super::` chain that climbs out of the top-level
+//! module, or a name the crate root re-exports (`crate::Error` is `error`'s). Comments, doc
+//! links and string literals are not imports.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+include!(concat!(env!("OUT_DIR"), "/sources.rs"));
+
+/// Where an edge comes from: a file and line.
+type Evidence = Vec<String>;
+
+/// `from -> to -> where`.
+type Graph = BTreeMap<String, BTreeMap<String, Evidence>>;
+
+#[test]
+fn every_module_imports_only_what_the_readme_table_allows() {
+    let graph = module_graph(SOURCES);
+    let table = architecture_table(README);
+    let modules = top_level_modules(SOURCES);
+    let mut problems = Vec::new();
+    for module in &modules {
+        if !table.contains_key(module) {
+            problems.push(format!(
+                "module `{module}` has no row in the README's Architecture table"
+            ));
+        }
+    }
+    for module in table.keys() {
+        if !modules.contains(module) {
+            problems.push(format!(
+                "the README's Architecture table names `{module}`, which vmm-core does not have"
+            ));
+        }
+    }
+    for (from, edges) in &graph {
+        let allowed = table.get(from).cloned().unwrap_or_default();
+        for (to, evidence) in edges {
+            if !allowed.contains(to) {
+                problems.push(format!(
+                    "`{from}` imports `{to}`, which its row does not allow (at {})",
+                    places(evidence)
+                ));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn no_two_modules_import_each_other_around_a_circle() {
+    let graph = module_graph(SOURCES);
+    if let Some(cycle) = find_cycle(&graph) {
+        let steps: Vec<String> = cycle
+            .windows(2)
+            .map(|pair| {
+                let evidence = &graph[&pair[0]][&pair[1]];
+                format!("{} -> {} (at {})", pair[0], pair[1], places(evidence))
+            })
+            .collect();
+        panic!("import cycle:\n{}", steps.join("\n"));
+    }
+}
+
+#[test]
+fn the_readme_table_is_a_layering() {
+    let table = architecture_table(README);
+    let as_graph: Graph = table
+        .iter()
+        .map(|(from, allowed)| {
+            let edges = allowed
+                .iter()
+                .map(|to| (to.clone(), vec!["README".to_owned()]))
+                .collect();
+            (from.clone(), edges)
+        })
+        .collect();
+    assert_eq!(
+        find_cycle(&as_graph),
+        None,
+        "the table's may-import column goes around a circle"
+    );
+}
+
+// ---- The scanner's own tests: each fails if the scanner misses an import or invents one. ----
+
+#[test]
+fn scanner_finds_use_groups_inline_paths_reexports_and_escaping_super_chains() {
+    let sources: &[(&str, &str)] = &[
+        (
+            "lib.rs",
+            "pub mod a; pub mod b; mod c; mod d; pub use c::{Thing, Other};",
+        ),
+        (
+            "a/mod.rs",
+            "use crate::{b::X, c::{self, Y}};\nfn f() { crate::d::g(); let _ = crate::Thing; }",
+        ),
+        (
+            "a/deep/inner.rs",
+            "use super::super::super::b::Z;\nuse super::super::x;",
+        ),
+        ("b.rs", "mod tests { use super::super::c::W; }"),
+        ("c.rs", "fn f() -> Result<(), ()> { Ok(()) }"),
+        ("d.rs", ""),
+    ];
+    let graph = module_graph(sources);
+    let edges = |from: &str| -> Vec<&str> {
+        graph
+            .get(from)
+            .map(|e| e.keys().map(String::as_str).collect())
+            .unwrap_or_default()
+    };
+    assert_eq!(edges("a"), ["b", "c", "d"]);
+    assert_eq!(edges("b"), ["c"]);
+    assert!(edges("c").is_empty());
+    assert_eq!(graph["a"]["b"], ["a/mod.rs:1", "a/deep/inner.rs:1"]);
+}
+
+#[test]
+fn scanner_ignores_comments_strings_chars_and_doc_links() {
+    let sources: &[(&str, &str)] = &[
+        ("lib.rs", "pub mod a; pub mod b;"),
+        (
+            "a.rs",
+            "//! See [`b`](crate::b).\n/* crate::b /* nested */ crate::b */\n\
+             const S: &str = \"crate::b\"; const R: &str = r#\"crate::b \"# ;\n\
+             const C: char = '\"'; fn f<'x>(_: &'x str) { let _ = \"\\\"crate::b\"; }",
+        ),
+        ("b.rs", ""),
+    ];
+    assert_eq!(module_graph(sources).get("a"), None);
+}
+
+#[test]
+fn cycles_are_found_and_named() {
+    let sources: &[(&str, &str)] = &[
+        ("lib.rs", "mod a; mod b; mod c;"),
+        ("a.rs", "use crate::b::X;"),
+        ("b.rs", "use crate::c::Y;"),
+        ("c.rs", "\n\nuse crate::a::Z;"),
+    ];
+    let graph = module_graph(sources);
+    let cycle = find_cycle(&graph).expect("a -> b -> c -> a");
+    assert_eq!(cycle, ["a", "b", "c", "a"]);
+    assert_eq!(graph["c"]["a"], ["c.rs:3"]);
+}
+
+#[test]
+fn the_table_parser_reads_names_and_permissions() {
+    let readme = "# x\n\n## Architecture\n\nProse.\n\n| module | job | may import |\n\
+                  |---|---|---|\n| `error` | errors | nothing |\n\
+                  | `wire` | fds | `error`, `limits` |\n\n## Next\n| `zzz` | no | `a` |\n";
+    let table = architecture_table(readme);
+    assert_eq!(table.len(), 2);
+    assert!(table["error"].is_empty());
+    assert_eq!(
+        table["wire"].iter().collect::<Vec<_>>(),
+        ["error", "limits"]
+    );
+}
+
+/// The first few places an edge comes from, and how many more there are.
+fn places(evidence: &[String]) -> String {
+    match evidence {
+        [first, second, third, rest @ ..] if !rest.is_empty() => {
+            format!("{first}, {second}, {third} and {} more", rest.len())
+        }
+        all => all.join(", "),
+    }
+}
+
+// ---- The scanner ---------------------------------------------------------------------------
+
+/// The top-level modules lib.rs declares.
+fn top_level_modules(sources: &[(&str, &str)]) -> BTreeSet<String> {
+    let lib = sources
+        .iter()
+        .find(|(path, _)| *path == "lib.rs")
+        .map(|(_, text)| tokens(&code_only(text)))
+        .expect("lib.rs is among the sources");
+    lib.windows(3)
+        .filter(|w| w[0].text == "mod" && w[2].text == ";")
+        .map(|w| w[1].text.clone())
+        .collect()
+}
+
+/// Names the crate root re-exports from a module: `pub use error::{Error, Result}` maps both
+/// names to `error`.
+fn root_reexports(
+    sources: &[(&str, &str)],
+    modules: &BTreeSet<String>,
+) -> BTreeMap<String, String> {
+    let lib = sources
+        .iter()
+        .find(|(path, _)| *path == "lib.rs")
+        .map(|(_, text)| tokens(&code_only(text)))
+        .expect("lib.rs is among the sources");
+    let mut names = BTreeMap::new();
+    for (i, token) in lib.iter().enumerate() {
+        if token.text != "use" || i + 2 >= lib.len() || lib[i + 2].text != "::" {
+            continue;
+        }
+        let module = &lib[i + 1].text;
+        if !modules.contains(module) {
+            continue;
+        }
+        for name in tree_heads(&lib, i + 3) {
+            names.insert(name, module.clone());
+        }
+    }
+    names
+}
+
+/// Every edge between top-level modules, with where it comes from.
+fn module_graph(sources: &[(&str, &str)]) -> Graph {
+    let modules = top_level_modules(sources);
+    let reexports = root_reexports(sources, &modules);
+    let resolve = |name: &str| -> Option<String> {
+        if modules.contains(name) {
+            Some(name.to_owned())
+        } else {
+            reexports.get(name).cloned()
+        }
+    };
+    let mut graph = Graph::new();
+    for (path, text) in sources {
+        if *path == "lib.rs" {
+            continue;
+        }
+        let file_module = file_module_path(path);
+        let own = file_module[0].clone();
+        let code = code_only(text);
+        let tokens = tokens(&code);
+        // Inline `mod name { ... }` blocks: (name, brace depth inside it).
+        let mut inline: Vec<(String, usize)> = Vec::new();
+        let mut depth = 0usize;
+        let mut i = 0;
+        while i < tokens.len() {
+            let token = &tokens[i];
+            match token.text.as_str() {
+                "{" => depth += 1,
+                "}" => {
+                    if inline.last().is_some_and(|(_, d)| *d == depth) {
+                        inline.pop();
+                    }
+                    depth = depth.saturating_sub(1);
+                }
+                "mod" if tokens.get(i + 2).is_some_and(|t| t.text == "{") => {
+                    inline.push((tokens[i + 1].text.clone(), depth + 1));
+                }
+                _ => {}
+            }
+            let starts_path = i == 0 || tokens[i - 1].text != "::";
+            let next_is_path = tokens.get(i + 1).is_some_and(|t| t.text == "::");
+            let mut targets = Vec::new();
+            if starts_path && next_is_path && token.text == "crate" {
+                targets = tree_heads(&tokens, i + 2);
+            } else if starts_path && next_is_path && token.text == "super" {
+                let mut climbs = 0;
+                let mut j = i;
+                while tokens.get(j).is_some_and(|t| t.text == "super")
+                    && tokens.get(j + 1).is_some_and(|t| t.text == "::")
+                {
+                    climbs += 1;
+                    j += 2;
+                }
+                let here = file_module.len() + inline.len();
+                if climbs >= here {
+                    targets = tree_heads(&tokens, j);
+                }
+                i = j - 1;
+            }
+            for target in targets {
+                if let Some(to) = resolve(&target)
+                    && to != own
+                {
+                    graph
+                        .entry(own.clone())
+                        .or_default()
+                        .entry(to)
+                        .or_default()
+                        .push(format!("{path}:{}", token.line));
+                }
+            }
+            i += 1;
+        }
+    }
+    for edges in graph.values_mut() {
+        for evidence in edges.values_mut() {
+            evidence.dedup();
+        }
+    }
+    graph
+}
+
+/// `cuda/buffer.rs` is `cuda::buffer`; `cuda/mod.rs` is `cuda`.
+fn file_module_path(path: &str) -> Vec<String> {
+    let mut parts: Vec<String> = path
+        .trim_end_matches(".rs")
+        .split('/')
+        .map(str::to_owned)
+        .collect();
+    if parts.last().is_some_and(|p| p == "mod") {
+        parts.pop();
+    }
+    parts
+}
+
+/// The first name of each branch of the use tree (or path) starting at `tokens[at]`: `x::..`
+/// gives `x`, `{x::a, y, z::{..}}` gives `x, y, z`.
+fn tree_heads(tokens: &[Token], at: usize) -> Vec<String> {
+    let Some(first) = tokens.get(at) else {
+        return Vec::new();
+    };
+    if first.text != "{" {
+        return vec![first.text.clone()];
+    }
+    let mut heads = Vec::new();
+    let mut depth = 0;
+    let mut expect_head = true;
+    for token in &tokens[at..] {
+        match token.text.as_str() {
+            "{" => {
+                depth += 1;
+                expect_head = depth == 1;
+            }
+            "}" => {
+                depth -= 1;
+                if depth == 0 {
+                    break;
+                }
+            }
+            "," if depth == 1 => expect_head = true,
+            text if expect_head && depth == 1 => {
+                heads.push(text.to_owned());
+                expect_head = false;
+            }
+            _ => {}
+        }
+    }
+    heads
+}
+
+/// A circle in the graph, as `[a, b, .., a]`, if there is one.
+fn find_cycle(graph: &Graph) -> Option<Vec<String>> {
+    fn visit(
+        node: &str,
+        graph: &Graph,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(start) = path.iter().position(|n| n == node) {
+            let mut cycle = path[start..].to_vec();
+            cycle.push(node.to_owned());
+            return Some(cycle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_owned());
+        for next in graph.get(node).into_iter().flat_map(|e| e.keys()) {
+            if let Some(cycle) = visit(next, graph, path, done) {
+                return Some(cycle);
+            }
+        }
+        path.pop();
+        done.insert(node.to_owned());
+        None
+    }
+    let mut done = BTreeSet::new();
+    graph
+        .keys()
+        .find_map(|node| visit(node, graph, &mut Vec::new(), &mut done))
+}
+
+/// The README's Architecture table: module -> the modules it may import.
+fn architecture_table(readme: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let mut table = BTreeMap::new();
+    let mut inside = false;
+    for line in readme.lines() {
+        if let Some(heading) = line.strip_prefix("## ") {
+            inside = heading.trim() == "Architecture";
+            continue;
+        }
+        let line = line.trim();
+        if !inside || !line.starts_with('|') {
+            continue;
+        }
+        let cells: Vec<&str> = line.trim_matches('|').split('|').map(str::trim).collect();
+        let [name, _job, imports] = cells[..] else {
+            continue;
+        };
+        let Some(name) = name.strip_prefix('`').and_then(|n| n.strip_suffix('`')) else {
+            continue; // the header and the separator row
+        };
+        let allowed = imports
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect();
+        table.insert(name.to_owned(), allowed);
+    }
+    table
+}
+
+/// A token of code: an identifier, `::`, or one punctuation character; with its line.
+#[derive(Debug)]
+struct Token {
+    text: String,
+    line: usize,
+}
+
+fn tokens(code: &str) -> Vec<Token> {
+    let chars: Vec<char> = code.chars().collect();
+    let mut out = Vec::new();
+    let mut line = 1;
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        if c == '\n' {
+            line += 1;
+            i += 1;
+        } else if c.is_whitespace() {
+            i += 1;
+        } else if c.is_alphanumeric() || c == '_' {
+            let start = i;
+            while i < chars.len() && (chars[i].is_alphanumeric() || chars[i] == '_') {
+                i += 1;
+            }
+            out.push(Token {
+                text: chars[start..i].iter().collect(),
+                line,
+            });
+        } else if c == ':' && chars.get(i + 1) == Some(&':') {
+            out.push(Token {
+                text: "::".to_owned(),
+                line,
+            });
+            i += 2;
+        } else {
+            out.push(Token {
+                text: c.to_string(),
+                line,
+            });
+            i += 1;
+        }
+    }
+    out
+}
+
+/// `src` with comments, string literals and char literals blanked out (newlines kept, so line
+/// numbers stay true).
+fn code_only(src: &str) -> String {
+    let chars: Vec<char> = src.chars().collect();
+    let mut out = String::with_capacity(src.len());
+    let blank = |out: &mut String, text: &[char]| {
+        out.extend(text.iter().map(|&c| if c == '\n' { '\n' } else { ' ' }));
+    };
+    let ident = |c: char| c.is_alphanumeric() || c == '_';
+    let mut i = 0;
+    while i < chars.len() {
+        let rest = &chars[i..];
+        let after_ident = i > 0 && ident(chars[i - 1]);
+        let end = if rest.starts_with(&['/', '/']) {
+            rest.iter().position(|&c| c == '\n').unwrap_or(rest.len())
+        } else if rest.starts_with(&['/', '*']) {
+            let mut depth = 0;
+            let mut j = 0;
+            loop {
+                if j + 1 >= rest.len() {
+                    break rest.len();
+                }
+                if rest[j] == '/' && rest[j + 1] == '*' {
+                    depth += 1;
+                    j += 2;
+                } else if rest[j] == '*' && rest[j + 1] == '/' {
+                    depth -= 1;
+                    j += 2;
+                    if depth == 0 {
+                        break j;
+                    }
+                } else {
+                    j += 1;
+                }
+            }
+        } else if !after_ident && let Some(len) = raw_string_len(rest) {
+            len
+        } else if rest[0] == '"' {
+            let mut j = 1;
+            while j < rest.len() && rest[j] != '"' {
+                j += if rest[j] == '\\' { 2 } else { 1 };
+            }
+            (j + 1).min(rest.len())
+        } else if rest[0] == '\'' && rest.get(1) == Some(&'\\') {
+            // An escape: `'\''`, `'\n'`, `'\u{..}'`; the escaped character is skipped.
+            rest.get(3..)
+                .and_then(|tail| tail.iter().position(|&c| c == '\''))
+                .map_or(rest.len(), |p| p + 4)
+        } else if rest[0] == '\'' && rest.get(2) == Some(&'\'') {
+            3
+        } else {
+            out.push(rest[0]);
+            i += 1;
+            continue;
+        };
+        blank(&mut out, &rest[..end]);
+        i += end;
+    }
+    out
+}
+
+/// The length of a raw string literal (`r"..."`, `r#"..."#`, `br"..."`) at the start of
+/// `rest`, if one starts there.
+fn raw_string_len(rest: &[char]) -> Option<usize> {
+    let mut j = usize::from(rest.first() == Some(&'b'));
+    if rest.get(j) != Some(&'r') {
+        return None;
+    }
+    j += 1;
+    let hashes = rest[j..].iter().take_while(|&&c| c == '#').count();
+    j += hashes;
+    if rest.get(j) != Some(&'"') {
+        return None;
+    }
+    j += 1;
+    while j < rest.len() {
+        if rest[j] == '"'
+            && rest[j + 1..]
+                .iter()
+                .take(hashes)
+                .filter(|&&c| c == '#')
+                .count()
+                == hashes
+        {
+            return Some(j + 1 + hashes);
+        }
+        j += 1;
+    }
+    Some(rest.len())
+}
