@@ -381,9 +381,9 @@ fn a_path_endpoint_lives_in_an_owner_only_directory() {
     let tmp = TempDir::new("dirs");
     let before = settled_open_fds().unwrap();
     let refused = |dir: &Path| match Listener::bind(&Name::path(dir.join("sock"))) {
-        Err(Error::InvalidArgument(m)) => m,
+        Err(Error::InvalidEndpoint { message }) => message,
         other => panic!(
-            "wanted InvalidArgument for {}, got {other:?}",
+            "wanted InvalidEndpoint for {}, got {other:?}",
             dir.display()
         ),
     };
@@ -427,7 +427,7 @@ fn a_path_endpoint_lives_in_an_owner_only_directory() {
     let plain = tmp.0.join("plain");
     std::fs::write(&plain, b"keep me").unwrap();
     let m = match Listener::bind(&Name::path(&plain)) {
-        Err(Error::InvalidArgument(m)) => m,
+        Err(Error::InvalidEndpoint { message }) => message,
         other => panic!("{other:?}"),
     };
     assert!(m.contains("exists and is not a socket"), "{m}");

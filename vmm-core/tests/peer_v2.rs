@@ -195,12 +195,12 @@ fn the_codec_carries_a_fabric_descriptor_of_every_allowed_chunk_count() {
     let empty = FabricDescriptor::from_handles(&[], &[], 0, [1; 16]).unwrap();
     let err = encode_descriptor(&empty).unwrap_err();
     assert!(
-        matches!(&err, Error::InvalidArgument(m) if m.contains("at least one chunk")),
+        matches!(&err, Error::InvalidOption { message, .. } if message.contains("at least one chunk")),
         "{err:?}"
     );
     let err = encode_descriptor(&descriptor(MAX_CHUNKS + 1)).unwrap_err();
     assert!(
-        matches!(&err, Error::InvalidArgument(m) if m.contains("at most 253")),
+        matches!(&err, Error::TooLarge { message, .. } if message.contains("at most 253")),
         "{err:?}"
     );
 }
@@ -518,11 +518,11 @@ fn a_write_that_fails_part_way_ends_the_stream() {
     let empty = FabricDescriptor::from_handles(&[], &[], 0, [1; 16]).unwrap();
     assert!(matches!(
         writer.write_descriptor(&empty),
-        Err(Error::InvalidArgument(_))
+        Err(Error::InvalidOption { .. })
     ));
     assert!(matches!(
         writer.write_data(&vec![0; 16385]),
-        Err(Error::InvalidArgument(_))
+        Err(Error::TooLarge { .. })
     ));
     writer.write_data(b"fits").unwrap();
     let err = writer.write_descriptor(&descriptor(1)).unwrap_err();

@@ -17,10 +17,10 @@ use crate::{Error, Result};
 
 /// The header's device fields for `device`: its ordinal must fit 32 bits.
 fn frame_device(ordinal: usize, uuid: [u8; 16]) -> Result<(u32, [u8; 16])> {
-    let ordinal = u32::try_from(ordinal).map_err(|_| {
-        Error::InvalidArgument(format!(
-            "device ordinal {ordinal} does not fit the header's 32 bits"
-        ))
+    let ordinal = u32::try_from(ordinal).map_err(|_| Error::TooLarge {
+        size: ordinal as u64,
+        max: u32::MAX.into(),
+        message: format!("device ordinal {ordinal} does not fit the header's 32 bits"),
     })?;
     Ok((ordinal, uuid))
 }
@@ -43,22 +43,26 @@ fn location(location: FrameLocation) -> Location {
 /// fds to send with it, borrowed from the descriptor, one per chunk (none for a fabric
 /// descriptor).
 ///
-/// Refused with [`Error::InvalidArgument`] for what the protocol cannot carry: an
-/// [`IpcDescriptor`] of a handle type other than [`HandleType::PosixFd`] (a fabric export is a
-/// [`FabricDescriptor`]), more than [`MAX_CHUNKS`] chunks, a fabric descriptor of no chunks,
-/// a device ordinal over `u32::MAX`.
+/// Refused, before anything is sent, for what the protocol cannot carry: with
+/// [`Error::InvalidOption`] an [`IpcDescriptor`] of a handle type other than
+/// [`HandleType::PosixFd`] (a fabric export is a [`FabricDescriptor`]) or a fabric descriptor
+/// of no chunks; with [`Error::TooLarge`] more than [`MAX_CHUNKS`] chunks or a device ordinal
+/// over `u32::MAX`.
 pub fn encode_descriptor<'a>(
     descriptor: impl Into<DescriptorRef<'a>>,
 ) -> Result<(Vec<u8>, Vec<BorrowedFd<'a>>)> {
     let (frame, fds) = match descriptor.into() {
         DescriptorRef::Cuda(d) => {
             if d.handle_type() != HandleType::PosixFd {
-                return Err(Error::InvalidArgument(format!(
-                    "a descriptor of handle type {:?} cannot travel as a CUDA_VMM peer \
-                     message: it carries PosixFd descriptors only (fabric handles travel as a \
-                     FabricDescriptor)",
-                    d.handle_type()
-                )));
+                return Err(Error::option(
+                    "handle_type",
+                    format!(
+                        "a descriptor of handle type {:?} cannot travel as a CUDA_VMM peer \
+                         message: it carries PosixFd descriptors only (fabric handles travel as \
+                         a FabricDescriptor)",
+                        d.handle_type()
+                    ),
+                ));
             }
             let device = d
                 .device()
@@ -96,17 +100,21 @@ pub fn encode_descriptor<'a>(
 pub(super) fn fabric_frame(d: &FabricDescriptor) -> Result<Frame> {
     let count = d.handles().len();
     if count == 0 {
-        return Err(Error::InvalidArgument(
+        return Err(Error::option(
+            "chunk_sizes",
             "a FabricDescriptor of no chunks cannot travel as a peer message: CUDA_FABRIC \
-             carries at least one chunk"
-                .into(),
+             carries at least one chunk",
         ));
     }
     if count > MAX_CHUNKS {
-        return Err(Error::InvalidArgument(format!(
-            "a FabricDescriptor of {count} chunks cannot travel as one peer message: \
-             CUDA_FABRIC carries at most {MAX_CHUNKS}"
-        )));
+        return Err(Error::TooLarge {
+            size: count as u64,
+            max: MAX_CHUNKS as u64,
+            message: format!(
+                "a FabricDescriptor of {count} chunks cannot travel as one peer message: \
+                 CUDA_FABRIC carries at most {MAX_CHUNKS}"
+            ),
+        });
     }
     // The ordinal is informative only; a descriptor made with from_handles has none (0).
     let device = frame_device(d.owner_ordinal().unwrap_or(0), *d.owner_uuid())?;

@@ -152,17 +152,19 @@ impl Session {
     /// Serialise `value` with postcard and send it as the payload of a `DATA` message (at most
     /// [`MAX_DATA`](super::MAX_DATA) bytes): for Rust peers on both ends that agree on the
     /// type. Only docs/protocol.md crosses an endpoint, so a value that carries fds (a buffer,
-    /// a descriptor, a queue, an [`Fd`](crate::wire::Fd)) is an [`Error::InvalidArgument`]:
+    /// a descriptor, a queue, an [`Fd`](crate::wire::Fd)) is an [`Error::FdsCannotTravel`]:
     /// send descriptors with [`send_descriptor`](Self::send_descriptor).
     pub fn send_value<T: Serialize + ?Sized>(&self, value: &T) -> Result<()> {
         let encoded = wire::encode(value)?;
         if encoded.fd_count() != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "endpoint {}: a value with {} fd(s) cannot cross a named endpoint (only the \
-                 messages of docs/protocol.md do); send descriptors with send_descriptor",
-                self.endpoint(),
-                encoded.fd_count()
-            )));
+            return Err(Error::FdsCannotTravel {
+                message: format!(
+                    "endpoint {}: a value with {} fd(s) cannot cross a named endpoint (only the \
+                     messages of docs/protocol.md do); send descriptors with send_descriptor",
+                    self.endpoint(),
+                    encoded.fd_count()
+                ),
+            });
         }
         self.send_data(encoded.bytes())
     }

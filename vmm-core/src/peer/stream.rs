@@ -62,7 +62,8 @@ const STREAM: &str = "peer stream";
 /// Writes peer messages without fds (`CUDA_FABRIC`, `DATA`) to a byte stream, each with one
 /// `write_all` and then a `flush`.
 ///
-/// A message the protocol cannot carry is refused ([`Error::InvalidArgument`]) before a byte
+/// A message the protocol cannot carry is refused ([`Error::InvalidOption`],
+/// [`Error::TooLarge`]) before a byte
 /// of it is written. A write that fails leaves the stream holding part of a message, so every
 /// later write is refused too ([`Error::Protocol`]). Its `Debug` shows nothing of the stream.
 pub struct StreamWriter<W> {
@@ -84,9 +85,9 @@ impl<W: Write> StreamWriter<W> {
     /// tokens: write them only to a stream whose reader may have the memory, and keep the
     /// buffer until that reader says it has imported.
     ///
-    /// Refused ([`Error::InvalidArgument`]) for a descriptor of no chunks, of more than
+    /// Refused for a descriptor of no chunks ([`Error::InvalidOption`]), of more than
     /// [`MAX_CHUNKS`](crate::peer::MAX_CHUNKS), or whose owner's ordinal does not fit
-    /// 32 bits.
+    /// 32 bits ([`Error::TooLarge`]).
     pub fn write_descriptor(&mut self, descriptor: &FabricDescriptor) -> Result<()> {
         let frame = fabric_frame(descriptor)?;
         self.write_frame(&frame)

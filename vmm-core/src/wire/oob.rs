@@ -205,11 +205,14 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8], fds: Vec<OwnedFd>) -> Result<T>
 
 /// The refusal of an fd-backed value outside [`encode`]/[`decode`].
 fn outside_transport(what: &str) -> Error {
-    Error::InvalidArgument(format!(
-        "{what} carries a file descriptor and can only be (de)serialised by vmm_core::wire \
-         (a Queue, a Process argument or wire::encode/decode), which moves the fd out of band; \
-         another serde format would produce a number that means nothing in another process"
-    ))
+    Error::FdsCannotTravel {
+        message: format!(
+            "{what} carries a file descriptor and can only be (de)serialised by vmm_core::wire \
+             (a Queue, a Process argument or wire::encode/decode), which moves the fd out of \
+             band; another serde format would produce a number that means nothing in another \
+             process"
+        ),
+    }
 }
 
 /// Record an fd-backed value's error so that [`encode`] returns it as it is.

@@ -115,7 +115,7 @@ fn a_handle_type_none_descriptor_is_not_sent() {
     let none: IpcDescriptor = crate::wire::decode(&bytes, received(&[file.as_fd()])).unwrap();
     let err = encode_descriptor(&none).unwrap_err();
     assert!(
-        matches!(&err, Error::InvalidArgument(m) if m.contains("handle type None")),
+        matches!(&err, Error::InvalidOption { message, .. } if message.contains("handle type None")),
         "{err:?}"
     );
 }

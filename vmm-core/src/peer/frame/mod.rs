@@ -196,16 +196,24 @@ impl Frame {
     /// Refuses a message that breaks the limits it would be refused for on arrival.
     pub(crate) fn encode(&self) -> Result<Vec<u8>> {
         if self.chunk_sizes.len() > MAX_CHUNKS {
-            return Err(Error::InvalidArgument(format!(
-                "a peer message carries at most {MAX_CHUNKS} chunks, this one has {}",
-                self.chunk_sizes.len()
-            )));
+            return Err(Error::TooLarge {
+                size: self.chunk_sizes.len() as u64,
+                max: MAX_CHUNKS as u64,
+                message: format!(
+                    "a peer message carries at most {MAX_CHUNKS} chunks, this one has {}",
+                    self.chunk_sizes.len()
+                ),
+            });
         }
         if self.payload.len() > MAX_DATA {
-            return Err(Error::InvalidArgument(format!(
-                "a peer message carries at most {MAX_DATA} payload bytes, this one has {}",
-                self.payload.len()
-            )));
+            return Err(Error::TooLarge {
+                size: self.payload.len() as u64,
+                max: MAX_DATA as u64,
+                message: format!(
+                    "a peer message carries at most {MAX_DATA} payload bytes, this one has {}",
+                    self.payload.len()
+                ),
+            });
         }
         let mut out = Vec::with_capacity(self.len());
         out.extend_from_slice(&MAGIC);

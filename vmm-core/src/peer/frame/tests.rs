@@ -468,7 +468,7 @@ fn unused_fields_must_be_zero() {
 #[test]
 fn encode_refuses_what_decode_would() {
     let too_many = cuda(&vec![4096; MAX_CHUNKS + 1], 0);
-    assert!(matches!(too_many.encode(), Err(Error::InvalidArgument(_))));
+    assert!(matches!(too_many.encode(), Err(Error::TooLarge { .. })));
     let too_long = Frame::with_payload(Kind::Data, &vec![0; MAX_DATA + 1]);
-    assert!(matches!(too_long.encode(), Err(Error::InvalidArgument(_))));
+    assert!(matches!(too_long.encode(), Err(Error::TooLarge { .. })));
 }

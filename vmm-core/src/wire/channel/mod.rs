@@ -119,7 +119,7 @@ impl Channel {
     /// (see [`send_timeout`](Self::send_timeout) for a bound).
     ///
     /// Fails with [`Error::TooManyFds`] when the fds (plus a memfd for a large payload) exceed
-    /// [`MAX_FDS`], [`Error::InvalidArgument`] for a payload over [`MAX_MESSAGE`], and
+    /// [`MAX_FDS`], [`Error::TooLarge`] for a payload over [`MAX_MESSAGE`], and
     /// [`Error::Disconnected`] when the other end is gone.
     pub fn send(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
         self.send_timeout(bytes, fds, None)
@@ -144,18 +144,11 @@ impl Channel {
         fds: &[BorrowedFd<'_>],
         timeout: Option<Duration>,
     ) -> Result<()> {
-        if bytes.len() > INLINE_MAX {
-            return Err(Error::InvalidArgument(format!(
-                "a peer message of {} bytes exceeds the {INLINE_MAX} bytes a named endpoint's \
-                 packet carries",
-                bytes.len()
-            )));
-        }
         self.send_framed(FRAME_PEER, bytes, fds, timeout)
     }
 
-    /// Send `bytes` under frame byte `inline` (spilled into a memfd, frame byte `0x01`, when
-    /// longer than [`INLINE_MAX`]).
+    /// Send `bytes` under frame byte `inline`: a peer message only inline, an internal payload
+    /// spilled into a memfd (frame byte `0x01`) when longer than [`INLINE_MAX`].
     fn send_framed(
         &self,
         inline: u8,
@@ -163,12 +156,23 @@ impl Channel {
         fds: &[BorrowedFd<'_>],
         timeout: Option<Duration>,
     ) -> Result<()> {
-        if bytes.len() > MAX_MESSAGE {
-            return Err(Error::InvalidArgument(format!(
-                "a message of {} bytes exceeds the most one message may carry \
-                 (wire::MAX_MESSAGE, {MAX_MESSAGE} bytes)",
-                bytes.len()
-            )));
+        let (max, what) = if inline == FRAME_PEER {
+            (
+                INLINE_MAX,
+                "a named endpoint's packet carries (wire::INLINE_MAX",
+            )
+        } else {
+            (MAX_MESSAGE, "one message may carry (wire::MAX_MESSAGE")
+        };
+        if bytes.len() > max {
+            return Err(Error::TooLarge {
+                size: bytes.len() as u64,
+                max: max as u64,
+                message: format!(
+                    "a message of {} bytes exceeds the most {what}, {max} bytes)",
+                    bytes.len()
+                ),
+            });
         }
         let deadline = timeout.map(deadline_after);
         let spilled = bytes.len() > INLINE_MAX;

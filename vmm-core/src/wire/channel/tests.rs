@@ -92,7 +92,10 @@ fn each_reader_refuses_the_other_framing_by_its_frame_byte() {
     let err = a
         .send_peer(&vec![0u8; INLINE_MAX + 1], &[], None)
         .unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert!(
+        matches!(&err, Error::TooLarge { message, .. } if message.contains("INLINE_MAX")),
+        "{err:?}"
+    );
 }
 
 #[test]
@@ -182,7 +185,7 @@ fn a_message_over_the_maximum_is_refused_by_the_sender() {
     let big = vec![0u8; MAX_MESSAGE + 1];
     let err = a.send(&big, &[]).unwrap_err();
     assert!(
-        matches!(&err, Error::InvalidArgument(m) if m.contains("MAX_MESSAGE")),
+        matches!(&err, Error::TooLarge { message, .. } if message.contains("MAX_MESSAGE")),
         "{err:?}"
     );
 }

@@ -138,7 +138,7 @@ impl Listener {
     ///
     /// For a path: its directory must be owned by this process's effective uid and closed to
     /// group and others (a missing last directory is created 0700), else
-    /// [`Error::InvalidArgument`] says which rule it breaks; a socket file nobody listens on
+    /// [`Error::InvalidEndpoint`] says which rule it breaks; a socket file nobody listens on
     /// (a dead listener's: `connect` is refused) is replaced; a live listener's is never taken
     /// ([`Error::Os`] with `EADDRINUSE`), nor is a file that is not a socket. The new socket
     /// file is mode 0600. For an abstract name: `EADDRINUSE` when it is taken.
