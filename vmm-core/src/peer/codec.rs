@@ -7,7 +7,7 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 
 use serde::Serialize;
 
-use super::frame::{FABRIC_HANDLE_BYTES, Frame, FrameLocation, Kind, MAX_CHUNKS};
+use super::frame::{FABRIC_HANDLE_BYTES, Frame, FrameLocation, Kind, MAX_CHUNKS, carries_at_most};
 use super::{Descriptor, DescriptorRef, PeerMessage};
 use crate::cuda::{
     DeviceIdentity, FabricDescriptor, FabricHandle, HandleType, IpcDescriptor, Location,
@@ -106,16 +106,12 @@ pub(super) fn fabric_frame(d: &FabricDescriptor) -> Result<Frame> {
              carries at least one chunk",
         ));
     }
-    if count > MAX_CHUNKS {
-        return Err(Error::TooLarge {
-            size: count as u64,
-            max: MAX_CHUNKS as u64,
-            message: format!(
-                "a FabricDescriptor of {count} chunks cannot travel as one peer message: \
-                 CUDA_FABRIC carries at most {MAX_CHUNKS}"
-            ),
-        });
-    }
+    carries_at_most(
+        "a FabricDescriptor sent as one CUDA_FABRIC peer message",
+        count,
+        MAX_CHUNKS,
+        "chunks",
+    )?;
     // The ordinal is informative only; a descriptor made with from_handles has none (0).
     let device = frame_device(d.owner_ordinal().unwrap_or(0), *d.owner_uuid())?;
     let mut payload = Vec::with_capacity(FABRIC_HANDLE_BYTES * count);

@@ -65,6 +65,19 @@ pub(crate) const MAX_FRAME: usize = HEADER_LEN + 8 * MAX_CHUNKS + MAX_DATA;
 /// Header flag: the device UUID and ordinal fields are set (CUDA descriptors only).
 pub(crate) const FLAG_DEVICE: u16 = 1;
 
+/// [`Error::TooLarge`] unless `count` (of `unit`) is at most `max`: how a sender refuses, before
+/// anything is sent, what a receiver would refuse on arrival.
+pub(super) fn carries_at_most(what: &str, count: usize, max: usize, unit: &str) -> Result<()> {
+    if count <= max {
+        return Ok(());
+    }
+    Err(Error::TooLarge {
+        size: count as u64,
+        max: max as u64,
+        message: format!("{what} carries at most {max} {unit}, this one has {count}"),
+    })
+}
+
 /// What a message is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u16)]
@@ -195,26 +208,18 @@ impl Frame {
     ///
     /// Refuses a message that breaks the limits it would be refused for on arrival.
     pub(crate) fn encode(&self) -> Result<Vec<u8>> {
-        if self.chunk_sizes.len() > MAX_CHUNKS {
-            return Err(Error::TooLarge {
-                size: self.chunk_sizes.len() as u64,
-                max: MAX_CHUNKS as u64,
-                message: format!(
-                    "a peer message carries at most {MAX_CHUNKS} chunks, this one has {}",
-                    self.chunk_sizes.len()
-                ),
-            });
-        }
-        if self.payload.len() > MAX_DATA {
-            return Err(Error::TooLarge {
-                size: self.payload.len() as u64,
-                max: MAX_DATA as u64,
-                message: format!(
-                    "a peer message carries at most {MAX_DATA} payload bytes, this one has {}",
-                    self.payload.len()
-                ),
-            });
-        }
+        carries_at_most(
+            "a peer message",
+            self.chunk_sizes.len(),
+            MAX_CHUNKS,
+            "chunks",
+        )?;
+        carries_at_most(
+            "a peer message",
+            self.payload.len(),
+            MAX_DATA,
+            "payload bytes",
+        )?;
         let mut out = Vec::with_capacity(self.len());
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&self.kind.version().to_le_bytes());
