@@ -22,9 +22,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use vmm_core::cuda::{HandleType, VirtualMemoryBuffer};
-use vmm_core::peer::Descriptor;
+use vmm_core::peer::{Descriptor, Session};
 use vmm_core::shm::HostBuffer;
-use vmm_core::wire::endpoint::{Connection, Listener};
+use vmm_core::wire::endpoint::Listener;
 use vmm_core::{Error, Result};
 
 /// The test pattern of the examples (and of the Python peer): byte `i` is `seed + i % 251`.
@@ -147,7 +147,7 @@ impl Daemon {
                     std::thread::sleep(Duration::from_millis(10));
                     continue;
                 }
-                let conn = match listener.accept(Some(Duration::from_millis(100))) {
+                let conn = match Session::accept(listener, Some(Duration::from_millis(100))) {
                     Ok(conn) => conn,
                     Err(Error::Timeout { .. }) => continue,
                     Err(e) if out_of_fds(&e) => {
@@ -186,7 +186,7 @@ impl Daemon {
     }
 
     /// Answer one connection's requests until it hangs up (or stays silent past its timeout).
-    pub fn handle(&self, conn: &Connection) -> Result<()> {
+    pub fn handle(&self, conn: &Session) -> Result<()> {
         loop {
             let request = match conn.recv_data() {
                 Ok(request) => request,
@@ -324,8 +324,8 @@ pub mod daemon {
 
 /// The Rust client.
 pub mod client {
-    use vmm_core::peer::{Descriptor, PeerMessage};
-    use vmm_core::wire::endpoint::{Allow, ConnectOptions, Connection, Name};
+    use vmm_core::peer::{Descriptor, PeerMessage, Session};
+    use vmm_core::wire::endpoint::{Allow, ConnectOptions, Name};
 
     use super::*;
 
@@ -353,13 +353,13 @@ pub mod client {
     }
 
     /// The daemon's `list` reply.
-    pub fn list(conn: &Connection) -> Result<String> {
+    pub fn list(conn: &Session) -> Result<String> {
         conn.send_data(b"list")?;
         Ok(String::from_utf8_lossy(&conn.recv_data()?).into_owned())
     }
 
     /// Ask for `buffer` and import it.
-    pub fn fetch(conn: &Connection, buffer: &str) -> Result<Fetched> {
+    pub fn fetch(conn: &Session, buffer: &str) -> Result<Fetched> {
         conn.send_data(format!("get {buffer}").as_bytes())?;
         match conn.recv_message()? {
             PeerMessage::Descriptor(Descriptor::Host(d)) => {
@@ -409,7 +409,7 @@ pub mod client {
             return Err(usage());
         };
         let name: Name = name.as_str().into();
-        let conn = Connection::connect_with(&name, &ConnectOptions::default().expect(expect))?;
+        let conn = Session::connect_with(&name, &ConnectOptions::default().expect(expect))?;
         let listing = list(&conn)?;
         let fetched = fetch(&conn, buffer)?;
         let contents = fetched.contents()?;

@@ -14,9 +14,10 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vmm_core::cuda::{Device, ResourceOptions, VirtualMemoryResource};
+use vmm_core::peer::Session;
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::{cuda_vmm_ipc, settled_open_fds, skip_unless};
-use vmm_core::wire::endpoint::{Connection, Listener, ListenerOptions, Name};
+use vmm_core::wire::endpoint::{Listener, ListenerOptions, Name};
 use vmm_examples::{Daemon, Served, pattern};
 
 const PEER: &str = include_str!("../../python/vmm_ipc_peer.py");
@@ -193,7 +194,7 @@ fn serve_to_both(weights: Served, seed: u8, kind: &str, size: usize, within: Dur
         let serving = scope.spawn(|| daemon.serve(&listener, &stop));
         let _stop = StopOnDrop(&stop);
         // Connected and admitted first, and never says a word while the others are served.
-        let silent = Connection::connect(&name).unwrap();
+        let silent = Session::connect(&name).unwrap();
         let fabric = kind == "cuda-fabric";
         let (rust, python) = (
             rust_client(&name, seed),
@@ -438,7 +439,7 @@ fn the_daemon_keeps_serving_after_running_out_of_fds() {
     );
     drop(idle);
     // A normal client is served once the idle ones are gone.
-    let conn = Connection::connect(&name).unwrap_or_else(|e| panic!("{e}: {log:#?}"));
+    let conn = Session::connect(&name).unwrap_or_else(|e| panic!("{e}: {log:#?}"));
     let fetched = vmm_examples::client::fetch(&conn, "weights").unwrap();
     assert_eq!(fetched.contents().unwrap(), pattern(7, 65536));
     drop((fetched, conn));

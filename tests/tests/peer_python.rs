@@ -20,9 +20,10 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vmm_core::cuda::{Device, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource};
+use vmm_core::peer::Session;
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::{cuda_vmm_ipc, settled_open_fds, skip_unless};
-use vmm_core::wire::endpoint::{Connection, Listener, Name};
+use vmm_core::wire::endpoint::{Listener, Name};
 use vmm_tests::{PythonDir, own_uid, pattern, python3_can, unique_name};
 
 const PEER: &str = include_str!("../../python/vmm_ipc_peer.py");
@@ -190,7 +191,7 @@ fn a_rust_listener_serves_a_host_buffer_to_the_python_peer() {
             &[&name.to_string(), &own_uid(), "20", "21"],
         );
         let pid = child.id() as i32;
-        let conn = listener.accept(Some(Duration::from_secs(30))).unwrap();
+        let conn = Session::accept(&listener, Some(Duration::from_secs(30))).unwrap();
         assert_eq!(conn.peer().pid, pid, "the kernel names the Python process");
         let descriptor = buf.export().unwrap();
         conn.send_descriptor(&descriptor).unwrap();
@@ -222,7 +223,7 @@ fn a_python_memfd_exporter_sends_to_a_rust_importer() {
         "host-exporter",
         &[&name.to_string(), &own_uid(), &size.to_string(), "30"],
     );
-    let conn = listener.accept(Some(Duration::from_secs(30))).unwrap();
+    let conn = Session::accept(&listener, Some(Duration::from_secs(30))).unwrap();
     let descriptor = conn.recv_descriptor().unwrap().into_host().unwrap();
     assert_eq!(descriptor.size(), size);
     let buf = HostBuffer::import(&descriptor).unwrap();
@@ -254,7 +255,7 @@ fn a_python_listener_serves_a_rust_client() {
         assert_ne!(stdout.read_line(&mut line).unwrap(), 0, "the listener died");
     }
     // The Rust client checks the Python listener's credentials (our uid) and is admitted.
-    let conn = Connection::connect(&name).unwrap();
+    let conn = Session::connect(&name).unwrap();
     assert_eq!(conn.peer().pid, child.id() as i32);
     let buf = HostBuffer::import(&conn.recv_descriptor().unwrap().into_host().unwrap()).unwrap();
     assert_eq!(buf.to_vec(), pattern(40, 65536));
@@ -303,7 +304,7 @@ fn a_python_cuda_exporter_gives_a_vmm_buffer_to_a_rust_importer() {
             "cuda-exporter",
             &[&name.to_string(), &own_uid(), &seed.to_string(), "2"],
         );
-        let conn = listener.accept(Some(Duration::from_secs(60))).unwrap();
+        let conn = Session::accept(&listener, Some(Duration::from_secs(60))).unwrap();
         let descriptor = conn.recv_descriptor().unwrap().into_cuda().unwrap();
         assert_eq!(descriptor.chunk_sizes().len(), 2);
         let identity = descriptor
@@ -351,7 +352,7 @@ fn a_rust_vmm_export_is_imported_by_python_cuda_bindings() {
             "cuda-importer",
             &[&name.to_string(), &own_uid(), &seed.to_string()],
         );
-        let conn = listener.accept(Some(Duration::from_secs(60))).unwrap();
+        let conn = Session::accept(&listener, Some(Duration::from_secs(60))).unwrap();
         let descriptor = buf.export().unwrap();
         conn.send_descriptor(&descriptor).unwrap();
         drop(descriptor);

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use vmm_core::cuda::{
     Device, HandleType, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource,
 };
+use vmm_core::peer::Session;
 use vmm_core::testing::{cuda_fabric, settled_open_fds, skip_unless};
 use vmm_core::wire::endpoint::{Listener, Name};
 use vmm_tests::{PythonDir, own_uid, pattern, python3_can, unique_name};
@@ -37,18 +38,17 @@ mod v2 {
     use std::io::{Read, Write};
 
     use vmm_core::cuda::FabricDescriptor;
-    use vmm_core::peer::PeerMessage;
     use vmm_core::peer::stream::{StreamReader, StreamWriter};
-    use vmm_core::wire::endpoint::Connection;
+    use vmm_core::peer::{PeerMessage, Session};
     use vmm_core::{Error, Result};
 
     /// Send a fabric descriptor on an endpoint connection.
-    pub fn send(conn: &Connection, descriptor: &FabricDescriptor) -> Result<()> {
+    pub fn send(conn: &Session, descriptor: &FabricDescriptor) -> Result<()> {
         conn.send_descriptor(descriptor)
     }
 
     /// Receive a fabric descriptor on an endpoint connection.
-    pub fn recv(conn: &Connection) -> Result<FabricDescriptor> {
+    pub fn recv(conn: &Session) -> Result<FabricDescriptor> {
         conn.recv_descriptor()?.into_fabric()
     }
 
@@ -265,7 +265,7 @@ fn python_fabric_export_to_rust_over_an_endpoint() {
             "fabric-exporter",
             &["endpoint", &name.to_string(), &own_uid(), &seed_arg, "2"],
         );
-        let conn = listener.accept(Some(TIMEOUT)).unwrap();
+        let conn = Session::accept(&listener, Some(TIMEOUT)).unwrap();
         let descriptor = v2::recv(&conn).unwrap();
         import_check_mark(&descriptor, seed);
         conn.send_data(b"written").unwrap();
@@ -294,7 +294,7 @@ fn rust_fabric_export_to_python_over_an_endpoint() {
             "fabric-importer",
             &["endpoint", &name.to_string(), &own_uid(), &seed_arg],
         );
-        let conn = listener.accept(Some(TIMEOUT)).unwrap();
+        let conn = Session::accept(&listener, Some(TIMEOUT)).unwrap();
         v2::send(&conn, &buf.export_fabric().unwrap()).unwrap();
         // The buffer stays until the importer says it has imported (and written).
         assert_eq!(conn.recv_data().unwrap(), b"written");

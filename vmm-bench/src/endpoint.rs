@@ -1,7 +1,7 @@
 //! Named endpoints: what connecting costs, and a descriptor hand-off over an endpoint's
 //! connection next to the same hand-off over vmm-core's socketpair (a `Queue`), in one run.
 //!
-//! - `connect`: `Connection::connect` to a listener that accepts on a thread of this process
+//! - `connect`: `Session::connect` to a listener that accepts on a thread of this process
 //!   (connect, the client's `SO_PEERCRED` check, the listener's accept, `SO_PEERCRED` check and
 //!   `HELLO`, the client's receive), next to a bare `SOCK_STREAM` connect to a plain listener
 //!   whose thread accepts and writes one byte, which the client reads.
@@ -28,10 +28,10 @@ use vmm_core::cuda::{
     Device, FabricDescriptor, HandleType, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer,
     VirtualMemoryResource,
 };
-use vmm_core::peer::{Descriptor, DescriptorRef, PeerMessage};
+use vmm_core::peer::{Descriptor, DescriptorRef, PeerMessage, Session};
 use vmm_core::process::{Context, Process, StartMethod};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
-use vmm_core::wire::endpoint::{ConnectOptions, Connection, Listener, Name};
+use vmm_core::wire::endpoint::{ConnectOptions, Listener, Name};
 
 use crate::handoff::{Handled, LiveChild};
 use crate::report::{Target, row};
@@ -65,7 +65,7 @@ impl Acceptor {
     fn endpoint(listener: Listener) -> Acceptor {
         Acceptor::spawn(None, move |stop| {
             while !stop.load(Ordering::Relaxed) {
-                drop(listener.accept(Some(Duration::from_millis(50))));
+                drop(Session::accept(&listener, Some(Duration::from_millis(50))));
             }
         })
     }
@@ -131,7 +131,7 @@ fn connect(c: &mut Criterion) {
         "connect",
         ("connect/vmm-core", || {
             let t = Instant::now();
-            let conn = Connection::connect_with(&name, &options).expect("connect");
+            let conn = Session::connect_with(&name, &options).expect("connect");
             let elapsed = t.elapsed();
             drop(conn);
             elapsed
@@ -165,7 +165,7 @@ pub enum Work {
 pub fn endpoint_serve((name, work): (String, Work)) {
     let name: Name = name.as_str().into();
     let options = ConnectOptions::default().timeout(Some(CHILD_WAIT));
-    let conn = Connection::connect_with(&name, &options).expect("child: connect");
+    let conn = Session::connect_with(&name, &options).expect("child: connect");
     loop {
         match conn.recv_message().expect("child: receive") {
             PeerMessage::Descriptor(Descriptor::Host(d)) if matches!(work, Work::Host) => {
@@ -188,7 +188,7 @@ pub fn endpoint_serve((name, work): (String, Work)) {
 #[derive(Debug)]
 struct EndpointChild {
     process: Option<Process>,
-    conn: Connection,
+    conn: Session,
     _listener: Listener,
 }
 
@@ -199,9 +199,7 @@ impl EndpointChild {
         let process = Context::new(StartMethod::Spawn)
             .spawn(endpoint_serve, (format!("@{name}"), work))
             .expect("start endpoint child");
-        let mut conn = listener
-            .accept(Some(CHILD_WAIT))
-            .expect("the child connects");
+        let mut conn = Session::accept(&listener, Some(CHILD_WAIT)).expect("the child connects");
         conn.set_timeout(Some(CHILD_WAIT));
         let child = EndpointChild {
             process: Some(process),

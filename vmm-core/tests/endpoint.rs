@@ -17,10 +17,11 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::{MsgFlags, UnixAddr};
 use vmm_core::Error;
+use vmm_core::peer::Session;
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::endpoint::{
-    Allow, ConnectOptions, Connection, Credentials, Listener, ListenerOptions, Name,
+    Allow, ConnectOptions, Credentials, Listener, ListenerOptions, Name,
 };
 
 #[path = "common/endpoint_kit.rs"]
@@ -84,7 +85,7 @@ fn role_entry() {
         // Map the owner's host buffer, check its pattern, write ours, say so.
         "host-client" => {
             let seed: u8 = std::env::var(SEED_VAR).unwrap().parse().unwrap();
-            let conn = Connection::connect_with(&name, &options).unwrap();
+            let conn = Session::connect_with(&name, &options).unwrap();
             let descriptor = conn.recv_descriptor().unwrap().into_host().unwrap();
             let buf = HostBuffer::import(&descriptor).unwrap();
             drop(descriptor);
@@ -94,7 +95,7 @@ fn role_entry() {
             println!("OK client mapped {} bytes", buf.size());
         }
         // Expect to be turned away.
-        "refused-client" => match Connection::connect_with(&name, &options) {
+        "refused-client" => match Session::connect_with(&name, &options) {
             Err(e @ Error::PeerRefused { .. }) => println!("REFUSED {e}"),
             Err(e) => println!("OTHER ERROR {e:?}"),
             Ok(_) => println!("ADMITTED"),
@@ -182,7 +183,7 @@ fn role_command(role: &str, name: &Name, uid: u32, wrapper: &[String], exe: &Pat
 
 /// Serve `buf` to one client on `listener`; return once it said "done".
 fn serve_host_buffer(listener: &Listener, buf: &HostBuffer) -> Credentials {
-    let conn = listener.accept(Some(Duration::from_secs(30))).unwrap();
+    let conn = Session::accept(listener, Some(Duration::from_secs(30))).unwrap();
     let descriptor = buf.export().unwrap();
     conn.send_descriptor(&descriptor).unwrap();
     drop(descriptor);
@@ -242,7 +243,7 @@ fn a_client_under_another_uid_is_refused_and_nothing_leaks() {
     let child = role_command("refused-client", &name, 0, &wrapper, &exe)
         .spawn()
         .unwrap();
-    let accepted = listener.accept(Some(Duration::from_secs(3)));
+    let accepted = Session::accept(&listener, Some(Duration::from_secs(3)));
     assert!(
         matches!(accepted, Err(Error::Timeout { .. })),
         "a refused peer is no connection: {accepted:?}"
@@ -262,9 +263,9 @@ fn a_client_under_another_uid_is_refused_and_nothing_leaks() {
     let me = Credentials::of_this_process();
     let client = std::thread::spawn({
         let name = name.clone();
-        move || Connection::connect(&name).map(|c| c.peer())
+        move || Session::connect(&name).map(|c| c.peer())
     });
-    let conn = listener.accept(Some(Duration::from_secs(10))).unwrap();
+    let conn = Session::accept(&listener, Some(Duration::from_secs(10))).unwrap();
     assert_eq!(conn.peer().uid, me.uid);
     assert_eq!(client.join().unwrap().unwrap().uid, me.uid);
 }
@@ -298,7 +299,7 @@ fn a_squatter_under_another_uid_gets_nothing() {
     assert_eq!(err.raw_os_error(), Some(libc::EADDRINUSE), "{err}");
     // ... and a client expecting our uid refuses the squatter before sending anything.
     let buf = HostBuffer::new(4096).unwrap();
-    let err = Connection::connect(&name).unwrap_err();
+    let err = Session::connect(&name).unwrap_err();
     let Error::PeerRefused { endpoint, reason } = &err else {
         panic!("wanted PeerRefused, got {err:?}")
     };
@@ -323,8 +324,7 @@ fn a_listener_that_is_not_expected_gets_nothing() {
     let before = settled_open_fds().unwrap();
     let me = Credentials::of_this_process();
     let other = Allow::none().uid(me.uid.wrapping_add(1));
-    let err =
-        Connection::connect_with(&name, &ConnectOptions::default().expect(other)).unwrap_err();
+    let err = Session::connect_with(&name, &ConnectOptions::default().expect(other)).unwrap_err();
     assert!(
         matches!(&err, Error::PeerRefused { reason, .. }
             if reason.contains(&format!("its listener is pid {}", me.pid))
@@ -355,9 +355,9 @@ fn a_listener_refuses_its_own_uid_when_not_allowed() {
     let me = Credentials::of_this_process();
     let client = std::thread::spawn({
         let name = name.clone();
-        move || Connection::connect(&name)
+        move || Session::connect(&name)
     });
-    let accepted = listener.accept(Some(Duration::from_millis(500)));
+    let accepted = Session::accept(&listener, Some(Duration::from_millis(500)));
     assert!(
         matches!(accepted, Err(Error::Timeout { .. })),
         "{accepted:?}"
@@ -381,9 +381,9 @@ fn a_path_endpoint_lives_in_an_owner_only_directory() {
     let tmp = TempDir::new("dirs");
     let before = settled_open_fds().unwrap();
     let refused = |dir: &Path| match Listener::bind(&Name::path(dir.join("sock"))) {
-        Err(Error::InvalidArgument(m)) => m,
+        Err(Error::InvalidEndpoint { message }) => message,
         other => panic!(
-            "wanted InvalidArgument for {}, got {other:?}",
+            "wanted InvalidEndpoint for {}, got {other:?}",
             dir.display()
         ),
     };
@@ -427,7 +427,7 @@ fn a_path_endpoint_lives_in_an_owner_only_directory() {
     let plain = tmp.0.join("plain");
     std::fs::write(&plain, b"keep me").unwrap();
     let m = match Listener::bind(&Name::path(&plain)) {
-        Err(Error::InvalidArgument(m)) => m,
+        Err(Error::InvalidEndpoint { message }) => message,
         other => panic!("{other:?}"),
     };
     assert!(m.contains("exists and is not a socket"), "{m}");
@@ -446,7 +446,7 @@ fn a_stale_socket_file_is_replaced_and_a_live_one_never_is() {
     let dead = std::os::unix::net::UnixListener::bind(&path).unwrap();
     drop(dead);
     let stale_mode = std::fs::symlink_metadata(&path).unwrap().mode() & 0o7777;
-    let err = Connection::connect(&name).unwrap_err();
+    let err = Session::connect(&name).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::ECONNREFUSED), "{err}");
     let live = Listener::bind(&name).unwrap();
     // Replaced: the new file is 0600 (the dead one was made with the umask's mode), and it
@@ -462,9 +462,9 @@ fn a_stale_socket_file_is_replaced_and_a_live_one_never_is() {
     // It still serves (the probe's connection was skipped by accept).
     let client = std::thread::spawn({
         let name = name.clone();
-        move || Connection::connect(&name).map(|c| c.peer().pid)
+        move || Session::connect(&name).map(|c| c.peer().pid)
     });
-    let conn = live.accept(Some(Duration::from_secs(10))).unwrap();
+    let conn = Session::accept(&live, Some(Duration::from_secs(10))).unwrap();
     assert_eq!(client.join().unwrap().unwrap(), std::process::id() as i32);
     drop(conn);
     // Someone replaced the file meanwhile: dropping the first listener leaves the new file.
@@ -476,7 +476,7 @@ fn a_stale_socket_file_is_replaced_and_a_live_one_never_is() {
     assert!(!path.exists());
     assert_eq!(settled_open_fds().unwrap(), before);
     // Nothing at all there.
-    let err = Connection::connect(&name).unwrap_err();
+    let err = Session::connect(&name).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::ENOENT), "{err}");
 }
 
@@ -489,14 +489,12 @@ fn accept_and_connect_time_out() {
     let name = unique("timeouts");
     let listener = Listener::bind(&name).unwrap();
     let started = Instant::now();
-    let err = listener
-        .accept(Some(Duration::from_millis(150)))
-        .unwrap_err();
+    let err = Session::accept(&listener, Some(Duration::from_millis(150))).unwrap_err();
     assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
     assert!((Duration::from_millis(150)..Duration::from_secs(3)).contains(&started.elapsed()));
     // Nobody calls accept: the client is never admitted, and says so in time.
     let started = Instant::now();
-    let err = Connection::connect_with(
+    let err = Session::connect_with(
         &name,
         &ConnectOptions::default().timeout(Some(Duration::from_millis(200))),
     )
@@ -597,14 +595,14 @@ fn a_silent_client_delays_no_one() {
     let talker = std::thread::spawn({
         let name = name.clone();
         move || {
-            let conn = Connection::connect(&name).unwrap();
+            let conn = Session::connect(&name).unwrap();
             conn.recv_data().unwrap()
         }
     });
     let started = Instant::now();
     // The backlog is first come, first served: the silent client's connection comes first.
-    let quiet = listener.accept(Some(Duration::from_secs(5))).unwrap();
-    let talking = listener.accept(Some(Duration::from_secs(5))).unwrap();
+    let quiet = Session::accept(&listener, Some(Duration::from_secs(5))).unwrap();
+    let talking = Session::accept(&listener, Some(Duration::from_secs(5))).unwrap();
     // Accepting the silent one read nothing from it, so the talker is admitted at once, and
     // served while the silent one still says nothing.
     assert!(started.elapsed() < Duration::from_millis(300));
@@ -633,11 +631,11 @@ fn garbage_and_partial_headers_give_clean_errors() {
         nix::sys::memfd::memfd_create(c"garbage", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap()
     };
     let warm = raw_client(&name);
-    let conn = listener.accept(Some(Duration::from_secs(5))).unwrap();
+    let conn = Session::accept(&listener, Some(Duration::from_secs(5))).unwrap();
     drop((conn, warm));
     let before = settled_open_fds().unwrap();
     let client = raw_client(&name);
-    let conn = listener.accept(Some(Duration::from_secs(5))).unwrap();
+    let conn = Session::accept(&listener, Some(Duration::from_secs(5))).unwrap();
     let frame = |bytes: &[u8]| [&[0u8][..], bytes].concat();
     let mut cuda = header(4, 1, 2, 0, 4096);
     cuda.extend_from_slice(&4096u64.to_le_bytes());

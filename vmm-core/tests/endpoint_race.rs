@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use vmm_core::wire::endpoint::{Connection, Listener, Name};
+use vmm_core::peer::Session;
+use vmm_core::wire::endpoint::{Listener, Name};
 
 const CONNECTS: usize = 40_000;
 
@@ -23,7 +24,7 @@ fn an_admission_followed_by_a_hang_up_is_never_read_as_a_refusal() {
             let mut admitted = 0usize;
             while !stop.load(Ordering::Relaxed) {
                 // Admit, then hang up at once.
-                if listener.accept(Some(Duration::from_millis(50))).is_ok() {
+                if Session::accept(&listener, Some(Duration::from_millis(50))).is_ok() {
                     admitted += 1;
                 }
             }
@@ -32,7 +33,7 @@ fn an_admission_followed_by_a_hang_up_is_never_read_as_a_refusal() {
     });
     let mut failures = Vec::new();
     for i in 0..CONNECTS {
-        if let Err(e) = Connection::connect(&name) {
+        if let Err(e) = Session::connect(&name) {
             failures.push(format!("connect {i}: {e}"));
         }
     }

@@ -3,7 +3,7 @@
 //! lengths, flags, handle type, chunk count and sizes, size, device, location), a payload (a
 //! `CUDA_FABRIC` message's handles), a cut anywhere, the frame byte, and the fds the packet
 //! carries (how many, of which kind), received through a named endpoint's
-//! `Connection::recv_message` and imported when it is a descriptor; then the same bytes, without
+//! `Session::recv_message` and imported when it is a descriptor; then the same bytes, without
 //! fds, through a byte stream's `StreamReader` (followed by a good message).
 //!
 //! For every input: no panic, no abort, and afterwards exactly the fds and mappings this process
@@ -28,9 +28,9 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use vmm_core::cuda::VirtualMemoryBuffer;
 use vmm_core::peer::stream::StreamReader;
-use vmm_core::peer::{Descriptor, PeerMessage};
+use vmm_core::peer::{Descriptor, PeerMessage, Session};
 use vmm_core::shm::HostBuffer;
-use vmm_core::wire::endpoint::{Connection, Listener, ListenerOptions, Name};
+use vmm_core::wire::endpoint::{Listener, ListenerOptions, Name};
 
 fn size() -> impl Strategy<Value = u64> {
     prop_oneof![
@@ -359,7 +359,7 @@ impl Packet {
 static OUTCOMES: [AtomicUsize; 8] = [const { AtomicUsize::new(0) }; 8];
 
 /// Receive whatever the packet became, import a descriptor, drop everything.
-fn consume(conn: &Connection) {
+fn consume(conn: &Session) {
     let outcome = conn.recv_message();
     let index = match &outcome {
         Err(_) => 0,
@@ -450,7 +450,7 @@ fn stream_one(packet: &Packet) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-fn run_one(client: &OwnedFd, conn: &Connection, packet: &Packet) -> Result<(), TestCaseError> {
+fn run_one(client: &OwnedFd, conn: &Session, packet: &Packet) -> Result<(), TestCaseError> {
     let before = holdings();
     stream_one(packet)?;
     {
@@ -630,9 +630,7 @@ fn hostile_peer_messages_never_panic_or_leak() {
         unreachable!()
     };
     connect(client.as_raw_fd(), &UnixAddr::new_abstract(bytes).unwrap()).expect("connect");
-    let conn = listener
-        .accept(Some(Duration::from_secs(10)))
-        .expect("accept");
+    let conn = Session::accept(&listener, Some(Duration::from_secs(10))).expect("accept");
     // The client's HELLO waits unread in its socket; nothing else is ever sent to it.
     // Warm what opens lazily for the life of the process before counting.
     let _ = vmm_core::shm::buffers_hold_no_fd();

@@ -176,7 +176,7 @@ impl Packet {
                 fds,
                 target,
             } => {
-                let mut bytes = vec![0u8];
+                let mut bytes = vec![2u8]; // frame byte 0x02: an inline payload
                 bytes.extend(payload.bytes());
                 if let Some((at, xor)) = flip {
                     let at = at % bytes.len();

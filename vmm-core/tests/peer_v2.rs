@@ -16,10 +16,13 @@ use std::time::Duration;
 use vmm_core::Error;
 use vmm_core::cuda::{FabricDescriptor, FabricHandle};
 use vmm_core::peer::stream::{StreamReader, StreamWriter};
-use vmm_core::peer::{Descriptor, PeerMessage, decode_message, encode_descriptor};
+use vmm_core::peer::{
+    Descriptor, MAX_CHUNKS, PROTOCOL_VERSION, PeerMessage, Session, decode_message,
+    encode_descriptor,
+};
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
-use vmm_core::wire::endpoint::{Connection, Listener, MAX_CHUNKS, Name, PROTOCOL_VERSION};
+use vmm_core::wire::endpoint::{Listener, Name};
 
 #[path = "common/endpoint_kit.rs"]
 #[allow(dead_code)] // its re-run-as-a-role helpers serve `endpoint` and `endpoint_attacks`
@@ -135,7 +138,7 @@ fn a_fabric_descriptor_crosses_a_named_endpoint_beside_version_1_messages() {
         let host_descriptor = host.export().unwrap();
         std::thread::scope(|scope| {
             let server = scope.spawn(|| {
-                let conn = listener.accept(Some(Duration::from_secs(10))).unwrap();
+                let conn = Session::accept(&listener, Some(Duration::from_secs(10))).unwrap();
                 for d in &sent {
                     conn.send_descriptor(d).unwrap();
                 }
@@ -144,7 +147,7 @@ fn a_fabric_descriptor_crosses_a_named_endpoint_beside_version_1_messages() {
                 conn.send_data(b"that is all").unwrap();
                 assert_eq!(conn.recv_data().unwrap(), b"imported");
             });
-            let client = Connection::connect(&name).unwrap();
+            let client = Session::connect(&name).unwrap();
             for d in &sent {
                 let received = client.recv_descriptor().unwrap();
                 assert!(received.fds().is_empty(), "a fabric descriptor has no fds");
@@ -192,12 +195,12 @@ fn the_codec_carries_a_fabric_descriptor_of_every_allowed_chunk_count() {
     let empty = FabricDescriptor::from_handles(&[], &[], 0, [1; 16]).unwrap();
     let err = encode_descriptor(&empty).unwrap_err();
     assert!(
-        matches!(&err, Error::InvalidArgument(m) if m.contains("at least one chunk")),
+        matches!(&err, Error::InvalidOption { message, .. } if message.contains("at least one chunk")),
         "{err:?}"
     );
     let err = encode_descriptor(&descriptor(MAX_CHUNKS + 1)).unwrap_err();
     assert!(
-        matches!(&err, Error::InvalidArgument(m) if m.contains("at most 253")),
+        matches!(&err, Error::TooLarge { message, .. } if message.contains("at most 253")),
         "{err:?}"
     );
 }
@@ -277,11 +280,11 @@ fn hostile_version_2_messages_on_an_endpoint_are_refused_by_rule_and_nothing_lea
     let name = unique("hostile");
     let listener = Listener::bind(&name).unwrap();
     let warm = raw_client(&name);
-    let conn = listener.accept(Some(Duration::from_secs(5))).unwrap();
+    let conn = Session::accept(&listener, Some(Duration::from_secs(5))).unwrap();
     drop((conn, warm));
     let before = settled_open_fds().unwrap();
     let client = raw_client(&name);
-    let conn = listener.accept(Some(Duration::from_secs(5))).unwrap();
+    let conn = Session::accept(&listener, Some(Duration::from_secs(5))).unwrap();
     let sizes = [G as u64, G as u64];
     let handles = vec![0xabu8; 128];
     let fabric = |version, flags, handle_type, sizes: &[u64], payload: &[u8]| {
@@ -515,11 +518,11 @@ fn a_write_that_fails_part_way_ends_the_stream() {
     let empty = FabricDescriptor::from_handles(&[], &[], 0, [1; 16]).unwrap();
     assert!(matches!(
         writer.write_descriptor(&empty),
-        Err(Error::InvalidArgument(_))
+        Err(Error::InvalidOption { .. })
     ));
     assert!(matches!(
         writer.write_data(&vec![0; 16385]),
-        Err(Error::InvalidArgument(_))
+        Err(Error::TooLarge { .. })
     ));
     writer.write_data(b"fits").unwrap();
     let err = writer.write_descriptor(&descriptor(1)).unwrap_err();

@@ -65,7 +65,7 @@ fn raw_send(size: u64, fd: &OwnedFd) -> (Vec<u8>, Vec<OwnedFd>) {
         SockFlag::SOCK_CLOEXEC,
     )
     .expect("socketpair");
-    let mut bytes = vec![0u8];
+    let mut bytes = vec![2u8]; // frame byte 0x02: an inline payload
     bytes.extend(postcard::to_stdvec(&HostWire { size, fd: Some(0) }).expect("postcard"));
     let raw = [fd.as_raw_fd()];
     sendmsg::<UnixAddr>(

@@ -9,8 +9,8 @@
 //! A stream has no packet boundaries and no credentials, so:
 //! - the reader reads the frame byte and the 64-byte header first and checks them (every rule
 //!   the header alone decides: magic, version, kind and its version, flags, counts against
-//!   [`MAX_CHUNKS`](crate::wire::endpoint::MAX_CHUNKS) and
-//!   [`MAX_DATA`](crate::wire::endpoint::MAX_DATA), device and location fields, the kind's
+//!   [`MAX_CHUNKS`](crate::peer::MAX_CHUNKS) and
+//!   [`MAX_DATA`](crate::peer::MAX_DATA), device and location fields, the kind's
 //!   rules) before it reads or allocates anything more; then it reads exactly the chunk sizes
 //!   and payload the header announced (at most `8 * 253 + 16384` bytes) and checks the rest;
 //! - any refusal or failure ends the stream: after a bad or cut message nobody can know where
@@ -47,9 +47,10 @@
 use std::fmt;
 use std::io::{self, ErrorKind, Read, Write};
 
-use super::{PeerMessage, fabric_frame, from_frame};
+use super::PeerMessage;
+use super::codec::{fabric_frame, from_frame};
+use super::frame::{Frame, HEADER_LEN, Kind};
 use crate::cuda::FabricDescriptor;
-use crate::wire::endpoint::{Frame, HEADER_LEN, Kind};
 use crate::{Error, Result};
 
 /// The frame byte every message starts with, on a stream as in a packet.
@@ -61,7 +62,8 @@ const STREAM: &str = "peer stream";
 /// Writes peer messages without fds (`CUDA_FABRIC`, `DATA`) to a byte stream, each with one
 /// `write_all` and then a `flush`.
 ///
-/// A message the protocol cannot carry is refused ([`Error::InvalidArgument`]) before a byte
+/// A message the protocol cannot carry is refused ([`Error::InvalidOption`],
+/// [`Error::TooLarge`]) before a byte
 /// of it is written. A write that fails leaves the stream holding part of a message, so every
 /// later write is refused too ([`Error::Protocol`]). Its `Debug` shows nothing of the stream.
 pub struct StreamWriter<W> {
@@ -83,16 +85,16 @@ impl<W: Write> StreamWriter<W> {
     /// tokens: write them only to a stream whose reader may have the memory, and keep the
     /// buffer until that reader says it has imported.
     ///
-    /// Refused ([`Error::InvalidArgument`]) for a descriptor of no chunks, of more than
-    /// [`MAX_CHUNKS`](crate::wire::endpoint::MAX_CHUNKS), or whose owner's ordinal does not fit
-    /// 32 bits.
+    /// Refused for a descriptor of no chunks ([`Error::InvalidOption`]), of more than
+    /// [`MAX_CHUNKS`](crate::peer::MAX_CHUNKS), or whose owner's ordinal does not fit
+    /// 32 bits ([`Error::TooLarge`]).
     pub fn write_descriptor(&mut self, descriptor: &FabricDescriptor) -> Result<()> {
         let frame = fabric_frame(descriptor)?;
         self.write_frame(&frame)
     }
 
     /// Write application bytes as a `DATA` message (at most
-    /// [`MAX_DATA`](crate::wire::endpoint::MAX_DATA) bytes).
+    /// [`MAX_DATA`](crate::peer::MAX_DATA) bytes).
     pub fn write_data(&mut self, bytes: &[u8]) -> Result<()> {
         self.write_frame(&Frame::with_payload(Kind::Data, bytes))
     }

@@ -12,10 +12,11 @@ pub mod endpoint;
 mod fd;
 mod oob;
 mod queue;
+mod spill;
 mod sys;
+mod wait;
 
 pub(crate) use channel::spin_window;
-pub(crate) use channel::wait_hangup;
 pub use channel::{Channel, INLINE_MAX, MAX_MESSAGE, Message, SPIN_VAR};
 pub use fd::Fd;
 pub(crate) use fd::{FdIn, FdOut, FdOwner};
@@ -25,3 +26,4 @@ pub use oob::{
 };
 pub use queue::Queue;
 pub use sys::MAX_FDS;
+pub(crate) use wait::wait_hangup;

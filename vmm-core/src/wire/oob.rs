@@ -12,8 +12,8 @@
 //! was serialised. Each fd reaches the sink in one of three ways:
 //! - [`serialize_fd`]: a duplicate, made while the value serialises (one `fcntl(F_DUPFD_CLOEXEC)`,
 //!   a fraction of a microsecond). What [`Fd`](super::Fd),
-//!   [`HostDescriptor`](crate::shm::HostDescriptor) and
-//!   [`IpcDescriptor`](crate::cuda::IpcDescriptor) use: their fds are plain `OwnedFd`s that a
+//!   `shm::HostDescriptor` and
+//!   `cuda::IpcDescriptor` use: their fds are plain `OwnedFd`s that a
 //!   caller can take out of them (`into_fds`, the public field of `Fd`).
 //! - [`serialize_shared_fd`]: no syscall; the message holds a clone of an `Arc<OwnedFd>`, so the
 //!   fd stays open while either side holds it. A [`Queue`](super::Queue) shares its sockets this
@@ -156,8 +156,8 @@ impl<T: 'static> Drop for Installed<T> {
 /// inside it (through a `RefCell` or a `Mutex`, say), afterwards changes nothing the message
 /// sends; no path hands it a bare fd number. Each fd arrives by one of:
 /// - [`serialize_fd`]: a duplicate made while the value serialises (one `dup`, a fraction of a
-///   microsecond): how [`Fd`](super::Fd), [`HostDescriptor`](crate::shm::HostDescriptor) and
-///   [`IpcDescriptor`](crate::cuda::IpcDescriptor) send theirs (plain `OwnedFd`s that a caller
+///   microsecond): how [`Fd`](super::Fd), `shm::HostDescriptor` and
+///   `cuda::IpcDescriptor` send theirs (plain `OwnedFd`s that a caller
 ///   can take out of them);
 /// - [`serialize_shared_fd`]: no syscall, the message holds a clone of an `Arc<OwnedFd>` (a
 ///   [`Queue`](super::Queue) shares its reference-counted sockets the same way);
@@ -205,11 +205,14 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8], fds: Vec<OwnedFd>) -> Result<T>
 
 /// The refusal of an fd-backed value outside [`encode`]/[`decode`].
 fn outside_transport(what: &str) -> Error {
-    Error::InvalidArgument(format!(
-        "{what} carries a file descriptor and can only be (de)serialised by vmm_core::wire \
-         (a Queue, a Process argument or wire::encode/decode), which moves the fd out of band; \
-         another serde format would produce a number that means nothing in another process"
-    ))
+    Error::FdsCannotTravel {
+        message: format!(
+            "{what} carries a file descriptor and can only be (de)serialised by vmm_core::wire \
+             (a Queue, a Process argument or wire::encode/decode), which moves the fd out of \
+             band; another serde format would produce a number that means nothing in another \
+             process"
+        ),
+    }
 }
 
 /// Record an fd-backed value's error so that [`encode`] returns it as it is.

@@ -1,4 +1,7 @@
-//! A multi-producer, multi-consumer queue that crosses processes.
+//! A multi-producer, multi-consumer queue that crosses processes: the typed channel
+//! ([`Channel::send_value`]/[`Channel::recv_value`], values with their fds out of band) on a
+//! socketpair whose two ends every handle shares, so that any process holding a clone may put
+//! or get. It adds no framing of its own: an item is one channel message.
 
 use std::any::Any;
 use std::fmt;
@@ -13,7 +16,6 @@ use serde::{Deserialize, Serialize};
 
 use super::channel::Channel;
 use super::fd::{FdIn, FdOut, FdOwner};
-use super::oob;
 use crate::Result;
 
 /// A typed queue shared by any number of processes.
@@ -100,9 +102,7 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
     }
 
     fn put_within(&self, item: &T, timeout: Option<Duration>) -> Result<()> {
-        let encoded = oob::encode(item)?;
-        let fds: Vec<_> = encoded.fds().collect();
-        self.ends.tx.send_timeout(encoded.bytes(), &fds, timeout)
+        self.ends.tx.send_value_timeout(item, timeout)
     }
 
     /// Take an item, waiting at most `timeout`; [`Error::Timeout`](crate::Error::Timeout) if none came.
@@ -112,10 +112,7 @@ impl<T: Serialize + DeserializeOwned> Queue<T> {
 
     /// Take an item if one is waiting.
     pub fn try_get(&self) -> Result<Option<T>> {
-        match self.ends.rx.try_recv()? {
-            Some(message) => oob::decode(&message.bytes, message.fds).map(Some),
-            None => Ok(None),
-        }
+        self.ends.rx.try_recv_value()
     }
 }
 

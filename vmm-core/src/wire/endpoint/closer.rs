@@ -38,7 +38,7 @@ struct Closer {
 static PENDING: AtomicUsize = AtomicUsize::new(0);
 
 /// How many fds handed to [`close_later`] are not closed yet (a close that blocks counts until
-/// it returns): what [`settled_open_fds`](crate::testing::settled_open_fds) waits for.
+/// it returns): what `testing::settled_open_fds` waits for.
 pub(crate) fn pending() -> usize {
     PENDING.load(Ordering::Acquire)
 }

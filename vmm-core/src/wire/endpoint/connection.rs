@@ -1,20 +1,19 @@
-//! One admitted connection of a named endpoint, either side: [`Connection::connect`] makes the
-//! client's, [`Listener::accept`](super::Listener::accept) the listener's.
+//! One authenticated connection of a named endpoint, either side:
+//! [`Connection::connect_with`] makes the client's, [`Listener::accept`](super::Listener::accept)
+//! the listener's.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::fcntl::{FcntlArg, OFlag, fcntl};
-use serde::Serialize;
-use serde::de::DeserializeOwned;
 
 use super::closer::close_later;
 use super::creds::{Allow, Credentials, overflow_note};
-use super::frame::{Frame, Kind, MAX_FRAME};
 use super::name::{Name, seqpacket_socket};
-use crate::wire::channel::{Channel, Deadline, deadline_after};
-use crate::wire::oob;
+use crate::wire::Channel;
+use crate::wire::Message;
+use crate::wire::wait::{Deadline, deadline_after};
 use crate::{Error, Result};
 
 /// How long connecting, and each send and receive of a connection, may take unless told
@@ -28,7 +27,8 @@ pub struct ConnectOptions {
     /// listener that is not admitted is taken for a squatter and nothing is sent to it.
     /// Default: this process's own uid ([`Allow::same_user`]).
     pub expect: Allow,
-    /// The limit on connecting plus being admitted, and then the connection's
+    /// The limit on connecting plus being admitted (the admission is the protocol's first
+    /// message, which `vmm_core::peer::Session` waits for), and then the connection's
     /// [`timeout`](Connection::timeout) for each send and receive (`None`: no limit). Default
     /// [`DEFAULT_TIMEOUT`].
     pub timeout: Option<Duration>,
@@ -58,15 +58,19 @@ impl ConnectOptions {
 }
 
 /// One admitted connection of a named endpoint: a `SOCK_SEQPACKET` socket whose peer's
-/// credentials the kernel vouched for, speaking exactly the messages of `docs/protocol.md`
-/// ([`send_data`](Self::send_data) and [`send_value`](Self::send_value) here; descriptors in
-/// [`peer`](crate::peer)), one packet per message.
+/// credentials the kernel vouched for (an authenticated channel), one packet per message.
+///
+/// It moves a named endpoint's packets and knows nothing of what they say: the protocol
+/// spoken on it (docs/protocol.md: the handshake, `DATA`, descriptors) is
+/// `vmm_core::peer::Session`'s, which owns one. Every packet it sends or takes carries frame
+/// byte `0x00`, the channel framing's mark of a peer message, so vmm-core's internal framings
+/// never cross an endpoint.
 ///
 /// Every receive takes only what a peer may send: a packet whose frame byte is not `0x00`
-/// (vmm-core's internal framing of a payload spilled into a memfd, in particular) or that is
-/// longer than the largest protocol message is an [`Error::Protocol`] before anything is read
-/// from its fds or allocated for it; the fds of a refused or unwanted message are closed on a
-/// background thread, so a hostile fd whose `close` blocks holds up no caller.
+/// (vmm-core's internal framing, a payload spilled into a memfd in particular) or that is
+/// longer than the receiver's cap is an [`Error::Protocol`] before anything is read from its
+/// fds or allocated for it; the fds of a refused packet are closed on a background thread, so
+/// a hostile fd whose `close` blocks holds up no caller.
 ///
 /// Every send and receive is bounded by the connection's [`timeout`](Self::timeout), so a peer
 /// that stops talking (or reading) costs a bounded wait, never a hung thread.
@@ -93,24 +97,21 @@ impl Connection {
         }
     }
 
-    /// Connect to the endpoint `name` with [`ConnectOptions::default`]: the listener must run as
-    /// this process's uid, and connecting may take [`DEFAULT_TIMEOUT`].
-    pub fn connect(name: &Name) -> Result<Connection> {
-        Connection::connect_with(name, &ConnectOptions::default())
-    }
-
     /// Connect to the endpoint `name`, then check the listener's credentials against
-    /// `options.expect` before anything is sent or read, then wait for the listener to admit
-    /// this process (it checks this process's credentials the same way).
+    /// `options.expect` before anything is sent or read.
+    ///
+    /// The connection is authenticated but not yet admitted: the listener checks this
+    /// process's credentials as it accepts, and says whether it admitted it in the first
+    /// message of the protocol spoken on it (`vmm_core::peer::Session::connect_with` waits for
+    /// it). `options.timeout` bounds connecting here and is the connection's
+    /// [`timeout`](Self::timeout).
     ///
     /// Errors: [`Error::PeerRefused`] when the listener is not whom `expect` allows (a squatter,
-    /// say) or when it refused this process; [`Error::Timeout`] when connecting or being
-    /// admitted took longer than `options.timeout` (a listener that never calls `accept`);
-    /// [`Error::Os`] with `ENOENT` (no such endpoint) or `ECONNREFUSED` (a socket file nobody
-    /// listens on).
+    /// say); [`Error::Timeout`] when the listener's backlog stayed full past
+    /// `options.timeout`; [`Error::Os`] with `ENOENT` (no such endpoint) or `ECONNREFUSED` (a
+    /// socket file nobody listens on).
     pub fn connect_with(name: &Name, options: &ConnectOptions) -> Result<Connection> {
         let addr = name.addr()?;
-        let started = Instant::now();
         let deadline = options.timeout.map_or(Deadline::Never, deadline_after);
         let socket = seqpacket_socket(true)?;
         loop {
@@ -158,59 +159,12 @@ impl Connection {
                 ),
             });
         }
-        let channel = Channel::from_fd(socket);
-        let left = match deadline {
-            Deadline::Never => None,
-            Deadline::At(d) => Some(d.saturating_duration_since(Instant::now())),
-        };
-        let message = match channel.recv_peer(left, MAX_FRAME, close_later) {
-            Ok(message) => message,
-            Err(Error::Timeout { .. }) => {
-                return Err(Error::Timeout {
-                    what: format!(
-                        "waiting to be admitted by endpoint {name} (its listener, {server}, \
-                         accepted no connection)"
-                    ),
-                    after: started.elapsed(),
-                });
-            }
-            Err(Error::Disconnected(_)) => {
-                return Err(Error::PeerRefused {
-                    endpoint: name.to_string(),
-                    reason: format!(
-                        "its listener ({server}) closed the connection without admitting it"
-                    ),
-                });
-            }
-            Err(e) => return Err(e),
-        };
-        let frame = match Frame::decode(&message.bytes, message.fds.len()) {
-            Ok(frame) => frame,
-            Err(e) => {
-                close_later(message.fds);
-                return Err(e);
-            }
-        };
-        // HELLO and REFUSED carry no fds (Frame::decode checked the count).
-        match frame.kind {
-            Kind::Hello => Ok(Connection::new(
-                channel,
-                server,
-                options.timeout,
-                name.to_string(),
-            )),
-            Kind::Refused => Err(Error::PeerRefused {
-                endpoint: name.to_string(),
-                reason: format!(
-                    "its listener ({server}) refused this process: {}",
-                    String::from_utf8_lossy(&frame.payload)
-                ),
-            }),
-            other => Err(Error::Protocol(format!(
-                "endpoint {name}: the listener's first message is {}, not HELLO",
-                other.name()
-            ))),
-        }
+        Ok(Connection::new(
+            Channel::from_fd(socket),
+            server,
+            options.timeout,
+            name.to_string(),
+        ))
     }
 
     /// The peer's credentials, as the kernel recorded them (not as the peer claims).
@@ -233,77 +187,11 @@ impl Connection {
         self.timeout = timeout;
     }
 
-    /// Serialise `value` with postcard and send it as the payload of a `DATA` message (at most
-    /// [`MAX_DATA`](super::MAX_DATA) bytes): for Rust peers on both ends that agree on the
-    /// type. Only docs/protocol.md crosses an endpoint, so a value that carries fds (a buffer,
-    /// a descriptor, a queue, an [`Fd`](crate::wire::Fd)) is an [`Error::InvalidArgument`]:
-    /// send descriptors with [`send_descriptor`](Self::send_descriptor).
-    pub fn send_value<T: Serialize + ?Sized>(&self, value: &T) -> Result<()> {
-        let encoded = oob::encode(value)?;
-        if encoded.fd_count() != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "endpoint {}: a value with {} fd(s) cannot cross a named endpoint (only the \
-                 messages of docs/protocol.md do); send descriptors with send_descriptor",
-                self.endpoint,
-                encoded.fd_count()
-            )));
-        }
-        self.send_data(encoded.bytes())
-    }
-
-    /// Receive a value sent with [`send_value`](Self::send_value): a `DATA` message whose
-    /// payload is its postcard encoding. Any other message is an [`Error::Protocol`]; a value
-    /// type that needs fds fails to deserialise (none arrive).
-    pub fn recv_value<T: DeserializeOwned>(&self) -> Result<T> {
-        let bytes = self.recv_data()?;
-        oob::decode(&bytes, Vec::new())
-    }
-
-    /// Send application bytes as a peer-protocol `DATA` message (any language's peer reads it),
-    /// at most [`MAX_DATA`](super::MAX_DATA) bytes, no fds.
-    pub fn send_data(&self, bytes: &[u8]) -> Result<()> {
-        self.send_frame(&Frame::with_payload(Kind::Data, bytes), &[])
-    }
-
-    /// Receive a `DATA` message's bytes. Any other message is an [`Error::Protocol`] (its fds
-    /// are closed).
-    pub fn recv_data(&self) -> Result<Vec<u8>> {
-        let (frame, fds) = self.recv_frame()?;
-        // Unwanted fds (of a descriptor that came instead) close off this thread.
-        close_later(fds);
-        match frame.kind {
-            Kind::Data => Ok(frame.payload),
-            other => Err(Error::Protocol(format!(
-                "endpoint {}: expected a DATA message, got {}",
-                self.endpoint,
-                other.name()
-            ))),
-        }
-    }
-
-    /// Send one peer-protocol message with `fds` (one per chunk).
-    pub(crate) fn send_frame(&self, frame: &Frame, fds: &[BorrowedFd<'_>]) -> Result<()> {
-        let bytes = frame.encode()?;
-        self.send_raw(&bytes, fds)
-    }
-
-    /// Receive one peer-protocol message: decoded and checked against the fds the kernel
-    /// delivered, which are returned owned (and are closed on any error, on the background
-    /// closer: a hostile fd's close may block).
-    pub(crate) fn recv_frame(&self) -> Result<(Frame, Vec<OwnedFd>)> {
-        let message = self.recv_raw()?;
-        match Frame::decode(&message.bytes, message.fds.len()) {
-            Ok(frame) => Ok((frame, message.fds)),
-            Err(e) => {
-                close_later(message.fds);
-                Err(e)
-            }
-        }
-    }
-
-    /// Send one message's bytes (the channel adds the frame byte) and fds, within the timeout.
-    pub(crate) fn send_raw(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
-        match self.channel.send_timeout(bytes, fds, self.timeout) {
+    /// Send one packet: frame byte `0x00`, then `bytes` (at most
+    /// [`INLINE_MAX`](crate::wire::INLINE_MAX): an endpoint's packet is never spilled), with
+    /// `fds`, within the connection's timeout.
+    pub fn send(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+        match self.channel.send_peer(bytes, fds, self.timeout) {
             Err(Error::Timeout { after, .. }) => Err(Error::Timeout {
                 what: format!(
                     "sending to endpoint {} ({}): it is not reading",
@@ -315,10 +203,11 @@ impl Connection {
         }
     }
 
-    /// Receive one packet of docs/protocol.md: frame byte 0 and at most [`MAX_FRAME`] bytes,
-    /// refused (fds closed off this thread) before anything is read or allocated otherwise.
-    fn recv_raw(&self) -> Result<crate::wire::Message> {
-        match self.channel.recv_peer(self.timeout, MAX_FRAME, close_later) {
+    /// Receive one packet of frame byte `0x00` and at most `max` bytes after it, within the
+    /// connection's timeout; any other packet is refused (its fds closed off this thread)
+    /// before anything is read from or allocated for it.
+    pub fn recv(&self, max: usize) -> Result<Message> {
+        match self.recv_within(self.timeout, max) {
             Err(Error::Timeout { after, .. }) => Err(Error::Timeout {
                 what: format!(
                     "receiving from endpoint {} ({}): it sent nothing",
@@ -328,6 +217,12 @@ impl Connection {
             }),
             other => other,
         }
+    }
+
+    /// [`recv`](Self::recv) within `timeout` rather than the connection's, with the channel's
+    /// own errors (a handshake names its wait itself).
+    pub(crate) fn recv_within(&self, timeout: Option<Duration>, max: usize) -> Result<Message> {
+        self.channel.recv_peer(timeout, max, close_later)
     }
 }
 

@@ -11,9 +11,9 @@ use nix::sys::socket::{Backlog, SockFlag, accept4, listen};
 use super::closer::close_later;
 use super::connection::{Connection, DEFAULT_TIMEOUT};
 use super::creds::{Allow, Credentials, overflow_note};
-use super::frame::{Frame, Kind};
 use super::name::{Name, SocketFile, bind_abstract, bind_path, seqpacket_socket};
-use crate::wire::channel::{Channel, Deadline, deadline_after, wait_readable};
+use crate::wire::Channel;
+use crate::wire::wait::{Deadline, deadline_after, wait_readable};
 use crate::{Error, Result};
 
 /// How many refused peers a listener remembers (the most recent ones).
@@ -30,6 +30,22 @@ pub const LOG_INTERVAL: Duration = Duration::from_secs(10);
 /// The most packets a refused peer's queued messages are drained of before its connection
 /// closes (it cannot queue more: reading is shut down first).
 const DRAIN_MAX: usize = 1024;
+
+/// The first message of every connection of an endpoint, in the protocol spoken on it: what a
+/// listener sends a peer it admits, and what it sends one it refuses.
+///
+/// The listener decides whom to admit (by the kernel's credentials); the protocol decides how
+/// that is said, so the listener stays a transport: `vmm_core::peer`'s handshake (`HELLO`,
+/// `REFUSED` of docs/protocol.md) is one implementation.
+pub trait Greeting {
+    /// The message sent to an admitted peer before [`Listener::accept`] returns its
+    /// connection.
+    fn admitted(&self) -> Result<Vec<u8>>;
+
+    /// The message sent (best effort, never waiting) to a refused peer before its connection
+    /// closes: `reason` names its uid and gid.
+    fn refused(&self, reason: &str) -> Result<Vec<u8>>;
+}
 
 /// The refusal log's state: lines written in the current interval, and those left unwritten.
 #[derive(Debug)]
@@ -89,8 +105,9 @@ impl ListenerOptions {
 
 /// A named endpoint that admits peers by the kernel's credentials for them.
 ///
-/// [`accept`](Self::accept) returns the next connection whose peer the allow-list admits;
-/// refused peers are told so (a `REFUSED` message naming their uid and gid), disconnected,
+/// [`accept`](Self::accept) returns the next connection whose peer the allow-list admits, after
+/// sending it the [`Greeting`]'s admission; refused peers are told so (the greeting's refusal,
+/// naming their uid and gid: `REFUSED` in the peer protocol), disconnected,
 /// logged (see [`ListenerOptions::log_refusals`]) and remembered ([`refused`](Self::refused)),
 /// and `accept` goes on waiting. Nothing is read from a peer while it is accepted, so a client
 /// that connects and says nothing delays no one: it gets its connection, whose receives are
@@ -121,7 +138,7 @@ impl Listener {
     ///
     /// For a path: its directory must be owned by this process's effective uid and closed to
     /// group and others (a missing last directory is created 0700), else
-    /// [`Error::InvalidArgument`] says which rule it breaks; a socket file nobody listens on
+    /// [`Error::InvalidEndpoint`] says which rule it breaks; a socket file nobody listens on
     /// (a dead listener's: `connect` is refused) is replaced; a live listener's is never taken
     /// ([`Error::Os`] with `EADDRINUSE`), nor is a file that is not a socket. The new socket
     /// file is mode 0600. For an abstract name: `EADDRINUSE` when it is taken.
@@ -164,7 +181,8 @@ impl Listener {
     }
 
     /// The next admitted connection, waiting at most `timeout` (`None`: forever);
-    /// [`Error::Timeout`] if none came. Refused peers do not end the wait (see the type's
+    /// [`Error::Timeout`] if none came. `greeting` says what an admitted and a refused peer
+    /// are sent (`vmm_core::peer::Session::accept` passes the peer protocol's handshake). Refused peers do not end the wait (see the type's
     /// docs); a peer that hung up before it was admitted is skipped.
     ///
     /// Out of fds, it returns at once, and the pending connection stays queued:
@@ -172,7 +190,7 @@ impl Listener {
     /// with `ENFILE` (see [`Error::raw_os_error`]) at the system's. Both are transient: a
     /// server pauses briefly (or until some of its connections close) and calls `accept`
     /// again, rather than giving up.
-    pub fn accept(&self, timeout: Option<Duration>) -> Result<Connection> {
+    pub fn accept(&self, timeout: Option<Duration>, greeting: &dyn Greeting) -> Result<Connection> {
         let started = Instant::now();
         let deadline = timeout.map_or(Deadline::Never, deadline_after);
         let timed_out = || Error::Timeout {
@@ -210,13 +228,13 @@ impl Listener {
             let peer = Credentials::of_peer(&socket)?;
             let channel = Channel::from_fd(socket);
             if !self.options.allow.admits(&peer) {
-                self.refuse(channel, peer);
+                self.refuse(channel, peer, greeting);
                 continue;
             }
             // A fresh socket's buffer is empty, so this never waits; a peer that already hung
             // up is skipped.
-            let hello = Frame::empty(Kind::Hello).encode()?;
-            match channel.send_timeout(&hello, &[], Some(Duration::ZERO)) {
+            let hello = greeting.admitted()?;
+            match channel.send_peer(&hello, &[], Some(Duration::ZERO)) {
                 Ok(()) => {}
                 Err(Error::Disconnected(_) | Error::Timeout { .. }) => continue,
                 Err(e) => return Err(e),
@@ -245,7 +263,7 @@ impl Listener {
     /// with unread messages makes its peer's next read fail with `ECONNRESET` before it sees
     /// what is queued for it), tell it why (best effort: never waits), remember and log it,
     /// then close. Nothing it sent is looked at; its fds close on the background closer.
-    fn refuse(&self, channel: Channel, peer: Credentials) {
+    fn refuse(&self, channel: Channel, peer: Credentials, greeting: &dyn Greeting) {
         // Its further sends fail (EPIPE), so the drain below ends.
         let _ = nix::sys::socket::shutdown(channel.as_raw_fd(), nix::sys::socket::Shutdown::Read);
         drain(&channel);
@@ -255,8 +273,8 @@ impl Listener {
             peer.gid,
             overflow_note(&peer)
         );
-        if let Ok(bytes) = Frame::with_payload(Kind::Refused, reason.as_bytes()).encode() {
-            let _ = channel.send_timeout(&bytes, &[], Some(Duration::ZERO));
+        if let Ok(bytes) = greeting.refused(&reason) {
+            let _ = channel.send_peer(&bytes, &[], Some(Duration::ZERO));
         }
         {
             let mut refused = self.refused.lock().unwrap_or_else(|e| e.into_inner());

@@ -1,41 +1,38 @@
 //! Named endpoints: how a process that vmm-core did not start reaches a buffer.
 //!
 //! A [`Listener`] binds a Unix `SOCK_SEQPACKET` socket by path or by abstract name
-//! ([`Name`]); [`Connection::connect`] is the client side. Both sides end up with a
-//! [`Connection`]: one packet per message, exactly the cross-language messages of
-//! `docs/protocol.md` (application bytes with [`Connection::send_data`], serde values as
-//! `DATA` with [`Connection::send_value`]; descriptors with
-//! [`Connection::send_descriptor`](crate::wire::endpoint::Connection::send_descriptor), in
-//! [`peer`](crate::peer)), so a Python process speaks to it with the standard library alone.
+//! ([`Name`]); [`Connection::connect_with`] is the client side. Both sides end up with a
+//! [`Connection`]: an authenticated channel, the socket plus the peer's credentials as the
+//! kernel gave them, one packet per message. This module is the transport and the trust
+//! decision (who may connect, who may listen); it knows nothing of what the packets say. The
+//! protocol spoken on an endpoint (docs/protocol.md: the handshake, `DATA`, CUDA and host
+//! descriptors) is `vmm_core::peer`'s: `peer::Session` owns a [`Connection`], and its
+//! `accept` and `connect` pass the protocol's handshake as the listener's [`Greeting`].
 //!
-//! The protocol has two versions, and a connection speaks both, message by message: each
-//! message carries the version of its kind. Version 1's kinds (the handshake, `DATA`,
-//! `CUDA_VMM` and `HOST_MEMFD` descriptors with their fds) are sent exactly as version 1 sent
-//! them, so a version 1 peer sees no change; version 2 adds `CUDA_FABRIC`, a CUDA buffer as
-//! one 64-byte fabric handle per chunk and no fds (a
-//! [`FabricDescriptor`](crate::cuda::FabricDescriptor), a bearer token: send it only to a peer
-//! you would give the memory). A version 1 peer refuses it, naming the version it speaks;
-//! this crate refuses an unknown version, or a message whose version is not its kind's, the
-//! same way ([`PROTOCOL_VERSION`] is the newest it speaks). The messages without fds also
-//! cross byte streams (TCP, say) with the same bytes: see
-//! [`peer::stream`](crate::peer::stream).
+//! Why the split: the protocol's kinds are descriptors, and their rules are the descriptors'
+//! own, so the protocol sits above both the transport and the CUDA and host layers; the
+//! transport below them carries no descriptor rule and no CUDA handle type. What it does
+//! enforce is what no protocol may skip: credentials on both sides, a cap on every packet
+//! before it is read, frame byte `0x00` on every packet (so vmm-core's internal framings never
+//! cross an endpoint), bounded waits, and fds closed off the caller's thread.
 //!
 //! ```
 //! use std::time::Duration;
+//! use vmm_core::peer::Session;
 //! use vmm_core::shm::HostBuffer;
-//! use vmm_core::wire::endpoint::{Connection, Listener, Name};
+//! use vmm_core::wire::endpoint::{Listener, Name};
 //!
 //! let name = Name::abstract_name(format!("vmm-doc-{}", std::process::id()));
 //! let listener = Listener::bind(&name)?;
 //! let owner = HostBuffer::new(4096)?;
 //! let server = std::thread::spawn(move || -> vmm_core::Result<()> {
-//!     let connection = listener.accept(Some(Duration::from_secs(10)))?;
-//!     connection.send_descriptor(&owner.export()?)?;
-//!     assert_eq!(connection.recv_data()?, b"done");
+//!     let session = Session::accept(&listener, Some(Duration::from_secs(10)))?;
+//!     session.send_descriptor(&owner.export()?)?;
+//!     assert_eq!(session.recv_data()?, b"done");
 //!     assert_eq!(owner.to_vec()[0], 7);
 //!     Ok(())
 //! });
-//! let client = Connection::connect(&name)?; // checks the listener's uid, then is admitted
+//! let client = Session::connect(&name)?; // checks the listener's uid, then is admitted
 //! let buffer = HostBuffer::import(&client.recv_descriptor()?.into_host()?)?;
 //! buffer.fill(7)?;
 //! client.send_data(b"done")?;
@@ -116,15 +113,13 @@
 mod closer;
 mod connection;
 mod creds;
-mod frame;
 mod listener;
 mod name;
 
+pub(crate) use closer::close_later;
 pub(crate) use closer::pending as closing_fds;
 pub use connection::{ConnectOptions, Connection, DEFAULT_TIMEOUT};
 pub(crate) use creds::maybe_overflow_uid;
 pub use creds::{Allow, Credentials};
-pub(crate) use frame::{FABRIC_HANDLE_BYTES, Frame, FrameLocation, HEADER_LEN, Kind};
-pub use frame::{MAX_CHUNKS, MAX_DATA, PROTOCOL_VERSION};
-pub use listener::{LOG_BURST, LOG_INTERVAL, Listener, ListenerOptions};
+pub use listener::{Greeting, LOG_BURST, LOG_INTERVAL, Listener, ListenerOptions};
 pub use name::Name;

@@ -50,16 +50,20 @@ impl Name {
     /// The socket address, checked for length.
     pub(crate) fn addr(&self) -> Result<UnixAddr> {
         let too_long = |len: usize| {
-            Err(Error::InvalidArgument(format!(
-                "endpoint name {self} is {len} bytes; a Unix socket name has at most \
-                 {SUN_PATH_MAX}"
-            )))
+            Err(Error::InvalidEndpoint {
+                message: format!(
+                    "endpoint name {self} is {len} bytes; a Unix socket name has at most \
+                     {SUN_PATH_MAX}"
+                ),
+            })
         };
         match self {
             Name::Path(path) => {
                 let len = path.as_os_str().len();
                 if len == 0 {
-                    return Err(Error::InvalidArgument("endpoint path is empty".into()));
+                    return Err(Error::InvalidEndpoint {
+                        message: "endpoint path is empty".into(),
+                    });
                 }
                 if len > SUN_PATH_MAX {
                     return too_long(len);
@@ -138,12 +142,14 @@ impl Drop for SocketFile {
 /// The checks a path endpoint's directory must pass, in the words every refusal uses.
 fn check_directory(dir: &Path) -> Result<()> {
     let refuse = |why: String| {
-        Err(Error::InvalidArgument(format!(
-            "endpoint directory {}: {why}; a path endpoint lives in a directory only its owner \
-             can enter (mode 0700, owned by this process's effective uid), or use an abstract \
-             name (@name)",
-            dir.display()
-        )))
+        Err(Error::InvalidEndpoint {
+            message: format!(
+                "endpoint directory {}: {why}; a path endpoint lives in a directory only its \
+                 owner can enter (mode 0700, owned by this process's effective uid), or use an \
+                 abstract name (@name)",
+                dir.display()
+            ),
+        })
     };
     let meta = match std::fs::symlink_metadata(dir) {
         Ok(meta) => meta,
@@ -221,10 +227,12 @@ pub(crate) fn bind_path(socket: &OwnedFd, name: &Name, path: &Path) -> Result<So
         Ok(meta) => {
             use std::os::unix::fs::FileTypeExt;
             if !meta.file_type().is_socket() {
-                return Err(Error::InvalidArgument(format!(
-                    "endpoint path {}: exists and is not a socket; refusing to replace it",
-                    path.display()
-                )));
+                return Err(Error::InvalidEndpoint {
+                    message: format!(
+                        "endpoint path {}: exists and is not a socket; refusing to replace it",
+                        path.display()
+                    ),
+                });
             }
             if answers(&addr)? {
                 return Err(in_use(name));

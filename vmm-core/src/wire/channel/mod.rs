@@ -4,18 +4,34 @@
 //! exactly one of them. Payloads larger than [`INLINE_MAX`] travel in a sealed memfd that rides
 //! along as the message's last fd; the packet itself stays small, so nothing is ever fragmented
 //! or truncated.
+//!
+//! # One framing
+//!
+//! Every packet vmm-core sends or takes starts with one frame byte that says what follows, and
+//! every reader refuses, with an [`Error::Protocol`] naming the byte, what it does not expect
+//! before it reads anything more of the packet or its fds:
+//!
+//! | byte | what follows | sent by | taken by |
+//! |---:|---|---|---|
+//! | `0x00` | a peer message of docs/protocol.md (its own header says its kind) | a named endpoint's [`Connection`](super::endpoint::Connection) (and the Python peer) | a named endpoint's connection |
+//! | `0x01` | the length (`u64` LE) of a payload spilled into a sealed memfd, the packet's last fd | [`Channel::send`] of more than [`INLINE_MAX`] bytes | [`Channel::recv`] |
+//! | `0x02` | the payload, inline | [`Channel::send`] | [`Channel::recv`] |
+//!
+//! So a peer message that reaches a channel between processes vmm-core started, or vmm-core's
+//! internal framing that reaches a named endpoint, is recognisably the wrong thing, not a
+//! garbled message. The byte `0x00` is the peer protocol's (docs/protocol.md, whose bytes must
+//! not change); the internal framing uses the other two, at no cost (one byte, as before).
+//! A payload on a channel is whatever its user put there: postcard values with fds out of band
+//! ([`send_value`](Channel::send_value), [`Queue`](super::Queue)), or the process protocol's
+//! messages.
 
 use std::cell::RefCell;
-use std::fs::File;
-use std::io::{IoSlice, Write};
+use std::io::IoSlice;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
-use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
-use nix::fcntl::{FcntlArg, SealFlag, fcntl};
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-use nix::sys::memfd::{MFdFlags, memfd_create};
+use nix::poll::PollFlags;
 use nix::sys::socket::{
     AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType, UnixAddr, sendmsg, socketpair,
 };
@@ -23,7 +39,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::oob;
+use super::spill::{read_spill, spill_to_memfd};
 use super::sys::{self, MAX_FDS};
+use super::wait::{Deadline, deadline_after, peer_hung_up, wait_for, wait_readable};
 use crate::{Error, Result};
 
 /// Payloads up to this many bytes travel inside the packet; larger ones in a sealed memfd.
@@ -33,8 +51,13 @@ pub const INLINE_MAX: usize = 64 * 1024;
 /// refuses a spilled payload whose header (or memfd) claims more before allocating anything.
 pub const MAX_MESSAGE: usize = 1 << 30;
 
-const TAG_INLINE: u8 = 0;
-const TAG_SPILLED: u8 = 1;
+/// Frame byte: a named endpoint's peer message (docs/protocol.md), inline.
+const FRAME_PEER: u8 = 0x00;
+/// Frame byte: vmm-core's internal framing, a payload spilled into a sealed memfd.
+const FRAME_SPILLED: u8 = 0x01;
+/// Frame byte: vmm-core's internal framing, a payload inline.
+const FRAME_INLINE: u8 = 0x02;
+/// A spilled packet: its frame byte and the payload's length.
 const HEADER_SPILLED: usize = 1 + 8;
 
 /// A received message: its bytes and the fds it carried, each already owned (and CLOEXEC).
@@ -96,7 +119,7 @@ impl Channel {
     /// (see [`send_timeout`](Self::send_timeout) for a bound).
     ///
     /// Fails with [`Error::TooManyFds`] when the fds (plus a memfd for a large payload) exceed
-    /// [`MAX_FDS`], [`Error::InvalidArgument`] for a payload over [`MAX_MESSAGE`], and
+    /// [`MAX_FDS`], [`Error::TooLarge`] for a payload over [`MAX_MESSAGE`], and
     /// [`Error::Disconnected`] when the other end is gone.
     pub fn send(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
         self.send_timeout(bytes, fds, None)
@@ -110,12 +133,46 @@ impl Channel {
         fds: &[BorrowedFd<'_>],
         timeout: Option<Duration>,
     ) -> Result<()> {
-        if bytes.len() > MAX_MESSAGE {
-            return Err(Error::InvalidArgument(format!(
-                "a message of {} bytes exceeds the most one message may carry \
-                 (wire::MAX_MESSAGE, {MAX_MESSAGE} bytes)",
-                bytes.len()
-            )));
+        self.send_framed(FRAME_INLINE, bytes, fds, timeout)
+    }
+
+    /// Send one peer message of docs/protocol.md (frame byte `0x00`), inline: at most
+    /// [`INLINE_MAX`] bytes (a peer message is never spilled), waiting at most `timeout`.
+    pub(crate) fn send_peer(
+        &self,
+        bytes: &[u8],
+        fds: &[BorrowedFd<'_>],
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        self.send_framed(FRAME_PEER, bytes, fds, timeout)
+    }
+
+    /// Send `bytes` under frame byte `inline`: a peer message only inline, an internal payload
+    /// spilled into a memfd (frame byte `0x01`) when longer than [`INLINE_MAX`].
+    fn send_framed(
+        &self,
+        inline: u8,
+        bytes: &[u8],
+        fds: &[BorrowedFd<'_>],
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        let (max, what) = if inline == FRAME_PEER {
+            (
+                INLINE_MAX,
+                "a named endpoint's packet carries (wire::INLINE_MAX",
+            )
+        } else {
+            (MAX_MESSAGE, "one message may carry (wire::MAX_MESSAGE")
+        };
+        if bytes.len() > max {
+            return Err(Error::TooLarge {
+                size: bytes.len() as u64,
+                max: max as u64,
+                message: format!(
+                    "a message of {} bytes exceeds the most {what}, {max} bytes)",
+                    bytes.len()
+                ),
+            });
         }
         let deadline = timeout.map(deadline_after);
         let spilled = bytes.len() > INLINE_MAX;
@@ -141,13 +198,13 @@ impl Channel {
             *slot = fd;
         }
         let raw = &numbers[..needed];
-        let mut spilled_header = [TAG_SPILLED; HEADER_SPILLED];
+        let mut spilled_header = [FRAME_SPILLED; HEADER_SPILLED];
         spilled_header[1..].copy_from_slice(&(bytes.len() as u64).to_le_bytes());
         // The memfd (if any) stays open in `spill` until the message is sent.
         let (header, payload): (&[u8], &[u8]) = if spill.is_some() {
             (&spilled_header, &[])
         } else {
-            (&[TAG_INLINE], bytes)
+            (std::slice::from_ref(&inline), bytes)
         };
         let iov = [IoSlice::new(header), IoSlice::new(payload)];
         let cmsgs = [ControlMessage::ScmRights(raw)];
@@ -351,24 +408,44 @@ impl Channel {
             return Ok(Received::EndOfFile);
         };
         let message = match (tag, accept) {
-            (TAG_INLINE, _) => Ok(Some(Message {
-                bytes: payload,
-                fds,
-            })),
-            // A peer of a named endpoint speaks docs/protocol.md only: vmm-core's spilled
-            // framing is refused before its header's size or its memfd is looked at.
-            (TAG_SPILLED, Accept::Peer { .. }) => {
+            (FRAME_INLINE, Accept::Internal) | (FRAME_PEER, Accept::Peer { .. }) => {
+                Ok(Some(Message {
+                    bytes: payload,
+                    fds,
+                }))
+            }
+            // A peer of a named endpoint speaks docs/protocol.md only: vmm-core's internal
+            // framing is refused before a spilled header's size or its memfd is looked at.
+            (FRAME_SPILLED | FRAME_INLINE, Accept::Peer { .. }) => {
+                let n = fds.len();
+                let what = if tag == FRAME_SPILLED {
+                    "a payload spilled into a memfd"
+                } else {
+                    "a payload inline"
+                };
+                return refuse(
+                    fds,
+                    format!(
+                        "frame byte {tag} (vmm-core's internal framing: {what}; {len} bytes, \
+                         {n} fd(s), closed unread) from an endpoint's peer: a peer message \
+                         starts with frame byte 0 (docs/protocol.md)"
+                    ),
+                );
+            }
+            // A channel between processes vmm-core started carries its internal framing
+            // only: a peer message here was sent to the wrong socket.
+            (FRAME_PEER, Accept::Internal) => {
                 let n = fds.len();
                 return refuse(
                     fds,
                     format!(
-                        "frame byte 1 (vmm-core's internal framing: a payload spilled into a \
-                         memfd; {len} bytes, {n} fd(s), closed unread) from an endpoint's peer: \
-                         a peer message starts with frame byte 0 (docs/protocol.md)"
+                        "frame byte 0 (a named endpoint's peer message of docs/protocol.md; \
+                         {len} bytes, {n} fd(s), closed) on a channel between processes \
+                         vmm-core started, which carries frame bytes 1 and 2 only"
                     ),
                 );
             }
-            (TAG_SPILLED, Accept::Internal) if len == HEADER_SPILLED => {
+            (FRAME_SPILLED, Accept::Internal) if len == HEADER_SPILLED => {
                 let size = u64::from_le_bytes(payload[..].try_into().expect("8 bytes"));
                 let mut fds = fds;
                 let spill = fds.pop().ok_or_else(|| {
@@ -389,18 +466,37 @@ impl Channel {
 
     /// Serialise `value` (fds out of band) and send it as one message.
     pub fn send_value<T: Serialize + ?Sized>(&self, value: &T) -> Result<()> {
+        self.send_value_timeout(value, None)
+    }
+
+    /// [`send_value`](Self::send_value), waiting at most `timeout` for room, as
+    /// [`send_timeout`](Self::send_timeout) does: the typed send a [`Queue`](super::Queue)'s
+    /// `put` is.
+    pub(crate) fn send_value_timeout<T: Serialize + ?Sized>(
+        &self,
+        value: &T,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
         let encoded = oob::encode(value)?;
         if encoded.fd_count() == 0 {
-            return self.send(encoded.bytes(), &[]);
+            return self.send_timeout(encoded.bytes(), &[], timeout);
         }
         let fds: Vec<BorrowedFd<'_>> = encoded.fds().collect();
-        self.send(encoded.bytes(), &fds)
+        self.send_timeout(encoded.bytes(), &fds, timeout)
     }
 
     /// Receive one message and deserialise it, handing the value its fds.
     pub fn recv_value<T: DeserializeOwned>(&self, timeout: Option<Duration>) -> Result<T> {
         let message = self.recv(timeout)?;
         oob::decode(&message.bytes, message.fds)
+    }
+
+    /// Receive and deserialise one message if one is waiting.
+    pub(crate) fn try_recv_value<T: DeserializeOwned>(&self) -> Result<Option<T>> {
+        match self.try_recv()? {
+            Some(message) => oob::decode(&message.bytes, message.fds).map(Some),
+            None => Ok(None),
+        }
     }
 }
 
@@ -464,292 +560,5 @@ enum Received {
     EndOfFile,
 }
 
-/// When a wait ends: never, or at an instant. A timeout too large to add to now (such as
-/// `Duration::MAX`) saturates to never, rather than overflowing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Deadline {
-    Never,
-    At(Instant),
-}
-
-/// The deadline `timeout` from now.
-pub(crate) fn deadline_after(timeout: Duration) -> Deadline {
-    Instant::now()
-        .checked_add(timeout)
-        .map_or(Deadline::Never, Deadline::At)
-}
-
-impl From<Option<Instant>> for Deadline {
-    fn from(deadline: Option<Instant>) -> Self {
-        deadline.map_or(Deadline::Never, Deadline::At)
-    }
-}
-
-/// Block until `fd` is readable (or hung up) or `deadline` passes; `false` on timeout.
-pub(crate) fn wait_readable(fd: BorrowedFd<'_>, deadline: impl Into<Deadline>) -> Result<bool> {
-    wait_for(fd, PollFlags::POLLIN, deadline.into())
-}
-
-/// Block until every other end of `fd`'s socket is closed (messages may still be queued) or
-/// `deadline` passes; `false` on timeout.
-pub(crate) fn wait_hangup(fd: BorrowedFd<'_>, deadline: impl Into<Deadline>) -> Result<bool> {
-    // POLLHUP is always reported; asking for nothing else sleeps through queued messages.
-    wait_for(fd, PollFlags::empty(), deadline.into())
-}
-
-fn wait_for(fd: BorrowedFd<'_>, events: PollFlags, deadline: Deadline) -> Result<bool> {
-    loop {
-        let timeout = match deadline {
-            Deadline::Never => PollTimeout::NONE,
-            Deadline::At(deadline) => {
-                let left = deadline.saturating_duration_since(Instant::now());
-                // Round up so that a wait never ends before the deadline.
-                let ms = left.as_nanos().div_ceil(1_000_000);
-                PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)
-            }
-        };
-        let mut pfd = [PollFd::new(fd, events)];
-        match poll(&mut pfd, timeout) {
-            Ok(0) => {
-                if matches!(deadline, Deadline::At(d) if Instant::now() >= d) {
-                    return Ok(false);
-                }
-            }
-            Ok(_) => return Ok(true),
-            Err(Errno::EINTR) => continue,
-            Err(e) => return Err(Error::errno("poll", e)),
-        }
-    }
-}
-
-/// Whether the peer of `fd` has hung up: told apart from an empty packet, which reads the same
-/// (zero bytes) but leaves the connection open.
-fn peer_hung_up(fd: BorrowedFd<'_>) -> bool {
-    // POLLHUP is reported whatever is asked for; asking for nothing keeps revents to the bits
-    // nix knows (it drops revents with unknown bits such as POLLRDHUP altogether).
-    let mut pfd = [PollFd::new(fd, PollFlags::empty())];
-    match poll(&mut pfd, PollTimeout::ZERO) {
-        Ok(_) => pfd[0]
-            .revents()
-            .is_some_and(|r| r.contains(PollFlags::POLLHUP)),
-        Err(_) => true,
-    }
-}
-
-fn spill_to_memfd(bytes: &[u8]) -> Result<OwnedFd> {
-    let fd = memfd_create(
-        c"vmm-ipc-message",
-        MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
-    )
-    .map_err(|e| Error::errno("memfd_create(message)", e))?;
-    let mut file = File::from(fd);
-    file.write_all(bytes)
-        .map_err(|e| Error::io("write(message memfd)", e))?;
-    let fd = OwnedFd::from(file);
-    let seals = SealFlag::F_SEAL_WRITE
-        | SealFlag::F_SEAL_GROW
-        | SealFlag::F_SEAL_SHRINK
-        | SealFlag::F_SEAL_SEAL;
-    fcntl(&fd, FcntlArg::F_ADD_SEALS(seals))
-        .map_err(|e| Error::errno("fcntl(F_ADD_SEALS, message)", e))?;
-    Ok(fd)
-}
-
-/// Read a spilled payload. The header's size is a number the peer chose: it is checked against
-/// [`MAX_MESSAGE`] and against the memfd's real size, and the memfd must be sealed against
-/// writing and resizing (so the bytes cannot change while read), before anything is allocated;
-/// the allocation itself is fallible.
-fn read_spill(fd: OwnedFd, size: u64) -> Result<Vec<u8>> {
-    let refuse = |why: String| Err(Error::Protocol(format!("large message: {why}")));
-    let len = match usize::try_from(size) {
-        Ok(len) if len <= MAX_MESSAGE => len,
-        _ => {
-            return refuse(format!(
-                "its header says {size} bytes, more than wire::MAX_MESSAGE ({MAX_MESSAGE})"
-            ));
-        }
-    };
-    let seals = fcntl(&fd, FcntlArg::F_GET_SEALS).map_err(|e| {
-        Error::Protocol(format!(
-            "its payload fd is not a sealed memfd (F_GET_SEALS: {e})"
-        ))
-    })?;
-    let needed = SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SHRINK;
-    if !SealFlag::from_bits_truncate(seals).contains(needed) {
-        return refuse("its memfd is not sealed against writing and resizing".into());
-    }
-    let actual = nix::sys::stat::fstat(&fd)
-        .map_err(|e| Error::errno("fstat(message memfd)", e))?
-        .st_size as u64;
-    if actual != size {
-        return refuse(format!(
-            "its memfd holds {actual} bytes, its header says {size}"
-        ));
-    }
-    let mut bytes = Vec::new();
-    bytes.try_reserve_exact(len).map_err(|_| Error::Os {
-        op: format!("allocating {len} bytes for a large message"),
-        source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
-    })?;
-    bytes.resize(len, 0);
-    // At offset 0: the file description (and its offset, left at the end by the sender's
-    // write) is shared with the sender.
-    File::from(fd)
-        .read_exact_at(&mut bytes, 0)
-        .map_err(|e| Error::io("pread(message memfd)", e))?;
-    Ok(bytes)
-}
-
 #[cfg(test)]
-mod tests {
-
-    use nix::sys::socket::{MsgFlags, send};
-
-    use super::*;
-
-    /// Send one raw packet (bytes + fds) on `end`, as a hostile peer would.
-    fn raw_packet(end: &Channel, bytes: &[u8], fds: &[RawFd]) {
-        let iov = [IoSlice::new(bytes)];
-        let cmsgs = [ControlMessage::ScmRights(fds)];
-        let cmsgs: &[ControlMessage<'_>] = if fds.is_empty() { &[] } else { &cmsgs };
-        sendmsg::<UnixAddr>(end.as_raw_fd(), &iov, cmsgs, MsgFlags::empty(), None).unwrap();
-    }
-
-    fn spill_header(size: u64) -> Vec<u8> {
-        let mut header = vec![TAG_SPILLED];
-        header.extend_from_slice(&size.to_le_bytes());
-        header
-    }
-
-    fn memfd(len: u64, seals: SealFlag) -> OwnedFd {
-        let fd = memfd_create(
-            c"hostile",
-            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
-        )
-        .unwrap();
-        nix::unistd::ftruncate(&fd, len as i64).unwrap();
-        if !seals.is_empty() {
-            fcntl(&fd, FcntlArg::F_ADD_SEALS(seals)).unwrap();
-        }
-        fd
-    }
-
-    const ALL_SEALS: SealFlag = SealFlag::F_SEAL_WRITE
-        .union(SealFlag::F_SEAL_GROW)
-        .union(SealFlag::F_SEAL_SHRINK);
-
-    fn protocol_error(result: Result<Message>) -> String {
-        match result {
-            Err(Error::Protocol(message)) => message,
-            other => panic!("wanted Error::Protocol, got {other:?}"),
-        }
-    }
-
-    #[test]
-    fn a_spill_header_of_a_terabyte_is_refused_before_any_allocation() {
-        let (a, b) = Channel::pair().unwrap();
-        // Sparse: costs nothing to create, 1 TiB to read.
-        let fd = memfd(1 << 40, ALL_SEALS);
-        raw_packet(&a, &spill_header(1 << 40), &[fd.as_raw_fd()]);
-        let m = protocol_error(b.recv(Some(Duration::from_secs(5))));
-        assert!(
-            m.contains("1099511627776 bytes") && m.contains("MAX_MESSAGE"),
-            "{m}"
-        );
-        // The channel is still usable.
-        a.send(b"after", &[]).unwrap();
-        assert_eq!(b.recv(None).unwrap().bytes, b"after");
-    }
-
-    #[test]
-    fn a_large_message_spills_and_arrives_whole() {
-        let (a, b) = Channel::pair().unwrap();
-        let big: Vec<u8> = (0..INLINE_MAX * 3).map(|i| (i % 251) as u8).collect();
-        a.send(&big, &[]).unwrap();
-        let message = b.recv(Some(Duration::from_secs(5))).unwrap();
-        assert!(message.bytes == big && message.fds.is_empty());
-    }
-
-    #[test]
-    fn a_spill_whose_memfd_disagrees_or_is_unsealed_is_refused() {
-        let (a, b) = Channel::pair().unwrap();
-        let fd = memfd(20, ALL_SEALS);
-        raw_packet(&a, &spill_header(10), &[fd.as_raw_fd()]);
-        let m = protocol_error(b.recv(None));
-        assert!(m.contains("holds 20 bytes, its header says 10"), "{m}");
-        let fd = memfd(100_000, SealFlag::empty());
-        raw_packet(&a, &spill_header(100_000), &[fd.as_raw_fd()]);
-        let m = protocol_error(b.recv(None));
-        assert!(m.contains("not sealed"), "{m}");
-        let file = File::open("/proc/self/stat").unwrap();
-        raw_packet(&a, &spill_header(100_000), &[file.as_raw_fd()]);
-        let m = protocol_error(b.recv(None));
-        assert!(m.contains("not a sealed memfd"), "{m}");
-    }
-
-    #[test]
-    fn an_empty_packet_from_a_live_peer_is_not_a_hang_up() {
-        let (a, b) = Channel::pair().unwrap();
-        send(a.as_raw_fd(), &[], MsgFlags::empty()).unwrap();
-        let m = protocol_error(b.recv(Some(Duration::from_secs(5))));
-        assert!(m.contains("empty packet"), "{m}");
-        a.send(b"still here", &[]).unwrap();
-        assert_eq!(b.recv(None).unwrap().bytes, b"still here");
-        drop(a);
-        let after = b.recv(None);
-        assert!(matches!(after, Err(Error::Disconnected(_))), "{after:?}");
-    }
-
-    #[test]
-    fn a_zero_timeout_returns_at_once_despite_the_spin_window() {
-        let (_a, b) = Channel::pair().unwrap();
-        let started = Instant::now();
-        let err = b.recv(Some(Duration::ZERO)).unwrap_err();
-        assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
-        // Far below the window's cap (10 ms): the deadline bounds the spin too.
-        assert!(
-            started.elapsed() < Duration::from_millis(5),
-            "{:?}",
-            started.elapsed()
-        );
-    }
-
-    #[test]
-    fn duration_max_waits_without_overflowing() {
-        let (a, b) = Channel::pair().unwrap();
-        a.send_timeout(b"x", &[], Some(Duration::MAX)).unwrap();
-        assert_eq!(b.recv(Some(Duration::MAX)).unwrap().bytes, b"x");
-        assert_eq!(deadline_after(Duration::MAX), Deadline::Never);
-    }
-
-    #[test]
-    fn a_full_socket_times_out_instead_of_blocking() {
-        let (a, _b) = Channel::pair().unwrap();
-        let mut sent = 0;
-        while a
-            .send_timeout(&[0; 1024], &[], Some(Duration::ZERO))
-            .is_ok()
-        {
-            sent += 1;
-            assert!(sent < 1_000_000, "the socket never filled");
-        }
-        let started = Instant::now();
-        let err = a
-            .send_timeout(b"one more", &[], Some(Duration::from_millis(50)))
-            .unwrap_err();
-        assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
-        assert!(started.elapsed() >= Duration::from_millis(50));
-        assert!(sent > 0);
-    }
-
-    #[test]
-    fn a_message_over_the_maximum_is_refused_by_the_sender() {
-        let (a, _b) = Channel::pair().unwrap();
-        let big = vec![0u8; MAX_MESSAGE + 1];
-        let err = a.send(&big, &[]).unwrap_err();
-        assert!(
-            matches!(&err, Error::InvalidArgument(m) if m.contains("MAX_MESSAGE")),
-            "{err:?}"
-        );
-    }
-}
+mod tests;
