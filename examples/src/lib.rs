@@ -251,7 +251,10 @@ pub mod daemon {
     /// serve it on NAME (default `@vmm-ipc-daemon`) until SIGINT or SIGTERM, to at most N
     /// connections at once (default [`DEFAULT_MAX_CONNECTIONS`]).
     pub fn run(args: &[String]) -> Result<()> {
-        let usage = |what: &str| Error::InvalidArgument(format!("vmm-daemon: {what}"));
+        let usage = |what: &str| Error::InvalidOption {
+            option: "command line".into(),
+            message: format!("vmm-daemon: {what}"),
+        };
         let mut args = args.iter();
         let (mut gpu, mut size, mut allow, mut name) = (false, 4 << 20, Allow::same_user(), None);
         let (mut max, mut fabric) = (DEFAULT_MAX_CONNECTIONS, false);
@@ -371,10 +374,11 @@ pub mod client {
             PeerMessage::Descriptor(Descriptor::Fabric(d)) => {
                 Ok(Fetched::Cuda(VirtualMemoryBuffer::import_fabric(&d)?))
             }
-            PeerMessage::Data(reply) => Err(Error::InvalidArgument(format!(
-                "the daemon says: {}",
-                String::from_utf8_lossy(&reply)
-            ))),
+            // The daemon answers a name it does not serve with text instead of a buffer.
+            PeerMessage::Data(reply) => Err(Error::InvalidOption {
+                option: "buffer".into(),
+                message: format!("the daemon says: {}", String::from_utf8_lossy(&reply)),
+            }),
         }
     }
 
@@ -382,10 +386,9 @@ pub mod client {
     /// daemon runs as this uid, or UID), list, fetch BUFFER, check its pattern if asked; the
     /// report is one line starting with `OK`.
     pub fn run(args: &[String]) -> Result<String> {
-        let usage = || {
-            Error::InvalidArgument(
-                "usage: vmm-client NAME BUFFER [--expect-uid UID] [--check-seed SEED]".into(),
-            )
+        let usage = || Error::InvalidOption {
+            option: "command line".into(),
+            message: "usage: vmm-client NAME BUFFER [--expect-uid UID] [--check-seed SEED]".into(),
         };
         let (mut positional, mut expect, mut seed) = (Vec::new(), Allow::same_user(), None);
         let mut it = args.iter();
@@ -416,9 +419,12 @@ pub mod client {
         if let Some(seed) = seed
             && contents != pattern(seed, contents.len())
         {
-            return Err(Error::InvalidArgument(format!(
-                "buffer {buffer}: its contents are not the pattern of seed {seed}"
-            )));
+            return Err(Error::InvalidOption {
+                option: "--check-seed".into(),
+                message: format!(
+                    "buffer {buffer}: its contents are not the pattern of seed {seed}"
+                ),
+            });
         }
         let kind = match fetched {
             Fetched::Host(_) => "host",

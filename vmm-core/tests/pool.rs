@@ -11,6 +11,7 @@ use nix::unistd::Pid;
 use rstest::rstest;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use vmm_core::Error;
+use vmm_core::error::DescriptorRule;
 use vmm_core::process::{Pool, StartMethod, WarmPool, ensure_running};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
 use vmm_core::testing::settled_open_fds;
@@ -616,7 +617,10 @@ impl<'de> Deserialize<'de> for Refused {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         <()>::deserialize(deserializer)?;
         Err(vmm_core::wire::deserialize_error::<D>(
-            Error::InvalidArgument("refused on arrival".into()),
+            Error::InvalidDescriptor {
+                rule: DescriptorRule::Fds,
+                message: "refused on arrival".into(),
+            },
         ))
     }
 }
@@ -636,7 +640,8 @@ fn an_argument_the_worker_cannot_receive_fails_the_task_not_the_worker(
         panic!("an argument that cannot be received fails the task")
     };
     assert!(
-        matches!(failure.not_run.as_deref(), Some(Error::InvalidArgument(m)) if m == "refused on arrival"),
+        matches!(failure.not_run.as_deref(), Some(Error::InvalidDescriptor { rule: DescriptorRule::Fds, message: m })
+            if m == "refused on arrival"),
         "{failure}"
     );
     assert_eq!(
@@ -650,7 +655,7 @@ fn a_pool_needs_a_worker_and_a_function_of_this_executable() {
     let _guard = shared();
     assert!(matches!(
         Pool::new(StartMethod::Spawn, 0),
-        Err(Error::InvalidArgument(_))
+        Err(Error::InvalidOption { option, .. }) if option == "workers"
     ));
 }
 

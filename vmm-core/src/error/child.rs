@@ -142,7 +142,7 @@ pub struct ChildError {
     /// Why the function never ran, if it did not: the child's error, as the same variant it was
     /// raised as there. For example, an argument that could not be imported in the child (a
     /// [`HostBuffer`](crate::shm::HostBuffer) whose fd is not sealed) is the import's
-    /// [`Error::InvalidArgument`].
+    /// [`Error::InvalidDescriptor`] with [`DescriptorRule::Memfd`](super::DescriptorRule::Memfd).
     pub not_run: Option<Box<Error>>,
     /// What the child was doing when it gave up (for `Display`).
     pub(crate) not_run_stage: Option<NotRunStage>,

@@ -102,9 +102,6 @@ pub enum Error {
         /// How the receiver raises the cap, if it trusts the sender.
         raise: Cow<'static, str>,
     },
-    /// An argument was refused before anything was done.
-    #[error("invalid argument: {0}")]
-    InvalidArgument(String),
     /// A descriptor (another process's input) broke `rule`; nothing was imported, mapped or
     /// sent.
     #[error("{message}")]
@@ -359,8 +356,7 @@ impl Error {
     pub fn is_refusal(&self) -> bool {
         matches!(
             self,
-            Error::InvalidArgument(_)
-                | Error::InvalidDescriptor { .. }
+            Error::InvalidDescriptor { .. }
                 | Error::InvalidOption { .. }
                 | Error::InvalidEnv { .. }
                 | Error::NoSuchDevice { .. }

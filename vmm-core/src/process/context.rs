@@ -71,7 +71,7 @@ impl Context {
     /// Set an environment variable in every child this context starts, as the child is made
     /// (at exec; a forkserver child as it is forked), before anything of it runs. A key that is
     /// empty or holds `=` or NUL, a value with NUL, and vmm-core's role variable make
-    /// [`spawn`](Self::spawn) fail with [`Error::InvalidArgument`].
+    /// [`spawn`](Self::spawn) fail with [`Error::SpawnRefused`].
     pub fn with_env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.env.push((key.into(), value.into()));
         self
@@ -90,7 +90,7 @@ impl Context {
     /// type: instantiating `spawn` for `f` registers an entry point for it in the executable's
     /// entry table, and a child runs only entry points found there (a forged one is refused
     /// without being called). Code that lives elsewhere (in a shared library) is refused with
-    /// [`Error::InvalidArgument`] before anything is started. `args` travels serialised, its
+    /// [`Error::SpawnRefused`] before anything is started. `args` travels serialised, its
     /// fds out of band: pass a clone of anything the parent keeps (buffers and queues are
     /// reference-counted handles).
     ///

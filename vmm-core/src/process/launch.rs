@@ -19,6 +19,7 @@ use nix::sys::stat::Mode;
 use nix::unistd::{Pid, getpid};
 
 use super::protocol::ROLE_VAR;
+use crate::error::SpawnRule;
 use crate::{Error, Result};
 
 /// What to start: a child or a forkserver, and what it inherits.
@@ -89,21 +90,27 @@ pub(crate) fn valid_env(key: &str, value: &str) -> bool {
     !key.is_empty() && !key.contains(['=', '\0']) && !value.contains('\0') && key != ROLE_VAR
 }
 
-/// `Ok` when every variable of `env` is [valid](valid_env); else [`Error::InvalidArgument`]
+/// `Ok` when every variable of `env` is [valid](valid_env); else [`Error::SpawnRefused`]
 /// naming the first that is not.
 pub(crate) fn check_env(env: &[(String, String)]) -> Result<()> {
     match env.iter().find(|(key, value)| !valid_env(key, value)) {
         None => Ok(()),
-        Some((key, _)) => Err(Error::InvalidArgument(format!(
-            "environment variable {key:?} cannot be given to a child: a key must be non-empty \
-             without '=' or NUL, a value without NUL, and {ROLE_VAR} is vmm-core's own"
-        ))),
+        Some((key, _)) => Err(Error::SpawnRefused {
+            rule: SpawnRule::Environment,
+            message: format!(
+                "environment variable {key:?} cannot be given to a child: a key must be \
+                 non-empty without '=' or NUL, a value without NUL, and {ROLE_VAR} is \
+                 vmm-core's own"
+            ),
+        }),
     }
 }
 
 fn cstring(bytes: &[u8]) -> Result<CString> {
-    CString::new(bytes)
-        .map_err(|_| Error::InvalidArgument("argument or environment contains a NUL byte".into()))
+    CString::new(bytes).map_err(|_| Error::SpawnRefused {
+        rule: SpawnRule::Environment,
+        message: "argument or environment contains a NUL byte".into(),
+    })
 }
 
 fn spawn_now(launch: Launch) -> Result<Pid> {

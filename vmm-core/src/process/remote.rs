@@ -38,7 +38,7 @@ where
 
 /// What a child runs for `F`: receive the argument, call `F`, serialise the result (and drop
 /// it). `Err`: the argument could not be received (the error its deserialisation raised, an
-/// import's [`Error::InvalidArgument`] say, as that variant); `Ok(Err)`: the result could not
+/// import's [`Error::InvalidDescriptor`] say, as that variant); `Ok(Err)`: the result could not
 /// be serialised. Reached only through the entry table, for an `F` that [`registered`] was
 /// given a value of.
 fn trampoline<F, A, R>(args: &[u8], fds: Vec<OwnedFd>) -> Result<Result<(Vec<u8>, Vec<OwnedFd>)>>
@@ -61,7 +61,7 @@ impl Call {
     ///
     /// A child finds the entry point by its offset from `sys::code_base` in its own copy of the
     /// executable, so both must lie in the main executable's code: otherwise
-    /// [`Error::InvalidArgument`], before anything is started or sent.
+    /// [`Error::SpawnRefused`], before anything is started or sent.
     pub(crate) fn to(entry: Entry, what: &str) -> Result<Call> {
         sys::check_main_text(
             sys::code_base as fn() -> usize as usize,

@@ -12,6 +12,7 @@ use std::sync::OnceLock;
 
 use nix::unistd::{ForkResult, Pid};
 
+use crate::error::SpawnRule;
 use crate::{Error, Result};
 
 /// Whether this process has exactly one thread (the caller), as `/proc/self/task` lists them;
@@ -258,7 +259,7 @@ fn object_containing(address: usize) -> Option<String> {
 }
 
 /// `Ok` when `address` lies in the main executable's code (see [`main_text`]); otherwise
-/// [`Error::InvalidArgument`] naming `what`, the rule, and where the address lies instead.
+/// [`Error::SpawnRefused`] ([`SpawnRule::Entry`]) naming `what`, the rule, and where the address lies instead.
 ///
 /// A child finds a function by its offset from [`code_base`] in its own copy of the main
 /// executable; code elsewhere (a shared library, mapped at another address in every process)
@@ -271,12 +272,15 @@ pub(crate) fn check_main_text(address: usize, what: &str) -> Result<()> {
         Some(file) if !file.is_empty() => format!("it lies in {file}"),
         _ => "the loader knows no object there".to_owned(),
     };
-    Err(Error::InvalidArgument(format!(
-        "{what} (at {address:#x}) is not in the main executable's code ({location}): a child \
-         finds its function by its offset in its own copy of the main executable, so it must be \
-         a plain fn or non-capturing closure compiled into the executable, not code from a \
-         shared library"
-    )))
+    Err(Error::SpawnRefused {
+        rule: SpawnRule::Entry,
+        message: format!(
+            "{what} (at {address:#x}) is not in the main executable's code ({location}): a \
+             child finds its function by its offset in its own copy of the main executable, so \
+             it must be a plain fn or non-capturing closure compiled into the executable, not \
+             code from a shared library"
+        ),
+    })
 }
 
 #[cfg(test)]
@@ -298,7 +302,8 @@ mod tests {
         assert_ne!(getpid, 0);
         let refused = check_main_text(getpid, "getpid");
         assert!(
-            matches!(&refused, Err(Error::InvalidArgument(m)) if m.contains("libc")),
+            matches!(&refused, Err(Error::SpawnRefused { rule: SpawnRule::Entry, message: m })
+                if m.contains("libc")),
             "{refused:?}"
         );
     }

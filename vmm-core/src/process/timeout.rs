@@ -13,13 +13,16 @@ pub const FALLBACK_TIMEOUT: Duration = Duration::from_secs(60);
 /// Parse a timeout in seconds, as [`TIMEOUT_VAR`] gives it: a positive decimal number
 /// (`30`, `0.5`, `1e3`). A number too large for a [`Duration`] (`1e30`, `inf`) saturates to
 /// `Duration::MAX`, which every wait in vmm-core treats as "forever". Zero, a negative number,
-/// NaN or anything that is not a number is [`Error::InvalidArgument`], naming the rule.
+/// NaN or anything that is not a number is [`Error::InvalidEnv`], naming the rule.
 pub fn parse_timeout(value: &str) -> Result<Duration> {
     let refuse = |why: &str| {
-        Err(Error::InvalidArgument(format!(
-            "{TIMEOUT_VAR}={value:?}: {why}; give a positive number of seconds (such as 30, \
-             0.5 or inf)"
-        )))
+        Err(Error::InvalidEnv {
+            variable: TIMEOUT_VAR.into(),
+            message: format!(
+                "{TIMEOUT_VAR}={value:?}: {why}; give a positive number of seconds (such as 30, \
+                 0.5 or inf)"
+            ),
+        })
     };
     let Ok(secs) = value.trim().parse::<f64>() else {
         return refuse("not a number of seconds");
@@ -36,14 +39,15 @@ pub fn parse_timeout(value: &str) -> Result<Duration> {
 
 /// The default child timeout from the environment: [`TIMEOUT_VAR`] parsed by
 /// [`parse_timeout`] if it is set, else [`FALLBACK_TIMEOUT`] (60 s). An invalid value is
-/// [`Error::InvalidArgument`]; `#[ipc_test]` fails a test with it rather than guess.
+/// [`Error::InvalidEnv`]; `#[ipc_test]` fails a test with it rather than guess.
 pub fn try_default_timeout() -> Result<Duration> {
     match std::env::var(TIMEOUT_VAR) {
         Ok(value) => parse_timeout(&value),
         Err(std::env::VarError::NotPresent) => Ok(FALLBACK_TIMEOUT),
-        Err(std::env::VarError::NotUnicode(value)) => Err(Error::InvalidArgument(format!(
-            "{TIMEOUT_VAR}={value:?}: not a number of seconds (not even UTF-8)"
-        ))),
+        Err(std::env::VarError::NotUnicode(value)) => Err(Error::InvalidEnv {
+            variable: TIMEOUT_VAR.into(),
+            message: format!("{TIMEOUT_VAR}={value:?}: not a number of seconds (not even UTF-8)"),
+        }),
     }
 }
 
@@ -55,7 +59,7 @@ pub fn default_timeout() -> Duration {
         static WARNED: std::sync::Once = std::sync::Once::new();
         WARNED.call_once(|| {
             let why = match &error {
-                Error::InvalidArgument(why) => why.clone(),
+                Error::InvalidEnv { message, .. } => message.clone(),
                 other => other.to_string(),
             };
             eprintln!(
@@ -73,8 +77,11 @@ mod tests {
 
     fn refusal(value: &str) -> String {
         match parse_timeout(value) {
-            Err(Error::InvalidArgument(message)) => message,
-            other => panic!("{value:?}: expected InvalidArgument, got {other:?}"),
+            Err(Error::InvalidEnv { variable, message }) => {
+                assert_eq!(variable, TIMEOUT_VAR);
+                message
+            }
+            other => panic!("{value:?}: expected InvalidEnv, got {other:?}"),
         }
     }
 

@@ -121,7 +121,7 @@ pub(super) struct Shared {
 impl Pool {
     /// Start `workers` workers with `method` and wait until each has warmed up (at most the
     /// [default timeout](super::default_timeout)). Zero workers is
-    /// [`Error::InvalidArgument`]; a worker that cannot be started, or dies starting, is the
+    /// [`Error::InvalidOption`] (`workers`); a worker that cannot be started, or dies starting, is the
     /// error it gave ([`Error::Child`] with its story, for one that died).
     pub fn new(method: StartMethod, workers: usize) -> Result<Pool> {
         Self::with_options(method, workers, &WarmPool::global().options())
@@ -136,9 +136,7 @@ impl Pool {
         options: &WarmOptions,
     ) -> Result<Pool> {
         if workers == 0 {
-            return Err(Error::InvalidArgument(
-                "a Pool needs at least one worker".to_owned(),
-            ));
+            return Err(Error::option("workers", "a Pool needs at least one worker"));
         }
         let pool = Pool {
             shared: Arc::new(Shared {
@@ -189,7 +187,7 @@ impl Pool {
     /// `f` is a `fn` item or a closure that captures nothing, compiled into the main
     /// executable, as for [`Context::spawn`](super::Context::spawn): a worker runs only entry
     /// points the executable registered; code elsewhere is refused with
-    /// [`Error::InvalidArgument`] before anything is queued. `args` is the argument or a
+    /// [`Error::SpawnRefused`] before anything is queued. `args` is the argument or a
     /// reference to it (`&descriptor`: one export, sent to many tasks). It is serialised now
     /// (fds out of band: buffers are exported on the way, descriptors' fds duplicated), so the
     /// caller may drop or reuse what it passed. Dropping the returned handle without joining

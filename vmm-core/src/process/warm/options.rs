@@ -51,15 +51,17 @@ impl WarmOptions {
 
     /// The defaults, overridden by [`DEPTH_VAR`] and [`DEVICES_VAR`] where they are set. A
     /// value that is not a count (depth) or a list of ordinals (devices) is
-    /// [`Error::InvalidArgument`], naming the variable and the value.
+    /// [`Error::InvalidEnv`], naming the variable and the value.
     pub fn from_env() -> Result<WarmOptions> {
         let mut options = WarmOptions::default();
         if let Some(value) = std::env::var_os(DEPTH_VAR) {
             let value = value.to_string_lossy();
-            options.depth = value.trim().parse().map_err(|_| {
-                Error::InvalidArgument(format!(
-                    "{DEPTH_VAR}={value:?}: not a number of children (such as 2, or 0 for none)"
-                ))
+            options.depth = value.trim().parse().map_err(|_| Error::InvalidEnv {
+                variable: DEPTH_VAR.into(),
+                message: format!(
+                    "{DEPTH_VAR}={value:?}: not a number of children (such as 2, or 0 for \
+                         none)"
+                ),
             })?;
         }
         if let Some(value) = std::env::var_os(DEVICES_VAR) {
@@ -103,11 +105,12 @@ fn parse_devices(value: &str) -> Result<Vec<usize>> {
         .split(',')
         .map(|d| d.trim().parse::<usize>())
         .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|_| {
-            Error::InvalidArgument(format!(
-                "{DEVICES_VAR}={value:?}: not a list of CUDA device ordinals (such as 0 or 0,1, \
-                 or none)"
-            ))
+        .map_err(|_| Error::InvalidEnv {
+            variable: DEVICES_VAR.into(),
+            message: format!(
+                "{DEVICES_VAR}={value:?}: not a list of CUDA device ordinals (such as 0 or \
+                     0,1, or none)"
+            ),
         })?;
     Ok(WarmOptions::new().with_devices(devices).devices)
 }
@@ -122,7 +125,7 @@ mod tests {
         assert_eq!(parse_devices(" 1, 0 ,1").unwrap(), [0, 1]);
         assert!(parse_devices("none").unwrap().is_empty());
         assert!(parse_devices("").unwrap().is_empty());
-        let Err(Error::InvalidArgument(message)) = parse_devices("gpu0") else {
+        let Err(Error::InvalidEnv { message, .. }) = parse_devices("gpu0") else {
             panic!("gpu0 must be refused");
         };
         assert!(message.contains(DEVICES_VAR), "{message}");
