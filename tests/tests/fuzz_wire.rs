@@ -9,18 +9,16 @@
 //! is set, so CI is repeatable; the corpus below (inputs that broke earlier versions) runs first.
 //! The binary has one test, so nothing else opens or closes fds while it counts.
 
-mod common;
-
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::Instant;
 
-use common::{FdKind, fd_kind, holdings, make, send_raw, touch_claimed};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use serde::Serialize;
 use vmm_core::cuda::{IpcDescriptor, VirtualMemoryBuffer};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
 use vmm_core::wire::{Channel, Fd, Queue, decode};
+use vmm_tests::fuzz::{FdKind, fd_kind, holdings, make, send_raw, touch_claimed};
 
 /// Sizes at the edges: empty, small, a page, a granule, the host import cap and one byte over
 /// it, huge (sparse, over the cap), the largest.

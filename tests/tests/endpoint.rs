@@ -6,7 +6,7 @@
 //!
 //! The tests count fds, so they run one at a time (`serial()`); the processes they start are
 //! `role_entry`, an ignored test that does nothing unless `ROLE_VAR` names a role. Both, and
-//! the raw peer's helpers, are `endpoint_kit`'s, shared with `endpoint_attacks`.
+//! the raw peer's helpers, are `vmm_tests::endpoint`'s, shared with `endpoint_attacks`.
 
 use std::io::{BufRead, BufReader};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -23,9 +23,7 @@ use vmm_core::wire::endpoint::{
     Allow, ConnectOptions, Connection, Credentials, Listener, ListenerOptions, Name,
 };
 
-#[path = "common/endpoint_kit.rs"]
-mod endpoint_kit;
-use endpoint_kit::{data_packet, finish, header, raw_client, send_raw, serial};
+use vmm_tests::endpoint::{data_packet, finish, header, raw_client, send_raw, serial};
 
 const UID_VAR: &str = "VMM_ENDPOINT_TEST_UID";
 const SEED_VAR: &str = "VMM_ENDPOINT_TEST_SEED";
@@ -39,7 +37,7 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
 
 /// A fresh abstract name of this file's tests (`@vmm-endpoint-test-<tag>-...`).
 fn unique(tag: &str) -> Name {
-    endpoint_kit::unique_name("vmm-endpoint-test", tag)
+    vmm_tests::unique_name("endpoint-test", tag)
 }
 
 /// A fresh owner-only directory under the temp dir, removed on drop.
@@ -71,11 +69,11 @@ fn is_root() -> bool {
 // ---------------------------------------------------------------------------------------------
 // Processes vmm-core did not start: this executable, re-run by std::process::Command.
 
-/// The roles a re-run of this executable plays (nothing without `endpoint_kit::ROLE_VAR`).
+/// The roles a re-run of this executable plays (nothing without `vmm_tests::endpoint::ROLE_VAR`).
 #[test]
 #[ignore = "a role for processes the other tests start"]
 fn role_entry() {
-    let Some((role, name)) = endpoint_kit::role_and_name() else {
+    let Some((role, name)) = vmm_tests::endpoint::role_and_name() else {
         return;
     };
     let expect = Allow::none().uid(std::env::var(UID_VAR).unwrap().parse().unwrap());
@@ -175,7 +173,7 @@ fn exe_for_nobody(tmp: &TempDir) -> PathBuf {
 /// A command that re-runs `exe` as `role`, optionally through `wrapper`, for a client that
 /// expects a listener of `uid`.
 fn role_command(role: &str, name: &Name, uid: u32, wrapper: &[String], exe: &Path) -> Command {
-    let mut command = endpoint_kit::role_command(exe, wrapper, role, name);
+    let mut command = vmm_tests::endpoint::role_command(exe, wrapper, role, name);
     command.env(UID_VAR, uid.to_string());
     command
 }
@@ -511,7 +509,7 @@ fn accept_and_connect_time_out() {
 /// A plain listening socket on `name` (no credential checks, no handshake: what a squatter
 /// needs).
 fn raw_listener(name: &Name) -> OwnedFd {
-    let fd = endpoint_kit::seqpacket_socket();
+    let fd = vmm_tests::endpoint::seqpacket_socket();
     let Name::Abstract(bytes) = name else {
         panic!("abstract names only")
     };

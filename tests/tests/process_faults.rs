@@ -23,9 +23,7 @@ use vmm_core::process::{Context, ExitStatus, StartMethod, ensure_running, forkse
 use vmm_core::testing::{open_fds, settled_open_fds};
 use vmm_core::wire::{Fd, Queue};
 
-#[path = "common/process_table.rs"]
-mod process_table;
-use process_table::{gone_within, state};
+use vmm_tests::process_table::{gone_within, state};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 

@@ -13,7 +13,7 @@
 //!   the receive: it is closed on the background closer.
 //!
 //! One test at a time (`serial()`), re-runs as roles and the raw peer's helpers are
-//! `endpoint_kit`'s, shared with `endpoint`.
+//! `vmm_tests::endpoint`'s, shared with `endpoint`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -26,15 +26,13 @@ use vmm_core::wire::endpoint::{
     Allow, ConnectOptions, Connection, LOG_BURST, Listener, ListenerOptions, Name,
 };
 
-#[path = "common/endpoint_kit.rs"]
-mod endpoint_kit;
-use endpoint_kit::{data_packet, finish, raw_client, send_raw, serial};
+use vmm_tests::endpoint::{data_packet, finish, raw_client, send_raw, serial};
 
 const ARG_VAR: &str = "VMM_ATTACK_TEST_ARG";
 
 /// A fresh abstract name of this file's tests (`@vmm-attack-<tag>-...`).
 fn unique(tag: &str) -> Name {
-    endpoint_kit::unique_name("vmm-attack", tag)
+    vmm_tests::unique_name("attack", tag)
 }
 
 /// The kernel's overflow uid, read as the code under test reads it.
@@ -57,12 +55,12 @@ fn peak_rss_kib() -> u64 {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Roles: what a re-run of this executable does (nothing without endpoint_kit::ROLE_VAR).
+// Roles: what a re-run of this executable does (nothing without vmm_tests::endpoint::ROLE_VAR).
 
 #[test]
 #[ignore = "a role for processes the other tests start"]
 fn role_entry() {
-    let Some((role, name)) = endpoint_kit::role_and_name() else {
+    let Some((role, name)) = vmm_tests::endpoint::role_and_name() else {
         return;
     };
     let arg = std::env::var(ARG_VAR).unwrap_or_default();
@@ -158,7 +156,7 @@ fn one_line(s: &str) -> String {
 /// A command that re-runs this executable as `role` with `arg`, optionally through `wrapper`.
 fn role(role: &str, name: &Name, arg: &str, wrapper: &[&str]) -> Command {
     let exe = std::env::current_exe().unwrap();
-    let mut command = endpoint_kit::role_command(&exe, wrapper, role, name);
+    let mut command = vmm_tests::endpoint::role_command(&exe, wrapper, role, name);
     command.env(ARG_VAR, arg);
     command
 }

@@ -19,9 +19,7 @@ use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::Queue;
 
-#[path = "common/process_table.rs"]
-mod process_table;
-use process_table::{gone_within, state};
+use vmm_tests::process_table::{gone_within, state};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 

@@ -21,15 +21,12 @@ use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::endpoint::{Connection, Listener, MAX_CHUNKS, Name, PROTOCOL_VERSION};
 
-#[path = "common/endpoint_kit.rs"]
-#[allow(dead_code)] // its re-run-as-a-role helpers serve `endpoint` and `endpoint_attacks`
-mod endpoint_kit;
-use endpoint_kit::{data_packet, raw_client, send_raw, serial};
+use vmm_tests::endpoint::{data_packet, raw_client, send_raw, serial};
 
 const G: usize = 2 << 20;
 
 fn unique(tag: &str) -> Name {
-    endpoint_kit::unique_name("vmm-peer-v2-test", tag)
+    vmm_tests::unique_name("peer-v2-test", tag)
 }
 
 /// A handle whose bytes are easy to spot in any text: `c0 ff ee` and a chunk number, repeated.
@@ -447,15 +444,15 @@ fn hostile_stream_messages_are_refused_from_the_header_and_end_the_stream() {
     let took = refused_on_a_stream(&claim(1, u32::MAX), "4294967295 payload bytes");
     assert_eq!(took, 65);
     // Kinds a stream does not carry.
-    let mut cuda = endpoint_kit::header(4, 1, 1, 0, 4096);
+    let mut cuda = vmm_tests::endpoint::header(4, 1, 1, 0, 4096);
     cuda.insert(0, 0);
     cuda.extend_from_slice(&4096u64.to_le_bytes());
     let took = refused_on_a_stream(&cuda, "CUDA_VMM on a byte stream: its kind carries fds");
     assert_eq!(took, 65);
-    let mut host = endpoint_kit::header(5, 0, 0, 0, 0);
+    let mut host = vmm_tests::endpoint::header(5, 0, 0, 0, 0);
     host.insert(0, 0);
     refused_on_a_stream(&host, "HOST_MEMFD on a byte stream");
-    let mut hello = endpoint_kit::header(1, 0, 0, 0, 0);
+    let mut hello = vmm_tests::endpoint::header(1, 0, 0, 0, 0);
     hello.insert(0, 0);
     refused_on_a_stream(&hello, "HELLO on a byte stream");
     // Framing: another frame byte (vmm-core's spilled-payload framing), garbage, versions.

@@ -16,13 +16,10 @@
 //! is set; the corpus runs first. The binary has one test, so nothing else opens or closes fds
 //! while it counts.
 
-mod common;
-
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{FdKind, fd_kind, holdings, make, send_raw, touch_claimed};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
@@ -31,6 +28,7 @@ use vmm_core::peer::stream::StreamReader;
 use vmm_core::peer::{Descriptor, PeerMessage};
 use vmm_core::shm::HostBuffer;
 use vmm_core::wire::endpoint::{Connection, Listener, ListenerOptions, Name};
+use vmm_tests::fuzz::{FdKind, fd_kind, holdings, make, send_raw, touch_claimed};
 
 fn size() -> impl Strategy<Value = u64> {
     prop_oneof![
