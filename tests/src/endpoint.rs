@@ -7,7 +7,6 @@ use std::io::{BufReader, IoSlice, Read};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::process::{Child, ChildStdout, Command, Output, Stdio};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::{
@@ -19,13 +18,6 @@ use vmm_core::wire::endpoint::Name;
 pub const ROLE_VAR: &str = "VMM_ENDPOINT_TEST_ROLE";
 /// The endpoint a role works on.
 pub const NAME_VAR: &str = "VMM_ENDPOINT_TEST_NAME";
-
-/// One test at a time: the tests count this process's fds, which a test running alongside
-/// would change.
-pub fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// In a re-run of the test executable: the role it plays and the name it works on, from
 /// `ROLE_VAR` and `NAME_VAR`; `None` in an ordinary run, where `role_entry` does nothing.

@@ -4,6 +4,7 @@
 pub mod endpoint;
 pub mod fuzz;
 pub mod process_table;
+pub mod turns;
 
 use std::process::{Command, Output};
 

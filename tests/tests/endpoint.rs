@@ -4,9 +4,10 @@
 //! and live socket files, the directory rules, timeouts, and garbage from an admitted peer.
 //! Every test ends with this process's fds where they started.
 //!
-//! The tests count fds, so they run one at a time (`serial()`); the processes they start are
-//! `role_entry`, an ignored test that does nothing unless `ROLE_VAR` names a role. Both, and
-//! the raw peer's helpers, are `vmm_tests::endpoint`'s, shared with `endpoint_attacks`.
+//! The tests count fds, so they run one at a time (`vmm_tests::turns::exclusive()`); the
+//! processes they start are `role_entry`, an ignored test that does nothing unless `ROLE_VAR`
+//! names a role. Both, and the raw peer's helpers, are `vmm_tests::endpoint`'s, shared with
+//! `endpoint_attacks`.
 
 use std::io::{BufRead, BufReader};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -23,17 +24,13 @@ use vmm_core::wire::endpoint::{
     Allow, ConnectOptions, Connection, Credentials, Listener, ListenerOptions, Name,
 };
 
-use vmm_tests::endpoint::{data_packet, finish, header, raw_client, send_raw, serial};
+use vmm_tests::endpoint::{data_packet, finish, header, raw_client, send_raw};
+use vmm_tests::pattern;
+use vmm_tests::turns::exclusive;
 
 const UID_VAR: &str = "VMM_ENDPOINT_TEST_UID";
 const SEED_VAR: &str = "VMM_ENDPOINT_TEST_SEED";
 const NOBODY: u32 = 65534;
-
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| seed.wrapping_add((i % 251) as u8))
-        .collect()
-}
 
 /// A fresh abstract name of this file's tests (`@vmm-endpoint-test-<tag>-...`).
 fn unique(tag: &str) -> Name {
@@ -190,7 +187,7 @@ fn serve_host_buffer(listener: &Listener, buf: &HostBuffer) -> Credentials {
 
 #[test]
 fn a_rust_client_started_by_command_maps_the_owners_buffer() {
-    let _serial = serial();
+    let _serial = exclusive();
     let tmp = TempDir::new("command");
     let me = Credentials::of_this_process();
     let exe = std::env::current_exe().unwrap();
@@ -222,7 +219,7 @@ fn a_rust_client_started_by_command_maps_the_owners_buffer() {
 
 #[test]
 fn a_client_under_another_uid_is_refused_and_nothing_leaks() {
-    let _serial = serial();
+    let _serial = exclusive();
     let Some(wrapper) =
         as_nobody_or_skip("a_client_under_another_uid_is_refused_and_nothing_leaks")
     else {
@@ -269,7 +266,7 @@ fn a_client_under_another_uid_is_refused_and_nothing_leaks() {
 
 #[test]
 fn a_squatter_under_another_uid_gets_nothing() {
-    let _serial = serial();
+    let _serial = exclusive();
     let Some(wrapper) = as_nobody_or_skip("a_squatter_under_another_uid_gets_nothing") else {
         return;
     };
@@ -315,7 +312,7 @@ fn a_squatter_under_another_uid_gets_nothing() {
 fn a_listener_that_is_not_expected_gets_nothing() {
     // The squatter test without privileges: a plain listener of our own uid, a client that
     // expects another uid. The listener sees the connection, and then only its hang-up.
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("unexpected");
     let listening = raw_listener(&name);
     let before = settled_open_fds().unwrap();
@@ -340,7 +337,7 @@ fn a_listener_that_is_not_expected_gets_nothing() {
 
 #[test]
 fn a_listener_refuses_its_own_uid_when_not_allowed() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("not-allowed");
     let listener = Listener::bind_with(
         &name,
@@ -375,7 +372,7 @@ fn a_listener_refuses_its_own_uid_when_not_allowed() {
 
 #[test]
 fn a_path_endpoint_lives_in_an_owner_only_directory() {
-    let _serial = serial();
+    let _serial = exclusive();
     let tmp = TempDir::new("dirs");
     let before = settled_open_fds().unwrap();
     let refused = |dir: &Path| match Listener::bind(&Name::path(dir.join("sock"))) {
@@ -435,7 +432,7 @@ fn a_path_endpoint_lives_in_an_owner_only_directory() {
 
 #[test]
 fn a_stale_socket_file_is_replaced_and_a_live_one_never_is() {
-    let _serial = serial();
+    let _serial = exclusive();
     let tmp = TempDir::new("stale");
     let path = tmp.0.join("sock");
     let name = Name::path(&path);
@@ -483,7 +480,7 @@ fn a_stale_socket_file_is_replaced_and_a_live_one_never_is() {
 
 #[test]
 fn accept_and_connect_time_out() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("timeouts");
     let listener = Listener::bind(&name).unwrap();
     let started = Instant::now();
@@ -583,7 +580,7 @@ fn drain(conn: &OwnedFd, within: Duration) -> String {
 
 #[test]
 fn a_silent_client_delays_no_one() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("silent");
     let listener = Listener::bind_with(
         &name,
@@ -624,7 +621,7 @@ fn a_silent_client_delays_no_one() {
 
 #[test]
 fn garbage_and_partial_headers_give_clean_errors() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("garbage");
     let listener = Listener::bind(&name).unwrap();
     let memfd = || -> OwnedFd {

@@ -12,8 +12,8 @@
 //!   for a FUSE file whose server never answers), sent in a refused message, does not hold up
 //!   the receive: it is closed on the background closer.
 //!
-//! One test at a time (`serial()`), re-runs as roles and the raw peer's helpers are
-//! `vmm_tests::endpoint`'s, shared with `endpoint`.
+//! One test at a time (`vmm_tests::turns::exclusive()`); re-runs as roles and the raw peer's
+//! helpers are `vmm_tests::endpoint`'s, shared with `endpoint`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -26,7 +26,8 @@ use vmm_core::wire::endpoint::{
     Allow, ConnectOptions, Connection, LOG_BURST, Listener, ListenerOptions, Name,
 };
 
-use vmm_tests::endpoint::{data_packet, finish, raw_client, send_raw, serial};
+use vmm_tests::endpoint::{data_packet, finish, raw_client, send_raw};
+use vmm_tests::turns::exclusive;
 
 const ARG_VAR: &str = "VMM_ATTACK_TEST_ARG";
 
@@ -225,7 +226,7 @@ fn sparse_sealed_memfd(size: u64) -> OwnedFd {
 
 #[test]
 fn a_spilled_frame_from_a_peer_is_refused_before_its_memfd_is_read() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("spill");
     let mut child = role("receiver", &name, "", &[]).spawn().unwrap();
     let (_, rest) = ready(&mut child);
@@ -258,7 +259,7 @@ fn a_spilled_frame_from_a_peer_is_refused_before_its_memfd_is_read() {
 
 #[test]
 fn a_packet_longer_than_any_peer_message_is_refused_and_the_connection_lives() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("long");
     let listener = Listener::bind(&name).unwrap();
     let client = raw_client(&name);
@@ -297,7 +298,7 @@ fn unshare_or_skip(test: &str) -> bool {
 
 #[test]
 fn a_listener_whose_uid_is_unmapped_refuses_unmapped_peers_unless_named() {
-    let _serial = serial();
+    let _serial = exclusive();
     if !unshare_or_skip("a_listener_whose_uid_is_unmapped_refuses_unmapped_peers_unless_named") {
         return;
     }
@@ -335,7 +336,7 @@ fn a_listener_whose_uid_is_unmapped_refuses_unmapped_peers_unless_named() {
 
 #[test]
 fn a_client_whose_uid_is_unmapped_takes_an_unmapped_listener_for_a_squatter_unless_named() {
-    let _serial = serial();
+    let _serial = exclusive();
     if !unshare_or_skip(
         "a_client_whose_uid_is_unmapped_takes_an_unmapped_listener_for_a_squatter_unless_named",
     ) {
@@ -373,7 +374,7 @@ fn a_client_whose_uid_is_unmapped_takes_an_unmapped_listener_for_a_squatter_unle
 
 #[test]
 fn a_path_listener_whose_uid_is_unmapped_cannot_trust_its_directory() {
-    let _serial = serial();
+    let _serial = exclusive();
     if !unshare_or_skip("a_path_listener_whose_uid_is_unmapped_cannot_trust_its_directory") {
         return;
     }
@@ -402,7 +403,7 @@ fn a_path_listener_whose_uid_is_unmapped_cannot_trust_its_directory() {
 
 #[test]
 fn a_refused_client_that_spoke_first_reads_the_refusal() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("spoke-first");
     let listener = Listener::bind_with(
         &name,
@@ -438,7 +439,7 @@ fn a_refused_client_that_spoke_first_reads_the_refusal() {
 
 #[test]
 fn a_flood_of_refused_connections_writes_a_bounded_log() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("flood");
     let mut child = role("flood-listener", &name, "", &[])
         .stdin(Stdio::piped())
@@ -517,7 +518,7 @@ fn thread_states(name: &str) -> Vec<String> {
 
 #[test]
 fn a_hostile_fd_whose_close_blocks_does_not_hold_up_a_receive() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("linger");
     let listener = Listener::bind(&name).unwrap();
     let client = raw_client(&name);

@@ -5,7 +5,7 @@
 //!
 //! No GPU is needed: a fabric descriptor is plain data (`FabricDescriptor::from_handles`),
 //! and importing one is `fabric_local`'s (GPU) business. The tests count fds, so they run one
-//! at a time (`serial()`).
+//! at a time (`vmm_tests::turns::exclusive()`).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -21,7 +21,8 @@ use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::endpoint::{Connection, Listener, MAX_CHUNKS, Name, PROTOCOL_VERSION};
 
-use vmm_tests::endpoint::{data_packet, raw_client, send_raw, serial};
+use vmm_tests::endpoint::{data_packet, raw_client, send_raw};
+use vmm_tests::turns::exclusive;
 
 const G: usize = 2 << 20;
 
@@ -121,7 +122,7 @@ fn protocol_error<T: std::fmt::Debug>(result: vmm_core::Result<T>, words: &str) 
 
 #[test]
 fn a_fabric_descriptor_crosses_a_named_endpoint_beside_version_1_messages() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("round-trip");
     let before = settled_open_fds().unwrap();
     {
@@ -235,7 +236,7 @@ where
 
 #[test]
 fn a_fabric_descriptor_crosses_tcp_loopback_and_a_unix_stream() {
-    let _serial = serial();
+    let _serial = exclusive();
     let before = settled_open_fds().unwrap();
     {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -270,7 +271,7 @@ fn stream_bytes_are_endpoint_bytes() {
 
 #[test]
 fn hostile_version_2_messages_on_an_endpoint_are_refused_by_rule_and_nothing_leaks() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("hostile");
     let listener = Listener::bind(&name).unwrap();
     let warm = raw_client(&name);

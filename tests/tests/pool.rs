@@ -15,21 +15,11 @@ use vmm_core::process::{Pool, StartMethod, ensure_running, warm_pool};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::Queue;
+use vmm_tests::turns::{exclusive, shared};
 
 use vmm_tests::process_table::{gone_within, state};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Tests that count this process's fds run alone; the rest share.
-static EXCLUSIVE: std::sync::RwLock<()> = std::sync::RwLock::new(());
-
-fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
-    EXCLUSIVE.read().unwrap_or_else(|e| e.into_inner())
-}
-
-fn exclusive() -> std::sync::RwLockWriteGuard<'static, ()> {
-    EXCLUSIVE.write().unwrap_or_else(|e| e.into_inner())
-}
 
 fn square(n: u64) -> (u32, u64) {
     (std::process::id(), n * n)

@@ -22,6 +22,7 @@ use vmm_core::Error;
 use vmm_core::process::{Context, ExitStatus, StartMethod, ensure_running, forkserver_pid};
 use vmm_core::testing::{open_fds, settled_open_fds};
 use vmm_core::wire::{Fd, Queue};
+use vmm_tests::turns::{exclusive, shared};
 
 use vmm_tests::process_table::{gone_within, state};
 
@@ -29,17 +30,6 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How much longer than its timeout a join may take: the kill, the reap, a loaded machine.
 const JOIN_MARGIN: Duration = Duration::from_secs(4);
-
-/// Tests that count this process's fds or kill its forkserver run alone; the rest share.
-static EXCLUSIVE: std::sync::RwLock<()> = std::sync::RwLock::new(());
-
-fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
-    EXCLUSIVE.read().unwrap_or_else(|e| e.into_inner())
-}
-
-fn exclusive() -> std::sync::RwLockWriteGuard<'static, ()> {
-    EXCLUSIVE.write().unwrap_or_else(|e| e.into_inner())
-}
 
 fn noop(_: ()) {}
 
