@@ -6,18 +6,17 @@ use std::time::Duration;
 use rstest::rstest;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use vmm_core::Error;
-use vmm_core::process::{Pool, StartMethod};
-use vmm_core::shm::{HostBuffer, HostDescriptor};
-use vmm_tests::turns::shared;
-
-use super::{TIMEOUT, next_worker, run_task};
-
 use vmm_core::SharedBuffer;
 use vmm_core::cuda::{
     Device, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource,
 };
+use vmm_core::process::{Pool, StartMethod};
+use vmm_core::shm::{HostBuffer, HostDescriptor};
 use vmm_core::testing::{cuda_vmm_ipc, skip_unless};
+use vmm_tests::turns::shared;
 use vmm_tests::{contents, pattern};
+
+use super::{TIMEOUT, next_worker, run_task};
 
 /// The buffer scenarios' deadline for a task (a fresh worker's first CUDA import included).
 const BUFFER_TIMEOUT: Duration = Duration::from_secs(60);

@@ -13,13 +13,11 @@ use vmm_core::process::{Pool, StartMethod, ensure_running, warm_pool};
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::Queue;
+use vmm_tests::process_table::{gone_within, state};
 use vmm_tests::turns::{exclusive, shared};
 
-use vmm_tests::process_table::{gone_within, state};
-
-use super::{TIMEOUT, my_pid, next_worker, run_task};
-
 use super::arguments::fill_and_count;
+use super::{TIMEOUT, my_pid, next_worker, run_task};
 
 fn print_and_return(word: String) -> String {
     println!("task says {word}");
