@@ -14,7 +14,7 @@ use vmm_core::cuda::{
     VirtualMemoryResource,
 };
 use vmm_core::ipc_test;
-use vmm_core::process::Context;
+use vmm_core::process::{Context, Process};
 use vmm_core::testing::open_fds;
 use vmm_core::wire::Queue;
 use vmm_core::{Error, Result};
@@ -145,16 +145,26 @@ fn take_after_go(args: (Queue<()>, Queue<VirtualMemoryBuffer>)) {
     assert_eq!(contents(&buf), pattern(1, buf.size()));
 }
 
-#[ipc_test(skip_unless = vmm_core::testing::cuda_fabric())]
-fn a_sent_fabric_buffer_outlives_its_senders_handles(ctx: &Context) {
-    let _turn = shared();
+/// A child started on [`take_after_go`], a fabric buffer of `chunks` chunks sent to it (in
+/// flight until the child takes it), and the queue that lets the child go on.
+fn send_to_a_child_that_waits(
+    ctx: &Context,
+    chunks: usize,
+) -> (Process, Queue<()>, VirtualMemoryBuffer) {
     let go = Queue::new().unwrap();
     let buffers = Queue::new().unwrap();
     let child = ctx
         .spawn(take_after_go, (go.clone(), buffers.clone()))
         .unwrap();
-    let buf = filled_fabric(3);
+    let buf = filled_fabric(chunks);
     buffers.put(&buf).unwrap();
+    (child, go, buf)
+}
+
+#[ipc_test(skip_unless = vmm_core::testing::cuda_fabric())]
+fn a_sent_fabric_buffer_outlives_its_senders_handles(ctx: &Context) {
+    let _turn = shared();
+    let (child, go, buf) = send_to_a_child_that_waits(ctx, 3);
     // The sender lets go of every handle before the child even looks: the sending process
     // keeps the memory until the child has imported it, as an fd in flight would.
     drop(buf);
@@ -166,13 +176,7 @@ fn a_sent_fabric_buffer_outlives_its_senders_handles(ctx: &Context) {
 #[ipc_test(skip_unless = vmm_core::testing::cuda_fabric())]
 fn wait_imported_returns_once_the_child_has_imported(ctx: &Context) {
     let _turn = shared();
-    let go = Queue::new().unwrap();
-    let buffers = Queue::new().unwrap();
-    let child = ctx
-        .spawn(take_after_go, (go.clone(), buffers.clone()))
-        .unwrap();
-    let buf = filled_fabric(1);
-    buffers.put(&buf).unwrap();
+    let (child, go, buf) = send_to_a_child_that_waits(ctx, 1);
     assert_eq!(buf.pending_imports(), 1);
     let err = buf.wait_imported(Duration::from_millis(100)).unwrap_err();
     assert!(

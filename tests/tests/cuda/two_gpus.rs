@@ -17,6 +17,17 @@ use vmm_tests::{check, contents, pattern, with_context_of};
 
 use super::{TIMEOUT, fabric_resource};
 
+/// Register an importer of `home` that maps arriving buffers read-write for `peer` too.
+fn map_arrivals_for_the_peer_too(home: &Device, peer: &Device) {
+    set_importer(
+        &VirtualMemoryResource::new(
+            home,
+            ResourceOptions::default().peer(peer.ordinal(), Access::ReadWrite),
+        )
+        .unwrap(),
+    );
+}
+
 fn import_on_the_other_device(args: (IpcDescriptor, String)) {
     let (descriptor, exporter_uuid) = args;
     // CUDA_VISIBLE_DEVICES=1,0 here: this process's device 0 is the exporter's device 1, and
@@ -40,13 +51,7 @@ fn import_on_the_other_device(args: (IpcDescriptor, String)) {
             .is_empty()
     );
     // Register an importer that maps arriving buffers for the peer too.
-    set_importer(
-        &VirtualMemoryResource::new(
-            &home,
-            ResourceOptions::default().peer(peer.ordinal(), Access::ReadWrite),
-        )
-        .unwrap(),
-    );
+    map_arrivals_for_the_peer_too(&home, &peer);
     assert_eq!(
         importer(&home, Location::Device).unwrap().options().peers,
         [PeerAccess {
@@ -146,13 +151,7 @@ fn fabric_import_on_the_other_device(args: (FabricDescriptor, FabricDescriptor, 
     assert_eq!(contents(&other), pattern(5, other.size()));
 
     // Arriving buffers for `home` are mapped for the peer too.
-    set_importer(
-        &VirtualMemoryResource::new(
-            &home,
-            ResourceOptions::default().peer(peer.ordinal(), Access::ReadWrite),
-        )
-        .unwrap(),
-    );
+    map_arrivals_for_the_peer_too(&home, &peer);
     assert_eq!(
         importer(&home, Location::Device)
             .unwrap()
