@@ -1,4 +1,4 @@
-"""Roles the Rust tests (tests/tests/peer_python.rs, peer_python_fabric.rs) run as separate Python processes.
+"""Roles the Rust tests (tests/tests/peer_python/) run as separate Python processes.
 
     python3 peer_roles.py ROLE ARGS...
 

@@ -1,4 +1,10 @@
-//! Shared helpers of the scenario suite (a downstream crate's view of vmm-core).
+//! Shared helpers of the test suite (a downstream crate's view of vmm-core): every test target
+//! in `tests/tests` takes what it shares from here, and only from here.
+
+pub mod endpoint;
+pub mod fuzz;
+pub mod process_table;
+pub mod turns;
 
 use std::process::{Command, Output};
 

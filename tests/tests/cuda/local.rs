@@ -1,38 +1,36 @@
-//! Same-process GPU tests of `vmm_core::cuda`: allocate, copy, grow, export and import, and the
-//! fd accounting rules (a buffer holds no fd, a descriptor one per chunk, an import none).
+//! Same-process GPU tests of `vmm_core::cuda`: allocate, copy, export and import (growing is
+//! `grow`'s), and the fd accounting rules (a buffer holds no fd, a descriptor one per chunk, an
+//! import none).
 //!
 //! Each test first checks `cuda_vmm_ipc()`: without a usable GPU it prints one
 //! `SKIP <test>: <reason>` line and passes, unless `VMM_REQUIRE_GPU=1`, which makes it fail.
 
 use std::collections::BTreeSet;
-use std::sync::{Mutex, MutexGuard};
 
 use vmm_core::Error;
 use vmm_core::cuda::{
     Device, Granularity, HandleType, IpcDescriptor, Location, ResourceOptions, VirtualMemoryBuffer,
     VirtualMemoryResource, importer, set_importer,
 };
-use vmm_core::testing::{cuda_devices, cuda_vmm_ipc, skip_unless};
+use vmm_core::testing::cuda_vmm_ipc;
 
-/// The tests count this process's fds, so they run one at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
+use super::{alone, invalid, ipc, read, resource};
 
-/// `Some(guard)` when the GPU tests can run; otherwise skips (or fails under
-/// `VMM_REQUIRE_GPU=1`) with the reason.
-fn require_gpu() -> Option<MutexGuard<'static, ()>> {
-    require(cuda_vmm_ipc())
+pub(super) fn open_fds() -> usize {
+    vmm_core::testing::open_fds().unwrap()
 }
 
-/// [`require_gpu`] for another requirement (e.g. `cuda_devices(2)`).
-fn require(requirement: Result<(), String>) -> Option<MutexGuard<'static, ()>> {
-    skip_unless(requirement).then(|| SERIAL.lock().unwrap_or_else(|e| e.into_inner()))
+pub(super) fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
 }
 
 /// The start of an address range of at least `granules` of `r`'s granules that nothing holds:
 /// a fresh allocation's range (which the driver chose free), given back at once. A reservation
 /// hinted there finds the range free, and so does one hinted right after a buffer placed there.
-/// The tests of this file run one at a time (`SERIAL`), so nothing else reserves meanwhile.
-fn free_range(r: &VirtualMemoryResource, granules: usize) -> u64 {
+/// The same-process tests run alone (`alone`), so nothing else reserves meanwhile.
+pub(super) fn free_range(r: &VirtualMemoryResource, granules: usize) -> u64 {
     let g = r.granularity();
     let probe = r.allocate((granules + 1) * g).unwrap();
     let start = probe.device_ptr().next_multiple_of(g as u64);
@@ -40,48 +38,9 @@ fn free_range(r: &VirtualMemoryResource, granules: usize) -> u64 {
     start
 }
 
-fn resource() -> VirtualMemoryResource {
-    VirtualMemoryResource::new(&Device::new(0).unwrap(), ResourceOptions::default()).unwrap()
-}
-
-fn open_fds() -> usize {
-    vmm_core::testing::open_fds().unwrap()
-}
-
-fn read(buf: &VirtualMemoryBuffer, offset: usize, len: usize) -> Vec<u8> {
-    let mut out = vec![0; len];
-    buf.read_at(offset, &mut out).unwrap();
-    out
-}
-
-/// The rule text of a refusal made before anything was done ([`Error::is_refusal`]; any other
-/// outcome fails the test).
-#[track_caller]
-fn invalid<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> String {
-    match result {
-        Err(refusal) if refusal.is_refusal() => refusal.to_string(),
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-}
-
-/// The parts of an `Error::Ipc` (any other outcome fails the test).
-#[track_caller]
-fn ipc<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> (String, String, Error) {
-    match result {
-        Err(Error::Ipc { op, step, source }) => (op.to_string(), step.to_string(), *source),
-        other => panic!("expected Error::Ipc, got {other:?}"),
-    }
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
-}
-
 #[test]
 fn allocate_fill_and_copy() {
-    let Some(_gpu) = require_gpu() else {
+    let Some(_gpu) = alone(cuda_vmm_ipc()) else {
         return;
     };
     let r = resource();
@@ -120,209 +79,8 @@ fn allocate_fill_and_copy() {
 }
 
 #[test]
-fn grow_in_place_and_by_relocation_are_each_forced() {
-    let Some(_gpu) = require_gpu() else {
-        return;
-    };
-    let device = Device::new(0).unwrap();
-    let r = resource();
-    let g = r.granularity();
-    // Host memory first: between finding a free range and the grows below, nothing else of
-    // this process should be placed (large host allocations are mappings too).
-    let (first, second, third) = (pattern(g, 1), pattern(g, 2), pattern(g, 3));
-
-    // In place: the buffer starts a free range, so the range right after it is free too.
-    let here = VirtualMemoryResource::new(
-        &device,
-        ResourceOptions::default().address_hint(free_range(&r, 8)),
-    )
-    .unwrap();
-    let a = here.allocate(g).unwrap();
-    let b = here.grow(&a, 2 * g).unwrap();
-    // By relocation: another allocation takes the range right after `b` (asked for there; if
-    // the driver put it elsewhere, the assert below says where).
-    let after_b = b.device_ptr() + b.capacity() as u64;
-    let blocker = VirtualMemoryResource::new(
-        &device,
-        ResourceOptions::default()
-            .granularity(Granularity::Minimum)
-            .address_hint(after_b),
-    )
-    .unwrap()
-    .allocate(g)
-    .unwrap();
-    let c = here.grow(&b, 3 * g).unwrap();
-
-    // `a` still holds its range, so a relocated `b` could not start where `a` does.
-    assert_eq!(
-        b.device_ptr(),
-        a.device_ptr(),
-        "with the range after the buffer free, grow is in place (same address)"
-    );
-    assert_eq!(b.chunk_sizes(), vec![g, g], "in place adds one chunk");
-    assert_eq!(b.capacity(), 2 * g);
-    a.write_at(0, &first).unwrap();
-    b.write_at(g, &second).unwrap();
-    assert_eq!(read(&b, 0, g), first);
-    assert_eq!(read(&b, g, g), second);
-    // The input stays valid and shares the first chunk (the same mapping, in place).
-    a.write_at(0, &[9; 16]).unwrap();
-    assert_eq!(read(&b, 0, 16), [9; 16]);
-    b.write_at(g - 8, &[7; 16]).unwrap(); // across the chunk boundary
-    assert_eq!(read(&a, g - 8, 8), [7; 8]);
-    assert_eq!(read(&b, g - 8, 16), [7; 16]);
-
-    // `b` still holds its range too: only an in-place grow could keep its address.
-    assert_ne!(
-        c.device_ptr(),
-        b.device_ptr(),
-        "with the range after the buffer taken (wanted at {after_b:#x}, the blocker is at {:#x}), \
-         grow relocates",
-        blocker.device_ptr()
-    );
-    assert_eq!(
-        c.chunk_sizes(),
-        vec![g, g, g],
-        "relocation maps every chunk"
-    );
-    let (c_start, c_end) = (c.device_ptr(), c.device_ptr() + 3 * g as u64);
-    let (b_start, b_end) = (b.device_ptr(), b.device_ptr() + 2 * g as u64);
-    assert!(
-        c_end <= b_start || b_end <= c_start,
-        "the relocated range [{c_start:#x}, {c_end:#x}) is new, apart from [{b_start:#x}, \
-         {b_end:#x})"
-    );
-    c.write_at(2 * g, &third).unwrap();
-    let mut whole = read(&b, 0, 2 * g);
-    whole.extend(&third);
-    assert_eq!(
-        read(&c, 0, 3 * g),
-        whole,
-        "the old chunks read the same at the new address"
-    );
-    // Both old chunks are remapped, not copied: writes through the new range reach the old one.
-    c.write_at(0, &[5; 4]).unwrap();
-    c.write_at(2 * g - 4, &[6; 4]).unwrap();
-    assert_eq!(read(&a, 0, 4), [5; 4]);
-    assert_eq!(read(&b, 2 * g - 4, 4), [6; 4]);
-
-    // A grown buffer exports as its chunks and imports as one contiguous range.
-    let d = c.export().unwrap();
-    assert_eq!(d.chunk_sizes(), &[g, g, g]);
-    let imported = r.import(&d).unwrap();
-    assert_eq!(read(&imported, 0, 3 * g), read(&c, 0, 3 * g));
-
-    // Grow keeps rules: no shrinking, same handle type, no growing an import.
-    let m = invalid(r.grow(&c, g));
-    assert_eq!(
-        m,
-        format!(
-            "grow: new size {g} is smaller than the buffer's size {}; grow never shrinks",
-            3 * g
-        )
-    );
-    let none = VirtualMemoryResource::new(
-        &device,
-        ResourceOptions::default().handle_type(HandleType::None),
-    )
-    .unwrap();
-    let m = invalid(none.grow(&c, 4 * g));
-    assert_eq!(
-        m,
-        "grow: the buffer's handle type is PosixFd, this resource's option `handle_type` is None; \
-         the handle type cannot change across a grow"
-    );
-    let m = invalid(r.grow(&imported, 4 * g));
-    assert_eq!(
-        m,
-        "grow: an imported buffer cannot be grown: its chunks belong to the exporter; grow it \
-         there and send the new buffer"
-    );
-    let m = invalid(none.allocate(1).unwrap().export());
-    assert_eq!(
-        m,
-        "export: the buffer was allocated with handle type None; create its \
-         VirtualMemoryResource with HandleType::PosixFd to share it"
-    );
-    // Within capacity: the same mapping, a larger size.
-    let small = r.allocate(1).unwrap();
-    let same = r.grow(&small, g).unwrap();
-    assert_eq!(same.device_ptr(), small.device_ptr());
-    assert_eq!((same.size(), same.chunk_sizes()), (g, vec![g]));
-    drop((a, b, blocker));
-    assert_eq!(
-        read(&c, 0, 4),
-        [5; 4],
-        "chunks outlive the buffers they came from"
-    );
-}
-
-#[test]
-fn grow_onto_another_device_is_refused() {
-    let Some(_gpu) = require(cuda_devices(2)) else {
-        return;
-    };
-    let r = resource();
-    let g = r.granularity();
-    let other =
-        VirtualMemoryResource::new(&Device::new(1).unwrap(), ResourceOptions::default()).unwrap();
-    let buf = r.allocate(g).unwrap();
-    buf.fill(0x3c).unwrap();
-    let before = open_fds();
-    let m = invalid(other.grow(&buf, 2 * g));
-    assert_eq!(
-        m,
-        "grow: the buffer is on device 0, this resource allocates on device 1"
-    );
-    assert_eq!(open_fds(), before, "a refused grow takes no fd");
-    // The buffer is untouched and grows on its own device.
-    let grown = r.grow(&buf, 2 * g).unwrap();
-    assert_eq!(read(&grown, g - 1, 1), [0x3c]);
-}
-
-#[test]
-fn grow_with_another_location_is_refused() {
-    let Some(_gpu) = require_gpu() else {
-        return;
-    };
-    let device = Device::new(0).unwrap();
-    let r = resource();
-    let g = r.granularity();
-    let host_options = ResourceOptions::default()
-        .location(Location::HostNuma(0))
-        // The location rule is checked first; no host chunk is ever made here, so the
-        // handle type that host memory supports does not matter.
-        .handle_type(HandleType::None);
-    if !device.supports_host_numa_vmm().unwrap() {
-        // No resource can have another location on this device: that is refused up front.
-        let m = invalid(VirtualMemoryResource::new(&device, host_options));
-        assert_eq!(
-            m,
-            format!(
-                "option `location`: host NUMA node 0 is not offered by the driver on device 0 \
-                 ({})",
-                device.name()
-            )
-        );
-        eprintln!(
-            "note: device 0 has no host NUMA VMM; only the up-front refusal of the location ran"
-        );
-        return;
-    }
-    let host = VirtualMemoryResource::new(&device, host_options).unwrap();
-    let buf = r.allocate(g).unwrap();
-    let before = open_fds();
-    let m = invalid(host.grow(&buf, 2 * g));
-    assert_eq!(
-        m,
-        "grow: the buffer's location is Device, this resource's option `location` is HostNuma(0)"
-    );
-    assert_eq!(open_fds(), before, "a refused grow takes no fd");
-}
-
-#[test]
 fn export_import_alias_sees_writes_both_ways() {
-    let Some(_gpu) = require_gpu() else {
+    let Some(_gpu) = alone(cuda_vmm_ipc()) else {
         return;
     };
     let r = resource();
@@ -351,7 +109,7 @@ fn export_import_alias_sees_writes_both_ways() {
 
 #[test]
 fn imported_buffer_cannot_be_exported_again() {
-    let Some(_gpu) = require_gpu() else {
+    let Some(_gpu) = alone(cuda_vmm_ipc()) else {
         return;
     };
     let r = resource();
@@ -376,7 +134,7 @@ fn imported_buffer_cannot_be_exported_again() {
 
 #[test]
 fn malformed_descriptors_are_refused_and_nothing_stays_mapped() {
-    let Some(_gpu) = require_gpu() else {
+    let Some(_gpu) = alone(cuda_vmm_ipc()) else {
         return;
     };
     let r = resource();
@@ -463,7 +221,7 @@ fn malformed_descriptors_are_refused_and_nothing_stays_mapped() {
 /// and `cuMemMap` documents that offset + size must lie within the allocation.
 #[test]
 fn a_map_failure_rolls_back_the_reservation_the_mappings_and_the_fds() {
-    let Some(_gpu) = require_gpu() else {
+    let Some(_gpu) = alone(cuda_vmm_ipc()) else {
         return;
     };
     let device = Device::new(0).unwrap();
@@ -521,7 +279,7 @@ fn a_map_failure_rolls_back_the_reservation_the_mappings_and_the_fds() {
 
 #[test]
 fn fds_exist_only_while_a_descriptor_lives() {
-    let Some(_gpu) = require_gpu() else {
+    let Some(_gpu) = alone(cuda_vmm_ipc()) else {
         return;
     };
     let r = resource();
@@ -593,7 +351,7 @@ fn limit_leaving(free: usize) -> u64 {
 #[test]
 fn export_at_the_fd_limit_is_fd_limit_and_leaks_nothing() {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
-    let Some(_gpu) = require_gpu() else {
+    let Some(_gpu) = alone(cuda_vmm_ipc()) else {
         return;
     };
     let r = resource();
@@ -606,7 +364,7 @@ fn export_at_the_fd_limit_is_fd_limit_and_leaks_nothing() {
     let baseline = open_fds();
     let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
     // Room for two more fds: chunks 1 and 2 export, a later one hits the limit. The other
-    // tests of this file are serialised by `SERIAL`; the limit is restored before any assert.
+    // same-process tests run alone (`alone`); the limit is restored before any assert.
     let low = limit_leaving(2);
     assert!(low < soft, "the limit {soft} leaves fewer than 2 fds free");
     setrlimit(Resource::RLIMIT_NOFILE, low, hard).unwrap();
@@ -646,7 +404,7 @@ impl Drop for RestoreDefaultImporter {
 
 #[test]
 fn arriving_buffers_are_imported_into_the_registered_importer() {
-    let Some(_gpu) = require_gpu() else {
+    let Some(_gpu) = alone(cuda_vmm_ipc()) else {
         return;
     };
     let device = Device::new(0).unwrap();
@@ -724,7 +482,7 @@ fn arriving_buffers_are_imported_into_the_registered_importer() {
 /// calling thread's context as it found it (here: none, on a fresh thread).
 #[test]
 fn the_calling_threads_context_is_left_as_it_was() {
-    let Some(_gpu) = require_gpu() else {
+    let Some(_gpu) = alone(cuda_vmm_ipc()) else {
         return;
     };
     std::thread::spawn(|| {

@@ -1,7 +1,6 @@
-//! `Pool` on the host path, under every start method: typed results, arguments imported for
-//! the task and released when it ends (fds and mappings counted in the worker between tasks),
-//! a panicking or dying worker fails only its own task and is replaced, timeouts and
-//! cancellation kill the task's worker, dropping the pool kills and reaps every worker.
+//! Failures: a panicking or dying worker fails only its own task and is replaced; no task
+//! runs twice; timeouts and cancellation kill the task's worker; dropping the pool kills and
+//! reaps every worker; the parent's fds stay as they were throughout.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -9,236 +8,16 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use rstest::rstest;
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use vmm_core::Error;
-use vmm_core::error::DescriptorRule;
 use vmm_core::process::{Pool, StartMethod, WarmPool, ensure_running};
-use vmm_core::shm::{HostBuffer, HostDescriptor};
+use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::Queue;
+use vmm_tests::process_table::{gone_within, state};
+use vmm_tests::turns::{exclusive, shared};
 
-#[path = "common/process_table.rs"]
-mod process_table;
-use process_table::{gone_within, state};
-
-const TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Tests that count this process's fds run alone; the rest share.
-static EXCLUSIVE: std::sync::RwLock<()> = std::sync::RwLock::new(());
-
-fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
-    EXCLUSIVE.read().unwrap_or_else(|e| e.into_inner())
-}
-
-fn exclusive() -> std::sync::RwLockWriteGuard<'static, ()> {
-    EXCLUSIVE.write().unwrap_or_else(|e| e.into_inner())
-}
-
-fn square(n: u64) -> (u32, u64) {
-    (std::process::id(), n * n)
-}
-
-#[rstest]
-fn tasks_return_typed_results_from_the_workers(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
-    let _guard = shared();
-    let pool = Pool::new(method, 2).unwrap();
-    assert_eq!(pool.method(), method);
-    let workers: BTreeSet<u32> = pool.pids().into_iter().collect();
-    assert_eq!(workers.len(), 2);
-    let tasks: Vec<_> = (0..8u64).map(|n| pool.submit(square, n).unwrap()).collect();
-    let mut ran_in = BTreeSet::new();
-    for (n, task) in tasks.into_iter().enumerate() {
-        let (pid, squared) = task.join(TIMEOUT).unwrap();
-        assert_eq!(squared, (n * n) as u64);
-        ran_in.insert(pid);
-    }
-    assert!(
-        ran_in.is_subset(&workers),
-        "tasks ran outside the workers: {ran_in:?} vs {workers:?}"
-    );
-    assert!(!ran_in.contains(&std::process::id()));
-    // The workers were reused: no task needed a new process.
-    assert_eq!(pool.pids().into_iter().collect::<BTreeSet<_>>(), workers);
-}
-
-#[rstest]
-fn tasks_joined_from_several_threads_all_get_their_own_results(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
-    let _guard = shared();
-    let pool = Pool::new(method, 2).unwrap();
-    std::thread::scope(|scope| {
-        let threads: Vec<_> = (0..6u64)
-            .map(|t| {
-                let pool = &pool;
-                scope.spawn(move || {
-                    // Submitted together, joined in reverse: results arrive for other threads'
-                    // tasks while each thread waits for its own.
-                    let tasks: Vec<_> = (0..5u64)
-                        .map(|i| (t * 100 + i, pool.submit(square, t * 100 + i).unwrap()))
-                        .collect();
-                    for (n, task) in tasks.into_iter().rev() {
-                        assert_eq!(task.join(TIMEOUT).unwrap().1, n * n);
-                    }
-                })
-            })
-            .collect();
-        for thread in threads {
-            thread.join().unwrap();
-        }
-    });
-}
-
-fn sleep_ms(ms: u64) -> u64 {
-    std::thread::sleep(Duration::from_millis(ms));
-    ms
-}
-
-#[rstest]
-fn a_quick_task_is_not_held_up_by_a_slow_one_joined_first(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
-    let _guard = shared();
-    let pool = Pool::new(method, 2).unwrap();
-    let slow = pool.submit(sleep_ms, 2000).unwrap();
-    std::thread::scope(|scope| {
-        // This thread waits first, so it is the one reading the workers.
-        let slow = scope.spawn(move || slow.join(TIMEOUT).unwrap());
-        std::thread::sleep(Duration::from_millis(100));
-        let t = Instant::now();
-        assert_eq!(pool.submit(sleep_ms, 1).unwrap().join(TIMEOUT).unwrap(), 1);
-        assert!(
-            t.elapsed() < Duration::from_millis(1000),
-            "the quick task waited for the slow one: {:?}",
-            t.elapsed()
-        );
-        assert_eq!(slow.join().unwrap(), 2000);
-    });
-}
-
-/// This worker's open fds and memfd mappings (HostBuffers are memfds).
-fn counts() -> (usize, usize) {
-    let fds = std::fs::read_dir("/proc/self/fd").unwrap().count() - 1;
-    let maps = std::fs::read_to_string("/proc/self/maps")
-        .unwrap()
-        .lines()
-        .filter(|line| line.contains("memfd:"))
-        .count();
-    (fds, maps)
-}
-
-fn report_counts(_: ()) -> (usize, usize) {
-    counts()
-}
-
-/// Fill the buffer and report the counts while it is held.
-fn fill_and_count(args: (HostBuffer, u8)) -> (usize, usize) {
-    args.0.fill(args.1).unwrap();
-    counts()
-}
-
-/// Hold the descriptor (one fd) and the buffer imported from it; report the counts.
-fn import_and_count(descriptor: HostDescriptor) -> (usize, usize) {
-    let buf = HostBuffer::import(&descriptor).unwrap();
-    assert_eq!(buf.to_vec()[0], 0x11);
-    counts()
-}
-
-/// Give back a descriptor of a fresh buffer: a result that carries an fd.
-fn make_buffer(len: usize) -> HostDescriptor {
-    let buf = HostBuffer::new(len).unwrap();
-    buf.fill(0x77).unwrap();
-    buf.export().unwrap()
-}
-
-#[rstest]
-fn arguments_are_imported_for_the_task_and_released_when_it_ends(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
-    let _guard = shared();
-    let pool = Pool::new(method, 1).unwrap();
-    let baseline = pool
-        .submit(report_counts, ())
-        .unwrap()
-        .join(TIMEOUT)
-        .unwrap();
-    let buf = HostBuffer::new(1 << 20).unwrap();
-    for round in 0..3u8 {
-        let during = pool
-            .submit(fill_and_count, (buf.clone(), round))
-            .unwrap()
-            .join(TIMEOUT)
-            .unwrap();
-        assert_eq!(
-            during.1,
-            baseline.1 + 1,
-            "the buffer was mapped in the worker while the task ran"
-        );
-        assert!(buf.to_vec().iter().all(|&b| b == round));
-        let after = pool
-            .submit(report_counts, ())
-            .unwrap()
-            .join(TIMEOUT)
-            .unwrap();
-        assert_eq!(
-            after, baseline,
-            "the task's buffer outlived it in the worker"
-        );
-    }
-    buf.fill(0x11).unwrap();
-    let during = pool
-        .submit(import_and_count, buf.export().unwrap())
-        .unwrap()
-        .join(TIMEOUT)
-        .unwrap();
-    assert_eq!(during.1, baseline.1 + 1);
-    assert!(
-        during.0 > baseline.0,
-        "the descriptor's fd was held in the task"
-    );
-    let after = pool
-        .submit(report_counts, ())
-        .unwrap()
-        .join(TIMEOUT)
-        .unwrap();
-    assert_eq!(after, baseline, "the descriptor's fd outlived the task");
-    // By reference: one descriptor sent to several tasks (each gets its own copy of the fd).
-    let descriptor = buf.export().unwrap();
-    for _ in 0..3 {
-        let during = pool
-            .submit(import_and_count, &descriptor)
-            .unwrap()
-            .join(TIMEOUT)
-            .unwrap();
-        assert_eq!(during.1, baseline.1 + 1);
-    }
-    drop(descriptor);
-    let after = pool
-        .submit(report_counts, ())
-        .unwrap()
-        .join(TIMEOUT)
-        .unwrap();
-    assert_eq!(
-        after, baseline,
-        "a descriptor sent by reference outlived its task"
-    );
-    // A result can carry fds too.
-    let descriptor = pool
-        .submit(make_buffer, 4096)
-        .unwrap()
-        .join(TIMEOUT)
-        .unwrap();
-    let made = HostBuffer::import(&descriptor).unwrap();
-    assert!(made.to_vec().iter().all(|&b| b == 0x77));
-    let after = pool
-        .submit(report_counts, ())
-        .unwrap()
-        .join(TIMEOUT)
-        .unwrap();
-    assert_eq!(after, baseline, "the result's buffer outlived the task");
-}
+use super::arguments::fill_and_count;
+use super::{TIMEOUT, my_pid, next_worker, run_task};
 
 fn print_and_return(word: String) -> String {
     println!("task says {word}");
@@ -279,7 +58,7 @@ fn a_panicking_task_fails_alone_and_its_worker_is_replaced(
         failure
             .panic_location
             .as_deref()
-            .is_some_and(|l| l.contains("pool.rs")),
+            .is_some_and(|l| l.contains(file!())),
         "{failure}"
     );
     assert_eq!(
@@ -309,17 +88,13 @@ fn die_by_signal(_: ()) -> u32 {
     unreachable!("killed")
 }
 
-fn my_pid(_: ()) -> u32 {
-    std::process::id()
-}
-
 #[rstest]
 fn a_worker_that_dies_fails_its_task_with_how_it_died(
     #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
 ) {
     let _guard = shared();
     let pool = Pool::new(method, 1).unwrap();
-    let first = pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap();
+    let first = next_worker(&pool);
     let Err(Error::Child(failure)) = pool.submit(die_by_signal, ()).unwrap().join(TIMEOUT) else {
         panic!("a dying worker must fail its task with Error::Child")
     };
@@ -336,7 +111,7 @@ fn a_worker_that_dies_fails_its_task_with_how_it_died(
             .contains("it ended without reporting how its function ended"),
         "{failure}"
     );
-    let next = pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap();
+    let next = next_worker(&pool);
     assert_ne!(next, first, "the task ran on the replacement");
     assert_eq!(state(first), None, "the dead worker was not reaped");
 }
@@ -350,7 +125,7 @@ fn a_worker_killed_while_idle_is_replaced_before_its_next_task(
     let idle = pool.pids()[0];
     kill(Pid::from_raw(idle as i32), Signal::SIGKILL).unwrap();
     assert!(gone_within(idle, TIMEOUT, true));
-    let ran_in = pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap();
+    let ran_in = next_worker(&pool);
     assert_ne!(ran_in, idle);
     assert_eq!(pool.pids(), [ran_in]);
     assert!(
@@ -481,10 +256,7 @@ fn a_hostile_task_that_kills_its_worker_runs_once(
         "the task ran again after its worker died"
     );
     // The pool serves on.
-    assert_ne!(
-        pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap(),
-        worker
-    );
+    assert_ne!(next_worker(&pool), worker);
 }
 
 /// A worker SIGKILLed an instant before a submit: the task may reach its channel before the
@@ -498,7 +270,7 @@ fn a_task_submitted_just_after_its_worker_was_killed_runs_elsewhere(
     for _ in 0..5 {
         let idle = pool.pids()[0];
         kill(Pid::from_raw(idle as i32), Signal::SIGKILL).unwrap();
-        let ran_in = pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap();
+        let ran_in = next_worker(&pool);
         assert_ne!(ran_in, idle);
     }
 }
@@ -543,10 +315,7 @@ fn a_task_past_its_timeout_is_killed_with_its_worker(
     assert_eq!(failure.pid, worker);
     assert_eq!(state(worker), None, "the killed worker was not reaped");
     // The pool goes on with a replacement.
-    assert_ne!(
-        pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap(),
-        worker
-    );
+    assert_ne!(next_worker(&pool), worker);
 }
 
 #[rstest]
@@ -564,10 +333,7 @@ fn dropping_an_unjoined_handle_cancels_its_task(
         None,
         "the cancelled task's worker was not reaped"
     );
-    assert_ne!(
-        pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap(),
-        worker
-    );
+    assert_ne!(next_worker(&pool), worker);
 }
 
 #[rstest]
@@ -604,61 +370,6 @@ fn dropping_the_pool_kills_and_reaps_every_worker(
     }
 }
 
-/// An argument that is refused on arrival, as an import that fails would be.
-struct Refused;
-
-impl Serialize for Refused {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_unit()
-    }
-}
-
-impl<'de> Deserialize<'de> for Refused {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        <()>::deserialize(deserializer)?;
-        Err(vmm_core::wire::deserialize_error::<D>(
-            Error::InvalidDescriptor {
-                rule: DescriptorRule::Fds,
-                message: "refused on arrival".into(),
-            },
-        ))
-    }
-}
-
-fn never_runs(_: Refused) -> u32 {
-    unreachable!("the argument is refused before the function runs")
-}
-
-#[rstest]
-fn an_argument_the_worker_cannot_receive_fails_the_task_not_the_worker(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
-    let _guard = shared();
-    let pool = Pool::new(method, 1).unwrap();
-    let worker = pool.pids()[0];
-    let Err(Error::Child(failure)) = pool.submit(never_runs, Refused).unwrap().join(TIMEOUT) else {
-        panic!("an argument that cannot be received fails the task")
-    };
-    assert!(
-        matches!(failure.not_run.as_deref(), Some(Error::InvalidDescriptor { rule: DescriptorRule::Fds, message: m })
-            if m == "refused on arrival"),
-        "{failure}"
-    );
-    assert_eq!(
-        pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap(),
-        worker
-    );
-}
-
-#[test]
-fn a_pool_needs_a_worker_and_a_function_of_this_executable() {
-    let _guard = shared();
-    assert!(matches!(
-        Pool::new(StartMethod::Spawn, 0),
-        Err(Error::InvalidOption { option, .. }) if option == "workers"
-    ));
-}
-
 #[rstest]
 fn the_parents_fds_are_stable_across_tasks_and_replacements(
     #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
@@ -670,10 +381,7 @@ fn the_parents_fds_are_stable_across_tasks_and_replacements(
     let buf = HostBuffer::new(1 << 16).unwrap();
     let before = settled_open_fds().unwrap();
     for round in 0..4u8 {
-        pool.submit(fill_and_count, (buf.clone(), round))
-            .unwrap()
-            .join(TIMEOUT)
-            .unwrap();
+        run_task(&pool, fill_and_count, (buf.clone(), round), TIMEOUT);
     }
     assert!(
         pool.submit(print_and_panic, String::from("x"))
@@ -681,7 +389,7 @@ fn the_parents_fds_are_stable_across_tasks_and_replacements(
             .join(TIMEOUT)
             .is_err()
     );
-    pool.submit(my_pid, ()).unwrap().join(TIMEOUT).unwrap();
+    next_worker(&pool);
     assert_eq!(
         settled_open_fds().unwrap(),
         before,

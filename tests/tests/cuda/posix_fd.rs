@@ -1,17 +1,18 @@
-//! The CUDA VMM scenarios, each generated for both start methods by `#[ipc_test]`. They skip
-//! (one `SKIP` line each) where no GPU with VMM IPC support is present, and fail there instead
-//! under `VMM_REQUIRE_GPU=1`, which the GPU runs set.
+//! The POSIX-fd scenarios (those the same for fabric handles are `handles`'), each generated
+//! for every start method it names by `#[ipc_test]`: fd accounting, grown and relocated
+//! buffers, refusals of malformed and re-exported descriptors, descriptors through a transport
+//! of one's own, shared and concurrent imports. They skip (one `SKIP` line each) where no GPU
+//! with VMM IPC support is present, and fail there instead under `VMM_REQUIRE_GPU=1`.
 
 use std::os::fd::AsFd;
 use std::sync::Barrier;
 use std::time::Duration;
 
-use cudarc::driver::sys;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use vmm_core::cuda::{
-    Access, Device, Granularity, HandleType, IpcDescriptor, Location, PeerAccess, ResourceOptions,
-    VirtualMemoryBuffer, VirtualMemoryResource, importer, set_importer,
+    Device, Granularity, HandleType, IpcDescriptor, Location, ResourceOptions, VirtualMemoryBuffer,
+    VirtualMemoryResource, importer,
 };
 use vmm_core::ipc_test;
 use vmm_core::process::ensure_running;
@@ -19,60 +20,19 @@ use vmm_core::process::{Context, Process};
 use vmm_core::testing::{open_fds, settled_open_fds};
 use vmm_core::wire::{Fd, Queue};
 use vmm_core::{Error, SharedBuffer};
-use vmm_tests::{check, contents, filled_in, pattern, with_context_of};
+use vmm_tests::turns::shared;
+use vmm_tests::{contents, pattern};
 
-const TIMEOUT: Duration = Duration::from_secs(60);
-
-fn resource() -> VirtualMemoryResource {
-    VirtualMemoryResource::new(&Device::new(0).unwrap(), ResourceOptions::default()).unwrap()
-}
-
-/// A buffer of `chunks` chunks of the granularity, filled with `pattern(1, ..)`.
-fn filled(chunks: usize) -> VirtualMemoryBuffer {
-    filled_in(&resource(), chunks)
-}
-
-fn read_back_and_reply(buf: VirtualMemoryBuffer) {
-    assert!(buf.is_imported());
-    assert_eq!(
-        contents(&buf),
-        pattern(1, buf.size()),
-        "child did not see the parent's pattern"
-    );
-    buf.write_at(0, &pattern(2, buf.size())).unwrap();
-}
-
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
-fn buffer_as_process_argument(ctx: &Context) {
-    let buf = filled(1);
-    ctx.spawn(read_back_and_reply, buf.clone())
-        .unwrap()
-        .wait()
-        .unwrap();
-    assert_eq!(contents(&buf), pattern(2, buf.size()));
-}
-
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
-fn buffer_through_queue(ctx: &Context) {
-    let queue: Queue<VirtualMemoryBuffer> = Queue::new().unwrap();
-    let child = ctx
-        .spawn(
-            |q: Queue<VirtualMemoryBuffer>| read_back_and_reply(q.get(TIMEOUT).unwrap()),
-            queue.clone(),
-        )
-        .unwrap();
-    let buf = filled(1);
-    queue.put(&buf).unwrap();
-    child.wait().unwrap();
-    assert_eq!(contents(&buf), pattern(2, buf.size()));
-}
+use super::handles::read_back_and_reply;
+use super::{TIMEOUT, filled, resource};
 
 #[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
 fn fd_count_returns_to_baseline(ctx: &Context) {
+    let _turn = shared();
     ensure_running().unwrap();
     let buf = filled(2);
     let before = settled_open_fds().unwrap();
-    ctx.spawn(read_back_and_reply, buf.clone())
+    ctx.spawn(read_back_and_reply, (buf.clone(), false))
         .unwrap()
         .wait()
         .unwrap();
@@ -101,6 +61,7 @@ fn read_grown(buf: VirtualMemoryBuffer) {
 
 #[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn grown_two_chunk_buffer_reads_as_one_range(ctx: &Context) {
+    let _turn = shared();
     let buf = filled(2);
     ctx.spawn(read_grown, buf.clone()).unwrap().wait().unwrap();
 }
@@ -163,6 +124,7 @@ fn refuse_malformed(descriptor: IpcDescriptor) {
 
 #[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn malformed_descriptors_are_refused(ctx: &Context) {
+    let _turn = shared();
     let buf = filled(1);
     ctx.spawn(refuse_malformed, buf.export().unwrap())
         .unwrap()
@@ -214,6 +176,7 @@ fn try_reexport(args: (VirtualMemoryBuffer, Queue<VirtualMemoryBuffer>, Queue<u8
 
 #[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn imported_buffer_is_not_exported_again(ctx: &Context) {
+    let _turn = shared();
     let buf = filled(1);
     let queue = Queue::new().unwrap();
     let ack = Queue::new().unwrap();
@@ -232,11 +195,12 @@ fn imported_buffer_is_not_exported_again(ctx: &Context) {
 
 #[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
 fn imported_buffer_as_process_argument_is_refused(ctx: &Context) {
+    let _turn = shared();
     ensure_running().unwrap();
     let buf = filled(1);
     let alias = VirtualMemoryBuffer::import(&buf.export().unwrap()).unwrap();
     let before = settled_open_fds().unwrap();
-    match ctx.spawn(read_back_and_reply, alias.clone()) {
+    match ctx.spawn(read_back_and_reply, (alias.clone(), false)) {
         Err(refused @ Error::NotExportable { .. }) => assert_eq!(
             refused.to_string(),
             format!("vmm_core::cuda::VirtualMemoryBuffer: {REEXPORT_RULE}")
@@ -250,7 +214,7 @@ fn imported_buffer_as_process_argument_is_refused(ctx: &Context) {
         "a refused spawn keeps no fd (and started nothing)"
     );
     // The exporter's own buffer goes.
-    ctx.spawn(read_back_and_reply, buf.clone())
+    ctx.spawn(read_back_and_reply, (buf.clone(), false))
         .unwrap()
         .wait()
         .unwrap();
@@ -280,6 +244,7 @@ fn importer_holds_no_fd(descriptor: IpcDescriptor) {
 
 #[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
 fn fds_live_only_in_descriptors(ctx: &Context) {
+    let _turn = shared();
     ensure_running().unwrap();
     // Initialise CUDA here first: the driver keeps its own fds (device nodes) for the process's
     // life, and this test may be the first in the binary to touch the GPU.
@@ -306,6 +271,7 @@ fn fds_live_only_in_descriptors(ctx: &Context) {
 
 #[ipc_test(methods = [spawn], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn same_process_alias_sees_writes_both_ways(_ctx: &Context) {
+    let _turn = shared();
     let buf = filled(2);
     let alias = VirtualMemoryBuffer::import(&buf.export().unwrap()).unwrap();
     assert_ne!(
@@ -321,107 +287,6 @@ fn same_process_alias_sees_writes_both_ways(_ctx: &Context) {
     // The alias outlives the original.
     drop(buf);
     assert!(contents(&alias).iter().all(|&b| b == 0x5A));
-}
-
-fn import_on_the_other_device(args: (IpcDescriptor, String)) {
-    let (descriptor, exporter_uuid) = args;
-    // CUDA_VISIBLE_DEVICES=1,0 here: this process's device 0 is the exporter's device 1, and
-    // the exporter's device 0 (where the memory lives) is device 1.
-    let peer = Device::new(0).unwrap();
-    assert_ne!(
-        peer.uuid_string(),
-        exporter_uuid,
-        "device order was not swapped"
-    );
-    let home = Device::by_uuid(&descriptor.device().unwrap().uuid).unwrap();
-    assert_eq!(home.uuid_string(), exporter_uuid);
-    assert_eq!(home.ordinal(), 1);
-
-    // Until one is registered, arriving buffers go to a default resource: no peer access.
-    assert!(
-        importer(&home, Location::Device)
-            .unwrap()
-            .options()
-            .peers
-            .is_empty()
-    );
-    // Register an importer that maps arriving buffers for the peer too.
-    set_importer(
-        &VirtualMemoryResource::new(
-            &home,
-            ResourceOptions::default().peer(peer.ordinal(), Access::ReadWrite),
-        )
-        .unwrap(),
-    );
-    assert_eq!(
-        importer(&home, Location::Device).unwrap().options().peers,
-        [PeerAccess {
-            device: peer.ordinal(),
-            access: Access::ReadWrite
-        }]
-    );
-    let buf = VirtualMemoryBuffer::import(&descriptor).unwrap();
-    assert_eq!(buf.device(), &home, "imported on the exporter's device");
-    assert_eq!(contents(&buf), pattern(1, buf.size()));
-
-    // The peer device reads and writes through the mapping, with its own context current.
-    let (ptr, size) = (buf.device_ptr(), buf.size());
-    let mut seen = vec![0u8; size];
-    let written = pattern(4, size);
-    let mut peer_access = 0;
-    with_context_of(&peer, || {
-        let location = sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: peer.ordinal() as i32,
-        };
-        // SAFETY: live out-pointer and location; `ptr` is `buf`'s mapping, alive for the call.
-        check("cuMemGetAccess (peer)", unsafe {
-            sys::cuMemGetAccess(&mut peer_access, &location, ptr)
-        });
-        // SAFETY: `ptr..ptr + size` is `buf`'s mapping, alive for the call and mapped with
-        // read-write access for `peer`; `seen` is writable for `size` bytes.
-        check("cuMemcpyDtoH (peer)", unsafe {
-            sys::cuMemcpyDtoH_v2(seen.as_mut_ptr().cast(), ptr, size)
-        });
-        // SAFETY: as above; `written` is readable for `size` bytes, and `with_context_of`
-        // synchronises before `buf` can go.
-        check("cuMemcpyHtoD (peer)", unsafe {
-            sys::cuMemcpyHtoD_v2(ptr, written.as_ptr().cast(), size)
-        });
-    });
-    assert_eq!(
-        peer_access,
-        sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE as u64,
-        "the importer granted the peer read-write access on the mapping"
-    );
-    assert_eq!(seen, pattern(1, size), "the peer read the exporter's data");
-    assert_eq!(
-        contents(&buf),
-        written,
-        "the peer's write reached the memory"
-    );
-}
-
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_devices(2))]
-fn two_gpus_import_from_the_other_device_with_peer_access(ctx: &Context) {
-    let device = Device::new(0).unwrap();
-    let resource = VirtualMemoryResource::new(
-        &device,
-        ResourceOptions::default().peer(1, Access::ReadWrite),
-    )
-    .unwrap();
-    let buf = resource.allocate(resource.granularity()).unwrap();
-    buf.write_at(0, &pattern(1, buf.size())).unwrap();
-    let child_ctx = ctx.clone().with_env("CUDA_VISIBLE_DEVICES", "1,0");
-    child_ctx
-        .spawn(
-            import_on_the_other_device,
-            (buf.export().unwrap(), device.uuid_string()),
-        )
-        .unwrap()
-        .wait()
-        .unwrap();
-    assert_eq!(contents(&buf), pattern(4, buf.size()));
 }
 
 /// Another allocation at the range right after `buf`, so that growing `buf` cannot be in place.
@@ -450,6 +315,7 @@ fn write_every_chunk(buf: VirtualMemoryBuffer) {
 
 #[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn relocated_buffer_crosses_to_a_child_that_writes_every_chunk(ctx: &Context) {
+    let _turn = shared();
     let resource = resource();
     let g = resource.granularity();
     let two = resource
@@ -492,11 +358,12 @@ fn import_from_plain_fds(args: (Vec<Fd>, Vec<usize>, usize)) {
     // Into this process's importer for device 0 (the exporter's: same CUDA_VISIBLE_DEVICES).
     let buf = VirtualMemoryBuffer::import(&descriptor).unwrap();
     drop(descriptor);
-    read_back_and_reply(buf);
+    read_back_and_reply((buf, false));
 }
 
 #[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn descriptor_fds_through_a_transport_of_ones_own(ctx: &Context) {
+    let _turn = shared();
     let buf = filled(2);
     let descriptor = buf.export().unwrap();
     let chunk_sizes = descriptor.chunk_sizes().to_vec();
@@ -536,6 +403,7 @@ fn receive_empty(args: (VirtualMemoryBuffer, Queue<VirtualMemoryBuffer>)) {
 
 #[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn empty_buffer_as_argument_and_through_queue(ctx: &Context) {
+    let _turn = shared();
     let empty = resource().allocate(0).unwrap();
     assert_eq!((empty.size(), empty.device_ptr()), (0, 0));
     let queue = Queue::new().unwrap();
@@ -559,6 +427,7 @@ fn write_half(args: (VirtualMemoryBuffer, usize)) {
 
 #[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn two_children_share_one_buffer(ctx: &Context) {
+    let _turn = shared();
     let buf = filled(2);
     let half = buf.size() / 2;
     // Both run at once: each has imported the same memory while the other writes.
@@ -607,6 +476,7 @@ fn import_from_many_threads(descriptor: IpcDescriptor) {
 
 #[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn concurrent_imports_from_several_threads(ctx: &Context) {
+    let _turn = shared();
     let buf = filled(2);
     ctx.spawn(import_from_many_threads, buf.export().unwrap())
         .unwrap()
@@ -649,6 +519,7 @@ fn check_seven(buffers: Vec<VirtualMemoryBuffer>) {
 
 #[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn seven_buffers_as_one_argument(ctx: &Context) {
+    let _turn = shared();
     let resource = resource();
     let g = resource.granularity();
     let buffers: Vec<VirtualMemoryBuffer> = seven_sizes(g)
@@ -688,6 +559,7 @@ fn roundtrip_through_trait<B: SharedBuffer>(buf: &B) {
 
 #[ipc_test(methods = [spawn], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn both_backends_share_one_shape(_ctx: &Context) {
+    let _turn = shared();
     roundtrip_through_trait(&filled(1));
     roundtrip_through_trait(&vmm_core::shm::HostBuffer::new(4096).unwrap());
 }

@@ -5,7 +5,7 @@
 //!
 //! No GPU is needed: a fabric descriptor is plain data (`FabricDescriptor::from_handles`),
 //! and importing one is `fabric_local`'s (GPU) business. The tests count fds, so they run one
-//! at a time (`serial()`).
+//! at a time (`vmm_tests::turns::exclusive()`).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -24,15 +24,13 @@ use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::endpoint::{Listener, Name};
 
-#[path = "common/endpoint_kit.rs"]
-#[allow(dead_code)] // its re-run-as-a-role helpers serve `endpoint` and `endpoint_attacks`
-mod endpoint_kit;
-use endpoint_kit::{data_packet, raw_client, send_raw, serial};
+use vmm_tests::endpoint::{data_packet, raw_client, send_raw};
+use vmm_tests::turns::exclusive;
 
 const G: usize = 2 << 20;
 
 fn unique(tag: &str) -> Name {
-    endpoint_kit::unique_name("vmm-peer-v2-test", tag)
+    vmm_tests::unique_name("peer-v2-test", tag)
 }
 
 /// A handle whose bytes are easy to spot in any text: `c0 ff ee` and a chunk number, repeated.
@@ -127,7 +125,7 @@ fn protocol_error<T: std::fmt::Debug>(result: vmm_core::Result<T>, words: &str) 
 
 #[test]
 fn a_fabric_descriptor_crosses_a_named_endpoint_beside_version_1_messages() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("round-trip");
     let before = settled_open_fds().unwrap();
     {
@@ -241,7 +239,7 @@ where
 
 #[test]
 fn a_fabric_descriptor_crosses_tcp_loopback_and_a_unix_stream() {
-    let _serial = serial();
+    let _serial = exclusive();
     let before = settled_open_fds().unwrap();
     {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -276,7 +274,7 @@ fn stream_bytes_are_endpoint_bytes() {
 
 #[test]
 fn hostile_version_2_messages_on_an_endpoint_are_refused_by_rule_and_nothing_leaks() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("hostile");
     let listener = Listener::bind(&name).unwrap();
     let warm = raw_client(&name);
@@ -450,15 +448,15 @@ fn hostile_stream_messages_are_refused_from_the_header_and_end_the_stream() {
     let took = refused_on_a_stream(&claim(1, u32::MAX), "4294967295 payload bytes");
     assert_eq!(took, 65);
     // Kinds a stream does not carry.
-    let mut cuda = endpoint_kit::header(4, 1, 1, 0, 4096);
+    let mut cuda = vmm_tests::endpoint::header(4, 1, 1, 0, 4096);
     cuda.insert(0, 0);
     cuda.extend_from_slice(&4096u64.to_le_bytes());
     let took = refused_on_a_stream(&cuda, "CUDA_VMM on a byte stream: its kind carries fds");
     assert_eq!(took, 65);
-    let mut host = endpoint_kit::header(5, 0, 0, 0, 0);
+    let mut host = vmm_tests::endpoint::header(5, 0, 0, 0, 0);
     host.insert(0, 0);
     refused_on_a_stream(&host, "HOST_MEMFD on a byte stream");
-    let mut hello = endpoint_kit::header(1, 0, 0, 0, 0);
+    let mut hello = vmm_tests::endpoint::header(1, 0, 0, 0, 0);
     hello.insert(0, 0);
     refused_on_a_stream(&hello, "HELLO on a byte stream");
     // Framing: another frame byte (vmm-core's spilled-payload framing), garbage, versions.

@@ -12,8 +12,8 @@
 //!   for a FUSE file whose server never answers), sent in a refused message, does not hold up
 //!   the receive: it is closed on the background closer.
 //!
-//! One test at a time (`serial()`), re-runs as roles and the raw peer's helpers are
-//! `endpoint_kit`'s, shared with `endpoint`.
+//! One test at a time (`vmm_tests::turns::exclusive()`); re-runs as roles and the raw peer's
+//! helpers are `vmm_tests::endpoint`'s, shared with `endpoint`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -25,15 +25,14 @@ use vmm_core::Error;
 use vmm_core::peer::Session;
 use vmm_core::wire::endpoint::{Allow, ConnectOptions, LOG_BURST, Listener, ListenerOptions, Name};
 
-#[path = "common/endpoint_kit.rs"]
-mod endpoint_kit;
-use endpoint_kit::{data_packet, finish, raw_client, send_raw, serial};
+use vmm_tests::endpoint::{data_packet, finish, raw_client, send_raw};
+use vmm_tests::turns::exclusive;
 
 const ARG_VAR: &str = "VMM_ATTACK_TEST_ARG";
 
 /// A fresh abstract name of this file's tests (`@vmm-attack-<tag>-...`).
 fn unique(tag: &str) -> Name {
-    endpoint_kit::unique_name("vmm-attack", tag)
+    vmm_tests::unique_name("attack", tag)
 }
 
 /// The kernel's overflow uid, read as the code under test reads it.
@@ -56,12 +55,12 @@ fn peak_rss_kib() -> u64 {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Roles: what a re-run of this executable does (nothing without endpoint_kit::ROLE_VAR).
+// Roles: what a re-run of this executable does (nothing without vmm_tests::endpoint::ROLE_VAR).
 
 #[test]
 #[ignore = "a role for processes the other tests start"]
 fn role_entry() {
-    let Some((role, name)) = endpoint_kit::role_and_name() else {
+    let Some((role, name)) = vmm_tests::endpoint::role_and_name() else {
         return;
     };
     let arg = std::env::var(ARG_VAR).unwrap_or_default();
@@ -157,7 +156,7 @@ fn one_line(s: &str) -> String {
 /// A command that re-runs this executable as `role` with `arg`, optionally through `wrapper`.
 fn role(role: &str, name: &Name, arg: &str, wrapper: &[&str]) -> Command {
     let exe = std::env::current_exe().unwrap();
-    let mut command = endpoint_kit::role_command(&exe, wrapper, role, name);
+    let mut command = vmm_tests::endpoint::role_command(&exe, wrapper, role, name);
     command.env(ARG_VAR, arg);
     command
 }
@@ -226,7 +225,7 @@ fn sparse_sealed_memfd(size: u64) -> OwnedFd {
 
 #[test]
 fn a_spilled_frame_from_a_peer_is_refused_before_its_memfd_is_read() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("spill");
     let mut child = role("receiver", &name, "", &[]).spawn().unwrap();
     let (_, rest) = ready(&mut child);
@@ -259,7 +258,7 @@ fn a_spilled_frame_from_a_peer_is_refused_before_its_memfd_is_read() {
 
 #[test]
 fn a_packet_longer_than_any_peer_message_is_refused_and_the_connection_lives() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("long");
     let listener = Listener::bind(&name).unwrap();
     let client = raw_client(&name);
@@ -298,7 +297,7 @@ fn unshare_or_skip(test: &str) -> bool {
 
 #[test]
 fn a_listener_whose_uid_is_unmapped_refuses_unmapped_peers_unless_named() {
-    let _serial = serial();
+    let _serial = exclusive();
     if !unshare_or_skip("a_listener_whose_uid_is_unmapped_refuses_unmapped_peers_unless_named") {
         return;
     }
@@ -336,7 +335,7 @@ fn a_listener_whose_uid_is_unmapped_refuses_unmapped_peers_unless_named() {
 
 #[test]
 fn a_client_whose_uid_is_unmapped_takes_an_unmapped_listener_for_a_squatter_unless_named() {
-    let _serial = serial();
+    let _serial = exclusive();
     if !unshare_or_skip(
         "a_client_whose_uid_is_unmapped_takes_an_unmapped_listener_for_a_squatter_unless_named",
     ) {
@@ -377,7 +376,7 @@ fn a_client_whose_uid_is_unmapped_takes_an_unmapped_listener_for_a_squatter_unle
 
 #[test]
 fn a_path_listener_whose_uid_is_unmapped_cannot_trust_its_directory() {
-    let _serial = serial();
+    let _serial = exclusive();
     if !unshare_or_skip("a_path_listener_whose_uid_is_unmapped_cannot_trust_its_directory") {
         return;
     }
@@ -405,7 +404,7 @@ fn a_path_listener_whose_uid_is_unmapped_cannot_trust_its_directory() {
 
 #[test]
 fn a_refused_client_that_spoke_first_reads_the_refusal() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("spoke-first");
     let listener = Listener::bind_with(
         &name,
@@ -441,7 +440,7 @@ fn a_refused_client_that_spoke_first_reads_the_refusal() {
 
 #[test]
 fn a_flood_of_refused_connections_writes_a_bounded_log() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("flood");
     let mut child = role("flood-listener", &name, "", &[])
         .stdin(Stdio::piped())
@@ -520,7 +519,7 @@ fn thread_states(name: &str) -> Vec<String> {
 
 #[test]
 fn a_hostile_fd_whose_close_blocks_does_not_hold_up_a_receive() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("linger");
     let listener = Listener::bind(&name).unwrap();
     let client = raw_client(&name);

@@ -8,6 +8,7 @@ use nix::fcntl::{FcntlArg, SealFlag, fcntl};
 use nix::sys::memfd::{MFdFlags, memfd_create};
 use nix::sys::socket::{ControlMessage, MsgFlags, UnixAddr, sendmsg};
 use proptest::prelude::*;
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use vmm_core::shm::HostBuffer;
 
 /// A kind of fd a hostile peer might attach.
@@ -110,4 +111,19 @@ pub fn touch_claimed(buf: &HostBuffer) {
     if let Some(last) = buf.size().checked_sub(1) {
         buf.read_at(last, &mut byte).expect("in bounds");
     }
+}
+
+/// A runner of `cases` generated inputs from `seed` (the same inputs for the same seed, so a
+/// failure reproduces), which persists no failures to files.
+pub fn seeded_runner(cases: u32, seed: u64) -> TestRunner {
+    let mut seed_bytes = [0u8; 32];
+    seed_bytes[..8].copy_from_slice(&seed.to_le_bytes());
+    TestRunner::new_with_rng(
+        Config {
+            cases,
+            failure_persistence: None,
+            ..Config::default()
+        },
+        TestRng::from_seed(RngAlgorithm::ChaCha, &seed_bytes),
+    )
 }

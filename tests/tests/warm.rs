@@ -2,31 +2,56 @@
 //! function; a waiting child that died is replaced, never handed out; the pool's fds are stable
 //! once it is warm; waiting children die with their parent.
 //!
+//! Then `warm` as a downstream crate uses it, `#[ipc_test(methods = [.., warm])]`: host buffers
+//! everywhere and, where there is a GPU, CUDA initialised in the waiting child before its
+//! function runs (skipped elsewhere; a failure under `VMM_REQUIRE_GPU=1`).
+//!
 //! Every test here uses the one process-wide warm pool, so they take turns (the pool's pids
-//! are compared before and after).
+//! are compared before and after), and each hands its turn back with the pool refilled under
+//! the environment's options.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use cudarc::driver::sys;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use vmm_core::Error;
-use vmm_core::process::{Context, DEFAULT_DEPTH, StartMethod, WarmOptions, WarmPool};
+use vmm_core::ipc_test;
+use vmm_core::process::{
+    Context, DEFAULT_DEPTH, StartMethod, WarmOptions, WarmPool, ensure_running,
+};
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::Queue;
+use vmm_tests::pattern;
 
-#[path = "common/process_table.rs"]
-mod process_table;
-use process_table::{gone_within, state};
+use vmm_tests::process_table::{gone_within, state};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
+/// A GPU child's deadline (its CUDA initialisation included).
+const CUDA_TIMEOUT: Duration = Duration::from_secs(60);
+const LEN: usize = 1 << 20;
 
-/// One test at a time: they all look at the one warm pool.
-static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// This file's tests run one at a time: they all look at the one warm pool.
+struct Turn {
+    _alone: std::sync::RwLockWriteGuard<'static, ()>,
+}
 
-fn turn() -> std::sync::MutexGuard<'static, ()> {
-    TURN.lock().unwrap_or_else(|e| e.into_inner())
+fn turn() -> Turn {
+    Turn {
+        _alone: vmm_tests::turns::exclusive(),
+    }
+}
+
+impl Drop for Turn {
+    /// Leave the pool as the `#[ipc_test]` runner leaves it for a `thread_unsafe` body: only
+    /// children of the environment's options, none for a context with extra environment, and
+    /// full (a failure here is the next test's to report).
+    fn drop(&mut self) {
+        WarmPool::global().set_options(WarmOptions::from_env().unwrap());
+        let _ = WarmPool::global().fill();
+    }
 }
 
 /// Use `depth` (no CUDA devices: this is the host path) until dropped, then the environment's
@@ -367,5 +392,89 @@ fn waiting_children_die_with_their_parent() {
             gone_within(pid, Duration::from_secs(10), true),
             "waiting child {pid} outlived its parent"
         );
+    }
+}
+
+fn read_back_and_reply(buf: HostBuffer) {
+    assert_eq!(buf.to_vec(), pattern(1, buf.size()));
+    buf.write_at(0, &pattern(2, buf.size())).unwrap();
+}
+
+#[ipc_test(methods = [spawn, forkserver, warm])]
+fn host_buffer_as_argument(ctx: &Context) {
+    let _turn = turn();
+    let buf = HostBuffer::new(LEN).unwrap();
+    buf.write_at(0, &pattern(1, LEN)).unwrap();
+    ctx.spawn(read_back_and_reply, buf.clone())
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(buf.to_vec(), pattern(2, LEN));
+}
+
+#[ipc_test(methods = [warm], thread_unsafe = "counts the process's open fds")]
+fn a_thread_unsafe_warm_test_starts_with_the_pool_full(ctx: &Context) {
+    let _turn = turn();
+    assert_eq!(ctx.method(), StartMethod::Warm);
+    // The runner filled the pool before the body: the waiting children are there, and the fd
+    // baseline taken now includes them.
+    let waiting = WarmPool::global().pids();
+    assert_eq!(
+        waiting.len(),
+        WarmPool::global().options().depth(),
+        "the pool was not filled before the body"
+    );
+    ensure_running().unwrap();
+    let buf = HostBuffer::new(LEN).unwrap();
+    buf.write_at(0, &pattern(1, LEN)).unwrap();
+    let before = settled_open_fds().unwrap();
+    let child = ctx.spawn(read_back_and_reply, buf.clone()).unwrap();
+    assert!(
+        waiting.is_empty() || waiting.contains(&child.pid()),
+        "the child was not one that waited"
+    );
+    child.wait().unwrap();
+    assert_eq!(
+        settled_open_fds().unwrap(),
+        before,
+        "a warm child left fds behind"
+    );
+    assert_eq!(WarmPool::global().fill().unwrap().len(), waiting.len());
+}
+
+/// Whether device 0's primary context is active in this process, asked before this process
+/// does anything with CUDA itself (`cuInit` is idempotent; the state query creates nothing).
+fn primary_context_active() -> bool {
+    // SAFETY: cuInit takes flags (0); libcuda is present (the test's requirement).
+    let rc = unsafe { sys::cuInit(0) };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
+    let mut device = 0;
+    // SAFETY: a live out-pointer.
+    let rc = unsafe { sys::cuDeviceGet(&mut device, 0) };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
+    let (mut flags, mut active) = (0u32, 0i32);
+    // SAFETY: live out-pointers and a valid device.
+    let rc = unsafe { sys::cuDevicePrimaryCtxGetState(device, &mut flags, &mut active) };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
+    active != 0
+}
+
+fn report_cuda_state(queue: Queue<bool>) {
+    queue.put(&primary_context_active()).unwrap();
+}
+
+#[ipc_test(methods = [spawn, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+fn a_warm_child_has_cuda_initialised_before_its_function_runs(ctx: &Context) {
+    let _turn = turn();
+    let queue = Queue::new().unwrap();
+    ctx.spawn(report_cuda_state, queue.clone())
+        .unwrap()
+        .wait()
+        .unwrap();
+    let active = queue.get(CUDA_TIMEOUT).unwrap();
+    match ctx.method() {
+        StartMethod::Warm => assert!(active, "the warm child had no primary context yet"),
+        // The control: a spawned child starts cold.
+        _ => assert!(!active, "a spawned child already had a primary context"),
     }
 }

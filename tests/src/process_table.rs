@@ -1,6 +1,5 @@
 //! Where a process stands in the process table, read from `/proc`, for the tests that prove a
-//! child was killed and reaped (`process_faults`, `warm`, `pool`): included by path, apart from
-//! the fuzzers' kit in `mod.rs`.
+//! child was killed and reaped (`process_faults`, `warm`, `pool`).
 
 use std::time::{Duration, Instant};
 

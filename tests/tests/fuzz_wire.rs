@@ -9,18 +9,15 @@
 //! is set, so CI is repeatable; the corpus below (inputs that broke earlier versions) runs first.
 //! The binary has one test, so nothing else opens or closes fds while it counts.
 
-mod common;
-
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::Instant;
 
-use common::{FdKind, fd_kind, holdings, make, send_raw, touch_claimed};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use serde::Serialize;
 use vmm_core::cuda::{IpcDescriptor, VirtualMemoryBuffer};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
 use vmm_core::wire::{Channel, Fd, Queue, decode};
+use vmm_tests::fuzz::{FdKind, fd_kind, holdings, make, seeded_runner, send_raw, touch_claimed};
 
 /// Sizes at the edges: empty, small, a page, a granule, the host import cap and one byte over
 /// it, huge (sparse, over the cap), the largest.
@@ -350,16 +347,7 @@ fn hostile_packets_and_fds_never_panic_or_leak() {
     for (i, packet) in corpus().iter().enumerate() {
         run_one(&a, &b, packet).unwrap_or_else(|e| panic!("corpus input {i} ({packet:?}): {e}"));
     }
-    let mut seed_bytes = [0u8; 32];
-    seed_bytes[..8].copy_from_slice(&seed.to_le_bytes());
-    let mut runner = TestRunner::new_with_rng(
-        Config {
-            cases,
-            failure_persistence: None,
-            ..Config::default()
-        },
-        TestRng::from_seed(RngAlgorithm::ChaCha, &seed_bytes),
-    );
+    let mut runner = seeded_runner(cases, seed);
     let result = runner.run(&packet(), |packet| run_one(&a, &b, &packet));
     let elapsed = started.elapsed();
     eprintln!(

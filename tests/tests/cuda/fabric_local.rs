@@ -6,7 +6,6 @@
 //! The GPU tests first check `cuda_fabric()`: where fabric handles cannot be used they print one
 //! `SKIP <test>: <reason>` line and pass, unless `VMM_REQUIRE_GPU=1`, which makes them fail.
 
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use vmm_core::Error;
@@ -14,19 +13,12 @@ use vmm_core::cuda::{
     Device, FabricDescriptor, FabricHandle, HandleType, IpcDescriptor, ResourceOptions,
     VirtualMemoryBuffer, VirtualMemoryResource,
 };
-use vmm_core::testing::{cuda_fabric, skip_unless};
+use vmm_core::testing::cuda_fabric;
 use vmm_core::wire::{decode, encode};
 
+use super::{alone, invalid, ipc, read};
+
 const G: usize = 2 << 20;
-
-/// The GPU tests count this process's fds, so they run one at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-/// `Some(guard)` when fabric handles can be used here; otherwise skips (or fails under
-/// `VMM_REQUIRE_GPU=1`) with the reason.
-fn require_fabric() -> Option<MutexGuard<'static, ()>> {
-    skip_unless(cuda_fabric()).then(|| SERIAL.lock().unwrap_or_else(|e| e.into_inner()))
-}
 
 fn resource(handle_type: HandleType) -> VirtualMemoryResource {
     VirtualMemoryResource::new(
@@ -46,12 +38,6 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
-fn read(buf: &VirtualMemoryBuffer, offset: usize, len: usize) -> Vec<u8> {
-    let mut out = vec![0; len];
-    buf.read_at(offset, &mut out).unwrap();
-    out
-}
-
 /// A Fabric buffer of `chunks` chunks (allocate, then grow), filled with `pattern(.., 1)`.
 fn filled(r: &VirtualMemoryResource, chunks: usize) -> VirtualMemoryBuffer {
     let g = r.granularity();
@@ -62,27 +48,6 @@ fn filled(r: &VirtualMemoryResource, chunks: usize) -> VirtualMemoryBuffer {
     buf.write_at(0, &pattern(buf.size(), 1)).unwrap();
     buf
 }
-
-/// The rule text of a refusal made before anything was done ([`Error::is_refusal`]; any other
-/// outcome fails the test).
-#[track_caller]
-fn invalid<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> String {
-    match result {
-        Err(refusal) if refusal.is_refusal() => refusal.to_string(),
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-}
-
-/// The parts of an `Error::Ipc` (any other outcome fails the test).
-#[track_caller]
-fn ipc<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> (String, String, Error) {
-    match result {
-        Err(Error::Ipc { op, step, source }) => (op.to_string(), step.to_string(), *source),
-        other => panic!("expected Error::Ipc, got {other:?}"),
-    }
-}
-
-// ---- Plain data: no GPU needed ----------------------------------------------------------
 
 /// Handle bytes that are easy to spot in any rendering: 0xC3 everywhere but a counter.
 fn secret(n: u8) -> FabricHandle {
@@ -215,11 +180,9 @@ fn without_fabric_the_requirement_is_a_reason_not_a_panic() {
     }
 }
 
-// ---- On a GPU with fabric handles --------------------------------------------------------
-
 #[test]
 fn fabric_export_and_import_alias_the_memory_and_hold_no_fd() {
-    let Some(_gpu) = require_fabric() else {
+    let Some(_gpu) = alone(cuda_fabric()) else {
         return;
     };
     let device = Device::new(0).unwrap();
@@ -273,7 +236,7 @@ fn fabric_export_and_import_alias_the_memory_and_hold_no_fd() {
 
 #[test]
 fn a_fabric_handle_does_not_keep_memory_alive() {
-    let Some(_gpu) = require_fabric() else {
+    let Some(_gpu) = alone(cuda_fabric()) else {
         return;
     };
     let r = resource(HandleType::Fabric);
@@ -294,7 +257,7 @@ fn a_fabric_handle_does_not_keep_memory_alive() {
 
 #[test]
 fn a_fabric_buffer_in_flight_is_kept_until_the_receiver_imports() {
-    let Some(_gpu) = require_fabric() else {
+    let Some(_gpu) = alone(cuda_fabric()) else {
         return;
     };
     let r = resource(HandleType::Fabric);
@@ -330,7 +293,7 @@ fn a_fabric_buffer_in_flight_is_kept_until_the_receiver_imports() {
 
 #[test]
 fn fabric_refusals_name_the_rule_and_leave_nothing_behind() {
-    let Some(_gpu) = require_fabric() else {
+    let Some(_gpu) = alone(cuda_fabric()) else {
         return;
     };
     let r = resource(HandleType::Fabric);
@@ -443,7 +406,7 @@ fn fabric_refusals_name_the_rule_and_leave_nothing_behind() {
 
 #[test]
 fn posix_fd_and_fabric_exports_both_ways_and_travels_by_fd() {
-    let Some(_gpu) = require_fabric() else {
+    let Some(_gpu) = alone(cuda_fabric()) else {
         return;
     };
     let r = resource(HandleType::PosixFdAndFabric);

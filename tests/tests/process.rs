@@ -15,25 +15,10 @@ use vmm_core::process::{Context, StartMethod, forkserver_pid};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::{Fd, Queue};
+use vmm_tests::pattern;
+use vmm_tests::turns::{exclusive, shared};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Tests that count this process's fds or kill its forkserver run alone; the rest share.
-static EXCLUSIVE: std::sync::RwLock<()> = std::sync::RwLock::new(());
-
-fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
-    EXCLUSIVE.read().unwrap_or_else(|e| e.into_inner())
-}
-
-fn exclusive() -> std::sync::RwLockWriteGuard<'static, ()> {
-    EXCLUSIVE.write().unwrap_or_else(|e| e.into_inner())
-}
-
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| seed.wrapping_add((i % 251) as u8))
-        .collect()
-}
 
 fn read_back_and_reply(buf: HostBuffer) {
     assert!(buf.is_imported());

@@ -18,38 +18,13 @@ use vmm_core::cuda::{
 use vmm_core::process::Context;
 use vmm_core::wire::{self, Fd};
 use vmm_core::{Error, ipc_test};
-use vmm_tests::{contents, filled_in, pattern};
+use vmm_tests::turns::shared;
+use vmm_tests::{contents, pattern};
 
-fn resource() -> VirtualMemoryResource {
-    VirtualMemoryResource::new(&Device::new(0).unwrap(), ResourceOptions::default()).unwrap()
-}
+use super::{filled, invalid, ipc, resource};
 
 fn open_fds() -> usize {
     vmm_core::testing::open_fds().unwrap()
-}
-
-/// A buffer of `chunks` chunks of the granularity, filled with `pattern(1, ..)`.
-fn filled(chunks: usize) -> VirtualMemoryBuffer {
-    filled_in(&resource(), chunks)
-}
-
-/// The rule text of a refusal made before anything was done ([`Error::is_refusal`]; any other
-/// outcome fails the test).
-#[track_caller]
-fn invalid<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> String {
-    match result {
-        Err(refusal) if refusal.is_refusal() => refusal.to_string(),
-        other => panic!("expected a refusal (refused by validation), got {other:?}"),
-    }
-}
-
-/// The parts of an `Error::Ipc` (any other outcome fails the test).
-#[track_caller]
-fn ipc<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> (String, String, Error) {
-    match result {
-        Err(Error::Ipc { op, step, source }) => (op.to_string(), step.to_string(), *source),
-        other => panic!("expected Error::Ipc, got {other:?}"),
-    }
 }
 
 /// A UUID the way `nvidia-smi -L` (and vmm-core's messages) print it.
@@ -207,6 +182,7 @@ fn refuse_forged_origin(descriptor: IpcDescriptor) {
 
 #[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn forged_device_or_location_is_refused_before_any_driver_call(ctx: &Context) {
+    let _turn = shared();
     let buf = filled(2);
     ctx.spawn(refuse_forged_origin, buf.export().unwrap())
         .unwrap()
@@ -265,6 +241,7 @@ fn refuse_on_the_other_device(descriptor: IpcDescriptor) {
 
 #[ipc_test(skip_unless = vmm_core::testing::cuda_devices(2))]
 fn descriptor_without_identity_is_refused_on_the_other_device_after_import(ctx: &Context) {
+    let _turn = shared();
     let buf = filled(2);
     ctx.spawn(refuse_on_the_other_device, buf.export().unwrap())
         .unwrap()
@@ -323,6 +300,7 @@ fn refuse_unshareable(descriptor: IpcDescriptor) {
 
 #[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn handle_type_none_neither_imports_nor_exports(ctx: &Context) {
+    let _turn = shared();
     let buf = filled(1);
     ctx.spawn(refuse_unshareable, buf.export().unwrap())
         .unwrap()
@@ -406,6 +384,7 @@ fn refuse_foreign_fds(descriptor: IpcDescriptor) {
 
 #[ipc_test(skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn non_cuda_and_bad_fds_are_refused_and_leave_nothing(ctx: &Context) {
+    let _turn = shared();
     let buf = filled(1);
     ctx.spawn(refuse_foreign_fds, buf.export().unwrap())
         .unwrap()

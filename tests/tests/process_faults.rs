@@ -22,26 +22,14 @@ use vmm_core::Error;
 use vmm_core::process::{Context, ExitStatus, StartMethod, ensure_running, forkserver_pid};
 use vmm_core::testing::{open_fds, settled_open_fds};
 use vmm_core::wire::{Fd, Queue};
+use vmm_tests::turns::{exclusive, shared};
 
-#[path = "common/process_table.rs"]
-mod process_table;
-use process_table::{gone_within, state};
+use vmm_tests::process_table::{gone_within, state};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How much longer than its timeout a join may take: the kill, the reap, a loaded machine.
 const JOIN_MARGIN: Duration = Duration::from_secs(4);
-
-/// Tests that count this process's fds or kill its forkserver run alone; the rest share.
-static EXCLUSIVE: std::sync::RwLock<()> = std::sync::RwLock::new(());
-
-fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
-    EXCLUSIVE.read().unwrap_or_else(|e| e.into_inner())
-}
-
-fn exclusive() -> std::sync::RwLockWriteGuard<'static, ()> {
-    EXCLUSIVE.write().unwrap_or_else(|e| e.into_inner())
-}
 
 fn noop(_: ()) {}
 
@@ -112,12 +100,14 @@ fn scribble_on_own_channel(parent: i32) {
     assert_eq!(sockets.len(), 1, "expected one channel, found {sockets:?}");
     let channel = sockets[0];
     let stdin = File::open("/dev/null").unwrap();
-    // An unknown tag, an inline packet that is not postcard for a report, a report variant
-    // that does not exist, garbage carrying an fd, and an empty packet.
+    // An unknown frame byte, a peer-protocol frame (frame byte 0) on a process channel, an
+    // inline packet (frame byte 2) that is not postcard for a report, a report variant that does
+    // not exist, garbage carrying an fd, and an empty packet.
     raw_packet(channel, &[0xEE, 1, 2, 3], &[]);
-    raw_packet(channel, &[0, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF], &[]);
-    raw_packet(channel, &[0, 7], &[]);
-    raw_packet(channel, &[0, 0xFF], &[stdin.as_raw_fd()]);
+    raw_packet(channel, &[0, 1, 2, 3], &[]);
+    raw_packet(channel, &[2, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF], &[]);
+    raw_packet(channel, &[2, 7], &[]);
+    raw_packet(channel, &[2, 0xFF], &[stdin.as_raw_fd()]);
     send(channel, &[], MsgFlags::empty()).unwrap();
     println!("scribbled on fd {channel}");
 }

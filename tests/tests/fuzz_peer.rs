@@ -16,21 +16,18 @@
 //! is set; the corpus runs first. The binary has one test, so nothing else opens or closes fds
 //! while it counts.
 
-mod common;
-
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{FdKind, fd_kind, holdings, make, send_raw, touch_claimed};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use vmm_core::cuda::VirtualMemoryBuffer;
 use vmm_core::peer::stream::StreamReader;
 use vmm_core::peer::{Descriptor, PeerMessage, Session};
 use vmm_core::shm::HostBuffer;
 use vmm_core::wire::endpoint::{Listener, ListenerOptions, Name};
+use vmm_tests::fuzz::{FdKind, fd_kind, holdings, make, seeded_runner, send_raw, touch_claimed};
 
 fn size() -> impl Strategy<Value = u64> {
     prop_oneof![
@@ -654,16 +651,7 @@ fn hostile_peer_messages_never_panic_or_leak() {
         run_one(&client, &conn, packet)
             .unwrap_or_else(|e| panic!("corpus input {i} ({packet:?}): {e}"));
     }
-    let mut seed_bytes = [0u8; 32];
-    seed_bytes[..8].copy_from_slice(&seed.to_le_bytes());
-    let mut runner = TestRunner::new_with_rng(
-        Config {
-            cases,
-            failure_persistence: None,
-            ..Config::default()
-        },
-        TestRng::from_seed(RngAlgorithm::ChaCha, &seed_bytes),
-    );
+    let mut runner = seeded_runner(cases, seed);
     let result = runner.run(&packet(), |packet| run_one(&client, &conn, &packet));
     let n = |i: usize| OUTCOMES[i].load(Ordering::Relaxed);
     eprintln!(

@@ -1,13 +1,12 @@
-//! What the named-endpoint tests (`endpoint`, `endpoint_attacks`) share: one test at a time,
-//! fresh names, re-running the test executable as a role, and speaking to an endpoint as a raw
-//! `SOCK_SEQPACKET` peer would. Included by path, apart from the fuzzers' kit in `mod.rs`.
+//! What the named-endpoint tests (`endpoint`, `endpoint_attacks`, `peer_v2`) share: one test at
+//! a time, re-running the test executable as a role, and speaking to an endpoint as a raw
+//! `SOCK_SEQPACKET` peer would (fresh names: [`crate::unique_name`]).
 
 use std::ffi::OsStr;
 use std::io::{BufReader, IoSlice, Read};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::process::{Child, ChildStdout, Command, Output, Stdio};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::{
@@ -19,25 +18,6 @@ use vmm_core::wire::endpoint::Name;
 pub const ROLE_VAR: &str = "VMM_ENDPOINT_TEST_ROLE";
 /// The endpoint a role works on.
 pub const NAME_VAR: &str = "VMM_ENDPOINT_TEST_NAME";
-
-/// One test at a time: the tests count this process's fds, which a test running alongside
-/// would change.
-pub fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// An abstract name no other test (nor another run of this executable) uses:
-/// `<prefix>-<tag>-<pid>-<n>`.
-pub fn unique_name(prefix: &str, tag: &str) -> Name {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    Name::abstract_name(format!(
-        "{prefix}-{tag}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ))
-}
 
 /// In a re-run of the test executable: the role it plays and the name it works on, from
 /// `ROLE_VAR` and `NAME_VAR`; `None` in an ordinary run, where `role_entry` does nothing.

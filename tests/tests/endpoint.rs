@@ -4,9 +4,10 @@
 //! and live socket files, the directory rules, timeouts, and garbage from an admitted peer.
 //! Every test ends with this process's fds where they started.
 //!
-//! The tests count fds, so they run one at a time (`serial()`); the processes they start are
-//! `role_entry`, an ignored test that does nothing unless `ROLE_VAR` names a role. Both, and
-//! the raw peer's helpers, are `endpoint_kit`'s, shared with `endpoint_attacks`.
+//! The tests count fds, so they run one at a time (`vmm_tests::turns::exclusive()`); the
+//! processes they start are `role_entry`, an ignored test that does nothing unless `ROLE_VAR`
+//! names a role. Both, and the raw peer's helpers, are `vmm_tests::endpoint`'s, shared with
+//! `endpoint_attacks`.
 
 use std::io::{BufRead, BufReader};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -24,23 +25,17 @@ use vmm_core::wire::endpoint::{
     Allow, ConnectOptions, Credentials, Listener, ListenerOptions, Name,
 };
 
-#[path = "common/endpoint_kit.rs"]
-mod endpoint_kit;
-use endpoint_kit::{data_packet, finish, header, raw_client, send_raw, serial};
+use vmm_tests::endpoint::{data_packet, finish, header, raw_client, send_raw};
+use vmm_tests::pattern;
+use vmm_tests::turns::exclusive;
 
 const UID_VAR: &str = "VMM_ENDPOINT_TEST_UID";
 const SEED_VAR: &str = "VMM_ENDPOINT_TEST_SEED";
 const NOBODY: u32 = 65534;
 
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| seed.wrapping_add((i % 251) as u8))
-        .collect()
-}
-
 /// A fresh abstract name of this file's tests (`@vmm-endpoint-test-<tag>-...`).
 fn unique(tag: &str) -> Name {
-    endpoint_kit::unique_name("vmm-endpoint-test", tag)
+    vmm_tests::unique_name("endpoint-test", tag)
 }
 
 /// A fresh owner-only directory under the temp dir, removed on drop.
@@ -72,11 +67,11 @@ fn is_root() -> bool {
 // ---------------------------------------------------------------------------------------------
 // Processes vmm-core did not start: this executable, re-run by std::process::Command.
 
-/// The roles a re-run of this executable plays (nothing without `endpoint_kit::ROLE_VAR`).
+/// The roles a re-run of this executable plays (nothing without `vmm_tests::endpoint::ROLE_VAR`).
 #[test]
 #[ignore = "a role for processes the other tests start"]
 fn role_entry() {
-    let Some((role, name)) = endpoint_kit::role_and_name() else {
+    let Some((role, name)) = vmm_tests::endpoint::role_and_name() else {
         return;
     };
     let expect = Allow::none().uid(std::env::var(UID_VAR).unwrap().parse().unwrap());
@@ -176,7 +171,7 @@ fn exe_for_nobody(tmp: &TempDir) -> PathBuf {
 /// A command that re-runs `exe` as `role`, optionally through `wrapper`, for a client that
 /// expects a listener of `uid`.
 fn role_command(role: &str, name: &Name, uid: u32, wrapper: &[String], exe: &Path) -> Command {
-    let mut command = endpoint_kit::role_command(exe, wrapper, role, name);
+    let mut command = vmm_tests::endpoint::role_command(exe, wrapper, role, name);
     command.env(UID_VAR, uid.to_string());
     command
 }
@@ -193,7 +188,7 @@ fn serve_host_buffer(listener: &Listener, buf: &HostBuffer) -> Credentials {
 
 #[test]
 fn a_rust_client_started_by_command_maps_the_owners_buffer() {
-    let _serial = serial();
+    let _serial = exclusive();
     let tmp = TempDir::new("command");
     let me = Credentials::of_this_process();
     let exe = std::env::current_exe().unwrap();
@@ -225,7 +220,7 @@ fn a_rust_client_started_by_command_maps_the_owners_buffer() {
 
 #[test]
 fn a_client_under_another_uid_is_refused_and_nothing_leaks() {
-    let _serial = serial();
+    let _serial = exclusive();
     let Some(wrapper) =
         as_nobody_or_skip("a_client_under_another_uid_is_refused_and_nothing_leaks")
     else {
@@ -272,7 +267,7 @@ fn a_client_under_another_uid_is_refused_and_nothing_leaks() {
 
 #[test]
 fn a_squatter_under_another_uid_gets_nothing() {
-    let _serial = serial();
+    let _serial = exclusive();
     let Some(wrapper) = as_nobody_or_skip("a_squatter_under_another_uid_gets_nothing") else {
         return;
     };
@@ -318,7 +313,7 @@ fn a_squatter_under_another_uid_gets_nothing() {
 fn a_listener_that_is_not_expected_gets_nothing() {
     // The squatter test without privileges: a plain listener of our own uid, a client that
     // expects another uid. The listener sees the connection, and then only its hang-up.
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("unexpected");
     let listening = raw_listener(&name);
     let before = settled_open_fds().unwrap();
@@ -342,7 +337,7 @@ fn a_listener_that_is_not_expected_gets_nothing() {
 
 #[test]
 fn a_listener_refuses_its_own_uid_when_not_allowed() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("not-allowed");
     let listener = Listener::bind_with(
         &name,
@@ -377,7 +372,7 @@ fn a_listener_refuses_its_own_uid_when_not_allowed() {
 
 #[test]
 fn a_path_endpoint_lives_in_an_owner_only_directory() {
-    let _serial = serial();
+    let _serial = exclusive();
     let tmp = TempDir::new("dirs");
     let before = settled_open_fds().unwrap();
     let refused = |dir: &Path| match Listener::bind(&Name::path(dir.join("sock"))) {
@@ -437,7 +432,7 @@ fn a_path_endpoint_lives_in_an_owner_only_directory() {
 
 #[test]
 fn a_stale_socket_file_is_replaced_and_a_live_one_never_is() {
-    let _serial = serial();
+    let _serial = exclusive();
     let tmp = TempDir::new("stale");
     let path = tmp.0.join("sock");
     let name = Name::path(&path);
@@ -485,7 +480,7 @@ fn a_stale_socket_file_is_replaced_and_a_live_one_never_is() {
 
 #[test]
 fn accept_and_connect_time_out() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("timeouts");
     let listener = Listener::bind(&name).unwrap();
     let started = Instant::now();
@@ -509,7 +504,7 @@ fn accept_and_connect_time_out() {
 /// A plain listening socket on `name` (no credential checks, no handshake: what a squatter
 /// needs).
 fn raw_listener(name: &Name) -> OwnedFd {
-    let fd = endpoint_kit::seqpacket_socket();
+    let fd = vmm_tests::endpoint::seqpacket_socket();
     let Name::Abstract(bytes) = name else {
         panic!("abstract names only")
     };
@@ -583,7 +578,7 @@ fn drain(conn: &OwnedFd, within: Duration) -> String {
 
 #[test]
 fn a_silent_client_delays_no_one() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("silent");
     let listener = Listener::bind_with(
         &name,
@@ -624,7 +619,7 @@ fn a_silent_client_delays_no_one() {
 
 #[test]
 fn garbage_and_partial_headers_give_clean_errors() {
-    let _serial = serial();
+    let _serial = exclusive();
     let name = unique("garbage");
     let listener = Listener::bind(&name).unwrap();
     let memfd = || -> OwnedFd {
