@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
 use proptest::prelude::*;
-use vmm_core::cuda::VirtualMemoryBuffer;
+use vmm_core::cuda::{FabricDescriptor, FabricHandle, VirtualMemoryBuffer};
 use vmm_core::peer::stream::StreamReader;
 use vmm_core::peer::{Descriptor, PeerMessage, Session};
 use vmm_core::shm::HostBuffer;
@@ -633,6 +633,16 @@ fn hostile_peer_messages_never_panic_or_leak() {
     let _ = vmm_core::shm::buffers_hold_no_fd();
     let _ = vmm_core::cuda::Device::new(0)
         .and_then(|device| vmm_core::cuda::importer(&device, vmm_core::cuda::Location::Device));
+    // The driver opens the IMEX channel on the first fabric import, refused or not (a forged
+    // handle is refused by the driver: this one's owner is no device here, so it is imported
+    // for device 0), and keeps it open for the life of the process.
+    let _ = FabricDescriptor::from_handles(
+        &[FabricHandle::from_bytes([0x5A; 64])],
+        &[2 << 20],
+        2 << 20,
+        [0x5A; 16],
+    )
+    .and_then(|forged| VirtualMemoryBuffer::import_fabric(&forged));
     send_raw(client.as_fd(), &ok_message(), &[]);
     assert_eq!(conn.recv_data().unwrap(), b"ok");
     // A refused message's fd starts the endpoint's background closer (its thread's stack and

@@ -148,7 +148,7 @@ fn grow_in_place_and_by_relocation_are_each_forced() {
 }
 
 #[test]
-fn grow_onto_another_device_is_refused() {
+fn two_gpus_grow_onto_another_device_is_refused() {
     let Some(_gpu) = alone(cuda_devices(2)) else {
         return;
     };

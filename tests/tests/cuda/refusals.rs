@@ -240,7 +240,7 @@ fn refuse_on_the_other_device(descriptor: IpcDescriptor) {
 }
 
 #[ipc_test(skip_unless = vmm_core::testing::cuda_devices(2))]
-fn descriptor_without_identity_is_refused_on_the_other_device_after_import(ctx: &Context) {
+fn two_gpus_descriptor_without_identity_is_refused_on_the_other_device_after_import(ctx: &Context) {
     let _turn = shared();
     let buf = filled(2);
     ctx.spawn(refuse_on_the_other_device, buf.export().unwrap())
