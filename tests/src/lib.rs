@@ -3,6 +3,7 @@
 
 pub mod endpoint;
 pub mod fuzz;
+pub mod pki;
 pub mod process_table;
 pub mod turns;
 

@@ -1,0 +1,237 @@
+//! Certificates made in the test, with explicit validity periods (rcgen): a CA, the leaves it
+//! issues (valid, expired, not yet valid, without the client-auth usage, revoked, of another
+//! name), its CRL, a foreign CA and self-signed leaves, so that every refusal of the TLS
+//! transport is tried against real certificates and nothing is read from the machine.
+//!
+//! Every leaf names itself in a DNS subject-alternative name (`<name>.vmm.test`, see
+//! [`dns_name`]) and in its common name.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, CertificateRevocationListParams, CertifiedIssuer,
+    DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, KeyIdMethod, KeyPair,
+    KeyUsagePurpose, RevokedCertParams, SerialNumber,
+};
+use time::{Duration, OffsetDateTime};
+
+/// The DNS name a leaf called `name` carries: `<name>.vmm.test`.
+pub fn dns_name(name: &str) -> String {
+    format!("{name}.vmm.test")
+}
+
+/// A serial number no other certificate of this process has.
+fn next_serial() -> SerialNumber {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let mut bytes = Vec::with_capacity(12);
+    bytes.extend_from_slice(&std::process::id().to_be_bytes());
+    bytes.extend_from_slice(&n.to_be_bytes());
+    // A positive INTEGER: the first byte's high bit clear.
+    bytes[0] &= 0x7f;
+    bytes[0] |= 0x01;
+    SerialNumber::from_slice(&bytes)
+}
+
+/// What to issue: the name, the validity period and the extended key usages.
+#[derive(Debug, Clone)]
+pub struct LeafSpec {
+    name: String,
+    not_before: OffsetDateTime,
+    not_after: OffsetDateTime,
+    usages: Vec<ExtendedKeyUsagePurpose>,
+}
+
+impl LeafSpec {
+    /// A leaf called `name` (SAN `<name>.vmm.test`), valid from an hour ago for a day, for
+    /// client and server authentication alike.
+    pub fn new(name: &str) -> LeafSpec {
+        let now = OffsetDateTime::now_utc();
+        LeafSpec {
+            name: name.into(),
+            not_before: now - Duration::hours(1),
+            not_after: now + Duration::days(1),
+            usages: vec![
+                ExtendedKeyUsagePurpose::ClientAuth,
+                ExtendedKeyUsagePurpose::ServerAuth,
+            ],
+        }
+    }
+
+    /// Valid for a day that ended an hour ago.
+    pub fn expired(mut self) -> LeafSpec {
+        let now = OffsetDateTime::now_utc();
+        self.not_before = now - Duration::days(2);
+        self.not_after = now - Duration::hours(1);
+        self
+    }
+
+    /// Valid from tomorrow on.
+    pub fn not_yet_valid(mut self) -> LeafSpec {
+        let now = OffsetDateTime::now_utc();
+        self.not_before = now + Duration::days(1);
+        self.not_after = now + Duration::days(2);
+        self
+    }
+
+    /// Server authentication only: no client-auth extended key usage.
+    pub fn server_only(mut self) -> LeafSpec {
+        self.usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        self
+    }
+
+    /// Client authentication only.
+    pub fn client_only(mut self) -> LeafSpec {
+        self.usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        self
+    }
+
+    fn params(&self, serial: SerialNumber) -> CertificateParams {
+        let mut params =
+            CertificateParams::new(vec![dns_name(&self.name)]).expect("a valid DNS name");
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, self.name.clone());
+        params.distinguished_name = dn;
+        params.not_before = self.not_before;
+        params.not_after = self.not_after;
+        params.serial_number = Some(serial);
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = self.usages.clone();
+        params.use_authority_key_identifier_extension = true;
+        params
+    }
+}
+
+/// A certificate and its private key, as PEM and DER.
+#[derive(Debug, Clone)]
+pub struct Leaf {
+    /// The name it was issued for (its SAN is [`dns_name`] of it).
+    pub name: String,
+    /// The certificate, PEM.
+    pub cert_pem: String,
+    /// The private key (PKCS#8), PEM.
+    pub key_pem: String,
+    /// The certificate, DER.
+    pub cert_der: Vec<u8>,
+    /// The private key (PKCS#8), DER.
+    pub key_der: Vec<u8>,
+    serial: SerialNumber,
+}
+
+impl Leaf {
+    /// Write `<dir>/<file>.pem` (certificate) and `<dir>/<file>.key` (key); their paths.
+    pub fn write(&self, dir: &Path, file: &str) -> (PathBuf, PathBuf) {
+        let cert = dir.join(format!("{file}.pem"));
+        let key = dir.join(format!("{file}.key"));
+        std::fs::write(&cert, &self.cert_pem).expect("write a certificate");
+        std::fs::write(&key, &self.key_pem).expect("write a key");
+        (cert, key)
+    }
+}
+
+/// A certificate authority made for one test: it issues leaves and revokes them.
+#[derive(Debug)]
+pub struct Pki {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+}
+
+impl Pki {
+    /// A new CA called `label` (its common name), valid from a day ago for ten days.
+    pub fn new(label: &str) -> Pki {
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("no names");
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, format!("vmm-ipc test CA {label}"));
+        params.distinguished_name = dn;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let now = OffsetDateTime::now_utc();
+        params.not_before = now - Duration::days(1);
+        params.not_after = now + Duration::days(10);
+        params.serial_number = Some(next_serial());
+        let key = KeyPair::generate().expect("a CA key");
+        Pki {
+            issuer: CertifiedIssuer::self_signed(params, key).expect("a CA certificate"),
+        }
+    }
+
+    /// The CA's certificate, PEM.
+    pub fn ca_pem(&self) -> String {
+        self.issuer.pem()
+    }
+
+    /// The CA's certificate, DER.
+    pub fn ca_der(&self) -> Vec<u8> {
+        self.issuer.der().to_vec()
+    }
+
+    /// Write the CA's certificate to `<dir>/<file>.pem`; its path.
+    pub fn write_ca(&self, dir: &Path, file: &str) -> PathBuf {
+        let path = dir.join(format!("{file}.pem"));
+        std::fs::write(&path, self.ca_pem()).expect("write a CA certificate");
+        path
+    }
+
+    /// A leaf as `spec` says, signed by this CA.
+    pub fn issue(&self, spec: &LeafSpec) -> Leaf {
+        let key = KeyPair::generate().expect("a leaf key");
+        let serial = next_serial();
+        let cert = spec
+            .params(serial.clone())
+            .signed_by(&key, &self.issuer)
+            .expect("a leaf certificate");
+        Leaf {
+            name: spec.name.clone(),
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+            cert_der: cert.der().to_vec(),
+            key_der: key.serialize_der(),
+            serial,
+        }
+    }
+
+    /// This CA's CRL revoking `revoked` (valid from an hour ago for a day), PEM and DER.
+    pub fn crl(&self, revoked: &[&Leaf]) -> (String, Vec<u8>) {
+        let now = OffsetDateTime::now_utc();
+        let params = CertificateRevocationListParams {
+            this_update: now - Duration::hours(1),
+            next_update: now + Duration::days(1),
+            crl_number: next_serial(),
+            issuing_distribution_point: None,
+            revoked_certs: revoked
+                .iter()
+                .map(|leaf| RevokedCertParams {
+                    serial_number: leaf.serial.clone(),
+                    revocation_time: now - Duration::minutes(30),
+                    reason_code: None,
+                    invalidity_date: None,
+                })
+                .collect(),
+            key_identifier_method: KeyIdMethod::Sha256,
+        };
+        let crl = params.signed_by(&self.issuer).expect("a CRL");
+        (crl.pem().expect("a CRL's PEM"), crl.der().to_vec())
+    }
+}
+
+/// A leaf that signs itself (no CA vouches for it), as `spec` says.
+pub fn self_signed(spec: &LeafSpec) -> Leaf {
+    let key = KeyPair::generate().expect("a key");
+    let serial = next_serial();
+    let cert = spec
+        .params(serial.clone())
+        .self_signed(&key)
+        .expect("a self-signed certificate");
+    Leaf {
+        name: spec.name.clone(),
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+        cert_der: cert.der().to_vec(),
+        key_der: key.serialize_der(),
+        serial,
+    }
+}
