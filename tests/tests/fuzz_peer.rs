@@ -424,7 +424,7 @@ fn stream_one(packet: &Packet) -> Result<(), TestCaseError> {
         given: 0,
     };
     let (first, second) = {
-        let mut reader = StreamReader::new(&mut source);
+        let mut reader = StreamReader::untimed(&mut source);
         (reader.read_message(), reader.read_message())
     };
     prop_assert!(source.given <= bytes.len());

@@ -22,6 +22,7 @@ use vmm_core::peer::{
 };
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
+use vmm_core::wire::TimedStream;
 use vmm_core::wire::endpoint::{Listener, Name};
 
 use vmm_tests::endpoint::{data_packet, raw_client, send_raw};
@@ -204,7 +205,7 @@ fn the_codec_carries_a_fabric_descriptor_of_every_allowed_chunk_count() {
 }
 
 /// Both ends of a stream: write on one, read on the other, in both directions.
-fn stream_round_trip<S: Sync>(a: S, b: S)
+fn stream_round_trip<S: Sync + TimedStream>(a: S, b: S)
 where
     for<'s> &'s S: Read + Write,
 {
@@ -259,7 +260,7 @@ fn a_fabric_descriptor_crosses_tcp_loopback_and_a_unix_stream() {
 fn stream_bytes_are_endpoint_bytes() {
     let d = descriptor(2);
     let mut stream = Vec::new();
-    let mut writer = StreamWriter::new(&mut stream);
+    let mut writer = StreamWriter::untimed(&mut stream);
     writer.write_descriptor(&d).unwrap();
     writer.write_data(b"x").unwrap();
     let (bytes, _) = encode_descriptor(&d).unwrap();
@@ -416,7 +417,7 @@ fn refused_on_a_stream(bytes: &[u8], words: &str) -> usize {
         given: 0,
     };
     {
-        let mut reader = StreamReader::new(&mut source);
+        let mut reader = StreamReader::untimed(&mut source);
         protocol_error(reader.read_message(), words);
         protocol_error(reader.read_message(), "nothing more is read from it");
     }
@@ -437,7 +438,7 @@ fn hostile_stream_messages_are_refused_from_the_header_and_end_the_stream() {
     assert_eq!(took, 65, "only the frame byte and the header were read");
     // Counts that agree: the reader reads what they announce (bounded), then finds the end.
     let all = claim(253, 16192);
-    let mut reader = StreamReader::new(all.as_slice());
+    let mut reader = StreamReader::untimed(all.as_slice());
     protocol_error(
         reader.read_message(),
         "it ended after 0 of the 18216 bytes of chunk sizes and payload",
@@ -472,18 +473,18 @@ fn hostile_stream_messages_are_refused_from_the_header_and_end_the_stream() {
     refused_on_a_stream(&fabric_v1, "CUDA_FABRIC is a version 2 kind");
     // Cut short: inside the header, inside the body.
     let good = good_fabric_packet(2);
-    let mut reader = StreamReader::new(&good[..40]);
+    let mut reader = StreamReader::untimed(&good[..40]);
     protocol_error(
         reader.read_message(),
         "39 bytes: shorter than the 64-byte header",
     );
-    let mut reader = StreamReader::new(&good[..good.len() - 1]);
+    let mut reader = StreamReader::untimed(&good[..good.len() - 1]);
     protocol_error(reader.read_message(), "it ended after 143 of the 144 bytes");
     // The body's rules, after the body.
     let bad = fabric_packet(2, 6, 1, 8, &[G as u64], 64, G as u64 + 1, &[0xab; 64]);
     refused_on_a_stream(&bad, "exceeds the 2097152 bytes");
     // A clean end between messages is a disconnection, and stays one.
-    let mut reader = StreamReader::new(&good[..]);
+    let mut reader = StreamReader::untimed(&good[..]);
     reader.read_message().unwrap();
     assert!(matches!(reader.read_message(), Err(Error::Disconnected(_))));
     assert!(matches!(reader.read_message(), Err(Error::Disconnected(_))));
@@ -511,7 +512,7 @@ impl Write for Full {
 
 #[test]
 fn a_write_that_fails_part_way_ends_the_stream() {
-    let mut writer = StreamWriter::new(Full { room: 100 });
+    let mut writer = StreamWriter::untimed(Full { room: 100 });
     // Refused before a byte is written: the stream is still good.
     let empty = FabricDescriptor::from_handles(&[], &[], 0, [1; 16]).unwrap();
     assert!(matches!(
@@ -557,9 +558,9 @@ fn no_handle_byte_appears_in_debug_or_errors() {
     let framed = [&[0u8][..], &bytes].concat();
     shown.push(format!(
         "{:?}",
-        StreamReader::new(&framed[..framed.len() - 5]).read_message()
+        StreamReader::untimed(&framed[..framed.len() - 5]).read_message()
     ));
-    let mut reader = StreamReader::new(&framed[..]);
+    let mut reader = StreamReader::untimed(&framed[..]);
     shown.push(format!("{:?}", reader.read_message()));
     shown.push(format!("{reader:?}"));
     for text in &shown {
@@ -568,4 +569,75 @@ fn no_handle_byte_appears_in_debug_or_errors() {
         }
     }
     assert!(shown[0].contains("redacted"), "{}", shown[0]);
+}
+
+/// The bytes of one `CUDA_FABRIC` message on a stream (frame byte first).
+fn framed_message(chunks: usize) -> Vec<u8> {
+    let mut framed = Vec::new();
+    StreamWriter::untimed(&mut framed)
+        .write_descriptor(&descriptor(chunks))
+        .unwrap();
+    framed
+}
+
+#[test]
+fn a_message_trickled_a_byte_at_a_time_ends_by_the_message_deadline() {
+    // One byte every 50 ms: each read alone would finish well within 300 ms, so a deadline per
+    // read would wait for the whole message (about 8 s); the message's deadline ends it.
+    let framed = framed_message(1);
+    assert!(framed.len() > 100);
+    let (near, far) = UnixStream::pair().unwrap();
+    let trickle = std::thread::spawn(move || {
+        for byte in framed {
+            if (&near).write_all(&[byte]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    let err = StreamReader::new(&far)
+        .with_timeout(Some(Duration::from_millis(300)))
+        .read_message()
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    drop(far);
+    trickle.join().unwrap();
+}
+
+#[test]
+fn a_writer_to_a_peer_that_stops_reading_ends_by_the_message_deadline() {
+    let (near, far) = UnixStream::pair().unwrap();
+    let mut writer = StreamWriter::new(&near).with_timeout(Some(Duration::from_millis(200)));
+    // Fill the socket: the peer never reads.
+    let err = loop {
+        if let Err(e) = writer.write_data(&[7; 16 * 1024]) {
+            break e;
+        }
+    };
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    drop(far);
+}
+
+#[rstest::rstest]
+#[case::unknown_version(b"\x00VMMI\x09\x00".to_vec(), "protocol version 9")]
+#[case::wrong_magic(b"\x00VMMX".to_vec(), "magic")]
+#[case::kind_with_fds(b"\x00VMMI\x01\x00\x04\x00".to_vec(), "carries fds")]
+#[case::unknown_kind(b"\x00VMMI\x01\x00\x63\x00".to_vec(), "unknown message kind 99")]
+fn the_stream_reader_refuses_as_soon_as_the_bytes_decide(
+    #[case] first: Vec<u8>,
+    #[case] words: &str,
+) {
+    // The peer sends only the deciding bytes and keeps the stream open: a reader that waited
+    // for the whole header would wait for its deadline (a timeout, not this refusal).
+    let (near, far) = UnixStream::pair().unwrap();
+    (&near).write_all(&first).unwrap();
+    let err = StreamReader::new(&far)
+        .with_timeout(Some(Duration::from_secs(5)))
+        .read_message()
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Protocol(m) if m.contains(words)),
+        "{err:?}"
+    );
+    drop(near);
 }

@@ -66,6 +66,7 @@ mod v2 {
     use vmm_core::peer::PeerMessage;
     use vmm_core::peer::Session;
     use vmm_core::peer::stream::{StreamReader, StreamWriter};
+    use vmm_core::wire::TimedStream;
     use vmm_core::{Error, Result};
 
     /// Send a fabric descriptor on an endpoint connection.
@@ -79,17 +80,20 @@ mod v2 {
     }
 
     /// Write a fabric descriptor as one message on a byte stream.
-    pub fn write_fabric(stream: &mut impl Write, descriptor: &FabricDescriptor) -> Result<()> {
+    pub fn write_fabric(
+        stream: &mut (impl Write + TimedStream),
+        descriptor: &FabricDescriptor,
+    ) -> Result<()> {
         StreamWriter::new(stream).write_descriptor(descriptor)
     }
 
     /// Write a DATA message on a byte stream.
-    pub fn write_data(stream: &mut impl Write, bytes: &[u8]) -> Result<()> {
+    pub fn write_data(stream: &mut (impl Write + TimedStream), bytes: &[u8]) -> Result<()> {
         StreamWriter::new(stream).write_data(bytes)
     }
 
     /// Read one message from a byte stream: a fabric descriptor.
-    pub fn read_fabric(stream: &mut impl Read) -> Result<FabricDescriptor> {
+    pub fn read_fabric(stream: &mut (impl Read + TimedStream)) -> Result<FabricDescriptor> {
         match StreamReader::new(stream).read_message()? {
             PeerMessage::Descriptor(d) => d.into_fabric(),
             PeerMessage::Data(b) => Err(Error::Protocol(format!(
@@ -100,7 +104,7 @@ mod v2 {
     }
 
     /// Read one message from a byte stream: DATA.
-    pub fn read_data(stream: &mut impl Read) -> Result<Vec<u8>> {
+    pub fn read_data(stream: &mut (impl Read + TimedStream)) -> Result<Vec<u8>> {
         match StreamReader::new(stream).read_message()? {
             PeerMessage::Data(b) => Ok(b),
             PeerMessage::Descriptor(d) => Err(Error::Protocol(format!(

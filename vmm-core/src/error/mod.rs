@@ -12,10 +12,12 @@ use serde::{Deserialize, Serialize};
 
 mod child;
 mod rules;
+mod tls;
 
 pub(crate) use child::NotRunStage;
 pub use child::{ChildError, ExitStatus, StartMethod};
 pub use rules::{Chunk, DescriptorRule, IpcOp, IpcStep, SpawnRule};
+pub use tls::{TlsReason, TlsStep};
 
 /// Every fallible operation of `vmm_core` returns this error.
 ///
@@ -265,6 +267,17 @@ pub enum Error {
         device: String,
         /// The driver's refusal.
         source: Box<Error>,
+    },
+    /// A mutual-TLS stream (`vmm_core::wire::tls`, feature `tls`) failed or refused its peer.
+    /// A refusal at [`TlsStep::Handshake`] means no application byte crossed, either way.
+    #[error("TLS {step} with {peer}: {reason}")]
+    Tls {
+        /// Which step.
+        step: TlsStep,
+        /// The peer's address (as `ip:port`).
+        peer: String,
+        /// Why.
+        reason: TlsReason,
     },
     /// An export or import of a buffer failed part way; everything done so far was undone.
     #[error("{op} failed {step}: {source}")]

@@ -13,13 +13,23 @@
 //!   [`MAX_DATA`](crate::peer::MAX_DATA), device and location fields, the kind's
 //!   rules) before it reads or allocates anything more; then it reads exactly the chunk sizes
 //!   and payload the header announced (at most `8 * 253 + 16384` bytes) and checks the rest;
+//! - the header is checked as its bytes arrive: a wrong magic, an unknown version or a kind a
+//!   stream does not carry is refused as soon as the bytes read decide it;
+//! - every message is read (or written) whole within one deadline ([`DEFAULT_TIMEOUT`], or
+//!   [`StreamReader::with_timeout`]), set again before every read to what is left of it
+//!   ([`TimedStream`]): a peer that sends one byte at a time, or stops reading, holds the
+//!   other side no longer than that. The deadline runs from the call, so waiting for a message
+//!   counts. [`StreamReader::untimed`] and [`StreamWriter::untimed`] are for streams the caller
+//!   bounds itself (bytes in memory, say);
 //! - any refusal or failure ends the stream: after a bad or cut message nobody can know where
 //!   the next one starts, so a [`StreamReader`] (and a [`StreamWriter`] whose write failed part
 //!   way) refuses every later call, and the application should drop the stream;
-//! - who the peer is, and whether it may have the memory, is the stream's business (TLS, a
-//!   VPN, an SSH tunnel, a loopback socket only your processes reach): a fabric handle is a
-//!   bearer token (see [`cuda::fabric`](crate::cuda::fabric)). Nothing here prints a handle
-//!   byte.
+//! - a stream authenticates no one: on TCP, loopback included, whoever connects first gets
+//!   the bytes, and a fabric handle is a bearer token (see
+//!   [`cuda::fabric`](crate::cuda::fabric)). Across a network, or wherever another user can
+//!   connect, run these messages on a mutual-TLS stream (`vmm_core::wire::tls`, feature
+//!   `tls`); a plain socket is for a channel the caller has already authenticated. Nothing
+//!   here prints a handle byte.
 //!
 //! ```
 //! use std::os::unix::net::UnixStream;
@@ -46,12 +56,67 @@
 
 use std::fmt;
 use std::io::{self, ErrorKind, Read, Write};
+use std::time::{Duration, Instant};
 
 use super::PeerMessage;
 use super::codec::{fabric_frame, from_frame};
 use super::frame::{Frame, HEADER_LEN, Kind};
 use crate::cuda::FabricDescriptor;
+use crate::wire::TimedStream;
 use crate::{Error, Result};
+
+/// How long one message may take to read or write whole, by default: 10 seconds.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Sets a stream's read or write deadline (a [`TimedStream`] setter, or none).
+type SetDeadline<S> = fn(&S, Option<Instant>) -> io::Result<()>;
+
+/// How a reader or writer bounds one message: a timeout, and how to set the stream's deadline
+/// before each read or write (none for a stream the caller bounds itself).
+struct Timing<S> {
+    timeout: Option<Duration>,
+    set_deadline: Option<SetDeadline<S>>,
+}
+
+impl<S> Timing<S> {
+    fn untimed() -> Self {
+        Timing {
+            timeout: None,
+            set_deadline: None,
+        }
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        self.timeout.and_then(|t| Instant::now().checked_add(t))
+    }
+}
+
+fn read_deadline<S: TimedStream>(stream: &S, deadline: Option<Instant>) -> io::Result<()> {
+    stream.set_read_deadline(deadline)
+}
+
+fn write_deadline<S: TimedStream>(stream: &S, deadline: Option<Instant>) -> io::Result<()> {
+    stream.set_write_deadline(deadline)
+}
+
+/// An I/O failure of a stream as the crate's error: the typed error a TLS stream put inside it,
+/// a timeout (when the message had a deadline), or [`Error::Os`].
+fn stream_error(e: io::Error, what: &str, started: Instant, deadline: Option<Instant>) -> Error {
+    match e.kind() {
+        ErrorKind::TimedOut | ErrorKind::WouldBlock if deadline.is_some() => Error::Timeout {
+            what: format!("{what} (the whole message's deadline)"),
+            after: started.elapsed(),
+        },
+        _ if e.get_ref().is_some_and(|inner| inner.is::<Error>()) => {
+            match e.into_inner().map(|inner| inner.downcast::<Error>()) {
+                Some(Ok(error)) => *error,
+                Some(Err(inner)) => Error::io(what.to_owned(), io::Error::other(inner)),
+                None => Error::io(what.to_owned(), io::Error::other("unknown")),
+            }
+        }
+        _ => Error::io(what.to_owned(), e),
+    }
+}
 
 /// The frame byte every message starts with, on a stream as in a packet.
 const FRAME_BYTE: u8 = 0x00;
@@ -60,7 +125,7 @@ const FRAME_BYTE: u8 = 0x00;
 const STREAM: &str = "peer stream";
 
 /// Writes peer messages without fds (`CUDA_FABRIC`, `DATA`) to a byte stream, each with one
-/// `write_all` and then a `flush`.
+/// `write_all` and then a `flush`, the whole message within one deadline.
 ///
 /// A message the protocol cannot carry is refused ([`Error::InvalidOption`],
 /// [`Error::TooLarge`]) before a byte
@@ -68,16 +133,43 @@ const STREAM: &str = "peer stream";
 /// later write is refused too ([`Error::Protocol`]). Its `Debug` shows nothing of the stream.
 pub struct StreamWriter<W> {
     writer: W,
+    timing: Timing<W>,
     failed: bool,
 }
 
-impl<W: Write> StreamWriter<W> {
-    /// A writer of peer messages to `writer` (a `TcpStream`, `&TcpStream`, a `BufWriter`...).
+impl<W: Write + TimedStream> StreamWriter<W> {
+    /// A writer of peer messages to `writer` (a `TcpStream`, `&TcpStream`, a `UnixStream`, a
+    /// mutual-TLS stream...), each message written whole within [`DEFAULT_TIMEOUT`]
+    /// ([`with_timeout`](Self::with_timeout) sets another): a peer that stops reading holds a
+    /// write no longer than that.
     pub fn new(writer: W) -> Self {
         StreamWriter {
             writer,
+            timing: Timing {
+                timeout: Some(DEFAULT_TIMEOUT),
+                set_deadline: Some(write_deadline::<W>),
+            },
             failed: false,
         }
+    }
+}
+
+impl<W: Write> StreamWriter<W> {
+    /// A writer to a stream that bounds its own writes (or never blocks: a buffer, a pipe to a
+    /// process of the caller's): no deadline is set. Prefer [`new`](Self::new) for a socket.
+    pub fn untimed(writer: W) -> Self {
+        StreamWriter {
+            writer,
+            timing: Timing::untimed(),
+            failed: false,
+        }
+    }
+
+    /// Each message written whole within `timeout` (`None`: no limit); it has effect on a
+    /// writer made by [`new`](Self::new).
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.timing.timeout = timeout;
+        self
     }
 
     /// Write `descriptor` as a `CUDA_FABRIC` message (protocol version 2): its chunk sizes,
@@ -120,15 +212,21 @@ impl<W: Write> StreamWriter<W> {
         let mut packet = Vec::with_capacity(1 + bytes.len());
         packet.push(FRAME_BYTE);
         packet.extend_from_slice(&bytes);
-        let written = self
-            .writer
-            .write_all(&packet)
-            .and_then(|()| self.writer.flush());
+        let started = Instant::now();
+        let deadline = self.timing.deadline();
+        let set = self.timing.set_deadline;
+        let writer = &mut self.writer;
+        let written = set
+            .map_or(Ok(()), |set| set(writer, deadline))
+            .and_then(|()| writer.write_all(&packet))
+            .and_then(|()| writer.flush());
         written.map_err(|source| {
             self.failed = true;
-            Error::io(
-                format!("writing a {} message to a {STREAM}", frame.kind.name()),
+            stream_error(
                 source,
+                &format!("writing a {} message to a {STREAM}", frame.kind.name()),
+                started,
+                deadline,
             )
         })
     }
@@ -161,6 +259,7 @@ enum State {
 /// `Debug` shows nothing of the stream (whose buffer may hold handle bytes).
 pub struct StreamReader<R> {
     reader: R,
+    timing: Timing<R>,
     state: State,
 }
 
@@ -172,14 +271,40 @@ impl<R> fmt::Debug for StreamReader<R> {
     }
 }
 
-impl<R: Read> StreamReader<R> {
-    /// A reader of peer messages from `reader` (a `TcpStream`, `&TcpStream`, a `BufReader`...;
-    /// set a read timeout on a socket to bound each read).
+impl<R: Read + TimedStream> StreamReader<R> {
+    /// A reader of peer messages from `reader` (a `TcpStream`, `&TcpStream`, a `UnixStream`,
+    /// a mutual-TLS stream...), each message read whole within [`DEFAULT_TIMEOUT`]
+    /// ([`with_timeout`](Self::with_timeout) sets another). The deadline is the message's, not
+    /// each read's: it is set again before every read to what is left, so a peer that sends
+    /// one byte at a time holds the reader no longer than it.
     pub fn new(reader: R) -> Self {
         StreamReader {
             reader,
+            timing: Timing {
+                timeout: Some(DEFAULT_TIMEOUT),
+                set_deadline: Some(read_deadline::<R>),
+            },
             state: State::Open,
         }
+    }
+}
+
+impl<R: Read> StreamReader<R> {
+    /// A reader of a stream that bounds its own reads (or never blocks: bytes in memory): no
+    /// deadline is set. Prefer [`new`](Self::new) for a socket.
+    pub fn untimed(reader: R) -> Self {
+        StreamReader {
+            reader,
+            timing: Timing::untimed(),
+            state: State::Open,
+        }
+    }
+
+    /// Each message read whole within `timeout` (`None`: no limit); it has effect on a reader
+    /// made by [`new`](Self::new).
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.timing.timeout = timeout;
+        self
     }
 
     /// Read the next message.
@@ -220,8 +345,14 @@ impl<R: Read> StreamReader<R> {
     }
 
     fn read_one(&mut self) -> Result<PeerMessage> {
+        let mut source = Source {
+            reader: &mut self.reader,
+            set_deadline: self.timing.set_deadline,
+            deadline: self.timing.deadline(),
+            started: Instant::now(),
+        };
         let mut head = [0u8; 1 + HEADER_LEN];
-        if fill(&mut self.reader, &mut head[..1])? == 0 {
+        if source.fill(&mut head[..1])? == 0 {
             return Err(Error::Disconnected(STREAM.into()));
         }
         if head[0] != FRAME_BYTE {
@@ -230,7 +361,18 @@ impl<R: Read> StreamReader<R> {
                 head[0]
             )));
         }
-        let got = fill(&mut self.reader, &mut head[1..])?;
+        // The header a read at a time, each part checked as it comes: a wrong magic, an
+        // unknown version or a kind a stream does not carry is refused as soon as its bytes
+        // are there, not after the rest of the header.
+        let mut got = 0;
+        while got < HEADER_LEN {
+            let n = source.read_some(&mut head[1 + got..])?;
+            if n == 0 {
+                break;
+            }
+            got += n;
+            Frame::check_stream_prefix(&head[1..1 + got])?;
+        }
         // Fewer than 64 bytes: the magic and the version are still checked first, then the
         // header is refused as partial.
         let body = Frame::check_stream_header(&head[1..1 + got])?;
@@ -244,7 +386,7 @@ impl<R: Read> StreamReader<R> {
         })?;
         message.extend_from_slice(&head[1..]);
         message.resize(len, 0);
-        let got = fill(&mut self.reader, &mut message[HEADER_LEN..])?;
+        let got = source.fill(&mut message[HEADER_LEN..])?;
         if got != body {
             return Err(Error::Protocol(format!(
                 "{STREAM}: it ended after {got} of the {body} bytes of chunk sizes and payload \
@@ -256,19 +398,42 @@ impl<R: Read> StreamReader<R> {
     }
 }
 
-/// Read into `buf` until it is full or the stream ends; how many bytes were read.
-fn fill<R: Read + ?Sized>(reader: &mut R, buf: &mut [u8]) -> Result<usize> {
-    let mut got = 0;
-    while got < buf.len() {
-        match reader.read(&mut buf[got..]) {
-            Ok(0) => break,
-            // A reader that claims more than it was given is not believed past the buffer.
-            Ok(n) => got = (got + n).min(buf.len()),
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(source) => {
-                return Err(Error::io(format!("reading from a {STREAM}"), source));
+/// One message's reads: each bounded by what is left of the message's deadline.
+struct Source<'a, R> {
+    reader: &'a mut R,
+    set_deadline: Option<SetDeadline<R>>,
+    deadline: Option<Instant>,
+    started: Instant,
+}
+
+impl<R: Read> Source<'_, R> {
+    /// One read into `buf` (0 at the end of the stream), within the message's deadline.
+    fn read_some(&mut self, buf: &mut [u8]) -> Result<usize> {
+        let deadline = self.deadline;
+        let failed =
+            |e, started| stream_error(e, &format!("reading from a {STREAM}"), started, deadline);
+        loop {
+            if let Some(set) = self.set_deadline {
+                set(self.reader, self.deadline).map_err(|e| failed(e, self.started))?;
+            }
+            match self.reader.read(buf) {
+                // A reader that claims more than it was given is not believed past the buffer.
+                Ok(n) => return Ok(n.min(buf.len())),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(failed(e, self.started)),
             }
         }
     }
-    Ok(got)
+
+    /// Read into `buf` until it is full or the stream ends; how many bytes were read.
+    fn fill(&mut self, buf: &mut [u8]) -> Result<usize> {
+        let mut got = 0;
+        while got < buf.len() {
+            match self.read_some(&mut buf[got..])? {
+                0 => break,
+                n => got += n,
+            }
+        }
+        Ok(got)
+    }
 }

@@ -6,6 +6,9 @@
 //! - [`Queue`]: typed, cloneable, shared across processes.
 //! - [`endpoint`]: named endpoints (a socket path or an abstract name) that admit a peer by
 //!   the kernel's credentials for it: how a process that vmm-core did not start connects.
+//! - [`TimedStream`]: byte streams whose reads and writes end by a deadline (a whole message's).
+//! - `tls` (feature `tls`): mutual-TLS byte streams over TCP, for descriptors that cross a
+//!   network.
 
 mod channel;
 pub mod endpoint;
@@ -14,6 +17,9 @@ mod oob;
 mod queue;
 mod spill;
 mod sys;
+mod timed;
+#[cfg(feature = "tls")]
+pub mod tls;
 mod wait;
 
 pub(crate) use channel::spin_window;
@@ -26,4 +32,5 @@ pub use oob::{
 };
 pub use queue::Queue;
 pub use sys::MAX_FDS;
+pub use timed::TimedStream;
 pub(crate) use wait::wait_hangup;

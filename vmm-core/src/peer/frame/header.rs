@@ -43,28 +43,25 @@ pub(super) struct Header {
 }
 
 impl RawHeader {
-    /// Rules 1, 2 and the counts of rule 3, on the first bytes of a message (`bytes` may be a
-    /// whole message, or fewer bytes than a header: then the magic and the version are
-    /// checked first, so an unknown version is named even in a short message).
-    pub(super) fn parse(bytes: &[u8]) -> Result<RawHeader> {
+    /// Rules 1 and 2 on as many of a header's first bytes as there are: the magic (on the
+    /// bytes there are of it), then the version (once its 2 bytes are there), then the kind
+    /// and its version (once those are). A refusal the bytes already decide is made at once,
+    /// so a stream reader refuses an unknown version without waiting for the rest of the
+    /// header. `Ok(None)` while the kind is not there yet.
+    pub(super) fn check_prefix(bytes: &[u8]) -> Result<Option<Kind>> {
         let len = bytes.len();
-        if len < MAGIC.len() || bytes[..MAGIC.len()] != MAGIC {
-            let start = &bytes[..len.min(MAGIC.len())];
+        let magic = len.min(MAGIC.len());
+        if bytes[..magic] != MAGIC[..magic] {
+            let start = &bytes[..magic];
             return refuse(format!(
                 "it does not start with the magic \"VMMI\" (got {start:02x?}, {len} bytes): not \
                  a vmm-ipc peer message"
             ));
         }
         if len < 6 {
-            return refuse(format!(
-                "{len} bytes end inside the header's version field (the header has {HEADER_LEN})"
-            ));
+            return Ok(None);
         }
         let u16_at = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]);
-        let u32_at = |at: usize| {
-            u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
-        };
-        let u64_at = |at: usize| u64::from(u32_at(at)) | u64::from(u32_at(at + 4)) << 32;
         let version = u16_at(4);
         if !(1..=PROTOCOL_VERSION).contains(&version) {
             return refuse(format!(
@@ -72,10 +69,8 @@ impl RawHeader {
                  {VERSIONS_SPOKEN}"
             ));
         }
-        if len < HEADER_LEN {
-            return refuse(format!(
-                "{len} bytes: shorter than the {HEADER_LEN}-byte header (a partial header)"
-            ));
+        if len < 8 {
+            return Ok(None);
         }
         let raw_kind = u16_at(6);
         let Some(kind) = Kind::from_raw(raw_kind) else {
@@ -93,6 +88,38 @@ impl RawHeader {
                 kind.version()
             ));
         }
+        Ok(Some(kind))
+    }
+
+    /// Rules 1, 2 and the counts of rule 3, on the first bytes of a message (`bytes` may be a
+    /// whole message, or fewer bytes than a header: then the magic, the version and the kind
+    /// are checked first ([`check_prefix`](Self::check_prefix)), so an unknown version is
+    /// named even in a short message).
+    pub(super) fn parse(bytes: &[u8]) -> Result<RawHeader> {
+        let len = bytes.len();
+        let kind = RawHeader::check_prefix(bytes)?;
+        if len < MAGIC.len() {
+            return refuse(format!(
+                "it does not start with the magic \"VMMI\" (got {bytes:02x?}, {len} bytes): not \
+                 a vmm-ipc peer message"
+            ));
+        }
+        if len < 6 {
+            return refuse(format!(
+                "{len} bytes end inside the header's version field (the header has {HEADER_LEN})"
+            ));
+        }
+        let (Some(kind), true) = (kind, len >= HEADER_LEN) else {
+            return refuse(format!(
+                "{len} bytes: shorter than the {HEADER_LEN}-byte header (a partial header)"
+            ));
+        };
+        let u16_at = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]);
+        let u32_at = |at: usize| {
+            u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+        };
+        let u64_at = |at: usize| u64::from(u32_at(at)) | u64::from(u32_at(at + 4)) << 32;
+        let version = u16_at(4);
         let header_len = u16_at(8);
         if usize::from(header_len) != HEADER_LEN {
             return refuse(format!(

@@ -302,24 +302,40 @@ impl Frame {
     /// [`decode`]: Frame::decode
     pub(crate) fn check_stream_header(header: &[u8]) -> Result<usize> {
         let raw = RawHeader::parse(header)?;
-        let name = raw.kind.name();
-        if raw.kind.carries_fds() {
-            return refuse(format!(
-                "{name} on a byte stream: its kind carries fds, which a stream cannot (send it \
-                 on a named endpoint)"
-            ));
-        }
-        if raw.kind.is_handshake() {
-            return refuse(format!(
-                "{name} on a byte stream: it belongs to a named endpoint's handshake, and a \
-                 stream has none"
-            ));
-        }
+        stream_carries(raw.kind)?;
         let body = raw.message_len() - HEADER_LEN;
         let header = raw.resolve()?;
         header.check_kind()?;
         Ok(body)
     }
+
+    /// For a byte stream, as its bytes arrive: refuse at once what the first bytes of a header
+    /// already decide (the magic, the version, a kind a stream does not carry), so that a
+    /// reader does not wait for the rest of a header it will refuse.
+    pub(crate) fn check_stream_prefix(prefix: &[u8]) -> Result<()> {
+        match RawHeader::check_prefix(prefix)? {
+            Some(kind) => stream_carries(kind),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Whether a byte stream carries messages of `kind`: not those with fds, nor the handshake's.
+fn stream_carries(kind: Kind) -> Result<()> {
+    let name = kind.name();
+    if kind.carries_fds() {
+        return refuse(format!(
+            "{name} on a byte stream: its kind carries fds, which a stream cannot (send it on a \
+             named endpoint)"
+        ));
+    }
+    if kind.is_handshake() {
+        return refuse(format!(
+            "{name} on a byte stream: it belongs to a named endpoint's handshake, and a stream \
+             has none"
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

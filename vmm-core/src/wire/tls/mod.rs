@@ -1,0 +1,60 @@
+//! Mutual-TLS byte streams over TCP (feature `tls`): how a descriptor's bytes, a fabric
+//! handle above all, cross a network, or a loopback that other users can reach.
+//!
+//! A byte stream authenticates no one: on TCP, loopback included, whoever connects first is
+//! who gets the bytes, and a `CUDA_FABRIC` descriptor's handles are bearer tokens (whoever holds
+//! them, with an IMEX channel, maps the memory read-write). So a descriptor crosses a network
+//! only on a [`TlsStream`], made by rustls (TLS 1.3, the `ring` provider, synchronous: no async
+//! runtime), both ways authenticated:
+//!
+//! - each side checks the other's certificate chain against the roots it was given, its
+//!   validity period, its extended key usage for its role (`clientAuth` for the side that
+//!   connects, `serverAuth` for the side that accepts), the CRLs it was given, and then an
+//!   explicit allow-list: a subject-alternative name ([`PeerCheck::Names`]) or the SHA-256 of
+//!   the public key ([`PeerCheck::SpkiSha256`]). There is no "anyone the CA signed";
+//! - these checks run inside the handshake, and a stream exists only once the handshake has
+//!   finished. On the accepting side that is after the client's certificate passed: in TLS
+//!   1.3 the client finishes its handshake before the server has checked the client's
+//!   certificate, so the server must not write before its own check has passed, and here it
+//!   cannot (it has no stream to write to). A refused peer gets a TLS alert and a close, never
+//!   an application byte;
+//! - there is no plaintext fallback: a peer that does not speak TLS is refused
+//!   ([`TlsReason::NotTls`](crate::error::TlsReason::NotTls));
+//! - the handshake has a deadline ([`TlsOptions::handshake_timeout`]), and every read and write
+//!   of a stream ends by the deadline its reader or writer set (`vmm_core::peer::stream` sets one
+//!   per message, [`TimedStream`](crate::wire::TimedStream)) or, with none set, by
+//!   [`TlsOptions::message_timeout`] per call;
+//! - [`TlsListener`] runs handshakes side by side (at most [`MAX_HANDSHAKES`]), so a client
+//!   that connects first and stalls, or sends plaintext, delays no one and holds no more than
+//!   its slot until its deadline; no session is resumed (every connection is checked in full).
+//!
+//! A plain `TcpStream` or `UnixStream` stays usable with `peer::stream` for a channel the
+//! caller has already authenticated (an SSH tunnel, a socketpair between its own processes):
+//! that is the caller's explicit choice, never this module's fallback.
+//!
+//! ```
+//! # use vmm_core::wire::tls::{PeerCheck, TlsConnector, TlsListener, TlsOptions};
+//! # fn demo(exporter: TlsOptions, importer: TlsOptions) -> vmm_core::Result<()> {
+//! // The exporter admits only the importer's name, the importer only the exporter's.
+//! let exporter = exporter.peer_check(PeerCheck::names(["importer.example"])?);
+//! let importer = importer.peer_check(PeerCheck::names(["exporter.example"])?);
+//! let listener = TlsListener::bind("127.0.0.1:0", &exporter)?;
+//! let addr = listener.local_addr()?;
+//! let client = std::thread::spawn(move || TlsConnector::new(&importer)?.connect(addr));
+//! let stream = listener.accept(None)?; // the importer's certificate passed every check
+//! # drop((stream, client)); Ok(()) }
+//! ```
+
+mod handshake;
+mod listener;
+mod options;
+mod stream;
+mod verify;
+
+pub use handshake::{TlsAcceptor, TlsConnector};
+pub use listener::{MAX_HANDSHAKES, TlsListener, TlsRefusal};
+pub use options::{
+    DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MESSAGE_TIMEOUT, MAX_ALLOWED_PEERS, PeerCheck, TlsIdentity,
+    TlsOptions, spki_sha256,
+};
+pub use stream::TlsStream;
