@@ -27,6 +27,15 @@ cd "$(dirname "$0")"
       echo "=== $t"
       "$t" "$@" || status=1
     done
+    # The fabric example over mutual TLS: Rust to Rust, Rust to Python, Python to Rust (from the
+    # repository root, where examples/python and python/ are).
+    if [ -x examples/fabric_tcp ]; then
+      for peer in "--peer rust" "--peer python" "--python-exports"; do
+        echo "=== examples/fabric_tcp $peer"
+        # shellcheck disable=SC2086
+        (cd .. && .gpu/examples/fabric_tcp $peer) || status=1
+      done
+    fi
   fi
   if [ "$what" = benches ] || [ "$what" = all ]; then
     export CRITERION_HOME="$PWD/criterion"

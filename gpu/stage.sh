@@ -11,7 +11,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 cd "$root"
 command -v jq >/dev/null || { echo "stage.sh needs jq (it reads cargo's JSON messages): install it first" >&2; exit 1; }
-rm -rf .gpu && mkdir -p .gpu/tests .gpu/benches   # .gpu/ is git-ignored
+rm -rf .gpu && mkdir -p .gpu/tests .gpu/benches .gpu/examples   # .gpu/ is git-ignored
 # Small, symbol-free binaries: a carried tree may be limited (the team's is 64 MiB).
 export CARGO_PROFILE_RELEASE_DEBUG=false CARGO_PROFILE_RELEASE_STRIP=symbols
 export CARGO_PROFILE_BENCH_DEBUG=false CARGO_PROFILE_BENCH_STRIP=symbols
@@ -26,6 +26,10 @@ stage() { # $1 = tests|benches; reads cargo's JSON messages on stdin
 }
 cargo test --workspace --release --no-run --message-format=json-render-diagnostics "$@" | stage tests
 cargo bench --workspace --no-run --message-format=json-render-diagnostics "$@" | stage benches
+# The examples run.sh runs on the GPU (the fabric example over mutual TLS, to Rust and Python).
+mkdir -p .gpu/examples
+cargo build --release -p vmm-core --features tls --example fabric_tcp
+cp target/release/examples/fabric_tcp .gpu/examples/fabric_tcp
 cp "$here/run.sh" .gpu/run.sh
 anchors="$root/../shared/anchors"
 if [ -d "$anchors" ]; then
