@@ -19,6 +19,7 @@ pub mod raw;
 pub mod record;
 pub mod report;
 pub mod start;
+pub mod tls;
 
 use std::time::Duration;
 
@@ -238,6 +239,7 @@ pub fn run(c: &mut Criterion, gpu: &Result<(), String>) {
     pool::host_pool(c);
     endpoint::host(c);
     start::child_start(c);
+    tls::host_tls(c);
     if gpu.is_ok() {
         let cuda = raw::RawCuda::init().unwrap_or_else(|e| {
             panic!("vmm-core sees a usable GPU but the raw baseline cannot start: {e}")

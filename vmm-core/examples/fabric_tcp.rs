@@ -292,7 +292,10 @@ fn import_from_python(args: &Args, certs: &Path) -> Result<(), Failure> {
     use std::io::{BufRead, BufReader};
     let mut exporter = python(args, certs, "export", "127.0.0.1:0")?;
     // The Python exporter prints `LISTENING <port>` once it listens.
-    let stdout = exporter.stdout.take().ok_or("no stdout from the Python exporter")?;
+    let stdout = exporter
+        .stdout
+        .take()
+        .ok_or("no stdout from the Python exporter")?;
     let mut lines = BufReader::new(stdout).lines();
     let port: u16 = loop {
         match lines.next() {

@@ -351,28 +351,30 @@ impl<R: Read> StreamReader<R> {
             deadline: self.timing.deadline(),
             started: Instant::now(),
         };
+        // The frame byte and the header, a read at a time (never past the header: the next
+        // bytes are the message's own, or the next message's), each part checked as it comes:
+        // a wrong frame byte or magic, an unknown version or a kind a stream does not carry is
+        // refused as soon as its bytes are there, not after the rest of the header.
         let mut head = [0u8; 1 + HEADER_LEN];
-        if source.fill(&mut head[..1])? == 0 {
-            return Err(Error::Disconnected(STREAM.into()));
-        }
-        if head[0] != FRAME_BYTE {
-            return Err(Error::Protocol(format!(
-                "{STREAM}: frame byte {:#04x}: a message on a stream starts with 0x00",
-                head[0]
-            )));
-        }
-        // The header a read at a time, each part checked as it comes: a wrong magic, an
-        // unknown version or a kind a stream does not carry is refused as soon as its bytes
-        // are there, not after the rest of the header.
-        let mut got = 0;
-        while got < HEADER_LEN {
-            let n = source.read_some(&mut head[1 + got..])?;
+        let mut read = 0;
+        while read < head.len() {
+            let n = source.read_some(&mut head[read..])?;
             if n == 0 {
+                if read == 0 {
+                    return Err(Error::Disconnected(STREAM.into()));
+                }
                 break;
             }
-            got += n;
-            Frame::check_stream_prefix(&head[1..1 + got])?;
+            read += n;
+            if head[0] != FRAME_BYTE {
+                return Err(Error::Protocol(format!(
+                    "{STREAM}: frame byte {:#04x}: a message on a stream starts with 0x00",
+                    head[0]
+                )));
+            }
+            Frame::check_stream_prefix(&head[1..read])?;
         }
+        let got = read.saturating_sub(1);
         // Fewer than 64 bytes: the magic and the version are still checked first, then the
         // header is refused as partial.
         let body = Frame::check_stream_header(&head[1..1 + got])?;

@@ -76,6 +76,14 @@ impl Write for DeadlineSocket {
         self.tcp.write(buf).map_err(timed_out)
     }
 
+    /// rustls hands over a record's parts together: one system call (one segment), not one
+    /// per part, which would wake the reader once per part.
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.tcp
+            .set_write_timeout(self.timeout(self.write_deadline.get())?)?;
+        self.tcp.write_vectored(bufs).map_err(timed_out)
+    }
+
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
