@@ -463,7 +463,9 @@ fn hostile_stream_messages_are_refused_from_the_header_and_end_the_stream() {
     // Framing: another frame byte (vmm-core's spilled-payload framing), garbage, versions.
     let mut spilled = good_fabric_packet(1);
     spilled[0] = 1;
-    assert_eq!(refused_on_a_stream(&spilled, "frame byte 0x01"), 1);
+    // Refused on the first read: at most the frame byte and a header's worth are taken, into
+    // the reader's fixed 65-byte buffer (one read for both, not one system call each).
+    assert!(refused_on_a_stream(&spilled, "frame byte 0x01") <= 65);
     refused_on_a_stream(b"\0GET / HTTP/1.1\r\n", "not a vmm-ipc peer message");
     let mut v3 = good_fabric_packet(1);
     v3[5] = 3;
