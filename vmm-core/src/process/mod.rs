@@ -156,6 +156,9 @@ pub use pool::{Pool, TaskHandle};
 pub use role::init;
 pub use status::{ChildError, ExitStatus};
 pub use timeout::{
-    FALLBACK_TIMEOUT, TIMEOUT_VAR, default_timeout, parse_timeout, try_default_timeout,
+    FALLBACK_TIMEOUT, MAX_TIMEOUT, TIMEOUT_VAR, default_timeout, parse_timeout, try_default_timeout,
 };
-pub use warm::{DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, WarmOptions, WarmPool};
+pub use warm::{
+    DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, MAX_DEPTH, MAX_DEVICE_ORDINAL, MAX_DEVICES, WarmOptions,
+    WarmPool,
+};

@@ -34,7 +34,9 @@ use super::timeout::default_timeout;
 use crate::wire::Channel;
 use crate::{Error, Result};
 
-pub use options::{DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, WarmOptions};
+pub use options::{
+    DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, MAX_DEPTH, MAX_DEVICE_ORDINAL, MAX_DEVICES, WarmOptions,
+};
 use waiting::{Health, Waiting};
 
 /// How long [`WarmPool::quiesce`] waits for launches in flight.
