@@ -8,7 +8,10 @@
 //! says how many bytes were cut. The cap holds for every child vmm-core starts (spawn,
 //! forkserver, warm) and for each task of a [`Pool`](super::Pool), and its buffer is reserved
 //! fallibly, so that even a cap the program raised past what memory allows is a note in the
-//! text, not an abort.
+//! text, not an abort. (A failed pool task's story joins two such reads, what the task printed
+//! and what its worker printed while it was ended: at most twice the cap per stream. A
+//! finished task keeps its output until it is joined, so what a program's unjoined tasks hold
+//! is the cap times their number, which the program chooses.)
 
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -100,8 +103,9 @@ fn output_memfd(name: &std::ffi::CStr) -> Result<OwnedFd> {
     Ok(fd)
 }
 
-/// The text of an output file's last `cap` bytes (lossy UTF-8), after a line that says how
-/// many bytes before them were cut, if any; with `truncate`, empty the file afterwards.
+/// The text of an output file's last `cap` bytes (lossy UTF-8; a hole at their start
+/// skipped), after a line that says how many bytes before them were cut, if any; with
+/// `truncate`, empty the file afterwards.
 ///
 /// The file's size is read once, and at most `cap` bytes are read from `size - cap`: a child
 /// that keeps writing (a pool worker's stray thread) or grows the file meanwhile adds nothing,
@@ -118,7 +122,7 @@ pub(crate) fn read_tail(fd: &OwnedFd, cap: u64, truncate: bool) -> String {
     let Ok(file) = fd.try_clone().map(File::from) else {
         return "(captured output unreadable: dup failed)".to_owned();
     };
-    let start = size.saturating_sub(cap);
+    let start = past_hole(fd, size.saturating_sub(cap), size);
     // At most `cap`, which the parent chose; never the size the child chose.
     let want = usize::try_from(size - start).unwrap_or(usize::MAX);
     let mut kept = Vec::new();
@@ -157,6 +161,22 @@ pub(crate) fn read_tail(fd: &OwnedFd, cap: u64, truncate: bool) -> String {
     format!(
         "[vmm-ipc: {cut} bytes cut; the last {read} bytes follow (output cap {cap} bytes)]\n{text}"
     )
+}
+
+/// The first offset from `start` (at most `size`) where `fd` holds data: a hole (what an
+/// `ftruncate` added and nothing wrote) reads as zeros that say nothing, so a tail that begins
+/// in one is kept from its end. `start` where that cannot be told. (`lseek` moves the offset
+/// the child's stream shares, which no one uses: the stream is `O_APPEND`, reads are `pread`.)
+fn past_hole(fd: &OwnedFd, start: u64, size: u64) -> u64 {
+    let Ok(offset) = libc::off_t::try_from(start) else {
+        return start;
+    };
+    match nix::unistd::lseek(fd, offset, nix::unistd::Whence::SeekData) {
+        Ok(data) => u64::try_from(data).map_or(start, |data| data.clamp(start, size)),
+        // Nothing but hole from `start` to the end.
+        Err(nix::errno::Errno::ENXIO) => size,
+        Err(_) => start,
+    }
 }
 
 /// Append to `out` what `file` holds from `offset`, at most `len` bytes (less at its end, or
@@ -222,18 +242,34 @@ mod tests {
     }
 
     #[test]
-    fn a_sparse_terabyte_costs_one_cap() {
+    fn a_sparse_terabyte_costs_one_cap_and_its_hole_is_skipped() {
         let fd = file_with(b"");
-        File::from(fd.try_clone().unwrap())
-            .set_len(1 << 40)
-            .unwrap();
-        let text = read_tail(&fd, 4096, true);
-        assert!(
-            text.starts_with(&format!("[vmm-ipc: {} bytes cut;", (1u64 << 40) - 4096)),
-            "{}",
-            &text[..80]
+        let file = File::from(fd.try_clone().unwrap());
+        file.set_len(1 << 40).unwrap();
+        let text = read_tail(&fd, 4096, false);
+        assert_eq!(
+            text,
+            format!(
+                "[vmm-ipc: {} bytes cut; the last 0 bytes follow (output cap 4096 bytes)]\n",
+                1u64 << 40
+            )
         );
-        assert!(text.len() < 4096 + 100);
+        file.write_all_at(b"last words", 1 << 40).unwrap();
+        let text = read_tail(&fd, 4096, true);
+        assert_eq!(
+            text,
+            format!(
+                "[vmm-ipc: {} bytes cut; the last 10 bytes follow (output cap 4096 bytes)]\nlast words",
+                1u64 << 40
+            )
+        );
         assert_eq!(nix::sys::stat::fstat(&fd).unwrap().st_size, 0);
+    }
+
+    #[test]
+    fn written_zeros_are_kept() {
+        let fd = file_with(&[0, 0, b'a']);
+        assert_eq!(read_tail(&fd, 2, false).as_bytes().last(), Some(&b'a'));
+        assert!(read_tail(&fd, 2, false).ends_with("\n\0a"));
     }
 }
