@@ -132,8 +132,9 @@ impl WarmPool {
     }
 
     /// The process-wide pool, which [`StartMethod::Warm`] takes its children from: made on
-    /// first use from the environment ([`WarmOptions::from_env`]; an invalid value is warned
-    /// about once and the default used).
+    /// first use from the environment ([`WarmOptions::from_env`]; an invalid value, one past
+    /// [`MAX_DEPTH`] or the devices' maxima included, is warned about once and the default
+    /// used: `VMM_WARM_DEPTH=300` keeps 2 children, not 300).
     pub fn global() -> &'static WarmPool {
         static GLOBAL: OnceLock<WarmPool> = OnceLock::new();
         GLOBAL.get_or_init(|| {
