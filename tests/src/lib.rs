@@ -2,6 +2,7 @@
 //! in `tests/tests` takes what it shares from here, and only from here.
 
 pub mod endpoint;
+pub mod flood;
 pub mod fuzz;
 pub mod pki;
 pub mod process_table;

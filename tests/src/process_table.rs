@@ -22,3 +22,24 @@ pub fn gone_within(pid: u32, limit: Duration, zombie_ok: bool) -> bool {
         }
     }
 }
+
+/// The pids of `parent`'s children, from every `/proc/<pid>/stat` (zombies included): for the
+/// tests that count how many processes something started.
+pub fn children_of(parent: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                return false;
+            };
+            // After the command name: state, then the parent's pid.
+            stat.rsplit_once(')')
+                .and_then(|(_, fields)| fields.split_ascii_whitespace().nth(1)?.parse().ok())
+                == Some(parent)
+        })
+        .collect()
+}

@@ -1,6 +1,7 @@
 //! Faults and hostile children: whatever a child does to its channel, whatever dies when, a join
 //! returns by its deadline, no child is left a zombie or an orphan, and a failed spawn runs
-//! nothing. Each scenario under every start method where the method matters.
+//! nothing, and a child that floods its captured output costs its parent at most the output cap.
+//! Each scenario under every start method where the method matters.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
@@ -19,9 +20,12 @@ use nix::sys::wait::{WaitPidFlag, waitpid};
 use nix::unistd::Pid;
 use rstest::rstest;
 use vmm_core::Error;
-use vmm_core::process::{Context, ExitStatus, StartMethod, ensure_running, forkserver_pid};
+use vmm_core::process::{
+    Context, ExitStatus, StartMethod, WarmPool, ensure_running, forkserver_pid,
+};
 use vmm_core::testing::{open_fds, settled_open_fds};
 use vmm_core::wire::{Fd, Queue};
+use vmm_tests::flood::{Flood, LAST_WORDS, MemoryWatch, PANIC, assert_tail_kept, flood_and_panic};
 use vmm_tests::turns::{exclusive, shared};
 
 use vmm_tests::process_table::{gone_within, state};
@@ -656,4 +660,51 @@ fn no_orphan_when_the_intermediate_is_sigkilled(
         panic!("a SIGKILLed child fails its join")
     };
     assert_eq!(failure.status, Some(ExitStatus::Signaled(9)), "{failure}");
+}
+
+/// The parent's side, in a process of its own: start a child under `method` that floods its
+/// output as `flood` says and panics, and join it with this process's address space limited
+/// far below the flood (see `vmm_tests::flood`). The forkserver and the warm pool are started
+/// before the limit, as a long-lived parent has them.
+fn join_a_flooding_child_under_a_memory_limit((method, flood): (StartMethod, Flood)) {
+    match method {
+        StartMethod::Forkserver => drop(ensure_running().unwrap()),
+        StartMethod::Warm => drop(WarmPool::global().fill().unwrap()),
+        StartMethod::Spawn => {}
+    }
+    let watch = MemoryWatch::limit_and_start();
+    let result = Context::new(method)
+        .spawn(flood_and_panic, flood)
+        .unwrap()
+        .join(TIMEOUT);
+    watch.assert_peak_stayed_low(&format!("{method}, {flood:?}"));
+    let Err(Error::Child(failure)) = result else {
+        panic!("a child that panicked must fail its join, got {result:?}")
+    };
+    assert_eq!(failure.panic_message.as_deref(), Some(PANIC), "{failure}");
+    assert_eq!(failure.status, Some(ExitStatus::Exited(101)));
+    assert_tail_kept("stdout", &failure.stdout, flood, None);
+    assert_tail_kept("stderr", &failure.stderr, flood, Some(LAST_WORDS));
+    // The default panic hook printed the panic last: the kept tail has it.
+    assert_tail_kept("stderr", &failure.stderr, flood, Some(PANIC));
+}
+
+/// A child that truncates its captured stdout and stderr to a terabyte (sparse: it costs the
+/// child nothing), or writes 4 MiB to each, then panics: its parent reads the last
+/// `output_cap()` bytes of each, which hold the panic, says how much it cut, and its memory
+/// stays within a limit far below the flood (a parent that read it whole aborted on 1 TiB).
+#[rstest]
+fn a_child_that_floods_its_captured_output_costs_its_parent_one_cap(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+    #[values(Flood::Sparse, Flood::Written)] flood: Flood,
+) {
+    let _guard = shared();
+    // The parent under attack is a child of its own, so that its limit binds nothing else; its
+    // warm children initialise no GPU under that limit.
+    Context::new(StartMethod::Spawn)
+        .with_env("VMM_WARM_DEVICES", "none")
+        .spawn(join_a_flooding_child_under_a_memory_limit, (method, flood))
+        .unwrap()
+        .join(TIMEOUT)
+        .unwrap();
 }

@@ -1,6 +1,7 @@
 //! Failures: a panicking or dying worker fails only its own task and is replaced; no task
 //! runs twice; timeouts and cancellation kill the task's worker; dropping the pool kills and
-//! reaps every worker; the parent's fds stay as they were throughout.
+//! reaps every worker; the parent's fds stay as they were throughout; a task that floods its
+//! worker's output costs the pool at most the output cap.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -9,10 +10,13 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use rstest::rstest;
 use vmm_core::Error;
-use vmm_core::process::{Pool, StartMethod, WarmPool, ensure_running};
+use vmm_core::process::{Context, Pool, StartMethod, WarmPool, ensure_running};
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
 use vmm_core::wire::Queue;
+use vmm_tests::flood::{
+    Flood, LAST_WORDS, MemoryWatch, PANIC, RETURNED, assert_tail_kept, flood_task,
+};
 use vmm_tests::process_table::{gone_within, state};
 use vmm_tests::turns::{exclusive, shared};
 
@@ -395,4 +399,63 @@ fn the_parents_fds_are_stable_across_tasks_and_replacements(
         before,
         "the pool's fds changed"
     );
+}
+
+/// The pool's side, in a process of its own: a pool of one worker under `method`, then, with
+/// this process's address space limited far below the flood (see `vmm_tests::flood`), tasks
+/// that flood their worker's output: one that returns (its result arrives, the worker serves
+/// on, its output was emptied), one that panics (its failure keeps the tail, with the panic),
+/// and an ordinary task after them.
+fn run_flooding_tasks_under_a_memory_limit((method, flood): (StartMethod, Flood)) {
+    let pool = Pool::new(method, 1).unwrap();
+    let watch = MemoryWatch::limit_and_start();
+    let worker = next_worker(&pool);
+    assert_eq!(
+        run_task(&pool, flood_task, (flood, false), TIMEOUT),
+        RETURNED
+    );
+    assert_eq!(
+        next_worker(&pool),
+        worker,
+        "a task that returned ended its worker"
+    );
+    let result = pool
+        .submit(flood_task, (flood, true))
+        .unwrap()
+        .join(TIMEOUT);
+    let Err(Error::Child(failure)) = result else {
+        panic!("a task that panicked must fail, got {result:?}")
+    };
+    assert_eq!(failure.panic_message.as_deref(), Some(PANIC), "{failure}");
+    assert_eq!(failure.pid, worker);
+    assert_tail_kept("stdout", &failure.stdout, flood, None);
+    assert_tail_kept("stderr", &failure.stderr, flood, Some(LAST_WORDS));
+    assert_tail_kept("stderr", &failure.stderr, flood, Some(PANIC));
+    assert_ne!(
+        next_worker(&pool),
+        worker,
+        "the panicked worker was not replaced"
+    );
+    watch.assert_peak_stayed_low(&format!("{method}, {flood:?}"));
+}
+
+/// A task that truncates its worker's captured stdout and stderr to a terabyte, or writes
+/// 4 MiB to each, costs the pool's process at most the output cap per stream: what the pool
+/// keeps of a task's output is its tail, with the panic, and a note of what was cut, and the
+/// process stays within a memory limit far below the flood (a parent that read it whole
+/// aborted on 1 TiB).
+#[rstest]
+fn a_task_that_floods_its_workers_output_costs_the_pool_one_cap(
+    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+    #[values(Flood::Sparse, Flood::Written)] flood: Flood,
+) {
+    let _guard = shared();
+    // The pool's process is a child of its own, so that its limit binds nothing else; its warm
+    // workers initialise no GPU under that limit.
+    Context::new(StartMethod::Spawn)
+        .with_env("VMM_WARM_DEVICES", "none")
+        .spawn(run_flooding_tasks_under_a_memory_limit, (method, flood))
+        .unwrap()
+        .join(TIMEOUT)
+        .unwrap();
 }

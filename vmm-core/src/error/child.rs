@@ -159,9 +159,12 @@ pub struct ChildError {
     pub(crate) observed_notes: Vec<String>,
     /// Whether the child reported how its function ended (for `Display`).
     pub(crate) reported: bool,
-    /// Everything it wrote to stdout.
+    /// What it wrote to stdout: the last
+    /// [`output_cap()`](crate::process::output_cap) bytes (1 MiB by default), after a line
+    /// that says how many bytes before them were cut, if any (a child chooses how much it
+    /// writes; its parent reads only that much).
     pub stdout: String,
-    /// Everything it wrote to stderr.
+    /// What it wrote to stderr, kept as [`stdout`](Self::stdout) is: where its panic is.
     pub stderr: String,
 }
 

@@ -11,12 +11,15 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 mod child;
+mod env;
 mod rules;
 mod tls;
 
 pub(crate) use child::NotRunStage;
 pub use child::{ChildError, ExitStatus, StartMethod};
-pub use rules::{Chunk, DescriptorRule, IpcOp, IpcStep, SpawnRule};
+pub use env::MAX_ENV_LEN;
+pub(crate) use env::{parse_env_uint, shown_env_value};
+pub use rules::{Chunk, DescriptorRule, EnvRule, IpcOp, IpcStep, SpawnRule};
 pub use tls::{TlsReason, TlsStep};
 
 /// Every fallible operation of `vmm_core` returns this error.
@@ -121,12 +124,16 @@ pub enum Error {
         /// The rule and the value, for people.
         message: String,
     },
-    /// An environment variable that configures vmm-core holds a value it cannot use.
+    /// An environment variable that configures vmm-core holds a value it cannot use: `rule`
+    /// says which rule it broke (its form, or its documented range); nothing was done with it.
     #[error("{message}")]
     InvalidEnv {
         /// The variable, e.g. `VMM_CHILD_TIMEOUT`.
         variable: Cow<'static, str>,
-        /// The value and what it should look like.
+        /// The rule the value broke.
+        rule: EnvRule,
+        /// The value (shortened if long), the rule and what the value should look like, for
+        /// people.
         message: String,
     },
     /// No CUDA device in this process has the ordinal or UUID asked for.
@@ -328,6 +335,22 @@ impl Error {
         Error::InvalidOption {
             option: option.into(),
             message: message.into(),
+        }
+    }
+
+    /// An [`Error::InvalidEnv`]: `variable`'s `value` broke `rule`; `why` says how, `expected`
+    /// what a valid value looks like.
+    pub(crate) fn env(
+        variable: &'static str,
+        value: &str,
+        rule: EnvRule,
+        why: impl std::fmt::Display,
+        expected: &str,
+    ) -> Self {
+        Error::InvalidEnv {
+            variable: variable.into(),
+            rule,
+            message: format!("{variable}={}: {why}; {expected}", shown_env_value(value)),
         }
     }
 

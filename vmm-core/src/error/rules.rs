@@ -46,6 +46,42 @@ pub enum SpawnRule {
     Entry,
 }
 
+/// Which rule an environment variable's value broke
+/// ([`Error::InvalidEnv`](super::Error::InvalidEnv)).
+///
+/// Every setting vmm-core reads from the environment has a documented form and range (the
+/// README's Environment paragraph lists them): the environment is whoever started the
+/// program's to choose, and a typo (`300` for `30`) or a hostile launcher must not start
+/// hundreds of processes or spin for an hour. A setting either refuses a value with one of
+/// these rules or, where nothing can be refused (a receive deep in a channel), clamps it with
+/// one line on stderr; each setting's docs say which.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum EnvRule {
+    /// Not of the variable's form: not a number (or a list of numbers) where one is needed,
+    /// not UTF-8, NaN.
+    Syntax,
+    /// A number below the least the variable takes: a negative count or ordinal, a timeout
+    /// of zero or less.
+    TooSmall,
+    /// A number above the variable's documented maximum, `max`, counted in the variable's
+    /// unit (children, a device ordinal, microseconds).
+    TooLarge {
+        /// The maximum.
+        max: u64,
+    },
+    /// A list of more than `max` entries.
+    TooMany {
+        /// The most entries the list may have.
+        max: u64,
+    },
+    /// A value longer than `max` bytes, refused before it is parsed.
+    TooLong {
+        /// The longest value read, in bytes.
+        max: u64,
+    },
+}
+
 /// Which half of sharing failed ([`Error::Ipc`](super::Error::Ipc)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum IpcOp {

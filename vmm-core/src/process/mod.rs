@@ -116,8 +116,9 @@
 // - tracker: a child's fate, and the `Tracker` a `Context` tells of each child it starts
 //   (`testing` keeps `#[ipc_test]`'s registry behind it)
 // - supervisor: `Supervised`, the one supervised child (pid, pidfd, channel, output, what is
-//   known of its end; kill, reap, waits by deadline, output reading) that `Process`, a waiting
+//   known of its end; kill, reap, waits by deadline) that `Process`, a waiting
 //   warm child and a pool worker are built on
+// - output: a child's captured stdout and stderr, read from the end up to the output cap
 // - launch: posix_spawn of /proc/self/exe on the launcher thread
 // - hook: the argv a re-executed child needs, from the harness (`testing` installs libtest's)
 // - protocol: the messages; status: a child's outcome, and `ChildError` assembled from it
@@ -132,6 +133,7 @@ mod forkserver;
 mod handle;
 pub(crate) mod hook;
 mod launch;
+mod output;
 mod pool;
 mod protocol;
 mod remote;
@@ -149,10 +151,14 @@ pub use crate::error::StartMethod;
 pub use context::Context;
 pub use forkserver::{ensure_running, forkserver_pid};
 pub use handle::Process;
+pub use output::{DEFAULT_OUTPUT_CAP, output_cap, set_output_cap};
 pub use pool::{Pool, TaskHandle};
 pub use role::init;
 pub use status::{ChildError, ExitStatus};
 pub use timeout::{
-    FALLBACK_TIMEOUT, TIMEOUT_VAR, default_timeout, parse_timeout, try_default_timeout,
+    FALLBACK_TIMEOUT, MAX_TIMEOUT, TIMEOUT_VAR, default_timeout, parse_timeout, try_default_timeout,
 };
-pub use warm::{DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, WarmOptions, WarmPool};
+pub use warm::{
+    DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, MAX_DEPTH, MAX_DEVICE_ORDINAL, MAX_DEVICES, WarmOptions,
+    WarmPool,
+};

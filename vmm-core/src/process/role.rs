@@ -29,6 +29,7 @@ use super::StartMethod;
 use super::child;
 use super::entry;
 use super::protocol::ROLE_VAR;
+use super::warm::{MAX_DEVICE_ORDINAL, MAX_DEVICES};
 use super::{server, sys};
 use crate::wire::Channel;
 use crate::wire::endpoint::maybe_overflow_uid;
@@ -169,10 +170,15 @@ fn parse(value: &[u8]) -> Option<(Kind, i32, Pid)> {
 }
 
 /// A warm child's devices, as the role variable lists them (`0,1`; empty for none). Entries
-/// that are not numbers are ignored: warming up is an optimisation, never a reason to fail.
+/// that are not numbers, ordinals above [`MAX_DEVICE_ORDINAL`] and entries past the first
+/// [`MAX_DEVICES`] are ignored: warming up is an optimisation, never a reason to fail, and the
+/// parent never writes more (its `VMM_WARM_DEVICES` is checked against the same maxima), so
+/// a longer list only makes the child try devices no machine has.
 fn parse_devices(list: &str) -> Vec<usize> {
     list.split(',')
+        .take(MAX_DEVICES)
         .filter_map(|d| d.trim().parse().ok())
+        .filter(|&d| d <= MAX_DEVICE_ORDINAL)
         .collect()
 }
 
@@ -277,6 +283,15 @@ mod tests {
         assert!(matches!(
             parse(b"warm:4:10:0,x,1"),
             Some((Kind::Warm(devices), 4, _)) if devices == [0, 1]
+        ));
+        assert!(matches!(
+            parse(b"warm:4:10:1,64,18446744073709551615,-1,63"),
+            Some((Kind::Warm(devices), 4, _)) if devices == [1, 63]
+        ));
+        let long = format!("warm:4:10:{}", "0,".repeat(10_000));
+        assert!(matches!(
+            parse(long.as_bytes()),
+            Some((Kind::Warm(devices), 4, _)) if devices.len() == MAX_DEVICES
         ));
     }
 }

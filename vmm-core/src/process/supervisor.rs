@@ -1,5 +1,5 @@
 //! One supervised child, as its parent sees it: its pid (and pidfd), its channel, its captured
-//! output, and what is known of its end. Every holder of a child (a [`Process`](super::Process),
+//! output ([`Output`], read under the output cap), and what is known of its end. Every holder of a child (a [`Process`](super::Process),
 //! a child waiting in the warm pool, a pool worker) keeps it as a [`Supervised`], and the
 //! registry of an `#[ipc_test]` uses the same kill and reap, so that killing, reaping, waiting
 //! by a deadline and reading output are written once.
@@ -9,21 +9,18 @@
 //! server reaps it and reports its status on the child's channel ([`Report::Exited`]), so here
 //! it is only ever signalled through its pidfd (or while that report has not come).
 
-use std::fs::File;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::FileExt;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
-use nix::fcntl::{FcntlArg, OFlag, fcntl};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-use nix::sys::memfd::{MFdFlags, memfd_create};
 use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 
 use super::StartMethod;
+use super::output::Output;
 use super::protocol::Report;
 use super::status::ExitStatus;
 use super::sys;
@@ -67,76 +64,6 @@ pub(crate) enum State {
     Reaped(ExitStatus),
     /// Its exit status will never be known, and why.
     Lost(String),
-}
-
-/// A child's captured stdout and stderr: memfds, CLOEXEC, opened for appending (so that a pool
-/// can empty them between tasks while the child keeps writing at their end).
-#[derive(Debug)]
-pub(crate) struct Output {
-    stdout: OwnedFd,
-    stderr: OwnedFd,
-}
-
-impl Output {
-    /// Two new, empty output files.
-    pub(crate) fn new() -> Result<Output> {
-        Ok(Output {
-            stdout: output_memfd(c"vmm-ipc-child-stdout")?,
-            stderr: output_memfd(c"vmm-ipc-child-stderr")?,
-        })
-    }
-
-    /// Duplicates of both, for the child's fds 1 and 2.
-    pub(crate) fn child_ends(&self) -> Result<(OwnedFd, OwnedFd)> {
-        let dup = |fd: &OwnedFd| fd.try_clone().map_err(|e| Error::io("dup", e));
-        Ok((dup(&self.stdout)?, dup(&self.stderr)?))
-    }
-
-    /// Both, borrowed (to send them to the forkserver).
-    pub(crate) fn fds(&self) -> [BorrowedFd<'_>; 2] {
-        [self.stdout.as_fd(), self.stderr.as_fd()]
-    }
-
-    /// Everything written so far, left in place.
-    pub(crate) fn read(&self) -> (String, String) {
-        (read_all(&self.stdout, false), read_all(&self.stderr, false))
-    }
-
-    /// Everything written since the last `take`, and empty the files for what comes next.
-    pub(crate) fn take(&self) -> (String, String) {
-        (read_all(&self.stdout, true), read_all(&self.stderr, true))
-    }
-}
-
-fn output_memfd(name: &std::ffi::CStr) -> Result<OwnedFd> {
-    let fd = memfd_create(name, MFdFlags::MFD_CLOEXEC)
-        .map_err(|e| Error::errno("memfd_create(child output)", e))?;
-    // The status flags belong to the open file, which the child's stdout (a dup) shares.
-    fcntl(&fd, FcntlArg::F_SETFL(OFlag::O_APPEND))
-        .map_err(|e| Error::errno("fcntl(F_SETFL, O_APPEND) on child output", e))?;
-    Ok(fd)
-}
-
-/// The text of an output file (lossy UTF-8); with `truncate`, empty it afterwards.
-fn read_all(fd: &OwnedFd, truncate: bool) -> String {
-    // Most children print nothing: one fstat, no read.
-    if nix::sys::stat::fstat(fd).is_ok_and(|st| st.st_size == 0) {
-        return String::new();
-    }
-    let Ok(file) = fd.try_clone().map(File::from) else {
-        return "(captured output unreadable: dup failed)".to_owned();
-    };
-    let mut out = Vec::new();
-    let mut buf = [0u8; 64 * 1024];
-    let mut offset = 0u64;
-    while let Ok(n @ 1..) = file.read_at(&mut buf, offset) {
-        out.extend_from_slice(&buf[..n]);
-        offset += n as u64;
-    }
-    if truncate {
-        let _ = file.set_len(0);
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// What the next packet on a child's channel is.

@@ -23,7 +23,7 @@ pub mod tls;
 mod wait;
 
 pub(crate) use channel::spin_window;
-pub use channel::{Channel, INLINE_MAX, MAX_MESSAGE, Message, SPIN_VAR};
+pub use channel::{Channel, INLINE_MAX, MAX_MESSAGE, MAX_SPIN_US, Message, SPIN_VAR};
 pub use fd::Fd;
 pub(crate) use fd::{FdIn, FdOut, FdOwner};
 pub use oob::{

@@ -27,13 +27,16 @@ use std::time::{Duration, Instant};
 use super::StartMethod;
 use super::hook::{self, ChildKind};
 use super::launch::{self, Launch};
+use super::output::Output;
 use super::status::{ChildError, Observed};
-use super::supervisor::{Made, Output, Supervised};
+use super::supervisor::{Made, Supervised};
 use super::timeout::default_timeout;
 use crate::wire::Channel;
 use crate::{Error, Result};
 
-pub use options::{DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, WarmOptions};
+pub use options::{
+    DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, MAX_DEPTH, MAX_DEVICE_ORDINAL, MAX_DEVICES, WarmOptions,
+};
 use waiting::{Health, Waiting};
 
 /// How long [`WarmPool::quiesce`] waits for launches in flight.
@@ -129,8 +132,9 @@ impl WarmPool {
     }
 
     /// The process-wide pool, which [`StartMethod::Warm`] takes its children from: made on
-    /// first use from the environment ([`WarmOptions::from_env`]; an invalid value is warned
-    /// about once and the default used).
+    /// first use from the environment ([`WarmOptions::from_env`]; an invalid value, one past
+    /// [`MAX_DEPTH`] or the devices' maxima included, is warned about once and the default
+    /// used: `VMM_WARM_DEPTH=300` keeps 2 children, not 300).
     pub fn global() -> &'static WarmPool {
         static GLOBAL: OnceLock<WarmPool> = OnceLock::new();
         GLOBAL.get_or_init(|| {

@@ -1,6 +1,7 @@
 //! [`WarmOptions`]: how many children a warm pool keeps waiting, and which CUDA devices each
 //! initialises; from code or from the environment.
 
+use crate::error::{EnvRule, MAX_ENV_LEN, parse_env_uint, shown_env_value};
 use crate::{Error, Result};
 
 /// The variable that sets the pool's [depth](WarmOptions::depth): how many children wait.
@@ -12,6 +13,24 @@ pub const DEVICES_VAR: &str = "VMM_WARM_DEVICES";
 
 /// The depth when [`DEPTH_VAR`] is not set.
 pub const DEFAULT_DEPTH: usize = 2;
+
+/// The largest depth [`DEPTH_VAR`] may ask for: 128, a warm child for each test thread of a
+/// 128-core host (`VMM_WARM_DEPTH=$(nproc)`). Each waiting child is a process that holds a
+/// CUDA context on each of its devices (a few hundred MiB of device memory on an H200) for as
+/// long as it waits, so more is a typo (`300` for `30`) or a hostile launcher, not a wish. A
+/// larger value is refused ([`EnvRule::TooLarge`]), not clamped: a depth is a deliberate
+/// request for resources, and neither 128 nor the default is surely what was meant; the
+/// process-wide pool keeps its default (see [`WarmPool::global`](super::WarmPool::global)).
+/// Code that wants more asks for it ([`WarmOptions::with_depth`] has no maximum).
+pub const MAX_DEPTH: usize = 128;
+
+/// The largest CUDA ordinal [`DEVICES_VAR`] may name (a larger one is refused,
+/// [`EnvRule::TooLarge`]): more than any machine has, and it bounds what a warm child tries.
+pub const MAX_DEVICE_ORDINAL: usize = 63;
+
+/// The most entries [`DEVICES_VAR`]'s list may have (more is refused, [`EnvRule::TooMany`]):
+/// every ordinal up to [`MAX_DEVICE_ORDINAL`] once.
+pub const MAX_DEVICES: usize = MAX_DEVICE_ORDINAL + 1;
 
 /// How the warm pool is kept: how many children wait, and which CUDA devices each initialises.
 ///
@@ -50,19 +69,13 @@ impl WarmOptions {
     }
 
     /// The defaults, overridden by [`DEPTH_VAR`] and [`DEVICES_VAR`] where they are set. A
-    /// value that is not a count (depth) or a list of ordinals (devices) is
-    /// [`Error::InvalidEnv`], naming the variable and the value.
+    /// value that is not a count from 0 to [`MAX_DEPTH`] (depth) or a list of at most
+    /// [`MAX_DEVICES`] ordinals up to [`MAX_DEVICE_ORDINAL`] (devices) is
+    /// [`Error::InvalidEnv`], naming the variable, the value and the [`EnvRule`] it broke.
     pub fn from_env() -> Result<WarmOptions> {
         let mut options = WarmOptions::default();
         if let Some(value) = std::env::var_os(DEPTH_VAR) {
-            let value = value.to_string_lossy();
-            options.depth = value.trim().parse().map_err(|_| Error::InvalidEnv {
-                variable: DEPTH_VAR.into(),
-                message: format!(
-                    "{DEPTH_VAR}={value:?}: not a number of children (such as 2, or 0 for \
-                         none)"
-                ),
-            })?;
+            options.depth = parse_depth(&value.to_string_lossy())?;
         }
         if let Some(value) = std::env::var_os(DEVICES_VAR) {
             options.devices = parse_devices(&value.to_string_lossy())?;
@@ -70,7 +83,8 @@ impl WarmOptions {
         Ok(options)
     }
 
-    /// Keep `depth` children waiting (0: none).
+    /// Keep `depth` children waiting (0: none). Not bounded by [`MAX_DEPTH`], which is the
+    /// environment's maximum: the program asks for what it means to pay for.
     pub fn with_depth(mut self, depth: usize) -> WarmOptions {
         self.depth = depth;
         self
@@ -96,22 +110,86 @@ impl WarmOptions {
     }
 }
 
+/// [`DEPTH_VAR`]'s value: a count from 0 to [`MAX_DEPTH`].
+fn parse_depth(value: &str) -> Result<usize> {
+    let depth = parse_env_uint(value, MAX_DEPTH as u64).map_err(|rule| {
+        let why = match rule {
+            EnvRule::TooLarge { max } => format!("more than the maximum of {max} children"),
+            EnvRule::TooSmall => "a negative number of children".to_owned(),
+            EnvRule::TooLong { max } => format!("longer than {max} bytes"),
+            _ => "not a number of children".to_owned(),
+        };
+        Error::env(
+            DEPTH_VAR,
+            value,
+            rule,
+            why,
+            &format!("give a number of children from 0 (none) to {MAX_DEPTH}, such as 2"),
+        )
+    })?;
+    Ok(depth as usize)
+}
+
+/// [`DEVICES_VAR`]'s value: `none` (or nothing), or at most [`MAX_DEVICES`] comma-separated
+/// ordinals up to [`MAX_DEVICE_ORDINAL`]; sorted, without repeats.
 fn parse_devices(value: &str) -> Result<Vec<usize>> {
+    let refuse = |rule: EnvRule, why: String| {
+        Error::env(
+            DEVICES_VAR,
+            value,
+            rule,
+            why,
+            &format!(
+                "give CUDA device ordinals from 0 to {MAX_DEVICE_ORDINAL}, comma-separated \
+                 (such as 0 or 0,1), or none"
+            ),
+        )
+    };
+    if value.len() > MAX_ENV_LEN {
+        let rule = EnvRule::TooLong {
+            max: MAX_ENV_LEN as u64,
+        };
+        return Err(refuse(rule, format!("longer than {MAX_ENV_LEN} bytes")));
+    }
     let trimmed = value.trim();
     if trimmed.is_empty() || trimmed.eq_ignore_ascii_case("none") {
         return Ok(Vec::new());
     }
+    let entries = trimmed.split(',').count();
+    if entries > MAX_DEVICES {
+        let rule = EnvRule::TooMany {
+            max: MAX_DEVICES as u64,
+        };
+        return Err(refuse(
+            rule,
+            format!("{entries} devices, more than the maximum of {MAX_DEVICES}"),
+        ));
+    }
     let devices = trimmed
         .split(',')
-        .map(|d| d.trim().parse::<usize>())
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|_| Error::InvalidEnv {
-            variable: DEVICES_VAR.into(),
-            message: format!(
-                "{DEVICES_VAR}={value:?}: not a list of CUDA device ordinals (such as 0 or \
-                     0,1, or none)"
-            ),
-        })?;
+        .map(|entry| {
+            parse_env_uint(entry, MAX_DEVICE_ORDINAL as u64)
+                .map(|d| d as usize)
+                .map_err(|rule| {
+                    let why = match rule {
+                        EnvRule::TooLarge { max } => {
+                            format!(
+                                "device {} is above the largest ordinal, {max}",
+                                shown_env_value(entry.trim())
+                            )
+                        }
+                        EnvRule::TooSmall => {
+                            format!("device {} is negative", shown_env_value(entry.trim()))
+                        }
+                        _ => format!(
+                            "{} is not a CUDA device ordinal",
+                            shown_env_value(entry.trim())
+                        ),
+                    };
+                    refuse(rule, why)
+                })
+        })
+        .collect::<Result<Vec<_>>>()?;
     Ok(WarmOptions::new().with_devices(devices).devices)
 }
 
@@ -125,9 +203,80 @@ mod tests {
         assert_eq!(parse_devices(" 1, 0 ,1").unwrap(), [0, 1]);
         assert!(parse_devices("none").unwrap().is_empty());
         assert!(parse_devices("").unwrap().is_empty());
-        let Err(Error::InvalidEnv { message, .. }) = parse_devices("gpu0") else {
-            panic!("gpu0 must be refused");
+        let all: Vec<String> = (0..=MAX_DEVICE_ORDINAL).map(|d| d.to_string()).collect();
+        assert_eq!(parse_devices(&all.join(",")).unwrap().len(), MAX_DEVICES);
+    }
+
+    fn refusal(result: Result<impl std::fmt::Debug>) -> (EnvRule, String) {
+        match result {
+            Err(Error::InvalidEnv {
+                rule,
+                message,
+                variable,
+            }) => {
+                assert!(message.contains(&*variable), "{message}");
+                (rule, message)
+            }
+            other => panic!("expected InvalidEnv, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn device_lists_past_their_maxima_are_refused_by_rule() {
+        let too_many: Vec<String> = (0..=MAX_DEVICES).map(|d| (d % 8).to_string()).collect();
+        let ordinal = EnvRule::TooLarge {
+            max: MAX_DEVICE_ORDINAL as u64,
         };
-        assert!(message.contains(DEVICES_VAR), "{message}");
+        for (value, rule) in [
+            ("gpu0", EnvRule::Syntax),
+            ("0,,1", EnvRule::Syntax),
+            ("64", ordinal),
+            ("0,300", ordinal),
+            ("18446744073709551615", ordinal),
+            ("-1", EnvRule::TooSmall),
+            (
+                &too_many.join(","),
+                EnvRule::TooMany {
+                    max: MAX_DEVICES as u64,
+                },
+            ),
+            (
+                &"0,".repeat(MAX_ENV_LEN),
+                EnvRule::TooLong {
+                    max: MAX_ENV_LEN as u64,
+                },
+            ),
+        ] {
+            let (got, message) = refusal(parse_devices(value));
+            assert_eq!(got, rule, "{value:?}: {message}");
+            assert!(message.len() < 300, "{message}");
+        }
+    }
+
+    #[test]
+    fn depths_past_the_maximum_are_refused_by_rule() {
+        assert_eq!(parse_depth("0").unwrap(), 0);
+        assert_eq!(parse_depth(&MAX_DEPTH.to_string()).unwrap(), MAX_DEPTH);
+        let large = EnvRule::TooLarge {
+            max: MAX_DEPTH as u64,
+        };
+        assert_eq!(MAX_DEPTH, 128, "the cases below are written for 128");
+        for (value, rule) in [
+            ("129", large),
+            ("300", large),
+            ("18446744073709551615", large),
+            ("-1", EnvRule::TooSmall),
+            ("two", EnvRule::Syntax),
+            (
+                &"9".repeat(1 << 20),
+                EnvRule::TooLong {
+                    max: MAX_ENV_LEN as u64,
+                },
+            ),
+        ] {
+            let (got, message) = refusal(parse_depth(value));
+            assert_eq!(got, rule, "{value:?}: {message}");
+            assert!(message.len() < 300, "{message}");
+        }
     }
 }

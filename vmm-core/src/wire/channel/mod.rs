@@ -44,6 +44,10 @@ use super::sys::{self, MAX_FDS};
 use super::wait::{Deadline, deadline_after, peer_hung_up, wait_for, wait_readable};
 use crate::{Error, Result};
 
+mod spin;
+pub(crate) use spin::spin_window;
+pub use spin::{MAX_SPIN_US, SPIN_VAR};
+
 /// Payloads up to this many bytes travel inside the packet; larger ones in a sealed memfd.
 pub const INLINE_MAX: usize = 64 * 1024;
 
@@ -510,26 +514,6 @@ impl AsRawFd for Channel {
     fn as_raw_fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
-}
-
-/// The environment variable that sets how long a receive keeps trying before it sleeps, in
-/// microseconds (`0` turns it off). Read once per process.
-pub const SPIN_VAR: &str = "VMM_IPC_SPIN_US";
-
-/// [`SPIN_VAR`], else 20 us on a machine with more than one CPU (on one CPU the sender cannot
-/// run while we spin), else zero. The pool's waiters spin for the same window.
-pub(crate) fn spin_window() -> Duration {
-    static WINDOW: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *WINDOW.get_or_init(|| {
-        let micros = std::env::var(SPIN_VAR)
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or_else(|| {
-                let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-                if cpus > 1 { 20 } else { 0 }
-            });
-        Duration::from_micros(micros.min(10_000))
-    })
 }
 
 /// What a receive accepts: vmm-core's own framing (from a process it started), or a named
