@@ -722,3 +722,73 @@ fn a_silent_peer_after_the_handshake_ends_a_read_by_its_deadline() {
     assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
     drop(stream);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The GPU: real fabric handles over mutual TLS.
+
+fn child_fabric_importer((addr, cert, key, ca): ImporterArgs) {
+    use vmm_core::cuda::VirtualMemoryBuffer;
+    let identity = TlsIdentity::from_pem(cert.as_bytes(), key.as_bytes()).unwrap();
+    let ca = vmm_tests::pki::pem_to_der(&ca);
+    let options = TlsOptions::new(identity, vec![ca], names("exporter")).unwrap();
+    let mut stream = TlsConnector::new(&options)
+        .unwrap()
+        .connect(addr.parse::<SocketAddr>().unwrap())
+        .unwrap();
+    let descriptor = match StreamReader::new(&mut stream).read_message().unwrap() {
+        PeerMessage::Descriptor(d) => d.into_fabric().unwrap(),
+        PeerMessage::Data(_) => panic!("DATA, not a descriptor"),
+    };
+    let buf = VirtualMemoryBuffer::import_fabric(&descriptor).unwrap();
+    let matched = vmm_tests::contents(&buf) == pattern(1, buf.size());
+    buf.write_at(0, &pattern(2, buf.size())).unwrap();
+    let reply: &[u8] = if matched { b"matched" } else { b"NOT matched" };
+    StreamWriter::new(&mut stream).write_data(reply).unwrap();
+}
+
+#[rstest]
+#[case::spawn(StartMethod::Spawn)]
+#[case::forkserver(StartMethod::Forkserver)]
+fn a_real_fabric_handle_crosses_mutual_tls_to_a_child(#[case] method: StartMethod) {
+    use vmm_core::cuda::{Device, HandleType, ResourceOptions, VirtualMemoryResource};
+    if !vmm_core::testing::skip_unless(vmm_core::testing::cuda_fabric()) {
+        return;
+    }
+    let _turn = exclusive();
+    let world = World::new();
+    let resource = VirtualMemoryResource::new(
+        &Device::new(0).unwrap(),
+        ResourceOptions::default().handle_type(HandleType::Fabric),
+    )
+    .unwrap();
+    let buf = resource.allocate(4 << 20).unwrap();
+    buf.write_at(0, &pattern(1, buf.size())).unwrap();
+    let listener = world.listener();
+    let addr = listener.local_addr().unwrap();
+    let child = Context::new(method)
+        .spawn(
+            child_fabric_importer,
+            (
+                addr.to_string(),
+                world.importer.cert_pem.clone(),
+                world.importer.key_pem.clone(),
+                world.pki.ca_pem(),
+            ),
+        )
+        .unwrap();
+    let mut stream = listener.accept(Some(WAIT)).unwrap();
+    StreamWriter::new(&mut stream)
+        .write_descriptor(&buf.export_fabric().unwrap())
+        .unwrap();
+    match StreamReader::new(&mut stream)
+        .with_timeout(Some(WAIT))
+        .read_message()
+        .unwrap()
+    {
+        PeerMessage::Data(reply) => assert_eq!(reply, b"matched"),
+        PeerMessage::Descriptor(_) => panic!("a descriptor, not a reply"),
+    }
+    child.join(WAIT).unwrap();
+    // The buffer was kept until the reply: the child's write is in it.
+    assert_eq!(vmm_tests::contents(&buf), pattern(2, buf.size()));
+}
