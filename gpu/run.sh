@@ -18,6 +18,10 @@ if [ -n "$maj" ] && [ "$(id -u)" = 0 ] && [ ! -e /dev/nvidia-caps-imex-channels/
   mkdir -p /dev/nvidia-caps-imex-channels && mknod /dev/nvidia-caps-imex-channels/channel0 c "$maj" 0
 fi
 cd "$(dirname "$0")"
+# stage.sh ships the executables gzipped.
+if [ -f executables.tar.gz ]; then
+  rm -rf tests benches examples && tar -xzf executables.tar.gz
+fi
 {
   echo "commit $(cat COMMIT 2>/dev/null)"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   status=0

@@ -52,7 +52,7 @@ def do_import(addr, certdir, exporter_name, importer_name):
 def do_export(addr, certdir, exporter_name, importer_name):
     import vmm_ipc_cuda as vc
     ctx = vc.Context(0)
-    owned = vc.Allocation(ctx, size=SIZE, fabric=True)
+    owned = vc.Allocation(ctx, chunks=max(1, SIZE // ctx.granularity), fabric=True)
     owned.write(0, peer.pattern(1, owned.size))
     with peer.tls_listen(address(addr), config(certdir, "exporter", importer_name)) as listener:
         print(f"LISTENING {listener.address[1]}", flush=True)
