@@ -200,7 +200,12 @@ fn python(args: &Args, certs: &Path, verb: &str, addr: &str) -> Result<Child, Fa
         .args([&args.exporter_name, &args.importer_name])
         .env("PYTHONPATH", "python")
         .env("PYTHONUNBUFFERED", "1")
-        .stdout(Stdio::piped())
+        // The exporter's first line says where it listens; the importer's lines pass through.
+        .stdout(if verb == "export" {
+            Stdio::piped()
+        } else {
+            Stdio::inherit()
+        })
         .spawn()
         .map_err(|e| format!("starting python3 {}: {e}", args.python_script.display()))?;
     Ok(child)
@@ -227,7 +232,7 @@ fn send(args: &Args, certs: &Path, to_python: bool) -> Result<(), Failure> {
         command.spawn()?
     };
     // Only a connector whose certificate passed every check comes out of accept.
-    let mut stream = listener.accept(Some(WAIT))?;
+    let mut stream = accept_from(&listener, &mut receiver)?;
     let descriptor = buf.export_fabric()?;
     println!("exporter: {descriptor:?}"); // Debug prints no handle byte
     StreamWriter::new(&mut stream).write_descriptor(&descriptor)?;
@@ -254,6 +259,26 @@ fn send(args: &Args, certs: &Path, to_python: bool) -> Result<(), Failure> {
     }
     println!("exporter: the importer's write is in the buffer");
     Ok(())
+}
+
+/// The importer's stream, once it connected with a certificate that passed; an error as soon
+/// as the importer process has ended without connecting, or after [`WAIT`].
+fn accept_from(
+    listener: &TlsListener,
+    importer: &mut Child,
+) -> Result<vmm_core::wire::tls::TlsStream, Failure> {
+    let started = std::time::Instant::now();
+    loop {
+        match listener.accept(Some(Duration::from_millis(200))) {
+            Ok(stream) => return Ok(stream),
+            Err(vmm_core::Error::Timeout { .. }) if started.elapsed() < WAIT => {
+                if let Some(status) = importer.try_wait()? {
+                    return Err(format!("the importer ended ({status}) before it connected").into());
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// Import on `stream`'s peer's word, check its pattern, write ours, reply.
