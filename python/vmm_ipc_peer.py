@@ -71,6 +71,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 from collections import namedtuple
 
 __all__ = [
@@ -112,7 +113,11 @@ TMPFS_MAGIC = 0x01021994
 _USIZE_MAX = 2**64 - 1
 REFUSALS_KEPT = 64  # how many refused peers a Listener remembers (the most recent)
 LOG_BURST, LOG_INTERVAL = 10, 10.0  # refusal log lines per interval (seconds), then a count
-_DRAIN_MAX = 1024  # packets drained from a refused client before its connection closes
+_DRAIN_MAX = 1024  # packets and fds drained from a refused client before its connection closes
+# A Listener's admission (see Listener): open admitted connections in all and per uid, and
+# how long one may stay idle (seconds).
+MAX_CONNECTIONS, MAX_PER_UID, IDLE_TIMEOUT = 64, 16, 60.0
+FD_LIMIT_PAUSE = 0.05  # seconds accept waits at the fd limit before it tries again
 
 
 class ProtocolError(Exception):
@@ -137,15 +142,28 @@ def peer_credentials(sock):
     return Credentials(*struct.unpack("iII", raw))
 
 
-def overflow_ids():
-    """The kernel's overflow uid and gid (``/proc/sys/kernel/overflowuid``, ``overflowgid``):
-    what an id with no mapping in this user namespace reads as. None when they cannot be read
-    (then every uid is treated as possibly the overflow uid: fail closed)."""
+def _read_overflow_ids():
     try:
         with open("/proc/sys/kernel/overflowuid") as u, open("/proc/sys/kernel/overflowgid") as g:
             return int(u.read()), int(g.read())
     except (OSError, ValueError):
         return None
+
+
+# Read once, at import: a listener near its fd limit cannot open them again (and then had to
+# treat every uid as possibly the overflow uid, refusing its own).
+_OVERFLOW_IDS = _read_overflow_ids()
+
+
+def overflow_ids():
+    """The kernel's overflow uid and gid (``/proc/sys/kernel/overflowuid``, ``overflowgid``):
+    what an id with no mapping in this user namespace reads as. Read once (at import; tried
+    again only while it could not be read) and cached. None when they cannot be read (then
+    every uid is treated as possibly the overflow uid: fail closed)."""
+    global _OVERFLOW_IDS
+    if _OVERFLOW_IDS is None:
+        _OVERFLOW_IDS = _read_overflow_ids()
+    return _OVERFLOW_IDS
 
 
 def _maybe_overflow_uid(uid):
@@ -172,11 +190,17 @@ def _admits(uids, gids, creds, implicit=None):
 
 
 class _Closer:
-    """Background threads that close fds a peer sent that nobody wants: closing the last
-    reference to a hostile fd (a FUSE file, a lingering socket) runs code its sender chose, and
-    may block past every timeout. One thread normally; when each has been inside one close for
-    more than ``STUCK`` seconds, another (at most ``MAX``), so one hostile fd does not keep
-    later refused fds open."""
+    """Background threads that close the fds a peer sent that nobody wants and that
+    ``_close_all`` could not defuse: files that are not sockets (closing the last reference to
+    a FUSE file runs code its sender chose, FLUSH, and may block past every timeout), and Unix
+    sockets too deeply nested or too full to drain within the budget. Sockets are never queued
+    here otherwise: they are defused and closed at once. One thread normally; when each has
+    been inside one close for more than ``STUCK`` seconds, another (at most ``MAX``), so one
+    hostile fd does not keep later refused fds open.
+
+    The residual: a sender that can make closes block forever (a FUSE file whose server never
+    answers FLUSH) can still jam all ``MAX`` threads, after which such fds queue here, open,
+    until their closes return."""
 
     STUCK, MAX = 0.1, 8
     _lock = threading.Lock()
@@ -231,9 +255,107 @@ def pattern(seed, length):
     return (period * (length // 251 + 1))[:length]
 
 
+_LINGER_ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close resets, never waits
+SO_TIMESTAMP = getattr(socket, "SO_TIMESTAMP", 29)  # asm-generic's SO_TIMESTAMP_OLD
+_DEFUSE_DEPTH = 4  # Unix sockets inside Unix sockets drained, at most this deep
+_DEFUSE_BUDGET = 1024  # reads and fds one disposal spends draining Unix sockets, at most
+_DRAIN_CMSG = socket.CMSG_SPACE(MAX_CHUNKS * 4) + socket.CMSG_SPACE(16)
+
+
 def _close_all(fds):
-    """Close fds a peer sent that are refused or unwanted, on the background closer."""
-    _Closer.close(fds)
+    """Dispose of fds a peer sent that are refused or unwanted, without letting any of them
+    hold up this thread or the listener: every socket is defused and closed at once (SO_LINGER
+    on with 0 s makes a TCP close abortive and non-blocking; a Unix socket is first drained,
+    non-blocking, of the fds queued in it, which are disposed of the same way, at most
+    ``_DEFUSE_DEPTH`` deep and ``_DEFUSE_BUDGET`` reads and fds in all); the rest (files that
+    are not sockets, Unix sockets left undrained) go to the background closer."""
+    rest, budget = [], [_DEFUSE_BUDGET]
+    for fd in fds:
+        _dispose(fd, 0, budget, rest)
+    _Closer.close(rest)
+
+
+def _dispose(fd, depth, budget, rest):
+    """Defuse and close ``fd`` if it is a socket, else add it to ``rest``."""
+    try:
+        sock = socket.socket(fileno=fd)  # getsockopt only: touches no file of the sender's
+    except OSError:
+        rest.append(fd)  # not a socket
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ABORT)
+        defused = True
+    except OSError:
+        defused = False
+    if sock.family == socket.AF_UNIX:
+        defused = _drain_unix(sock, depth, budget, rest)
+    if defused:
+        sock.close()
+    else:
+        rest.append(sock.detach())
+
+
+def _drain_unix(sock, depth, budget, rest):
+    """Take every fd queued in the Unix socket ``sock`` (connections waiting on a listening
+    one, messages of a connected or datagram one) and dispose of them at ``depth + 1``, so
+    that closing ``sock`` releases no hostile file on this thread. True when it is known to be
+    empty; False when the depth or the budget ran out first (close it on the closer).
+
+    After ``SHUT_RD`` an empty queue reads as end of file, as does an empty packet; with
+    ``SO_TIMESTAMP`` every packet carries a timestamp and the end does not, which tells them
+    apart."""
+    if depth >= _DEFUSE_DEPTH:
+        return False
+    try:
+        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    except OSError:
+        listening = 0
+    if listening:
+        try:
+            sock.setblocking(False)
+        except OSError:
+            return False
+        while budget[0] > 0:
+            budget[0] -= 1
+            try:
+                fd, _ = sock._accept()
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                return False
+            _dispose(fd, depth + 1, budget, rest)
+        return False
+    try:
+        sock.shutdown(socket.SHUT_RD)  # nothing more can be queued
+    except OSError:
+        pass
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMP, 1)
+        stamped = True
+    except OSError:
+        stamped = False
+    stream = sock.type == socket.SOCK_STREAM
+    flags = socket.MSG_DONTWAIT | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+    while budget[0] > 0:
+        budget[0] -= 1
+        try:
+            msg, ancdata, _, _ = sock.recvmsg(4096, _DRAIN_CMSG, flags)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError as e:
+            return e.errno in (errno.ENOTCONN, errno.EINVAL)
+        fds, stamp = array.array("i"), False
+        for level, kind, cmsg in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(cmsg[:len(cmsg) - len(cmsg) % fds.itemsize])
+            elif level == socket.SOL_SOCKET and kind == SO_TIMESTAMP:
+                stamp = True
+        for fd in fds:
+            budget[0] -= 1
+            _dispose(fd, depth + 1, budget, rest)
+        if not msg and not fds and (stream or (stamped and not stamp)):
+            return True  # the end: nothing is queued
+    return False
 
 
 def _filesystem_type(fd):
@@ -682,12 +804,28 @@ class Connection(_Receives):
     def __init__(self, sock, peer, name, timeout=DEFAULT_TIMEOUT):
         self.sock, self.peer, self.name = sock, peer, name
         self.sock.settimeout(timeout)
+        self.active = time.monotonic()  # when a message last crossed (either way)
+        self.ended_by_listener = None  # why the listener shut it down (idle, or made room)
 
     def _send(self, data, fds=()):
         if fds:
             socket.send_fds(self.sock, [FRAME_INLINE, data], list(fds))
         else:
             self.sock.sendmsg([FRAME_INLINE, data])
+        self.active = time.monotonic()
+
+    @property
+    def closed(self):
+        return self.sock.fileno() == -1
+
+    def _end(self, why):
+        """Shut the connection down from the listener (another thread may be inside a receive
+        on it: it wakes, and reads PeerClosed naming ``why``); the owner still closes it."""
+        self.ended_by_listener = why
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def send_descriptor(self, descriptor):
         """Send a VmmDescriptor or HostDescriptor (it keeps its fds: close it afterwards), or a
@@ -725,7 +863,11 @@ class Connection(_Receives):
             raise ProtocolError(f"packet larger than {1 + MAX_MESSAGE} bytes")
         if not msg:
             _close_all(fds)
+            if self.ended_by_listener:
+                raise PeerClosed(f"endpoint {self.name}: the listener shut this connection "
+                                 f"down ({self.ended_by_listener})")
             raise PeerClosed(f"endpoint {self.name}: the other end has closed")
+        self.active = time.monotonic()
         if msg[0] != 0:
             _close_all(fds)
             raise ProtocolError(f"frame byte {msg[0]}: a peer message starts with 0 (its fds "
@@ -824,19 +966,89 @@ def _check_directory(directory):
                               f"directory only its owner can enter (0700), or use an abstract name")
 
 
-class Listener:
+class _RefusalLog:
+    """Refusals remembered (the last ``REFUSALS_KEPT``, in ``refused``), counted (``refusals``)
+    and logged to stderr at most ``LOG_BURST`` lines per ``LOG_INTERVAL`` seconds, then one
+    line counting the rest."""
+
+    def _init_log(self, label, log):
+        self.label, self.log = label, log
+        self.refused = collections.deque(maxlen=REFUSALS_KEPT)
+        self.refusals = 0
+        self._log_since, self._log_written, self._log_unwritten = time.monotonic(), 0, 0
+
+    def _note_refusal(self, entry, line):
+        self.refused.append(entry)
+        self.refusals += 1
+        if not self.log:
+            return
+        now = time.monotonic()
+        if now - self._log_since >= LOG_INTERVAL:
+            self._log_count()
+            self._log_since, self._log_written = now, 0
+        if self._log_written < LOG_BURST:
+            self._log_written += 1
+            print(f"vmm_ipc_peer {self.label}: {line}", file=sys.stderr, flush=True)
+        else:
+            self._log_unwritten += 1
+
+    def _log_count(self):
+        if self._log_unwritten:
+            print(f"vmm_ipc_peer {self.label}: {self._log_unwritten} more refused "
+                  f"connection(s) not logged (at most {LOG_BURST} lines per {LOG_INTERVAL:g} s)",
+                  file=sys.stderr, flush=True)
+            self._log_unwritten = 0
+
+
+def _accept_retrying(sock, deadline, what):
+    """``sock.accept()`` by ``deadline`` (None: no limit). At the process's or the system's fd
+    limit (``EMFILE``, ``ENFILE``; or out of kernel memory) the connection stays queued: wait
+    ``FD_LIMIT_PAUSE`` seconds and try again, as the Rust listener's server does, instead of
+    failing."""
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError(f"accepting a connection on {what}")
+        sock.settimeout(left)
+        try:
+            return sock.accept()
+        except socket.timeout:
+            raise TimeoutError(f"accepting a connection on {what}") from None
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                raise
+            pause = FD_LIMIT_PAUSE if left is None else min(FD_LIMIT_PAUSE, left)
+            time.sleep(max(pause, 0))
+
+
+class Listener(_RefusalLog):
     """Listen on ``name`` (a path, or ``@name``) and admit peers by their kernel credentials
     (default: this process's uid). A path socket is created 0600 in an owner-only directory;
-    a dead listener's socket file is replaced, a live one's never (OSError EADDRINUSE)."""
+    a dead listener's socket file is replaced, a live one's never (OSError EADDRINUSE).
+
+    Admitted connections are counted while open (until their owner closes them, or they are
+    garbage), and ``accept`` keeps one uid from taking every slot:
+    - at most ``max_per_uid`` open connections per uid (default 16): the next is refused
+      (REFUSED says why), the uid's open ones go on;
+    - at most ``max_connections`` open in all (default 64): when full, a newcomer whose uid
+      holds fewer than the uid holding most, by two or more, takes the slot of that uid's
+      longest-idle connection (shut down), else it is refused as busy (max-min fair);
+    - a connection across which no message has gone either way for ``idle_timeout`` seconds
+      (default 60; None: never) is shut down by the next ``accept``: its owner's receive wakes
+      with PeerClosed saying so.
+    None for a cap lifts it."""
 
     def __init__(self, name, allow_uids=None, allow_gids=(), timeout=DEFAULT_TIMEOUT, log=True,
-                 backlog=128):
-        self.name, self.timeout, self.log = name, timeout, log
+                 backlog=128, max_connections=MAX_CONNECTIONS, max_per_uid=MAX_PER_UID,
+                 idle_timeout=IDLE_TIMEOUT):
+        self.name, self.timeout = name, timeout
+        self._init_log(f"endpoint {name}", log)
         self._implicit = os.geteuid() if allow_uids is None and not allow_gids else None
         self.uids = [self._implicit] if self._implicit is not None else list(allow_uids or ())
         self.gids = list(allow_gids)
-        self.refused = collections.deque(maxlen=REFUSALS_KEPT)
-        self._log_since, self._log_written, self._log_unwritten = time.monotonic(), 0, 0
+        self.max_connections, self.max_per_uid = max_connections, max_per_uid
+        self.idle_timeout = idle_timeout
+        self._open = weakref.WeakSet()  # admitted connections (closed ones are skipped)
         self._file = None
         address = _address(name)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -875,84 +1087,83 @@ class Listener:
             probe.close()
         raise OSError(98, f"{path}: a live listener already serves this name")  # EADDRINUSE
 
+    def open_connections(self):
+        """The admitted connections still open (not closed by their owner, not shut down)."""
+        return [c for c in list(self._open) if not c.closed and not c.ended_by_listener]
+
+    def _reap_idle(self):
+        if self.idle_timeout is None:
+            return
+        now = time.monotonic()
+        for c in self.open_connections():
+            idle = now - c.active
+            if idle >= self.idle_timeout:
+                c._end(f"idle for {idle:.1f} s, at most {self.idle_timeout:g} s")
+
+    def _admission(self, creds):
+        """None to admit, else why not (after making room fairly where it can)."""
+        self._reap_idle()
+        live = self.open_connections()
+        mine = sum(c.peer.uid == creds.uid for c in live)
+        if self.max_per_uid is not None and mine >= self.max_per_uid:
+            return (f"uid {creds.uid} has {mine} connection(s) open on this endpoint, at most "
+                    f"{self.max_per_uid} per uid")
+        if self.max_connections is not None and len(live) >= self.max_connections:
+            held = collections.Counter(c.peer.uid for c in live)
+            top_uid, top = held.most_common(1)[0]
+            if top < mine + 2:
+                return (f"busy: {len(live)} connection(s) open on this endpoint, at most "
+                        f"{self.max_connections}, and uid {creds.uid} holds its share")
+            victim = min((c for c in live if c.peer.uid == top_uid), key=lambda c: c.active)
+            victim._end(f"its slot went to uid {creds.uid}: uid {top_uid} held {top} of the "
+                        f"{self.max_connections} slots")
+        return None
+
     def accept(self, timeout=None):
         """The next admitted Connection (refused peers are told, logged, remembered in
-        ``refused`` and skipped). TimeoutError after ``timeout`` seconds (None: forever)."""
+        ``refused`` and skipped). TimeoutError after ``timeout`` seconds (None: forever). At
+        the fd limit it waits and tries again (see ``_accept_retrying``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError(f"accepting a connection on endpoint {self.name}")
-            self.sock.settimeout(left)
-            try:
-                conn, _ = self.sock.accept()
-            except socket.timeout:
-                raise TimeoutError(f"accepting a connection on endpoint {self.name}") from None
+            conn, _ = _accept_retrying(self.sock, deadline, f"endpoint {self.name}")
             creds = peer_credentials(conn)
             if not _admits(self.uids, self.gids, creds, self._implicit):
-                self._refuse(conn, creds)
+                self._refuse(conn, creds, f"uid {creds.uid} (gid {creds.gid}) is not allowed "
+                                          f"to connect{_overflow_note(creds)}")
+                continue
+            why = self._admission(creds)
+            if why is not None:
+                self._refuse(conn, creds, why)
                 continue
             try:
                 conn.sendmsg([FRAME_INLINE, encode(KIND_HELLO)])
             except OSError:
                 conn.close()
                 continue
-            return Connection(conn, creds, self.name, self.timeout)
+            admitted = Connection(conn, creds, self.name, self.timeout)
+            self._open.add(admitted)
+            return admitted
 
-    def _refuse(self, conn, creds):
+    def _refuse(self, conn, creds, reason):
         """Stop the refused peer sending, drain what it sent (a Unix socket closed with unread
         messages resets the connection, and its peer would read ECONNRESET instead of the
-        reason), tell it why, remember and log it, close."""
-        self.refused.append(creds)
+        reason; and closing it with fds still queued would release them on this thread),
+        disposing of every fd it sent (``_close_all``: sockets defused and closed at once),
+        tell it why, remember and log it, close."""
+        rest, empty = [], False
         try:
             conn.setblocking(False)
-            try:
-                conn.shutdown(socket.SHUT_RD)
-            except OSError:
-                pass
-            space = socket.CMSG_SPACE(MAX_CHUNKS * array.array("i").itemsize)
-            for _ in range(_DRAIN_MAX):
-                try:
-                    msg, ancdata, _, _ = conn.recvmsg(1, space)
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError:
-                    break
-                fds = array.array("i")
-                for level, kind, cmsg in ancdata:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        fds.frombytes(cmsg[:len(cmsg) - len(cmsg) % fds.itemsize])
-                _close_all(list(fds))
-                if not msg and not fds:
-                    break
-            reason = (f"uid {creds.uid} (gid {creds.gid}) is not allowed to connect"
-                      f"{_overflow_note(creds)}")
+            empty = _drain_unix(conn, 0, [_DRAIN_MAX], rest)
             conn.sendmsg([FRAME_INLINE, encode(KIND_REFUSED, payload=reason.encode())])
         except OSError:
             pass
-        conn.close()
-        if self.log:
-            self._log_refusal(creds)
-
-    def _log_refusal(self, creds):
-        now = time.monotonic()
-        if now - self._log_since >= LOG_INTERVAL:
-            self._log_count()
-            self._log_since, self._log_written = now, 0
-        if self._log_written < LOG_BURST:
-            self._log_written += 1
-            print(f"vmm_ipc_peer endpoint {self.name}: refused pid {creds.pid} "
-                  f"(uid {creds.uid}, gid {creds.gid}){_overflow_note(creds)}", file=sys.stderr,
-                  flush=True)
+        _Closer.close(rest)
+        if empty:
+            conn.close()
         else:
-            self._log_unwritten += 1
-
-    def _log_count(self):
-        if self._log_unwritten:
-            print(f"vmm_ipc_peer endpoint {self.name}: {self._log_unwritten} more refused "
-                  f"connection(s) not logged (at most {LOG_BURST} lines per {LOG_INTERVAL:g} s)",
-                  file=sys.stderr, flush=True)
-            self._log_unwritten = 0
+            _Closer.close([conn.detach()])  # more queued than the budget: closed off this thread
+        self._note_refusal(creds, f"refused pid {creds.pid} (uid {creds.uid}, gid {creds.gid}): "
+                                  f"{reason}")
 
     def close(self):
         self._log_count()
