@@ -62,9 +62,11 @@ import array
 import collections
 import errno
 import fcntl
+import hashlib
 import mmap
 import os
 import queue
+import select
 import socket
 import stat
 import struct
@@ -73,6 +75,11 @@ import threading
 import time
 import weakref
 from collections import namedtuple
+
+try:
+    import ssl
+except ImportError:  # a Python built without OpenSSL: everything but TLS works
+    ssl = None
 
 __all__ = [
     "VERSION", "VERSIONS", "MAX_CHUNKS", "MAX_DATA", "FABRIC_HANDLE_LEN", "ProtocolError",
@@ -1210,10 +1217,18 @@ def write_message(stream, message, timeout=DEFAULT_TIMEOUT):
                         f"{type(message).__name__}")
     frame = FRAME_INLINE + data
     if hasattr(stream, "sendall"):
+        # One deadline for the whole message (a TLS socket's sendall would restart the
+        # timeout at each record), however slowly the other end reads.
         previous = stream.gettimeout()
-        stream.settimeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        view, sent = memoryview(frame), 0
         try:
-            stream.sendall(frame)
+            while sent < len(frame):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise socket.timeout
+                stream.settimeout(left)
+                sent += stream.send(view[sent:])
         except socket.timeout:
             raise TimeoutError(f"writing a {len(frame)}-byte message on the stream took longer "
                                f"than {timeout} s") from None
@@ -1323,10 +1338,26 @@ class StreamConnection(_Receives):
         self.ended = None  # why the stream ended, once it has
 
     def send_descriptor(self, descriptor):
-        write_message(self.sock, descriptor, self.timeout)
+        self._write(descriptor)
 
     def send_data(self, data):
-        write_message(self.sock, bytes(data), self.timeout)
+        self._write(bytes(data))
+
+    def _write(self, message):
+        if self.ended is not None:
+            raise ProtocolError(f"this stream has ended ({self.ended}): open a new one")
+        try:
+            write_message(self.sock, message, self.timeout)
+        except OSError as e:  # timeouts included: part of a message may have gone
+            self._end(e)
+            raise
+
+    def _end(self, e):
+        self.ended = f"{type(e).__name__}: {e}"
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def recv(self):
         """The next message: Data or FabricDescriptor."""
@@ -1335,13 +1366,8 @@ class StreamConnection(_Receives):
         try:
             return read_message(self.sock, self.timeout)
         except BaseException as e:
-            self.ended = f"{type(e).__name__}: {e}"
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self._end(e)
             raise
-
 
     def close(self):
         self.sock.close()
@@ -1364,3 +1390,374 @@ def sealed_memfd(size, name="vmm-ipc-peer"):
         os.close(fd)
         raise
     return fd
+
+
+# ---------------------------------------------------------------------------------------------
+# Mutual TLS (standard library ssl): the byte-stream framing over TCP, both ends authenticated.
+
+
+class TlsRefused(PeerRefused):
+    """A TLS peer is not trusted, or did not trust this side: its certificate failed the chain
+    (CA, validity dates, key usage, CRL), or names none of the allowed names, or matches no
+    pinned key; or it sent a TLS alert refusing this side's certificate. ``reason`` says
+    which."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class TlsError(ProtocolError):
+    """The TLS layer failed other than by a refusal: a record that did not authenticate (a
+    byte changed on the way), a handshake that broke, a plaintext peer. Nothing of the message
+    being read was delivered."""
+
+
+TlsRefusal = namedtuple("TlsRefusal", "address reason")
+
+# TLS alerts that mean "your certificate is refused" (OpenSSL's reason names).
+_REFUSAL_ALERTS = ("CERTIFICATE", "UNKNOWN_CA", "ACCESS_DENIED")
+
+
+def _tls_failure(e, what):
+    """The typed exception for ``e`` (raised by ssl or the socket under it), or None to let
+    ``e`` through (timeouts, PeerClosed, this module's own)."""
+    if ssl is None or isinstance(e, (PeerClosed, PeerRefused, ProtocolError, TimeoutError)):
+        return None
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return TlsRefused(f"{what}: the peer's certificate was refused: {e.verify_message}")
+    if isinstance(e, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionResetError,
+                      BrokenPipeError, ConnectionAbortedError)):
+        return PeerClosed(f"{what}: the connection was cut ({type(e).__name__}); a TLS "
+                          f"server closes a client it refuses this way")
+    if isinstance(e, ssl.SSLError):
+        reason = e.reason or str(e)
+        if "ALERT" in reason and any(w in reason for w in _REFUSAL_ALERTS):
+            return TlsRefused(f"{what}: the peer refused this side (TLS alert {reason})")
+        return TlsError(f"{what}: TLS failed ({reason})")
+    return None
+
+
+def _der_tlv(data, pos, end):
+    """The DER element at ``pos`` (within ``end``): (tag, content start, content end). Only
+    what a certificate uses: one-byte tags, definite lengths in the fewest bytes."""
+    if end - pos < 2:
+        raise ValueError("a DER element is cut short")
+    tag, length = data[pos], data[pos + 1]
+    if tag & 0x1F == 0x1F:
+        raise ValueError("a multi-byte DER tag")
+    pos += 2
+    if length & 0x80:
+        n = length & 0x7F
+        if not 1 <= n <= 4 or end - pos < n:
+            raise ValueError("a DER length of an unsupported form")
+        length = int.from_bytes(data[pos:pos + n], "big")
+        if data[pos] == 0 or length < 0x80:
+            raise ValueError("a DER length not in its shortest form")
+        pos += n
+    if length > end - pos:
+        raise ValueError("a DER element longer than what holds it")
+    return tag, pos, pos + length
+
+
+def spki_of(cert_der):
+    """The DER SubjectPublicKeyInfo of an X.509 certificate (DER): Certificate = SEQUENCE {
+    tbsCertificate SEQUENCE { [0] version OPTIONAL, serialNumber INTEGER, signature SEQUENCE,
+    issuer SEQUENCE, validity SEQUENCE, subject SEQUENCE, subjectPublicKeyInfo SEQUENCE, ... },
+    ... }. ValueError for anything else."""
+    data = bytes(cert_der)
+    tag, start, end = _der_tlv(data, 0, len(data))
+    if tag != 0x30 or end != len(data):
+        raise ValueError("not one DER SEQUENCE: not a certificate")
+    tag, pos, end = _der_tlv(data, start, end)
+    if tag != 0x30:
+        raise ValueError("a certificate's first element is not tbsCertificate")
+    tag, _, after = _der_tlv(data, pos, end)
+    if tag == 0xA0:  # [0] EXPLICIT version
+        pos = after
+    for expected, field in ((0x02, "serialNumber"), (0x30, "signature"), (0x30, "issuer"),
+                            (0x30, "validity"), (0x30, "subject")):
+        tag, _, after = _der_tlv(data, pos, end)
+        if tag != expected:
+            raise ValueError(f"tbsCertificate's {field} has tag {tag:#04x}")
+        pos = after
+    tag, _, after = _der_tlv(data, pos, end)
+    if tag != 0x30:
+        raise ValueError(f"tbsCertificate's subjectPublicKeyInfo has tag {tag:#04x}")
+    return data[pos:after]
+
+
+def spki_sha256_of(cert_der):
+    """The pin of a certificate: SHA-256 of its DER SubjectPublicKeyInfo (32 bytes)."""
+    return hashlib.sha256(spki_of(cert_der)).digest()
+
+
+def _pin_bytes(pin):
+    if isinstance(pin, str):
+        try:
+            pin = bytes.fromhex(pin.replace(":", ""))
+        except ValueError:
+            raise ValueError("an SPKI pin is 64 hex digits (SHA-256)") from None
+    pin = bytes(pin)
+    if len(pin) != 32:
+        raise ValueError(f"an SPKI pin is a SHA-256: 32 bytes, not {len(pin)}")
+    return pin
+
+
+class TlsConfig:
+    """One side's mutual-TLS settings: its certificate chain ``cert`` and key ``key``, the CA
+    (``ca``) that must have issued the other side's certificate, an optional CRL (``crl``;
+    then the other side's certificate must not be revoked, and a CRL of its issuer must be
+    there), all PEM file paths; and whom to accept, exactly one of:
+    - ``allow_names``: DNS names; the other side's certificate must carry at least one in its
+      subjectAltName (compared whole, ignoring ASCII case; a wildcard is only itself);
+    - ``spki_sha256``: pins, each the SHA-256 of the other side's DER SubjectPublicKeyInfo
+      (64 hex digits, or 32 bytes).
+    There is no mode that accepts any certificate the CA signed: ValueError without one (or
+    with both). The chain is always verified (a client certificate must be fit for client
+    authentication, a server's for server authentication: OpenSSL's purpose checks), dates
+    included. TLS 1.3 only; no session tickets or resumption; a stream cut without a TLS
+    close_notify is an error, never a clean end.
+
+    ``handshake_timeout`` bounds a whole handshake (seconds); ``timeout`` each whole message
+    on a connection (None: no limit)."""
+
+    def __init__(self, cert, key, ca, allow_names=(), spki_sha256=(), crl=None,
+                 handshake_timeout=10.0, timeout=DEFAULT_TIMEOUT):
+        if ssl is None:
+            raise ImportError("this Python has no ssl module: mutual TLS is not available")
+        if isinstance(allow_names, str):
+            allow_names = (allow_names,)
+        if isinstance(spki_sha256, (str, bytes, bytearray)):
+            spki_sha256 = (spki_sha256,)
+        names = tuple(str(n).lower() for n in allow_names)
+        pins = tuple(_pin_bytes(p) for p in spki_sha256)
+        if bool(names) == bool(pins):
+            raise ValueError("TlsConfig names whom to accept: exactly one of allow_names (DNS "
+                             "names the peer's certificate must carry) or spki_sha256 (pins of "
+                             "its key); a certificate the CA signed is not enough")
+        if any(not n or not n.isascii() for n in names):
+            raise ValueError("allow_names: each a non-empty ASCII DNS name")
+        if handshake_timeout is None or handshake_timeout <= 0:
+            raise ValueError("handshake_timeout: a positive number of seconds")
+        self.cert, self.key, self.ca, self.crl = cert, key, ca, crl
+        self.allow_names, self.spki_sha256 = names, pins
+        self.handshake_timeout, self.timeout = float(handshake_timeout), timeout
+        self.server_context = self._context(ssl.PROTOCOL_TLS_SERVER)
+        self.client_context = self._context(ssl.PROTOCOL_TLS_CLIENT)
+
+    def _context(self, protocol):
+        ctx = ssl.SSLContext(protocol)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_3
+        ctx.check_hostname = False  # the names are checked here, against every allowed name
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.options |= ssl.OP_NO_TICKET | ssl.OP_NO_COMPRESSION
+        ctx.options &= ~getattr(ssl, "OP_IGNORE_UNEXPECTED_EOF", 0)
+        if protocol == ssl.PROTOCOL_TLS_SERVER:
+            ctx.num_tickets = 0
+        try:
+            ctx.load_cert_chain(self.cert, self.key)
+            ctx.load_verify_locations(cafile=self.ca)
+            if self.crl is not None:
+                ctx.load_verify_locations(cafile=self.crl)
+                ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"TlsConfig: cannot load the certificate, key, CA or CRL: {e}") \
+                from None
+        return ctx
+
+    def check_peer(self, sock, what):
+        """After a verified handshake: the peer's DNS names and pin, or TlsRefused."""
+        der = sock.getpeercert(binary_form=True)
+        if not der:
+            raise TlsRefused(f"{what}: the peer sent no certificate")
+        names = [v.lower() for k, v in sock.getpeercert().get("subjectAltName", ())
+                 if k == "DNS"]
+        try:
+            pin = spki_sha256_of(der)
+        except ValueError as e:
+            raise TlsRefused(f"{what}: the peer's certificate cannot be read ({e})") from None
+        if self.allow_names:
+            if not set(names) & set(self.allow_names):
+                raise TlsRefused(f"{what}: the peer's certificate names "
+                                 f"{', '.join(names) or 'no DNS name'}, none of the allowed "
+                                 f"{', '.join(self.allow_names)}")
+        elif pin not in self.spki_sha256:
+            raise TlsRefused(f"{what}: the peer's key (SPKI SHA-256 {pin.hex()}) is not pinned")
+        return names, pin.hex()
+
+
+def _host_port(address):
+    """(host, port) from a tuple or ``HOST:PORT`` (``[v6]:PORT``)."""
+    if isinstance(address, (tuple, list)):
+        return str(address[0]), int(address[1])
+    host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address {address!r}: HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def _handshake(sock, deadline, what):
+    """Run ``sock``'s TLS handshake to its end by ``deadline`` (one deadline for the whole
+    handshake, however the peer dribbles it), non-blocking under poll."""
+    sock.settimeout(0)
+    poller = select.poll()
+    while True:
+        try:
+            sock.do_handshake()
+            return
+        except ssl.SSLWantReadError:
+            events = select.POLLIN
+        except ssl.SSLWantWriteError:
+            events = select.POLLOUT
+        except (OSError, ValueError) as e:
+            failure = _tls_failure(e, what)
+            if failure is None:
+                raise
+            raise failure from None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{what}: the TLS handshake did not finish within its deadline")
+        poller.register(sock.fileno(), events)
+        poller.poll(max(1, int(left * 1000)))
+        poller.unregister(sock.fileno())
+
+
+class TlsConnection(StreamConnection):
+    """A mutually authenticated TLS stream carrying the byte-stream framing (DATA and
+    CUDA_FABRIC): ``send_descriptor``, ``send_data``, ``recv``, ``recv_descriptor``,
+    ``recv_data``, ``close``, ``with``. ``peer_names`` are the DNS names of the other side's
+    certificate, ``peer_spki_sha256`` its pin (hex), ``address`` its address. Each message
+    has one deadline (``timeout``); failures are typed: TimeoutError, PeerClosed (the stream
+    ended or was cut), TlsRefused (the other side refused this one), TlsError (a record that
+    did not authenticate), ProtocolError (a bad message); any of them ends the stream."""
+
+    def __init__(self, sock, peer_names, peer_spki_sha256, address, timeout=DEFAULT_TIMEOUT):
+        super().__init__(sock, timeout)
+        self.peer_names, self.peer_spki_sha256 = peer_names, peer_spki_sha256
+        self.address = address
+
+    def _typed(self, call, *args):
+        try:
+            return call(*args)
+        except BaseException as e:
+            failure = _tls_failure(e, f"TLS connection with {self.address[0]}:{self.address[1]}")
+            if failure is None:
+                raise
+            self._end(failure)
+            raise failure from None
+
+    def _write(self, message):
+        self._typed(super()._write, message)
+
+    def recv(self):
+        return self._typed(super().recv)
+
+    def close(self):
+        """Send close_notify where the socket takes it at once (never waiting for the
+        peer's), then close."""
+        if self.sock.fileno() != -1:
+            try:
+                self.sock.settimeout(0)
+                self.sock.unwrap()
+            except (OSError, ValueError):
+                pass
+        self.sock.close()
+
+    def __repr__(self):
+        return f"TlsConnection(address={self.address}, peer_names={self.peer_names})"
+
+
+class TlsListener(_RefusalLog):
+    """A TCP listener that admits only mutually authenticated TLS clients (``tls_listen``).
+    ``accept`` runs each connection's whole handshake within ``handshake_timeout``, then checks
+    the client's names or pin, and only then returns it: nothing is written to a client before
+    its check has passed (in TLS 1.3 the client's handshake ends before the server has checked
+    the client certificate, so the client learns of a refusal as an alert or a closed
+    connection on its first read). A refused client (a bad chain, names, pin, no certificate, a
+    plaintext client, a handshake past its deadline) is closed, counted in ``refusals``,
+    remembered in ``refused`` (the last ``REFUSALS_KEPT``, as TlsRefusal(address, reason)) and
+    logged at a bounded rate; ``accept`` goes on to the next connection. Handshakes run one at
+    a time: a client that says nothing holds ``accept`` for at most ``handshake_timeout``."""
+
+    def __init__(self, address, config, backlog=128, log=True):
+        host, port = _host_port(address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.config = config
+        self.sock = socket.create_server((host, port), family=family, backlog=backlog)
+        self.address = self.sock.getsockname()[:2]
+        self._init_log(f"TLS listener {self.address[0]}:{self.address[1]}", log)
+
+    def accept(self, timeout=None):
+        """The next client whose certificate passed every check: a TlsConnection.
+        TimeoutError after ``timeout`` seconds (None: forever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        where = f"{self.label}"
+        while True:
+            raw, peer = _accept_retrying(self.sock, deadline, where)
+            what = f"TLS client {peer[0]}:{peer[1]}"
+            end = time.monotonic() + self.config.handshake_timeout
+            if deadline is not None:
+                end = min(end, deadline)
+            sock = None
+            try:
+                sock = self.config.server_context.wrap_socket(
+                    raw, server_side=True, do_handshake_on_connect=False,
+                    suppress_ragged_eofs=False)
+                _handshake(sock, end, what)
+                names, pin = self.config.check_peer(sock, what)
+            except (OSError, ValueError, PeerRefused, ProtocolError) as e:
+                (sock or raw).close()
+                reason = str(e) or type(e).__name__
+                self._note_refusal(TlsRefusal(peer, reason), f"refused: {reason}")
+                continue
+            sock.settimeout(self.config.timeout)
+            return TlsConnection(sock, names, pin, peer, self.config.timeout)
+
+    def close(self):
+        self._log_count()
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def tls_listen(address, config, backlog=128, log=True):
+    """Listen for mutual-TLS clients on ``address`` (``(host, port)`` or ``HOST:PORT``; port 0
+    picks one: see ``.address``) with ``config`` (a TlsConfig): a TlsListener."""
+    return TlsListener(address, config, backlog, log)
+
+
+def tls_connect(address, config, server_name=None, timeout=None):
+    """Connect to a mutual-TLS listener at ``address``, present ``config``'s certificate,
+    verify the server's chain and its names or pin, and return a TlsConnection; nothing is
+    sent or read before that but the handshake. The SNI is ``server_name`` or the first
+    allowed name. ``timeout`` bounds the TCP connect and the whole handshake (default
+    ``config.handshake_timeout``). TlsRefused, TlsError, PeerClosed or TimeoutError. (In TLS
+    1.3 a server that refuses this client's certificate says so after this returns: as a
+    TlsRefused, or PeerClosed, on the first receive.)"""
+    timeout = config.handshake_timeout if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    host, port = _host_port(address)
+    what = f"TLS server {host}:{port}"
+    try:
+        raw = socket.create_connection((host, port), timeout=timeout)
+    except socket.timeout:
+        raise TimeoutError(f"{what}: connecting took longer than {timeout} s") from None
+    sock = None
+    try:
+        sni = server_name or (config.allow_names[0] if config.allow_names else None)
+        sock = config.client_context.wrap_socket(raw, server_side=False, server_hostname=sni,
+                                                 do_handshake_on_connect=False,
+                                                 suppress_ragged_eofs=False)
+        _handshake(sock, deadline, what)
+        names, pin = config.check_peer(sock, what)
+        sock.settimeout(config.timeout)
+        return TlsConnection(sock, names, pin, (host, port), config.timeout)
+    except BaseException:
+        (sock or raw).close()
+        raise
