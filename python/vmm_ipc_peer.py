@@ -1716,7 +1716,12 @@ class TlsListener(_RefusalLog):
             return TlsConnection(sock, names, pin, peer, self.config.timeout)
 
     def close(self):
+        """Stop listening (an ``accept`` blocked in another thread wakes with OSError)."""
         self._log_count()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.sock.close()
 
     def __enter__(self):
