@@ -14,9 +14,32 @@ and CUDA_FABRIC messages over a connected stream socket (TCP), with the same byt
 
     with peer.connect("@weights") as conn:
         desc = conn.recv_descriptor()              # may be a FabricDescriptor
-    sock = socket.create_connection(("10.0.0.2", 7000))   # authenticated by you (TLS, VPN...)
+    sock = socket.create_connection(("10.0.0.2", 7000))   # authenticated by you (VPN...)
     peer.write_message(sock, fabric_descriptor)
     reply = peer.read_message(sock)                # Data or FabricDescriptor
+
+A plain stream, loopback included, authenticates no one. Mutual TLS (TLS 1.3, the standard
+library's ``ssl``) carries the same framing with both ends authenticated, by a CA and a
+certificate name (DNS subjectAltName) or a pin of the peer's key:
+
+    config = peer.TlsConfig("exporter.pem", "exporter.key", "ca.pem",
+                            allow_names=["importer.example"], crl="ca.crl")
+    with peer.tls_listen(("0.0.0.0", 7000), config) as listener:
+        with listener.accept(timeout=60) as conn:  # only after the client's checks passed
+            conn.send_descriptor(fabric_descriptor)
+            conn.recv_data()
+    config = peer.TlsConfig("importer.pem", "importer.key", "ca.pem",
+                            allow_names=["exporter.example"])
+    with peer.tls_connect(("10.0.0.2", 7000), config) as conn:
+        desc = conn.recv_descriptor()
+
+``TlsListener.accept`` writes nothing to a client before the client's chain and name (or pin)
+have passed; refused clients (no certificate, another CA, expired or not yet valid, without
+the clientAuth usage, revoked, another name or key, plaintext, a handshake past
+``handshake_timeout``) are closed, counted and logged, and ``accept`` goes on. Failures are
+typed: TlsRefused (a PeerRefused), TlsError (a ProtocolError: a record that did not
+authenticate), PeerClosed (a cut stream), TimeoutError (every handshake and message has one
+deadline for the whole of it).
 
 A fabric handle is a bearer token: whoever holds its 64 bytes and an IMEX channel of the same
 domain can map the memory. Send one only to a peer you would give the memory to; this module's
@@ -49,13 +72,27 @@ Security: ``connect`` checks the listener's kernel credentials (``SO_PEERCRED``)
 uids and gids it expects (default: this process's uid) before it sends or reads anything, and
 ``Listener.accept`` admits only allowed peers (default: this process's uid); nothing a peer
 says about itself is trusted. The overflow uid (``/proc/sys/kernel/overflowuid``: how a uid
-with no mapping in this user namespace reads) is admitted only when named in ``expect_uids`` or
-``allow_uids``, never through the default. Every message is checked against the documented
-limits and the fd count the kernel reports, and every received fd is closed when a message is
-refused, on a background thread (closing a hostile fd, a FUSE file say, may block). A refused
-client is drained before it is closed (so it reads the reason), refusals are logged at most
-``LOG_BURST`` lines per ``LOG_INTERVAL`` seconds, and the listener remembers the last
-``REFUSALS_KEPT``.
+with no mapping in this user namespace reads; read once, at import) is admitted only when named
+in ``expect_uids`` or ``allow_uids``, never through the default. Every message is checked
+against the documented limits and the fd count the kernel reports.
+
+Hostile fds: every fd of a refused message or a refused client is disposed of without holding
+up the listener: a socket is defused and closed at once (``SO_LINGER`` 0: a TCP close resets
+instead of waiting for a reader that never comes; a Unix socket is first drained, non-blocking,
+of the fds queued in it, at most ``_DEFUSE_DEPTH`` deep and ``_DEFUSE_BUDGET`` reads and fds),
+and only other files go to background closer threads (at most 8), since closing one (a FUSE
+file whose server never answers FLUSH) may block: such files can still jam those threads, and
+then wait open in their queue (the residual). A refused client is drained before it is closed
+(so it reads the reason, and so no fd it queued is released on the listener's thread),
+refusals are logged at most ``LOG_BURST`` lines per ``LOG_INTERVAL`` seconds, and the listener
+remembers the last ``REFUSALS_KEPT``.
+
+Availability: ``Listener.accept`` at the fd limit (``EMFILE``, ``ENFILE``) waits
+``FD_LIMIT_PAUSE`` (0.05 s) and tries again, within its timeout, instead of failing. Admitted
+connections are counted while open: at most ``MAX_PER_UID`` (16) per uid and
+``MAX_CONNECTIONS`` (64) in all, a full listener giving the longest-idle connection of the uid
+that holds most to a uid that holds fewer (max-min fair), and one idle (no message either way)
+for ``IDLE_TIMEOUT`` (60 s) is shut down by the next ``accept``; each is a Listener argument.
 """
 
 import array
@@ -85,7 +122,9 @@ __all__ = [
     "VERSION", "VERSIONS", "MAX_CHUNKS", "MAX_DATA", "FABRIC_HANDLE_LEN", "ProtocolError",
     "PeerRefused", "PeerClosed", "Credentials", "HostDescriptor", "VmmDescriptor",
     "FabricDescriptor", "Connection", "Listener", "connect", "StreamConnection", "write_message",
-    "read_message", "encode", "decode", "sealed_memfd", "pattern",
+    "read_message", "encode", "decode", "sealed_memfd", "pattern", "TlsConfig", "TlsRefused",
+    "TlsError", "TlsRefusal", "TlsListener", "TlsConnection", "tls_listen", "tls_connect",
+    "spki_of", "spki_sha256_of", "MAX_CONNECTIONS", "MAX_PER_UID", "IDLE_TIMEOUT",
 ]
 
 MAGIC = b"VMMI"
@@ -1328,10 +1367,11 @@ class StreamConnection(_Receives):
     (bearer tokens), is the stream's business (TLS, a VPN, an SSH tunnel, a socket only one
     process can reach), not this protocol's.
 
-    Every send and receive is bounded by ``timeout`` seconds (None: no limit). A receive that
-    fails for any reason (a refused message, a timeout, the other end closing) ends the
-    stream: the socket is shut down and every later receive raises ProtocolError, since after
-    a bad or partial message nobody can know where the next one starts."""
+    Every send and receive is bounded by ``timeout`` seconds (None: no limit), one deadline
+    for the whole message. A receive that fails for any reason (a refused message, a timeout,
+    the other end closing), or a send that fails, ends the stream: the socket is shut down and
+    every later send or receive raises ProtocolError, since after a bad or partial message
+    nobody can know where the next one starts."""
 
     def __init__(self, sock, timeout=DEFAULT_TIMEOUT):
         self.sock, self.timeout = sock, timeout
