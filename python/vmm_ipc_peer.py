@@ -1554,9 +1554,9 @@ class TlsConfig:
     - ``spki_sha256``: pins, each the SHA-256 of the other side's DER SubjectPublicKeyInfo
       (64 hex digits, or 32 bytes).
     There is no mode that accepts any certificate the CA signed: ValueError without one (or
-    with both). The chain is always verified (a client certificate must be fit for client
-    authentication, a server's for server authentication: OpenSSL's purpose checks), dates
-    included. TLS 1.3 only; no session tickets or resumption; a stream cut without a TLS
+    with both). The chain is always verified, strictly (``VERIFY_X509_STRICT``: RFC 5280's
+    rules on the certificates' form), a client certificate fit for client authentication, a
+    server's for server authentication (OpenSSL's purpose checks), dates included. TLS 1.3 only; no session tickets or resumption; a stream cut without a TLS
     close_notify is an error, never a clean end.
 
     ``handshake_timeout`` bounds a whole handshake (seconds); ``timeout`` each whole message
@@ -1592,6 +1592,7 @@ class TlsConfig:
         ctx.maximum_version = ssl.TLSVersion.TLSv1_3
         ctx.check_hostname = False  # the names are checked here, against every allowed name
         ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.verify_flags |= ssl.VERIFY_X509_STRICT
         ctx.options |= ssl.OP_NO_TICKET | ssl.OP_NO_COMPRESSION
         ctx.options &= ~getattr(ssl, "OP_IGNORE_UNEXPECTED_EOF", 0)
         if protocol == ssl.PROTOCOL_TLS_SERVER:
