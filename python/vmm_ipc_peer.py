@@ -124,7 +124,7 @@ __all__ = [
     "FabricDescriptor", "Connection", "Listener", "connect", "StreamConnection", "write_message",
     "read_message", "encode", "decode", "sealed_memfd", "pattern", "TlsConfig", "TlsRefused",
     "TlsError", "TlsRefusal", "TlsListener", "TlsConnection", "tls_listen", "tls_connect",
-    "spki_of", "spki_sha256_of", "MAX_CONNECTIONS", "MAX_PER_UID", "IDLE_TIMEOUT",
+    "spki_of", "spki_sha256_of", "MAX_HANDSHAKES", "MAX_CONNECTIONS", "MAX_PER_UID", "IDLE_TIMEOUT",
 ]
 
 MAGIC = b"VMMI"
@@ -164,6 +164,7 @@ _DRAIN_MAX = 1024  # packets and fds drained from a refused client before its co
 # how long one may stay idle (seconds).
 MAX_CONNECTIONS, MAX_PER_UID, IDLE_TIMEOUT = 64, 16, 60.0
 FD_LIMIT_PAUSE = 0.05  # seconds accept waits at the fd limit before it tries again
+MAX_HANDSHAKES = 64  # TLS handshakes a TlsListener runs at once
 
 
 class ProtocolError(Exception):
@@ -1710,55 +1711,141 @@ class TlsConnection(StreamConnection):
         return f"TlsConnection(address={self.address}, peer_names={self.peer_names})"
 
 
+class _Handshake:
+    """One client's handshake in progress on a TlsListener."""
+
+    __slots__ = ("sock", "peer", "deadline", "events")
+
+    def __init__(self, sock, peer, deadline):
+        self.sock, self.peer, self.deadline = sock, peer, deadline
+        self.events = select.POLLIN
+
+
 class TlsListener(_RefusalLog):
     """A TCP listener that admits only mutually authenticated TLS clients (``tls_listen``).
-    ``accept`` runs each connection's whole handshake within ``handshake_timeout``, then checks
-    the client's names or pin, and only then returns it: nothing is written to a client before
-    its check has passed (in TLS 1.3 the client's handshake ends before the server has checked
-    the client certificate, so the client learns of a refusal as an alert or a closed
-    connection on its first read). A refused client (a bad chain, names, pin, no certificate, a
-    plaintext client, a handshake past its deadline) is closed, counted in ``refusals``,
-    remembered in ``refused`` (the last ``REFUSALS_KEPT``, as TlsRefusal(address, reason)) and
-    logged at a bounded rate; ``accept`` goes on to the next connection. Handshakes run one at
-    a time: a client that says nothing holds ``accept`` for at most ``handshake_timeout``."""
 
-    def __init__(self, address, config, backlog=128, log=True):
+    ``accept`` returns a client only after its whole handshake (within ``handshake_timeout``)
+    and the check of its names or pin: nothing is written to a client before its check has
+    passed (in TLS 1.3 the client's handshake ends before the server has checked the client
+    certificate, so the client learns of a refusal as an alert or a closed connection on its
+    first read). A refused client (a bad chain, names, pin, no certificate, a plaintext client,
+    a handshake past its deadline) is closed, counted in ``refusals``, remembered in
+    ``refused`` (the last ``REFUSALS_KEPT``, as TlsRefusal(address, reason)) and logged at a
+    bounded rate; ``accept`` goes on to the next connection.
+
+    Handshakes run side by side, non-blocking, inside ``accept`` (no threads): at most
+    ``max_handshakes`` at once (default 64; further connections wait in the backlog), so
+    clients that connect and say nothing delay no one until they fill every slot, and then by
+    at most ``handshake_timeout``. A handshake in progress when ``accept`` returns or times out
+    stays in progress, and goes on at the next ``accept``."""
+
+    def __init__(self, address, config, backlog=128, log=True, max_handshakes=MAX_HANDSHAKES):
         host, port = _host_port(address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.config = config
+        self.config, self.max_handshakes = config, max(1, int(max_handshakes))
         self.sock = socket.create_server((host, port), family=family, backlog=backlog)
+        self.sock.setblocking(False)
         self.address = self.sock.getsockname()[:2]
         self._init_log(f"TLS listener {self.address[0]}:{self.address[1]}", log)
+        self._pending = {}  # fd: _Handshake
 
     def accept(self, timeout=None):
         """The next client whose certificate passed every check: a TlsConnection.
         TimeoutError after ``timeout`` seconds (None: forever)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        where = f"{self.label}"
         while True:
-            raw, peer = _accept_retrying(self.sock, deadline, where)
-            what = f"TLS client {peer[0]}:{peer[1]}"
-            end = time.monotonic() + self.config.handshake_timeout
+            if self.sock.fileno() == -1:
+                raise OSError(errno.EBADF, f"{self.label} is closed")
+            now = time.monotonic()
+            for fd, h in list(self._pending.items()):
+                if h.deadline <= now:
+                    self._refuse(fd, "the TLS handshake did not finish within its deadline")
+            if deadline is not None and now >= deadline:
+                raise TimeoutError(f"accepting a connection on {self.label}")
+            poller = select.poll()
+            if len(self._pending) < self.max_handshakes:
+                poller.register(self.sock.fileno(), select.POLLIN)
+            for fd, h in self._pending.items():
+                poller.register(fd, h.events)
+            wake = [h.deadline for h in self._pending.values()]
             if deadline is not None:
-                end = min(end, deadline)
-            sock = None
+                wake.append(deadline)
+            wait = -1 if not wake else max(1, int((min(wake) - now) * 1000) + 1)
+            for fd, _ in poller.poll(wait):
+                if fd == self.sock.fileno():
+                    self._take_new()
+                elif fd in self._pending:
+                    conn = self._step(fd)
+                    if conn is not None:
+                        return conn
+
+    def _take_new(self):
+        """Accept what the backlog holds, up to the free handshake slots, and start each
+        handshake."""
+        while len(self._pending) < self.max_handshakes:
+            try:
+                raw, peer = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    time.sleep(FD_LIMIT_PAUSE)  # the connection stays queued: try again
+                    return
+                raise
+            raw.settimeout(0)
             try:
                 sock = self.config.server_context.wrap_socket(
                     raw, server_side=True, do_handshake_on_connect=False,
                     suppress_ragged_eofs=False)
-                _handshake(sock, end, what)
-                names, pin = self.config.check_peer(sock, what)
-            except (OSError, ValueError, PeerRefused, ProtocolError) as e:
-                (sock or raw).close()
-                reason = str(e) or type(e).__name__
-                self._note_refusal(TlsRefusal(peer, reason), f"refused: {reason}")
+            except (OSError, ValueError) as e:
+                raw.close()
+                self._note(peer, f"TLS client {peer[0]}:{peer[1]}: {e}")
                 continue
-            sock.settimeout(self.config.timeout)
-            return TlsConnection(sock, names, pin, peer, self.config.timeout)
+            self._pending[sock.fileno()] = _Handshake(
+                sock, peer, time.monotonic() + self.config.handshake_timeout)
+
+    def _step(self, fd):
+        """Advance one handshake: its connection once done and checked, else None."""
+        h = self._pending[fd]
+        what = f"TLS client {h.peer[0]}:{h.peer[1]}"
+        try:
+            h.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            h.events = select.POLLIN
+            return None
+        except ssl.SSLWantWriteError:
+            h.events = select.POLLOUT
+            return None
+        except (OSError, ValueError) as e:
+            failure = _tls_failure(e, what) or e
+            self._refuse(fd, str(failure) or type(failure).__name__)
+            return None
+        try:
+            names, pin = self.config.check_peer(h.sock, what)
+        except TlsRefused as e:
+            self._refuse(fd, str(e))
+            return None
+        del self._pending[fd]
+        h.sock.settimeout(self.config.timeout)
+        return TlsConnection(h.sock, names, pin, h.peer, self.config.timeout)
+
+    def _refuse(self, fd, reason):
+        h = self._pending.pop(fd)
+        h.sock.close()
+        if not reason.startswith("TLS client"):
+            reason = f"TLS client {h.peer[0]}:{h.peer[1]}: {reason}"
+        self._note(h.peer, reason)
+
+    def _note(self, peer, reason):
+        self._note_refusal(TlsRefusal(peer, reason), f"refused: {reason}")
 
     def close(self):
-        """Stop listening (an ``accept`` blocked in another thread wakes with OSError)."""
+        """Stop listening and drop the handshakes in progress (an ``accept`` blocked in
+        another thread wakes with OSError)."""
         self._log_count()
+        for h in self._pending.values():
+            h.sock.close()
+        self._pending.clear()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -1772,10 +1859,12 @@ class TlsListener(_RefusalLog):
         self.close()
 
 
-def tls_listen(address, config, backlog=128, log=True):
+def tls_listen(address, config, backlog=128, log=True, max_handshakes=None):
     """Listen for mutual-TLS clients on ``address`` (``(host, port)`` or ``HOST:PORT``; port 0
-    picks one: see ``.address``) with ``config`` (a TlsConfig): a TlsListener."""
-    return TlsListener(address, config, backlog, log)
+    picks one: see ``.address``) with ``config`` (a TlsConfig): a TlsListener (handshakes in
+    progress at once: ``max_handshakes``, default ``MAX_HANDSHAKES``)."""
+    return TlsListener(address, config, backlog, log,
+                       MAX_HANDSHAKES if max_handshakes is None else max_handshakes)
 
 
 def tls_connect(address, config, server_name=None, timeout=None):
