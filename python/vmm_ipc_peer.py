@@ -386,7 +386,7 @@ def _drain_unix(sock, depth, budget, rest):
     while budget[0] > 0:
         budget[0] -= 1
         try:
-            msg, ancdata, _, _ = sock.recvmsg(4096, _DRAIN_CMSG, flags)
+            msg, ancdata, _, _ = sock.recvmsg(65536, _DRAIN_CMSG, flags)
         except (BlockingIOError, InterruptedError):
             return True
         except OSError as e:

@@ -4,6 +4,7 @@ checks, path sockets, timeouts, and that no fd outlives a refusal. Run with
 ``peer_python::python_unit_tests``)."""
 
 import fcntl
+import json
 import mmap
 import os
 import socket
@@ -547,10 +548,11 @@ def _kill(proc):
 
 # A listener under test: serves every admitted connection DATA "served" (after reading one
 # request when argv[2] is "request"), from a pool of 64 worker threads (the daemon's slot
-# count); starts accepting when a line arrives on stdin. argv[3]: extra Listener arguments.
+# count); starts accepting when a line arrives on stdin. argv[3]: extra Listener arguments
+# (JSON).
 SERVER = r"""
-import queue, sys, threading, vmm_ipc_peer as peer
-kw = eval(sys.argv[3]) if len(sys.argv) > 3 else {}
+import json, queue, sys, threading, vmm_ipc_peer as peer
+kw = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
 listener = peer.Listener(sys.argv[1], log=False, **kw)
 work = queue.Queue()
 def worker():
@@ -735,8 +737,8 @@ except Exception as e:
         # 6i: 300 idle connections of one allowed uid; a good client beside them is served at
         # once (before the fix it waited behind them for the workers' receive timeouts).
         name = unique("idle-flood")
-        server = self.start([], SERVER, name, "request", f"dict(allow_uids=[{os.geteuid()}, "
-                                                         f"{NOBODY}])")
+        server = self.start([], SERVER, name, "request",
+                            json.dumps({"allow_uids": [os.geteuid(), NOBODY]}))
         _line(server, "READY")
         server.stdin.write("go\n")
         server.stdin.flush()
@@ -749,8 +751,8 @@ except Exception as e:
     def test_idle_connections_are_shut_down_and_admission_is_fair(self):
         # 6i: the per-uid cap, the idle timeout, and the fair share of a full listener.
         name = unique("idle-fair")
-        kw = (f"dict(allow_uids=[{os.geteuid()}, {NOBODY}], max_per_uid=3, max_connections=4, "
-              f"idle_timeout=1.0)")
+        kw = json.dumps({"allow_uids": [os.geteuid(), NOBODY], "max_per_uid": 3,
+                         "max_connections": 4, "idle_timeout": 1.0})
         server = self.start([], SERVER, name, "request", kw)
         _line(server, "READY")
         server.stdin.write("go\n")
