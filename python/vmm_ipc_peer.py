@@ -79,10 +79,14 @@ against the documented limits and the fd count the kernel reports.
 Hostile fds: every fd of a refused message or a refused client is disposed of without holding
 up the listener: a socket is defused and closed at once (``SO_LINGER`` 0: a TCP close resets
 instead of waiting for a reader that never comes; a Unix socket is first drained, non-blocking,
-of the fds queued in it, at most ``_DEFUSE_DEPTH`` deep and ``_DEFUSE_BUDGET`` reads and fds),
-and only other files go to background closer threads (at most 8), since closing one (a FUSE
-file whose server never answers FLUSH) may block: such files can still jam those threads, and
-then wait open in their queue (the residual). A refused client is drained before it is closed
+of the fds queued in it, at most ``_DEFUSE_DEPTH`` deep and ``_DEFUSE_BUDGET`` reads and fds,
+taking a message only when all its fds fit in the fds this process has left, since the kernel
+closes those it cannot install in the receiving thread), and only other files (and Unix
+sockets whose drain stopped at a bound) go to background closer threads (at most 8), since
+closing one (a FUSE file whose server never answers FLUSH) may block: such files can still jam
+those threads, and then wait open in their queue (the residual). An admitted peer's message
+that arrives when this process is at its fd limit has the fds that did not fit closed by the
+kernel on the receiving thread (the other residual). A refused client is drained before it is closed
 (so it reads the reason, and so no fd it queued is released on the listener's thread),
 refusals are logged at most ``LOG_BURST`` lines per ``LOG_INTERVAL`` seconds, and the listener
 remembers the last ``REFUSALS_KEPT``.
@@ -103,6 +107,7 @@ import hashlib
 import mmap
 import os
 import queue
+import resource
 import select
 import socket
 import stat
@@ -304,9 +309,10 @@ def pattern(seed, length):
 
 _LINGER_ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close resets, never waits
 SO_TIMESTAMP = getattr(socket, "SO_TIMESTAMP", 29)  # asm-generic's SO_TIMESTAMP_OLD
+SO_PEEK_OFF = getattr(socket, "SO_PEEK_OFF", 42)
 _DEFUSE_DEPTH = 4  # Unix sockets inside Unix sockets drained, at most this deep
 _DEFUSE_BUDGET = 1024  # reads and fds one disposal spends draining Unix sockets, at most
-_DRAIN_CMSG = socket.CMSG_SPACE(MAX_CHUNKS * 4) + socket.CMSG_SPACE(16)
+_DRAIN_RESERVE = 8  # fds a drain leaves free besides the room of the message it takes
 
 
 def _close_all(fds):
@@ -322,12 +328,17 @@ def _close_all(fds):
     _Closer.close(rest)
 
 
-def _dispose(fd, depth, budget, rest):
-    """Defuse and close ``fd`` if it is a socket, else add it to ``rest``."""
+def _dispose(fd, depth, budget, rest, copy=False):
+    """Defuse and close ``fd`` if it is a socket, else add it to ``rest``. A ``copy`` (of a
+    reference still queued elsewhere, as a peek installs) is defused as far as it goes and
+    closed here whatever it is: its close is never the last."""
     try:
         sock = socket.socket(fileno=fd)  # getsockopt only: touches no file of the sender's
     except OSError:
-        rest.append(fd)  # not a socket
+        if copy:
+            _close_quietly(fd)
+        else:
+            rest.append(fd)  # not a socket
         return
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ABORT)
@@ -336,7 +347,7 @@ def _dispose(fd, depth, budget, rest):
         defused = False
     if sock.family == socket.AF_UNIX:
         defused = _drain_unix(sock, depth, budget, rest)
-    if defused:
+    if defused or copy:
         sock.close()
     else:
         rest.append(sock.detach())
@@ -350,7 +361,8 @@ def _drain_unix(sock, depth, budget, rest):
 
     After ``SHUT_RD`` an empty queue reads as end of file, as does an empty packet; with
     ``SO_TIMESTAMP`` every packet carries a timestamp and the end does not, which tells them
-    apart."""
+    apart. A message is taken only when all its fds fit in the room this process has left
+    (less ``_DRAIN_RESERVE``), as a peek first tells."""
     if depth >= _DEFUSE_DEPTH:
         return False
     try:
@@ -381,28 +393,70 @@ def _drain_unix(sock, depth, budget, rest):
         stamped = True
     except OSError:
         stamped = False
+    try:  # a peek offset its sender set would make the peek below see another message
+        sock.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, -1)
+    except OSError:
+        pass
     stream = sock.type == socket.SOCK_STREAM
     flags = socket.MSG_DONTWAIT | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
     while budget[0] > 0:
         budget[0] -= 1
+        # Fds the kernel cannot install in a receive it drops in the receiving thread: the
+        # very close this avoids. So first peek (a peek installs copies, and drops only
+        # copies) with the room there is; take the message only when all its fds fit, else
+        # defuse what the peek showed and leave the socket to the closer.
+        room = min(_fd_room() - _DRAIN_RESERVE, MAX_CHUNKS)
+        if room < 1:
+            return False
+        space = socket.CMSG_SPACE(room * 4) + socket.CMSG_SPACE(16)
         try:
-            msg, ancdata, _, _ = sock.recvmsg(65536, _DRAIN_CMSG, flags)
+            msg, ancdata, got, _ = sock.recvmsg(65536, space, flags | socket.MSG_PEEK)
+            fds, stamp = _cmsg_fds(ancdata)
+            if got & socket.MSG_CTRUNC:
+                for fd in fds:
+                    budget[0] -= 1
+                    _dispose(fd, depth + 1, budget, rest, copy=True)
+                return False
+            for fd in fds:
+                os.close(fd)  # a copy: the queued reference stays
+            peeked, fds = bool(msg or fds or stamp), []
+            if peeked:
+                msg, ancdata, got, _ = sock.recvmsg(65536, space, flags)
+                fds, stamp = _cmsg_fds(ancdata)
         except (BlockingIOError, InterruptedError):
             return True
         except OSError as e:
             return e.errno in (errno.ENOTCONN, errno.EINVAL)
-        fds, stamp = array.array("i"), False
-        for level, kind, cmsg in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(cmsg[:len(cmsg) - len(cmsg) % fds.itemsize])
-            elif level == socket.SOL_SOCKET and kind == SO_TIMESTAMP:
-                stamp = True
         for fd in fds:
             budget[0] -= 1
             _dispose(fd, depth + 1, budget, rest)
+        if got & socket.MSG_CTRUNC:
+            return False
         if not msg and not fds and (stream or (stamped and not stamp)):
             return True  # the end: nothing is queued
     return False
+
+
+def _cmsg_fds(ancdata):
+    """The fds of a receive's SCM_RIGHTS, and whether it carried a timestamp."""
+    fds, stamp = array.array("i"), False
+    for level, kind, cmsg in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(cmsg[:len(cmsg) - len(cmsg) % fds.itemsize])
+        elif level == socket.SOL_SOCKET and kind == SO_TIMESTAMP:
+            stamp = True
+    return list(fds), stamp
+
+
+def _fd_room():
+    """How many more fds this process may open, about (0 when it cannot tell: listing its
+    fds takes one)."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft - used
 
 
 def _filesystem_type(fd):

@@ -772,3 +772,54 @@ except Exception as e:
         self.served_within(name, 5, request=True)
         self.assertEqual(_line(attacker, "ENDED").strip(), "ENDED")
         self.assertEqual(_line(attacker, "ENDED").strip(), "ENDED")
+
+
+class Defuse(unittest.TestCase):
+    """The disposal of fds a peer sent (``_close_all``): the drain of a Unix socket."""
+
+    def test_a_drain_tells_an_empty_packet_from_the_end(self):
+        import select
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        r, w = os.pipe()
+        a.send(b"")  # an empty packet, then one with an fd
+        socket.send_fds(a, [b""], [w])
+        os.close(w)
+        rest = []
+        self.assertTrue(peer._drain_unix(b, 0, [100], rest))
+        self.assertEqual(len(rest), 1, "the pipe (not a socket) is left for the closer")
+        peer._Closer.close(rest)
+        self.assertEqual(len(select.select([r], [], [], 30)[0]), 1)
+        self.assertEqual(os.read(r, 1), b"")
+        os.close(r)
+        a.close()
+        b.close()
+
+    def test_a_drain_takes_no_message_whose_fds_do_not_fit(self):
+        import resource
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pairs = [socket.socketpair() for _ in range(20)]
+        socket.send_fds(a, [b"x"], [p[0].fileno() for p in pairs])
+        for p in pairs:
+            p[0].close()  # the queued references are the last
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        rest = []
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_fds() + 12, hard))
+        try:
+            taken = peer._drain_unix(b, 0, [100], rest)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        self.assertFalse(taken)
+        self.assertEqual(rest, [])
+        for _, end in pairs:  # nothing was released: every peer is still open
+            end.setblocking(False)
+            with self.assertRaises(BlockingIOError):
+                end.recv(1)
+        # With room, the message is taken and its sockets closed at once.
+        self.assertTrue(peer._drain_unix(b, 0, [100], rest))
+        self.assertEqual(rest, [])
+        for _, end in pairs:
+            end.settimeout(5)
+            self.assertEqual(end.recv(1), b"")
+            end.close()
+        a.close()
+        b.close()
