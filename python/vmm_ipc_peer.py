@@ -14,9 +14,32 @@ and CUDA_FABRIC messages over a connected stream socket (TCP), with the same byt
 
     with peer.connect("@weights") as conn:
         desc = conn.recv_descriptor()              # may be a FabricDescriptor
-    sock = socket.create_connection(("10.0.0.2", 7000))   # authenticated by you (TLS, VPN...)
+    sock = socket.create_connection(("10.0.0.2", 7000))   # authenticated by you (VPN...)
     peer.write_message(sock, fabric_descriptor)
     reply = peer.read_message(sock)                # Data or FabricDescriptor
+
+A plain stream, loopback included, authenticates no one. Mutual TLS (TLS 1.3, the standard
+library's ``ssl``) carries the same framing with both ends authenticated, by a CA and a
+certificate name (DNS subjectAltName) or a pin of the peer's key:
+
+    config = peer.TlsConfig("exporter.pem", "exporter.key", "ca.pem",
+                            allow_names=["importer.example"], crl="ca.crl")
+    with peer.tls_listen(("0.0.0.0", 7000), config) as listener:
+        with listener.accept(timeout=60) as conn:  # only after the client's checks passed
+            conn.send_descriptor(fabric_descriptor)
+            conn.recv_data()
+    config = peer.TlsConfig("importer.pem", "importer.key", "ca.pem",
+                            allow_names=["exporter.example"])
+    with peer.tls_connect(("10.0.0.2", 7000), config) as conn:
+        desc = conn.recv_descriptor()
+
+``TlsListener.accept`` writes nothing to a client before the client's chain and name (or pin)
+have passed; refused clients (no certificate, another CA, expired or not yet valid, without
+the clientAuth usage, revoked, another name or key, plaintext, a handshake past
+``handshake_timeout``) are closed, counted and logged, and ``accept`` goes on. Failures are
+typed: TlsRefused (a PeerRefused), TlsError (a ProtocolError: a record that did not
+authenticate), PeerClosed (a cut stream), TimeoutError (every handshake and message has one
+deadline for the whole of it).
 
 A fabric handle is a bearer token: whoever holds its 64 bytes and an IMEX channel of the same
 domain can map the memory. Send one only to a peer you would give the memory to; this module's
@@ -49,35 +72,64 @@ Security: ``connect`` checks the listener's kernel credentials (``SO_PEERCRED``)
 uids and gids it expects (default: this process's uid) before it sends or reads anything, and
 ``Listener.accept`` admits only allowed peers (default: this process's uid); nothing a peer
 says about itself is trusted. The overflow uid (``/proc/sys/kernel/overflowuid``: how a uid
-with no mapping in this user namespace reads) is admitted only when named in ``expect_uids`` or
-``allow_uids``, never through the default. Every message is checked against the documented
-limits and the fd count the kernel reports, and every received fd is closed when a message is
-refused, on a background thread (closing a hostile fd, a FUSE file say, may block). A refused
-client is drained before it is closed (so it reads the reason), refusals are logged at most
-``LOG_BURST`` lines per ``LOG_INTERVAL`` seconds, and the listener remembers the last
-``REFUSALS_KEPT``.
+with no mapping in this user namespace reads; read once, at import) is admitted only when named
+in ``expect_uids`` or ``allow_uids``, never through the default. Every message is checked
+against the documented limits and the fd count the kernel reports.
+
+Hostile fds: every fd of a refused message or a refused client is disposed of without holding
+up the listener: a socket is defused and closed at once (``SO_LINGER`` 0: a TCP close resets
+instead of waiting for a reader that never comes; a Unix socket is first drained, non-blocking,
+of the fds queued in it, at most ``_DEFUSE_DEPTH`` deep and ``_DEFUSE_BUDGET`` reads and fds,
+taking a message only when all its fds fit in the fds this process has left, since the kernel
+closes those it cannot install in the receiving thread), and only other files (and Unix
+sockets whose drain stopped at a bound) go to background closer threads (at most 8), since
+closing one (a FUSE file whose server never answers FLUSH) may block: such files can still jam
+those threads, and then wait open in their queue (the residual). An admitted peer's message
+that arrives when this process is at its fd limit has the fds that did not fit closed by the
+kernel on the receiving thread (the other residual). A refused client is drained before it is closed
+(so it reads the reason, and so no fd it queued is released on the listener's thread),
+refusals are logged at most ``LOG_BURST`` lines per ``LOG_INTERVAL`` seconds, and the listener
+remembers the last ``REFUSALS_KEPT``.
+
+Availability: ``Listener.accept`` at the fd limit (``EMFILE``, ``ENFILE``) waits
+``FD_LIMIT_PAUSE`` (0.05 s) and tries again, within its timeout, instead of failing. Admitted
+connections are counted while open: at most ``MAX_PER_UID`` (16) per uid and
+``MAX_CONNECTIONS`` (64) in all, a full listener giving the longest-idle connection of the uid
+that holds most to a uid that holds fewer (max-min fair), and one idle (no message either way)
+for ``IDLE_TIMEOUT`` (60 s) is shut down by the next ``accept``; each is a Listener argument.
 """
 
 import array
 import collections
 import errno
 import fcntl
+import hashlib
 import mmap
 import os
 import queue
+import resource
+import select
 import socket
 import stat
 import struct
 import sys
 import threading
 import time
+import weakref
 from collections import namedtuple
+
+try:
+    import ssl
+except ImportError:  # a Python built without OpenSSL: everything but TLS works
+    ssl = None
 
 __all__ = [
     "VERSION", "VERSIONS", "MAX_CHUNKS", "MAX_DATA", "FABRIC_HANDLE_LEN", "ProtocolError",
     "PeerRefused", "PeerClosed", "Credentials", "HostDescriptor", "VmmDescriptor",
     "FabricDescriptor", "Connection", "Listener", "connect", "StreamConnection", "write_message",
-    "read_message", "encode", "decode", "sealed_memfd", "pattern",
+    "read_message", "encode", "decode", "sealed_memfd", "pattern", "TlsConfig", "TlsRefused",
+    "TlsError", "TlsRefusal", "TlsListener", "TlsConnection", "tls_listen", "tls_connect",
+    "spki_of", "spki_sha256_of", "MAX_HANDSHAKES", "MAX_CONNECTIONS", "MAX_PER_UID", "IDLE_TIMEOUT",
 ]
 
 MAGIC = b"VMMI"
@@ -112,7 +164,12 @@ TMPFS_MAGIC = 0x01021994
 _USIZE_MAX = 2**64 - 1
 REFUSALS_KEPT = 64  # how many refused peers a Listener remembers (the most recent)
 LOG_BURST, LOG_INTERVAL = 10, 10.0  # refusal log lines per interval (seconds), then a count
-_DRAIN_MAX = 1024  # packets drained from a refused client before its connection closes
+_DRAIN_MAX = 1024  # packets and fds drained from a refused client before its connection closes
+# A Listener's admission (see Listener): open admitted connections in all and per uid, and
+# how long one may stay idle (seconds).
+MAX_CONNECTIONS, MAX_PER_UID, IDLE_TIMEOUT = 64, 16, 60.0
+FD_LIMIT_PAUSE = 0.05  # seconds accept waits at the fd limit before it tries again
+MAX_HANDSHAKES = 64  # TLS handshakes a TlsListener runs at once
 
 
 class ProtocolError(Exception):
@@ -137,15 +194,28 @@ def peer_credentials(sock):
     return Credentials(*struct.unpack("iII", raw))
 
 
-def overflow_ids():
-    """The kernel's overflow uid and gid (``/proc/sys/kernel/overflowuid``, ``overflowgid``):
-    what an id with no mapping in this user namespace reads as. None when they cannot be read
-    (then every uid is treated as possibly the overflow uid: fail closed)."""
+def _read_overflow_ids():
     try:
         with open("/proc/sys/kernel/overflowuid") as u, open("/proc/sys/kernel/overflowgid") as g:
             return int(u.read()), int(g.read())
     except (OSError, ValueError):
         return None
+
+
+# Read once, at import: a listener near its fd limit cannot open them again (and then had to
+# treat every uid as possibly the overflow uid, refusing its own).
+_OVERFLOW_IDS = _read_overflow_ids()
+
+
+def overflow_ids():
+    """The kernel's overflow uid and gid (``/proc/sys/kernel/overflowuid``, ``overflowgid``):
+    what an id with no mapping in this user namespace reads as. Read once (at import; tried
+    again only while it could not be read) and cached. None when they cannot be read (then
+    every uid is treated as possibly the overflow uid: fail closed)."""
+    global _OVERFLOW_IDS
+    if _OVERFLOW_IDS is None:
+        _OVERFLOW_IDS = _read_overflow_ids()
+    return _OVERFLOW_IDS
 
 
 def _maybe_overflow_uid(uid):
@@ -172,11 +242,17 @@ def _admits(uids, gids, creds, implicit=None):
 
 
 class _Closer:
-    """Background threads that close fds a peer sent that nobody wants: closing the last
-    reference to a hostile fd (a FUSE file, a lingering socket) runs code its sender chose, and
-    may block past every timeout. One thread normally; when each has been inside one close for
-    more than ``STUCK`` seconds, another (at most ``MAX``), so one hostile fd does not keep
-    later refused fds open."""
+    """Background threads that close the fds a peer sent that nobody wants and that
+    ``_close_all`` could not defuse: files that are not sockets (closing the last reference to
+    a FUSE file runs code its sender chose, FLUSH, and may block past every timeout), and Unix
+    sockets too deeply nested or too full to drain within the budget. Sockets are never queued
+    here otherwise: they are defused and closed at once. One thread normally; when each has
+    been inside one close for more than ``STUCK`` seconds, another (at most ``MAX``), so one
+    hostile fd does not keep later refused fds open.
+
+    The residual: a sender that can make closes block forever (a FUSE file whose server never
+    answers FLUSH) can still jam all ``MAX`` threads, after which such fds queue here, open,
+    until their closes return."""
 
     STUCK, MAX = 0.1, 8
     _lock = threading.Lock()
@@ -231,9 +307,156 @@ def pattern(seed, length):
     return (period * (length // 251 + 1))[:length]
 
 
+_LINGER_ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close resets, never waits
+SO_TIMESTAMP = getattr(socket, "SO_TIMESTAMP", 29)  # asm-generic's SO_TIMESTAMP_OLD
+SO_PEEK_OFF = getattr(socket, "SO_PEEK_OFF", 42)
+_DEFUSE_DEPTH = 4  # Unix sockets inside Unix sockets drained, at most this deep
+_DEFUSE_BUDGET = 1024  # reads and fds one disposal spends draining Unix sockets, at most
+_DRAIN_RESERVE = 8  # fds a drain leaves free besides the room of the message it takes
+
+
 def _close_all(fds):
-    """Close fds a peer sent that are refused or unwanted, on the background closer."""
-    _Closer.close(fds)
+    """Dispose of fds a peer sent that are refused or unwanted, without letting any of them
+    hold up this thread or the listener: every socket is defused and closed at once (SO_LINGER
+    on with 0 s makes a TCP close abortive and non-blocking; a Unix socket is first drained,
+    non-blocking, of the fds queued in it, which are disposed of the same way, at most
+    ``_DEFUSE_DEPTH`` deep and ``_DEFUSE_BUDGET`` reads and fds in all); the rest (files that
+    are not sockets, Unix sockets left undrained) go to the background closer."""
+    rest, budget = [], [_DEFUSE_BUDGET]
+    for fd in fds:
+        _dispose(fd, 0, budget, rest)
+    _Closer.close(rest)
+
+
+def _dispose(fd, depth, budget, rest, copy=False):
+    """Defuse and close ``fd`` if it is a socket, else add it to ``rest``. A ``copy`` (of a
+    reference still queued elsewhere, as a peek installs) is defused as far as it goes and
+    closed here whatever it is: its close is never the last."""
+    try:
+        sock = socket.socket(fileno=fd)  # getsockopt only: touches no file of the sender's
+    except OSError:
+        if copy:
+            _close_quietly(fd)
+        else:
+            rest.append(fd)  # not a socket
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ABORT)
+        defused = True
+    except OSError:
+        defused = False
+    if sock.family == socket.AF_UNIX:
+        defused = _drain_unix(sock, depth, budget, rest)
+    if defused or copy:
+        sock.close()
+    else:
+        rest.append(sock.detach())
+
+
+def _drain_unix(sock, depth, budget, rest):
+    """Take every fd queued in the Unix socket ``sock`` (connections waiting on a listening
+    one, messages of a connected or datagram one) and dispose of them at ``depth + 1``, so
+    that closing ``sock`` releases no hostile file on this thread. True when it is known to be
+    empty; False when the depth or the budget ran out first (close it on the closer).
+
+    After ``SHUT_RD`` an empty queue reads as end of file, as does an empty packet; with
+    ``SO_TIMESTAMP`` every packet carries a timestamp and the end does not, which tells them
+    apart. A message is taken only when all its fds fit in the room this process has left
+    (less ``_DRAIN_RESERVE``), as a peek first tells."""
+    if depth >= _DEFUSE_DEPTH:
+        return False
+    try:
+        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    except OSError:
+        listening = 0
+    if listening:
+        try:
+            sock.setblocking(False)
+        except OSError:
+            return False
+        while budget[0] > 0:
+            budget[0] -= 1
+            try:
+                fd, _ = sock._accept()
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                return False
+            _dispose(fd, depth + 1, budget, rest)
+        return False
+    try:
+        sock.shutdown(socket.SHUT_RD)  # nothing more can be queued
+    except OSError:
+        pass
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMP, 1)
+        stamped = True
+    except OSError:
+        stamped = False
+    try:  # a peek offset its sender set would make the peek below see another message
+        sock.setsockopt(socket.SOL_SOCKET, SO_PEEK_OFF, -1)
+    except OSError:
+        pass
+    stream = sock.type == socket.SOCK_STREAM
+    flags = socket.MSG_DONTWAIT | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+    while budget[0] > 0:
+        budget[0] -= 1
+        # Fds the kernel cannot install in a receive it drops in the receiving thread: the
+        # very close this avoids. So first peek (a peek installs copies, and drops only
+        # copies) with the room there is; take the message only when all its fds fit, else
+        # defuse what the peek showed and leave the socket to the closer.
+        room = min(_fd_room() - _DRAIN_RESERVE, MAX_CHUNKS)
+        if room < 1:
+            return False
+        space = socket.CMSG_SPACE(room * 4) + socket.CMSG_SPACE(16)
+        try:
+            msg, ancdata, got, _ = sock.recvmsg(65536, space, flags | socket.MSG_PEEK)
+            fds, stamp = _cmsg_fds(ancdata)
+            if got & socket.MSG_CTRUNC:
+                for fd in fds:
+                    budget[0] -= 1
+                    _dispose(fd, depth + 1, budget, rest, copy=True)
+                return False
+            for fd in fds:
+                os.close(fd)  # a copy: the queued reference stays
+            peeked, fds = bool(msg or fds or stamp), []
+            if peeked:
+                msg, ancdata, got, _ = sock.recvmsg(65536, space, flags)
+                fds, stamp = _cmsg_fds(ancdata)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError as e:
+            return e.errno in (errno.ENOTCONN, errno.EINVAL)
+        for fd in fds:
+            budget[0] -= 1
+            _dispose(fd, depth + 1, budget, rest)
+        if got & socket.MSG_CTRUNC:
+            return False
+        if not msg and not fds and (stream or (stamped and not stamp)):
+            return True  # the end: nothing is queued
+    return False
+
+
+def _cmsg_fds(ancdata):
+    """The fds of a receive's SCM_RIGHTS, and whether it carried a timestamp."""
+    fds, stamp = array.array("i"), False
+    for level, kind, cmsg in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(cmsg[:len(cmsg) - len(cmsg) % fds.itemsize])
+        elif level == socket.SOL_SOCKET and kind == SO_TIMESTAMP:
+            stamp = True
+    return list(fds), stamp
+
+
+def _fd_room():
+    """How many more fds this process may open, about (0 when it cannot tell: listing its
+    fds takes one)."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft - used
 
 
 def _filesystem_type(fd):
@@ -682,12 +905,28 @@ class Connection(_Receives):
     def __init__(self, sock, peer, name, timeout=DEFAULT_TIMEOUT):
         self.sock, self.peer, self.name = sock, peer, name
         self.sock.settimeout(timeout)
+        self.active = time.monotonic()  # when a message last crossed (either way)
+        self.ended_by_listener = None  # why the listener shut it down (idle, or made room)
 
     def _send(self, data, fds=()):
         if fds:
             socket.send_fds(self.sock, [FRAME_INLINE, data], list(fds))
         else:
             self.sock.sendmsg([FRAME_INLINE, data])
+        self.active = time.monotonic()
+
+    @property
+    def closed(self):
+        return self.sock.fileno() == -1
+
+    def _end(self, why):
+        """Shut the connection down from the listener (another thread may be inside a receive
+        on it: it wakes, and reads PeerClosed naming ``why``); the owner still closes it."""
+        self.ended_by_listener = why
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def send_descriptor(self, descriptor):
         """Send a VmmDescriptor or HostDescriptor (it keeps its fds: close it afterwards), or a
@@ -725,7 +964,11 @@ class Connection(_Receives):
             raise ProtocolError(f"packet larger than {1 + MAX_MESSAGE} bytes")
         if not msg:
             _close_all(fds)
+            if self.ended_by_listener:
+                raise PeerClosed(f"endpoint {self.name}: the listener shut this connection "
+                                 f"down ({self.ended_by_listener})")
             raise PeerClosed(f"endpoint {self.name}: the other end has closed")
+        self.active = time.monotonic()
         if msg[0] != 0:
             _close_all(fds)
             raise ProtocolError(f"frame byte {msg[0]}: a peer message starts with 0 (its fds "
@@ -824,19 +1067,89 @@ def _check_directory(directory):
                               f"directory only its owner can enter (0700), or use an abstract name")
 
 
-class Listener:
+class _RefusalLog:
+    """Refusals remembered (the last ``REFUSALS_KEPT``, in ``refused``), counted (``refusals``)
+    and logged to stderr at most ``LOG_BURST`` lines per ``LOG_INTERVAL`` seconds, then one
+    line counting the rest."""
+
+    def _init_log(self, label, log):
+        self.label, self.log = label, log
+        self.refused = collections.deque(maxlen=REFUSALS_KEPT)
+        self.refusals = 0
+        self._log_since, self._log_written, self._log_unwritten = time.monotonic(), 0, 0
+
+    def _note_refusal(self, entry, line):
+        self.refused.append(entry)
+        self.refusals += 1
+        if not self.log:
+            return
+        now = time.monotonic()
+        if now - self._log_since >= LOG_INTERVAL:
+            self._log_count()
+            self._log_since, self._log_written = now, 0
+        if self._log_written < LOG_BURST:
+            self._log_written += 1
+            print(f"vmm_ipc_peer {self.label}: {line}", file=sys.stderr, flush=True)
+        else:
+            self._log_unwritten += 1
+
+    def _log_count(self):
+        if self._log_unwritten:
+            print(f"vmm_ipc_peer {self.label}: {self._log_unwritten} more refused "
+                  f"connection(s) not logged (at most {LOG_BURST} lines per {LOG_INTERVAL:g} s)",
+                  file=sys.stderr, flush=True)
+            self._log_unwritten = 0
+
+
+def _accept_retrying(sock, deadline, what):
+    """``sock.accept()`` by ``deadline`` (None: no limit). At the process's or the system's fd
+    limit (``EMFILE``, ``ENFILE``; or out of kernel memory) the connection stays queued: wait
+    ``FD_LIMIT_PAUSE`` seconds and try again, as the Rust listener's server does, instead of
+    failing."""
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError(f"accepting a connection on {what}")
+        sock.settimeout(left)
+        try:
+            return sock.accept()
+        except socket.timeout:
+            raise TimeoutError(f"accepting a connection on {what}") from None
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                raise
+            pause = FD_LIMIT_PAUSE if left is None else min(FD_LIMIT_PAUSE, left)
+            time.sleep(max(pause, 0))
+
+
+class Listener(_RefusalLog):
     """Listen on ``name`` (a path, or ``@name``) and admit peers by their kernel credentials
     (default: this process's uid). A path socket is created 0600 in an owner-only directory;
-    a dead listener's socket file is replaced, a live one's never (OSError EADDRINUSE)."""
+    a dead listener's socket file is replaced, a live one's never (OSError EADDRINUSE).
+
+    Admitted connections are counted while open (until their owner closes them, or they are
+    garbage), and ``accept`` keeps one uid from taking every slot:
+    - at most ``max_per_uid`` open connections per uid (default 16): the next is refused
+      (REFUSED says why), the uid's open ones go on;
+    - at most ``max_connections`` open in all (default 64): when full, a newcomer whose uid
+      holds fewer than the uid holding most, by two or more, takes the slot of that uid's
+      longest-idle connection (shut down), else it is refused as busy (max-min fair);
+    - a connection across which no message has gone either way for ``idle_timeout`` seconds
+      (default 60; None: never) is shut down by the next ``accept``: its owner's receive wakes
+      with PeerClosed saying so.
+    None for a cap lifts it."""
 
     def __init__(self, name, allow_uids=None, allow_gids=(), timeout=DEFAULT_TIMEOUT, log=True,
-                 backlog=128):
-        self.name, self.timeout, self.log = name, timeout, log
+                 backlog=128, max_connections=MAX_CONNECTIONS, max_per_uid=MAX_PER_UID,
+                 idle_timeout=IDLE_TIMEOUT):
+        self.name, self.timeout = name, timeout
+        self._init_log(f"endpoint {name}", log)
         self._implicit = os.geteuid() if allow_uids is None and not allow_gids else None
         self.uids = [self._implicit] if self._implicit is not None else list(allow_uids or ())
         self.gids = list(allow_gids)
-        self.refused = collections.deque(maxlen=REFUSALS_KEPT)
-        self._log_since, self._log_written, self._log_unwritten = time.monotonic(), 0, 0
+        self.max_connections, self.max_per_uid = max_connections, max_per_uid
+        self.idle_timeout = idle_timeout
+        self._open = weakref.WeakSet()  # admitted connections (closed ones are skipped)
         self._file = None
         address = _address(name)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -875,84 +1188,83 @@ class Listener:
             probe.close()
         raise OSError(98, f"{path}: a live listener already serves this name")  # EADDRINUSE
 
+    def open_connections(self):
+        """The admitted connections still open (not closed by their owner, not shut down)."""
+        return [c for c in list(self._open) if not c.closed and not c.ended_by_listener]
+
+    def _reap_idle(self):
+        if self.idle_timeout is None:
+            return
+        now = time.monotonic()
+        for c in self.open_connections():
+            idle = now - c.active
+            if idle >= self.idle_timeout:
+                c._end(f"idle for {idle:.1f} s, at most {self.idle_timeout:g} s")
+
+    def _admission(self, creds):
+        """None to admit, else why not (after making room fairly where it can)."""
+        self._reap_idle()
+        live = self.open_connections()
+        mine = sum(c.peer.uid == creds.uid for c in live)
+        if self.max_per_uid is not None and mine >= self.max_per_uid:
+            return (f"uid {creds.uid} has {mine} connection(s) open on this endpoint, at most "
+                    f"{self.max_per_uid} per uid")
+        if self.max_connections is not None and len(live) >= self.max_connections:
+            held = collections.Counter(c.peer.uid for c in live)
+            top_uid, top = held.most_common(1)[0]
+            if top < mine + 2:
+                return (f"busy: {len(live)} connection(s) open on this endpoint, at most "
+                        f"{self.max_connections}, and uid {creds.uid} holds its share")
+            victim = min((c for c in live if c.peer.uid == top_uid), key=lambda c: c.active)
+            victim._end(f"its slot went to uid {creds.uid}: uid {top_uid} held {top} of the "
+                        f"{self.max_connections} slots")
+        return None
+
     def accept(self, timeout=None):
         """The next admitted Connection (refused peers are told, logged, remembered in
-        ``refused`` and skipped). TimeoutError after ``timeout`` seconds (None: forever)."""
+        ``refused`` and skipped). TimeoutError after ``timeout`` seconds (None: forever). At
+        the fd limit it waits and tries again (see ``_accept_retrying``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError(f"accepting a connection on endpoint {self.name}")
-            self.sock.settimeout(left)
-            try:
-                conn, _ = self.sock.accept()
-            except socket.timeout:
-                raise TimeoutError(f"accepting a connection on endpoint {self.name}") from None
+            conn, _ = _accept_retrying(self.sock, deadline, f"endpoint {self.name}")
             creds = peer_credentials(conn)
             if not _admits(self.uids, self.gids, creds, self._implicit):
-                self._refuse(conn, creds)
+                self._refuse(conn, creds, f"uid {creds.uid} (gid {creds.gid}) is not allowed "
+                                          f"to connect{_overflow_note(creds)}")
+                continue
+            why = self._admission(creds)
+            if why is not None:
+                self._refuse(conn, creds, why)
                 continue
             try:
                 conn.sendmsg([FRAME_INLINE, encode(KIND_HELLO)])
             except OSError:
                 conn.close()
                 continue
-            return Connection(conn, creds, self.name, self.timeout)
+            admitted = Connection(conn, creds, self.name, self.timeout)
+            self._open.add(admitted)
+            return admitted
 
-    def _refuse(self, conn, creds):
+    def _refuse(self, conn, creds, reason):
         """Stop the refused peer sending, drain what it sent (a Unix socket closed with unread
         messages resets the connection, and its peer would read ECONNRESET instead of the
-        reason), tell it why, remember and log it, close."""
-        self.refused.append(creds)
+        reason; and closing it with fds still queued would release them on this thread),
+        disposing of every fd it sent (``_close_all``: sockets defused and closed at once),
+        tell it why, remember and log it, close."""
+        rest, empty = [], False
         try:
             conn.setblocking(False)
-            try:
-                conn.shutdown(socket.SHUT_RD)
-            except OSError:
-                pass
-            space = socket.CMSG_SPACE(MAX_CHUNKS * array.array("i").itemsize)
-            for _ in range(_DRAIN_MAX):
-                try:
-                    msg, ancdata, _, _ = conn.recvmsg(1, space)
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError:
-                    break
-                fds = array.array("i")
-                for level, kind, cmsg in ancdata:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        fds.frombytes(cmsg[:len(cmsg) - len(cmsg) % fds.itemsize])
-                _close_all(list(fds))
-                if not msg and not fds:
-                    break
-            reason = (f"uid {creds.uid} (gid {creds.gid}) is not allowed to connect"
-                      f"{_overflow_note(creds)}")
+            empty = _drain_unix(conn, 0, [_DRAIN_MAX], rest)
             conn.sendmsg([FRAME_INLINE, encode(KIND_REFUSED, payload=reason.encode())])
         except OSError:
             pass
-        conn.close()
-        if self.log:
-            self._log_refusal(creds)
-
-    def _log_refusal(self, creds):
-        now = time.monotonic()
-        if now - self._log_since >= LOG_INTERVAL:
-            self._log_count()
-            self._log_since, self._log_written = now, 0
-        if self._log_written < LOG_BURST:
-            self._log_written += 1
-            print(f"vmm_ipc_peer endpoint {self.name}: refused pid {creds.pid} "
-                  f"(uid {creds.uid}, gid {creds.gid}){_overflow_note(creds)}", file=sys.stderr,
-                  flush=True)
+        _Closer.close(rest)
+        if empty:
+            conn.close()
         else:
-            self._log_unwritten += 1
-
-    def _log_count(self):
-        if self._log_unwritten:
-            print(f"vmm_ipc_peer endpoint {self.name}: {self._log_unwritten} more refused "
-                  f"connection(s) not logged (at most {LOG_BURST} lines per {LOG_INTERVAL:g} s)",
-                  file=sys.stderr, flush=True)
-            self._log_unwritten = 0
+            _Closer.close([conn.detach()])  # more queued than the budget: closed off this thread
+        self._note_refusal(creds, f"refused pid {creds.pid} (uid {creds.uid}, gid {creds.gid}): "
+                                  f"{reason}")
 
     def close(self):
         self._log_count()
@@ -999,10 +1311,18 @@ def write_message(stream, message, timeout=DEFAULT_TIMEOUT):
                         f"{type(message).__name__}")
     frame = FRAME_INLINE + data
     if hasattr(stream, "sendall"):
+        # One deadline for the whole message (a TLS socket's sendall would restart the
+        # timeout at each record), however slowly the other end reads.
         previous = stream.gettimeout()
-        stream.settimeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        view, sent = memoryview(frame), 0
         try:
-            stream.sendall(frame)
+            while sent < len(frame):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise socket.timeout
+                stream.settimeout(left)
+                sent += stream.send(view[sent:])
         except socket.timeout:
             raise TimeoutError(f"writing a {len(frame)}-byte message on the stream took longer "
                                f"than {timeout} s") from None
@@ -1102,20 +1422,37 @@ class StreamConnection(_Receives):
     (bearer tokens), is the stream's business (TLS, a VPN, an SSH tunnel, a socket only one
     process can reach), not this protocol's.
 
-    Every send and receive is bounded by ``timeout`` seconds (None: no limit). A receive that
-    fails for any reason (a refused message, a timeout, the other end closing) ends the
-    stream: the socket is shut down and every later receive raises ProtocolError, since after
-    a bad or partial message nobody can know where the next one starts."""
+    Every send and receive is bounded by ``timeout`` seconds (None: no limit), one deadline
+    for the whole message. A receive that fails for any reason (a refused message, a timeout,
+    the other end closing), or a send that fails, ends the stream: the socket is shut down and
+    every later send or receive raises ProtocolError, since after a bad or partial message
+    nobody can know where the next one starts."""
 
     def __init__(self, sock, timeout=DEFAULT_TIMEOUT):
         self.sock, self.timeout = sock, timeout
         self.ended = None  # why the stream ended, once it has
 
     def send_descriptor(self, descriptor):
-        write_message(self.sock, descriptor, self.timeout)
+        self._write(descriptor)
 
     def send_data(self, data):
-        write_message(self.sock, bytes(data), self.timeout)
+        self._write(bytes(data))
+
+    def _write(self, message):
+        if self.ended is not None:
+            raise ProtocolError(f"this stream has ended ({self.ended}): open a new one")
+        try:
+            write_message(self.sock, message, self.timeout)
+        except OSError as e:  # timeouts included: part of a message may have gone
+            self._end(e)
+            raise
+
+    def _end(self, e):
+        self.ended = f"{type(e).__name__}: {e}"
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def recv(self):
         """The next message: Data or FabricDescriptor."""
@@ -1124,13 +1461,8 @@ class StreamConnection(_Receives):
         try:
             return read_message(self.sock, self.timeout)
         except BaseException as e:
-            self.ended = f"{type(e).__name__}: {e}"
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self._end(e)
             raise
-
 
     def close(self):
         self.sock.close()
@@ -1153,3 +1485,468 @@ def sealed_memfd(size, name="vmm-ipc-peer"):
         os.close(fd)
         raise
     return fd
+
+
+# ---------------------------------------------------------------------------------------------
+# Mutual TLS (standard library ssl): the byte-stream framing over TCP, both ends authenticated.
+
+
+class TlsRefused(PeerRefused):
+    """A TLS peer is not trusted, or did not trust this side: its certificate failed the chain
+    (CA, validity dates, key usage, CRL), or names none of the allowed names, or matches no
+    pinned key; or it sent a TLS alert refusing this side's certificate. ``reason`` says
+    which."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class TlsError(ProtocolError):
+    """The TLS layer failed other than by a refusal: a record that did not authenticate (a
+    byte changed on the way), a handshake that broke, a plaintext peer. Nothing of the message
+    being read was delivered."""
+
+
+TlsRefusal = namedtuple("TlsRefusal", "address reason")
+
+# TLS alerts that mean "your certificate is refused" (OpenSSL's reason names).
+_REFUSAL_ALERTS = ("CERTIFICATE", "UNKNOWN_CA", "ACCESS_DENIED")
+
+
+def _tls_failure(e, what):
+    """The typed exception for ``e`` (raised by ssl or the socket under it), or None to let
+    ``e`` through (timeouts, PeerClosed, this module's own)."""
+    if ssl is None or isinstance(e, (PeerClosed, PeerRefused, ProtocolError, TimeoutError)):
+        return None
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return TlsRefused(f"{what}: the peer's certificate was refused: {e.verify_message}")
+    if isinstance(e, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionResetError,
+                      BrokenPipeError, ConnectionAbortedError)):
+        return PeerClosed(f"{what}: the connection was cut ({type(e).__name__}); a TLS "
+                          f"server closes a client it refuses this way")
+    if isinstance(e, ssl.SSLError):
+        reason = e.reason or str(e)
+        if "ALERT" in reason and any(w in reason for w in _REFUSAL_ALERTS):
+            return TlsRefused(f"{what}: the peer refused this side (TLS alert {reason})")
+        return TlsError(f"{what}: TLS failed ({reason})")
+    return None
+
+
+def _der_tlv(data, pos, end):
+    """The DER element at ``pos`` (within ``end``): (tag, content start, content end). Only
+    what a certificate uses: one-byte tags, definite lengths in the fewest bytes."""
+    if end - pos < 2:
+        raise ValueError("a DER element is cut short")
+    tag, length = data[pos], data[pos + 1]
+    if tag & 0x1F == 0x1F:
+        raise ValueError("a multi-byte DER tag")
+    pos += 2
+    if length & 0x80:
+        n = length & 0x7F
+        if not 1 <= n <= 4 or end - pos < n:
+            raise ValueError("a DER length of an unsupported form")
+        length = int.from_bytes(data[pos:pos + n], "big")
+        if data[pos] == 0 or length < 0x80:
+            raise ValueError("a DER length not in its shortest form")
+        pos += n
+    if length > end - pos:
+        raise ValueError("a DER element longer than what holds it")
+    return tag, pos, pos + length
+
+
+def spki_of(cert_der):
+    """The DER SubjectPublicKeyInfo of an X.509 certificate (DER): Certificate = SEQUENCE {
+    tbsCertificate SEQUENCE { [0] version OPTIONAL, serialNumber INTEGER, signature SEQUENCE,
+    issuer SEQUENCE, validity SEQUENCE, subject SEQUENCE, subjectPublicKeyInfo SEQUENCE, ... },
+    ... }. ValueError for anything else."""
+    data = bytes(cert_der)
+    tag, start, end = _der_tlv(data, 0, len(data))
+    if tag != 0x30 or end != len(data):
+        raise ValueError("not one DER SEQUENCE: not a certificate")
+    tag, pos, end = _der_tlv(data, start, end)
+    if tag != 0x30:
+        raise ValueError("a certificate's first element is not tbsCertificate")
+    tag, _, after = _der_tlv(data, pos, end)
+    if tag == 0xA0:  # [0] EXPLICIT version
+        pos = after
+    for expected, field in ((0x02, "serialNumber"), (0x30, "signature"), (0x30, "issuer"),
+                            (0x30, "validity"), (0x30, "subject")):
+        tag, _, after = _der_tlv(data, pos, end)
+        if tag != expected:
+            raise ValueError(f"tbsCertificate's {field} has tag {tag:#04x}")
+        pos = after
+    tag, _, after = _der_tlv(data, pos, end)
+    if tag != 0x30:
+        raise ValueError(f"tbsCertificate's subjectPublicKeyInfo has tag {tag:#04x}")
+    return data[pos:after]
+
+
+def spki_sha256_of(cert_der):
+    """The pin of a certificate: SHA-256 of its DER SubjectPublicKeyInfo (32 bytes)."""
+    return hashlib.sha256(spki_of(cert_der)).digest()
+
+
+def _pin_bytes(pin):
+    if isinstance(pin, str):
+        try:
+            pin = bytes.fromhex(pin.replace(":", ""))
+        except ValueError:
+            raise ValueError("an SPKI pin is 64 hex digits (SHA-256)") from None
+    pin = bytes(pin)
+    if len(pin) != 32:
+        raise ValueError(f"an SPKI pin is a SHA-256: 32 bytes, not {len(pin)}")
+    return pin
+
+
+class TlsConfig:
+    """One side's mutual-TLS settings: its certificate chain ``cert`` and key ``key``, the CA
+    (``ca``) that must have issued the other side's certificate, an optional CRL (``crl``;
+    then the other side's certificate must not be revoked, and a CRL of its issuer must be
+    there), all PEM file paths; and whom to accept, exactly one of:
+    - ``allow_names``: DNS names; the other side's certificate must carry at least one in its
+      subjectAltName (compared whole, ignoring ASCII case; a wildcard is only itself);
+    - ``spki_sha256``: pins, each the SHA-256 of the other side's DER SubjectPublicKeyInfo
+      (64 hex digits, or 32 bytes).
+    There is no mode that accepts any certificate the CA signed: ValueError without one (or
+    with both). The chain is always verified, strictly (``VERIFY_X509_STRICT``: RFC 5280's
+    rules on the certificates' form), a client certificate fit for client authentication, a
+    server's for server authentication (OpenSSL's purpose checks), dates included. TLS 1.3 only; no session tickets or resumption; a stream cut without a TLS
+    close_notify is an error, never a clean end.
+
+    ``handshake_timeout`` bounds a whole handshake (seconds); ``timeout`` each whole message
+    on a connection (None: no limit)."""
+
+    def __init__(self, cert, key, ca, allow_names=(), spki_sha256=(), crl=None,
+                 handshake_timeout=10.0, timeout=DEFAULT_TIMEOUT):
+        if ssl is None:
+            raise ImportError("this Python has no ssl module: mutual TLS is not available")
+        if isinstance(allow_names, str):
+            allow_names = (allow_names,)
+        if isinstance(spki_sha256, (str, bytes, bytearray)):
+            spki_sha256 = (spki_sha256,)
+        names = tuple(str(n).lower() for n in allow_names)
+        pins = tuple(_pin_bytes(p) for p in spki_sha256)
+        if bool(names) == bool(pins):
+            raise ValueError("TlsConfig names whom to accept: exactly one of allow_names (DNS "
+                             "names the peer's certificate must carry) or spki_sha256 (pins of "
+                             "its key); a certificate the CA signed is not enough")
+        if any(not n or not n.isascii() for n in names):
+            raise ValueError("allow_names: each a non-empty ASCII DNS name")
+        if handshake_timeout is None or handshake_timeout <= 0:
+            raise ValueError("handshake_timeout: a positive number of seconds")
+        self.cert, self.key, self.ca, self.crl = cert, key, ca, crl
+        self.allow_names, self.spki_sha256 = names, pins
+        self.handshake_timeout, self.timeout = float(handshake_timeout), timeout
+        self.server_context = self._context(ssl.PROTOCOL_TLS_SERVER)
+        self.client_context = self._context(ssl.PROTOCOL_TLS_CLIENT)
+
+    def _context(self, protocol):
+        ctx = ssl.SSLContext(protocol)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_3
+        ctx.check_hostname = False  # the names are checked here, against every allowed name
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.verify_flags |= ssl.VERIFY_X509_STRICT
+        ctx.options |= ssl.OP_NO_TICKET | ssl.OP_NO_COMPRESSION
+        ctx.options &= ~getattr(ssl, "OP_IGNORE_UNEXPECTED_EOF", 0)
+        if protocol == ssl.PROTOCOL_TLS_SERVER:
+            ctx.num_tickets = 0
+        try:
+            ctx.load_cert_chain(self.cert, self.key)
+            ctx.load_verify_locations(cafile=self.ca)
+            if self.crl is not None:
+                ctx.load_verify_locations(cafile=self.crl)
+                ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"TlsConfig: cannot load the certificate, key, CA or CRL: {e}") \
+                from None
+        return ctx
+
+    def check_peer(self, sock, what):
+        """After a verified handshake: the peer's DNS names and pin, or TlsRefused."""
+        der = sock.getpeercert(binary_form=True)
+        if not der:
+            raise TlsRefused(f"{what}: the peer sent no certificate")
+        names = [v.lower() for k, v in sock.getpeercert().get("subjectAltName", ())
+                 if k == "DNS"]
+        try:
+            pin = spki_sha256_of(der)
+        except ValueError as e:
+            raise TlsRefused(f"{what}: the peer's certificate cannot be read ({e})") from None
+        if self.allow_names:
+            if not set(names) & set(self.allow_names):
+                raise TlsRefused(f"{what}: the peer's certificate names "
+                                 f"{', '.join(names) or 'no DNS name'}, none of the allowed "
+                                 f"{', '.join(self.allow_names)}")
+        elif pin not in self.spki_sha256:
+            raise TlsRefused(f"{what}: the peer's key (SPKI SHA-256 {pin.hex()}) is not pinned")
+        return names, pin.hex()
+
+
+def _host_port(address):
+    """(host, port) from a tuple or ``HOST:PORT`` (``[v6]:PORT``)."""
+    if isinstance(address, (tuple, list)):
+        return str(address[0]), int(address[1])
+    host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address {address!r}: HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def _handshake(sock, deadline, what):
+    """Run ``sock``'s TLS handshake to its end by ``deadline`` (one deadline for the whole
+    handshake, however the peer dribbles it), non-blocking under poll."""
+    sock.settimeout(0)
+    poller = select.poll()
+    while True:
+        try:
+            sock.do_handshake()
+            return
+        except ssl.SSLWantReadError:
+            events = select.POLLIN
+        except ssl.SSLWantWriteError:
+            events = select.POLLOUT
+        except (OSError, ValueError) as e:
+            failure = _tls_failure(e, what)
+            if failure is None:
+                raise
+            raise failure from None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{what}: the TLS handshake did not finish within its deadline")
+        poller.register(sock.fileno(), events)
+        poller.poll(max(1, int(left * 1000)))
+        poller.unregister(sock.fileno())
+
+
+class TlsConnection(StreamConnection):
+    """A mutually authenticated TLS stream carrying the byte-stream framing (DATA and
+    CUDA_FABRIC): ``send_descriptor``, ``send_data``, ``recv``, ``recv_descriptor``,
+    ``recv_data``, ``close``, ``with``. ``peer_names`` are the DNS names of the other side's
+    certificate, ``peer_spki_sha256`` its pin (hex), ``address`` its address. Each message
+    has one deadline (``timeout``); failures are typed: TimeoutError, PeerClosed (the stream
+    ended or was cut), TlsRefused (the other side refused this one), TlsError (a record that
+    did not authenticate), ProtocolError (a bad message); any of them ends the stream."""
+
+    def __init__(self, sock, peer_names, peer_spki_sha256, address, timeout=DEFAULT_TIMEOUT):
+        super().__init__(sock, timeout)
+        self.peer_names, self.peer_spki_sha256 = peer_names, peer_spki_sha256
+        self.address = address
+
+    def _typed(self, call, *args):
+        try:
+            return call(*args)
+        except BaseException as e:
+            failure = _tls_failure(e, f"TLS connection with {self.address[0]}:{self.address[1]}")
+            if failure is None:
+                raise
+            self._end(failure)
+            raise failure from None
+
+    def _write(self, message):
+        self._typed(super()._write, message)
+
+    def recv(self):
+        return self._typed(super().recv)
+
+    def close(self):
+        """Send close_notify where the socket takes it at once (never waiting for the
+        peer's), then close."""
+        if self.sock.fileno() != -1:
+            try:
+                self.sock.settimeout(0)
+                self.sock.unwrap()
+            except (OSError, ValueError):
+                pass
+        self.sock.close()
+
+    def __repr__(self):
+        return f"TlsConnection(address={self.address}, peer_names={self.peer_names})"
+
+
+class _Handshake:
+    """One client's handshake in progress on a TlsListener."""
+
+    __slots__ = ("sock", "peer", "deadline", "events")
+
+    def __init__(self, sock, peer, deadline):
+        self.sock, self.peer, self.deadline = sock, peer, deadline
+        self.events = select.POLLIN
+
+
+class TlsListener(_RefusalLog):
+    """A TCP listener that admits only mutually authenticated TLS clients (``tls_listen``).
+
+    ``accept`` returns a client only after its whole handshake (within ``handshake_timeout``)
+    and the check of its names or pin: nothing is written to a client before its check has
+    passed (in TLS 1.3 the client's handshake ends before the server has checked the client
+    certificate, so the client learns of a refusal as an alert or a closed connection on its
+    first read). A refused client (a bad chain, names, pin, no certificate, a plaintext client,
+    a handshake past its deadline) is closed, counted in ``refusals``, remembered in
+    ``refused`` (the last ``REFUSALS_KEPT``, as TlsRefusal(address, reason)) and logged at a
+    bounded rate; ``accept`` goes on to the next connection.
+
+    Handshakes run side by side, non-blocking, inside ``accept`` (no threads): at most
+    ``max_handshakes`` at once (default 64; further connections wait in the backlog), so
+    clients that connect and say nothing delay no one until they fill every slot, and then by
+    at most ``handshake_timeout``. A handshake in progress when ``accept`` returns or times out
+    stays in progress, and goes on at the next ``accept``."""
+
+    def __init__(self, address, config, backlog=128, log=True, max_handshakes=MAX_HANDSHAKES):
+        host, port = _host_port(address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.config, self.max_handshakes = config, max(1, int(max_handshakes))
+        self.sock = socket.create_server((host, port), family=family, backlog=backlog)
+        self.sock.setblocking(False)
+        self.address = self.sock.getsockname()[:2]
+        self._init_log(f"TLS listener {self.address[0]}:{self.address[1]}", log)
+        self._pending = {}  # fd: _Handshake
+
+    def accept(self, timeout=None):
+        """The next client whose certificate passed every check: a TlsConnection.
+        TimeoutError after ``timeout`` seconds (None: forever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.sock.fileno() == -1:
+                raise OSError(errno.EBADF, f"{self.label} is closed")
+            now = time.monotonic()
+            for fd, h in list(self._pending.items()):
+                if h.deadline <= now:
+                    self._refuse(fd, "the TLS handshake did not finish within its deadline")
+            if deadline is not None and now >= deadline:
+                raise TimeoutError(f"accepting a connection on {self.label}")
+            poller = select.poll()
+            if len(self._pending) < self.max_handshakes:
+                poller.register(self.sock.fileno(), select.POLLIN)
+            for fd, h in self._pending.items():
+                poller.register(fd, h.events)
+            wake = [h.deadline for h in self._pending.values()]
+            if deadline is not None:
+                wake.append(deadline)
+            wait = -1 if not wake else max(1, int((min(wake) - now) * 1000) + 1)
+            for fd, _ in poller.poll(wait):
+                if fd == self.sock.fileno():
+                    self._take_new()
+                elif fd in self._pending:
+                    conn = self._step(fd)
+                    if conn is not None:
+                        return conn
+
+    def _take_new(self):
+        """Accept what the backlog holds, up to the free handshake slots, and start each
+        handshake."""
+        while len(self._pending) < self.max_handshakes:
+            try:
+                raw, peer = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    time.sleep(FD_LIMIT_PAUSE)  # the connection stays queued: try again
+                    return
+                raise
+            raw.settimeout(0)
+            try:
+                sock = self.config.server_context.wrap_socket(
+                    raw, server_side=True, do_handshake_on_connect=False,
+                    suppress_ragged_eofs=False)
+            except (OSError, ValueError) as e:
+                raw.close()
+                self._note(peer, f"TLS client {peer[0]}:{peer[1]}: {e}")
+                continue
+            self._pending[sock.fileno()] = _Handshake(
+                sock, peer, time.monotonic() + self.config.handshake_timeout)
+
+    def _step(self, fd):
+        """Advance one handshake: its connection once done and checked, else None."""
+        h = self._pending[fd]
+        what = f"TLS client {h.peer[0]}:{h.peer[1]}"
+        try:
+            h.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            h.events = select.POLLIN
+            return None
+        except ssl.SSLWantWriteError:
+            h.events = select.POLLOUT
+            return None
+        except (OSError, ValueError) as e:
+            failure = _tls_failure(e, what) or e
+            self._refuse(fd, str(failure) or type(failure).__name__)
+            return None
+        try:
+            names, pin = self.config.check_peer(h.sock, what)
+        except TlsRefused as e:
+            self._refuse(fd, str(e))
+            return None
+        del self._pending[fd]
+        h.sock.settimeout(self.config.timeout)
+        return TlsConnection(h.sock, names, pin, h.peer, self.config.timeout)
+
+    def _refuse(self, fd, reason):
+        h = self._pending.pop(fd)
+        h.sock.close()
+        if not reason.startswith("TLS client"):
+            reason = f"TLS client {h.peer[0]}:{h.peer[1]}: {reason}"
+        self._note(h.peer, reason)
+
+    def _note(self, peer, reason):
+        self._note_refusal(TlsRefusal(peer, reason), f"refused: {reason}")
+
+    def close(self):
+        """Stop listening and drop the handshakes in progress (an ``accept`` blocked in
+        another thread wakes with OSError)."""
+        self._log_count()
+        for h in self._pending.values():
+            h.sock.close()
+        self._pending.clear()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def tls_listen(address, config, backlog=128, log=True, max_handshakes=None):
+    """Listen for mutual-TLS clients on ``address`` (``(host, port)`` or ``HOST:PORT``; port 0
+    picks one: see ``.address``) with ``config`` (a TlsConfig): a TlsListener (handshakes in
+    progress at once: ``max_handshakes``, default ``MAX_HANDSHAKES``)."""
+    return TlsListener(address, config, backlog, log,
+                       MAX_HANDSHAKES if max_handshakes is None else max_handshakes)
+
+
+def tls_connect(address, config, server_name=None, timeout=None):
+    """Connect to a mutual-TLS listener at ``address``, present ``config``'s certificate,
+    verify the server's chain and its names or pin, and return a TlsConnection; nothing is
+    sent or read before that but the handshake. The SNI is ``server_name`` or the first
+    allowed name. ``timeout`` bounds the TCP connect and the whole handshake (default
+    ``config.handshake_timeout``). TlsRefused, TlsError, PeerClosed or TimeoutError. (In TLS
+    1.3 a server that refuses this client's certificate says so after this returns: as a
+    TlsRefused, or PeerClosed, on the first receive.)"""
+    timeout = config.handshake_timeout if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    host, port = _host_port(address)
+    what = f"TLS server {host}:{port}"
+    try:
+        raw = socket.create_connection((host, port), timeout=timeout)
+    except socket.timeout:
+        raise TimeoutError(f"{what}: connecting took longer than {timeout} s") from None
+    sock = None
+    try:
+        sni = server_name or (config.allow_names[0] if config.allow_names else None)
+        sock = config.client_context.wrap_socket(raw, server_side=False, server_hostname=sni,
+                                                 do_handshake_on_connect=False,
+                                                 suppress_ragged_eofs=False)
+        _handshake(sock, deadline, what)
+        names, pin = config.check_peer(sock, what)
+        sock.settimeout(config.timeout)
+        return TlsConnection(sock, names, pin, (host, port), config.timeout)
+    except BaseException:
+        (sock or raw).close()
+        raise

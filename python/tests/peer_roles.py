@@ -5,6 +5,38 @@
 Each prints ``OK ...`` on success as its last line and exits 0; anything else is a failure the
 Rust side reports with this process's output. The patterns are ``vmm_ipc_peer.pattern(seed, n)``,
 the same bytes as the Rust tests' ``pattern(seed, n)``.
+
+Mutual TLS (for driving Python as either end of a TLS descriptor stream from Rust):
+
+    tls-export ADDR CERTDIR OWN PEER [HANDLES [CHUNK_SIZE [OWNER_UUID]]]
+    tls-import ADDR CERTDIR OWN PEER
+
+- ``ADDR``: ``HOST:PORT`` (``[v6]:PORT``). The exporter listens there (port 0: any; it prints
+  ``LISTENING HOST:PORT`` first, then waits); the importer connects to it.
+- ``CERTDIR``: a directory with ``ca.pem`` (the CA the other side's certificate must chain
+  to), ``OWN.pem`` and ``OWN.key`` (this side's certificate and PKCS#8 key, PEM), and
+  ``crl.pem`` if there is a CRL (then it is checked).
+- ``PEER``: whom to accept: a DNS name the other side's certificate must carry (its SAN), or
+  ``sha256:HEX`` for a pin of its key (SHA-256 of its DER SubjectPublicKeyInfo). The importer
+  sends it as the SNI when it is a name.
+- ``HANDLES``: the fabric handles to send, comma-separated, 128 hex digits (64 bytes) each,
+  or ``fake`` (the default: one made-up handle); ``CHUNK_SIZE`` each chunk's size (default
+  2 MiB); ``OWNER_UUID`` the owner device's UUID, 32 hex digits (default ``11`` * 16).
+
+``tls-export`` accepts one importer (clients it refuses are logged on stderr and skipped, for
+up to 60 s), sends one CUDA_FABRIC descriptor, waits for a DATA reply and prints
+``OK exported N fabric handle(s) over mutual TLS to NAMES; reply REPLY``. ``tls-import``
+receives one descriptor, prints ``DESCRIPTOR chunks=[...] size=N owner=HEX`` and
+``HANDLES HEX,...`` (a test role prints the bearer tokens so that a test can compare them;
+never do that outside a test), replies DATA ``imported``, and prints ``OK imported N fabric
+handle(s) over mutual TLS from NAMES``. Any refusal or error exits non-zero with a traceback
+naming its typed exception (TlsRefused, TlsError, PeerClosed, TimeoutError, ProtocolError).
+
+The CUDA fabric roles take ``tls`` as a transport too, with the TLS settings in place of the
+uid (the Python side connects as the TLS client):
+
+    fabric-exporter tls HOST:PORT CERTDIR,OWN,PEER SEED CHUNKS
+    fabric-importer tls HOST:PORT CERTDIR,OWN,PEER SEED
 """
 
 import os
@@ -105,11 +137,62 @@ def cuda_importer(name, expect_uid, seed):
         print(f"OK imported {chunks} chunk(s), {desc.size} bytes")
 
 
+def _tls_config(certdir, own, who):
+    """The TlsConfig of the TLS roles: ``certdir``'s ``ca.pem``, ``own``'s certificate and key,
+    ``crl.pem`` if there; accepting ``who`` (a DNS name, or ``sha256:HEX``)."""
+    crl = os.path.join(certdir, "crl.pem")
+    accept = ({"spki_sha256": [who[len("sha256:"):]]} if who.startswith("sha256:")
+              else {"allow_names": [who]})
+    return peer.TlsConfig(os.path.join(certdir, f"{own}.pem"), os.path.join(certdir, f"{own}.key"),
+                          os.path.join(certdir, "ca.pem"), crl=crl if os.path.exists(crl) else None,
+                          timeout=60, **accept)
+
+
+def tls_export(address, certdir, own, who, handles="fake", chunk_size=str(2 << 20),
+               owner_uuid="11" * 16):
+    """Listen, accept one importer that passes the checks, send a fabric descriptor, wait for
+    its DATA reply."""
+    if handles == "fake":
+        handle_list = [peer.pattern(0xF0, peer.FABRIC_HANDLE_LEN)]
+    else:
+        handle_list = [bytes.fromhex(h) for h in handles.split(",")]
+    desc = peer.FabricDescriptor(handle_list, [int(chunk_size)] * len(handle_list),
+                                 owner_uuid=bytes.fromhex(owner_uuid))
+    with peer.tls_listen(address, _tls_config(certdir, own, who)) as listener:
+        host, port = listener.address
+        print(f"LISTENING {host}:{port}", flush=True)
+        with listener.accept(timeout=60) as conn:
+            conn.send_descriptor(desc)
+            reply = conn.recv_data()
+            print(f"OK exported {len(handle_list)} fabric handle(s) over mutual TLS to "
+                  f"{','.join(conn.peer_names) or conn.peer_spki_sha256}; reply "
+                  f"{reply.decode(errors='replace')} (refused {listener.refusals} before)")
+
+
+def tls_import(address, certdir, own, who):
+    """Connect, receive a fabric descriptor, print it (handles included: a test role), reply."""
+    server_name = None if who.startswith("sha256:") else who
+    with peer.tls_connect(address, _tls_config(certdir, own, who), server_name) as conn:
+        desc = conn.recv_descriptor()
+        assert isinstance(desc, peer.FabricDescriptor), type(desc).__name__
+        print(f"DESCRIPTOR chunks={desc.chunk_sizes} size={desc.size} "
+              f"owner={desc.owner_uuid.hex()}", flush=True)
+        print("HANDLES " + ",".join(h.hex() for h in desc.handles), flush=True)
+        conn.send_data(b"imported")
+        print(f"OK imported {len(desc.handles)} fabric handle(s) over mutual TLS from "
+              f"{','.join(conn.peer_names) or conn.peer_spki_sha256}")
+
+
 def _fabric_connection(transport, address, expect_uid):
-    """An endpoint connection (``address`` a name; the listener's uid checked), or a TCP
-    stream (``address`` HOST:PORT; loopback, so only this machine's processes reach it)."""
+    """An endpoint connection (``address`` a name; the listener's uid checked), a TCP stream
+    (``address`` HOST:PORT; loopback, so only this machine's processes reach it), or a mutual
+    TLS stream (``tls``: ``expect_uid`` is ``CERTDIR,OWN,PEER`` as for the TLS roles)."""
     if transport == "endpoint":
         return peer.connect(address, expect_uids=[int(expect_uid)])
+    if transport == "tls":
+        certdir, own, who = expect_uid.split(",")
+        server_name = None if who.startswith("sha256:") else who
+        return peer.tls_connect(address, _tls_config(certdir, own, who), server_name)
     assert transport == "tcp", transport
     host, port = address.rsplit(":", 1)
     return peer.StreamConnection(socket.create_connection((host, int(port)), timeout=60),
@@ -166,6 +249,8 @@ ROLES = {
     "cuda-importer": cuda_importer,
     "fabric-exporter": fabric_exporter,
     "fabric-importer": fabric_importer,
+    "tls-export": tls_export,
+    "tls-import": tls_import,
 }
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@
 //!   fabric handle keeps nothing alive).
 //! - `fabric_tcp`: the fabric exchanges both ways over TCP loopback, with the byte-stream
 //!   framing.
+//! - `tls`: the Python peer's mutual TLS, against certificates made in the test.
 //!
 //! Each side checks the other's pattern in its own mapping, and this process's fds end where
 //! they started, so the tests run one at a time ([`vmm_tests::turns::exclusive`]). GPU tests
@@ -34,6 +35,7 @@ use vmm_tests::{PythonDir, python3_can, unique_name};
 mod fabric_tcp;
 mod gpu;
 mod host;
+mod tls;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -43,6 +45,7 @@ const ROLES: &str = include_str!("../../../python/tests/peer_roles.py");
 const UNIT: &str = include_str!("../../../python/tests/test_vmm_ipc_peer.py");
 const UNIT_CUDA: &str = include_str!("../../../python/tests/test_vmm_ipc_cuda.py");
 const UNIT_FABRIC: &str = include_str!("../../../python/tests/test_vmm_ipc_fabric.py");
+const UNIT_TLS: &str = include_str!("../../../python/tests/test_vmm_ipc_tls.py");
 const FAKE_CUDA: [(&str, &str); 3] = [
     (
         "fake_cuda/cuda/__init__.py",
@@ -123,6 +126,7 @@ fn python_dir() -> PythonDir {
         ("test_vmm_ipc_peer.py", UNIT),
         ("test_vmm_ipc_cuda.py", UNIT_CUDA),
         ("test_vmm_ipc_fabric.py", UNIT_FABRIC),
+        ("test_vmm_ipc_tls.py", UNIT_TLS),
     ];
     PythonDir::new("peer-python", files.into_iter().chain(FAKE_CUDA))
 }

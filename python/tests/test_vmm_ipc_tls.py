@@ -1,0 +1,520 @@
+"""Unit tests of the peer's mutual TLS (``TlsConfig``, ``tls_listen``, ``tls_connect``):
+delivery over a valid pair, every refusal (0 application bytes to the refused client, the next
+client still served), the client's refusals of a server, a relay that flips a byte or cuts the
+stream, deadlines at both ends, and the attacker that connects first.
+
+The certificates come from the Rust suite (``vmm_tests::pki``, made in the test with explicit
+validity periods): ``peer_python::tls::python_mutual_tls`` writes them to a directory and runs
+this module with it in ``VMM_TLS_CERTS``. By hand: see tests/tests/peer_python/tls.rs."""
+
+import contextlib
+import io
+import os
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import unittest
+
+import vmm_ipc_peer as peer
+
+CERTS = os.environ.get("VMM_TLS_CERTS")
+SERVER, CLIENT = "server.vmm.test", "client.vmm.test"
+G = 2 << 20
+UUID = bytes(range(0x40, 0x50))
+# A stand-in for a fabric handle (no GPU here): 64 distinctive bytes.
+HANDLE = bytes([0xC3, 0x5A]) * 32
+
+
+def setUpModule():
+    if not CERTS:
+        raise unittest.SkipTest("VMM_TLS_CERTS is not set (the Rust test peer_python::tls "
+                                "makes the certificates)")
+
+
+def cert(name):
+    return os.path.join(CERTS, name)
+
+
+def config(name, allow=None, pins=None, ca="ca.pem", crl=True, **kw):
+    """``name``'s certificate and key, trusting ``ca``; whom to accept: ``allow`` names or
+    ``pins``."""
+    return peer.TlsConfig(cert(f"{name}.pem"), cert(f"{name}.key"), cert(ca),
+                          allow_names=allow or (), spki_sha256=pins or (),
+                          crl=cert("crl.pem") if crl else None, **kw)
+
+
+def server_config(**kw):
+    kw.setdefault("allow", [CLIENT])
+    return config("server", **kw)
+
+
+def client_config(name="client", **kw):
+    kw.setdefault("allow", [SERVER])
+    return config(name, **kw)
+
+
+def pin_of(name):
+    with open(cert(f"{name}.pem")) as f:
+        return peer.spki_sha256_of(ssl.PEM_cert_to_DER_cert(f.read())).hex()
+
+
+def descriptor():
+    return peer.FabricDescriptor([HANDLE], [G], G - 4096, owner_uuid=UUID)
+
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd")) - 1
+
+
+class Exporter:
+    """A TLS listener in a thread that serves every client it admits: a fabric descriptor,
+    then DATA, then waits for the client's DATA reply. ``served`` lists the replies."""
+
+    def __init__(self, test, cfg, accept_timeout=30, start=True):
+        self.listener = peer.tls_listen(("127.0.0.1", 0), cfg)
+        self.address = self.listener.address
+        self.served, self.errors = [], []
+        self.accept_timeout = accept_timeout
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        test.addCleanup(self.close)
+        if start:
+            self.thread.start()
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                conn = self.listener.accept(timeout=self.accept_timeout)
+            except TimeoutError:
+                return
+            except OSError as e:
+                if not self.stop.is_set():  # else: closed by the test
+                    self.errors.append(e)
+                return
+            try:
+                with conn:
+                    conn.send_descriptor(descriptor())
+                    conn.send_data(b"after the descriptor")
+                    self.served.append(conn.recv_data())
+            except Exception as e:  # reported by the test
+                self.errors.append(e)
+
+    def close(self):
+        self.stop.set()
+        self.listener.close()
+        self.thread.join(timeout=30)
+
+
+def importer(address, cfg=None, reply=b"imported"):
+    """A legitimate importer: the descriptor and DATA, then its reply."""
+    with peer.tls_connect(address, cfg or client_config()) as conn:
+        desc = conn.recv_descriptor()
+        data = conn.recv_data()
+        conn.send_data(reply)
+        return desc, data, conn.peer_names
+
+
+def wait_for(predicate, within=10):
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def application_bytes(sock, within=5):
+    """Every application byte a TLS socket reads until it ends or fails, and how it ended (a
+    typed exception from the peer module, or None for a clean end)."""
+    got, ended = bytearray(), None
+    sock.settimeout(within)
+    try:
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+    except BaseException as e:
+        ended = peer._tls_failure(e, "test client") or e
+    return bytes(got), ended
+
+
+def refused_client(address, make):
+    """Run a client that should be refused: ``make(address)`` returns a socket that finished
+    its side of the handshake (or raises). Returns (application bytes read, how it ended)."""
+    try:
+        sock = make(address)
+    except (peer.PeerRefused, peer.PeerClosed, peer.ProtocolError, TimeoutError) as e:
+        return b"", e
+    try:
+        return application_bytes(sock)
+    finally:
+        sock.close()
+
+
+def tls_client(cfg):
+    return lambda address: peer.tls_connect(address, cfg, timeout=10).sock
+
+
+def no_certificate(address):
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.check_hostname = False
+    ctx.load_verify_locations(cert("ca.pem"))
+    raw = socket.create_connection(address, timeout=10)
+    return ctx.wrap_socket(raw, server_hostname=SERVER, suppress_ragged_eofs=False)
+
+
+def plaintext(address):
+    raw = socket.create_connection(address, timeout=10)
+    raw.sendall(b"\0" + peer.encode(peer.KIND_DATA, payload=b"let me in"))
+    return raw
+
+
+class Configs(unittest.TestCase):
+    def test_a_config_names_whom_it_accepts(self):
+        for kw in ({}, {"allow": [CLIENT], "pins": [pin_of("client")]}):
+            with self.assertRaisesRegex(ValueError, "exactly one of allow_names"):
+                config("server", **kw)
+        with self.assertRaisesRegex(ValueError, "32 bytes"):
+            config("server", pins=["ab" * 31])
+        with self.assertRaisesRegex(ValueError, "cannot load"):
+            config("server", allow=[CLIENT], ca="missing.pem")
+        self.assertEqual(config("server", pins=[bytes.fromhex(pin_of("client"))]).spki_sha256,
+                         (bytes.fromhex(pin_of("client")),))
+
+    def test_the_spki_walker(self):
+        with open(cert("client.pem")) as f:
+            der = ssl.PEM_cert_to_DER_cert(f.read())
+        spki = peer.spki_of(der)
+        self.assertEqual(spki[0], 0x30)
+        self.assertIn(spki, der)
+        try:
+            out = subprocess.run(
+                f"openssl x509 -in {cert('client.pem')} -pubkey -noout | "
+                f"openssl pkey -pubin -outform der", shell=True, capture_output=True,
+                timeout=30)
+        except OSError:
+            out = None
+        if out is not None and out.returncode == 0 and out.stdout:
+            self.assertEqual(spki, out.stdout, "the SPKI openssl reads")
+        for bad in (b"", b"\x30", der[:-1], der + b"\0", b"\x30\x80" + der[2:],
+                    b"\x30\x85\0\0\0\0\x01\0", b"\x31" + der[1:], b"\x1f\x01\x00"):
+            with self.assertRaises(ValueError):
+                peer.spki_of(bad)
+        # A length in more bytes than it needs is not DER.
+        with self.assertRaisesRegex(ValueError, "shortest"):
+            peer.spki_of(b"\x30\x81\x05" + bytes(5))
+
+
+class Mutual(unittest.TestCase):
+    def test_a_valid_pair_delivers_a_descriptor_and_data(self):
+        before = open_fds()
+        exporter = Exporter(self, server_config())
+        desc, data, names = importer(exporter.address)
+        self.assertIsInstance(desc, peer.FabricDescriptor)
+        self.assertEqual((desc.handles, desc.chunk_sizes, desc.size, desc.owner_uuid),
+                         ([HANDLE], [G], G - 4096, UUID))
+        self.assertEqual(data, b"after the descriptor")
+        self.assertEqual(names, [SERVER])
+        self.assertTrue(wait_for(lambda: exporter.served == [b"imported"]), exporter.errors)
+        # The same by SPKI pins, both ways.
+        pinned = Exporter(self, server_config(allow=None, pins=[pin_of("client")]))
+        desc, _, _ = importer(pinned.address, client_config(allow=None,
+                                                            pins=[pin_of("server")]))
+        self.assertEqual(desc.handles, [HANDLE])
+        self.assertTrue(wait_for(lambda: pinned.served == [b"imported"]), pinned.errors)
+        self.assertEqual(exporter.listener.refusals + pinned.listener.refusals, 0)
+        exporter.close()
+        pinned.close()
+        self.assertEqual(open_fds(), before)
+
+    def test_refused_clients_get_nothing_and_the_next_is_served(self):
+        before = open_fds()
+        log = io.StringIO()
+        cases = [
+            ("no client certificate", no_certificate, "CERTIFICATE"),
+            ("a foreign CA", tls_client(client_config("foreign")), "unable to get local issuer"),
+            ("expired", tls_client(client_config("expired")), "expired"),
+            ("not yet valid", tls_client(client_config("notyet")), "not yet valid"),
+            ("no clientAuth usage", tls_client(client_config("serveronly")), "purpose"),
+            ("revoked by the CRL", tls_client(client_config("revoked")), "revoked"),
+            ("the right CA, the wrong name", tls_client(client_config("wrongname")),
+             "intruder.vmm.test, none of the allowed client.vmm.test"),
+            ("a plaintext client", plaintext, "TLS failed"),
+        ]
+        with contextlib.redirect_stderr(log):
+            exporter = Exporter(self, server_config())
+            for n, (case, make, why) in enumerate(cases, 1):
+                with self.subTest(case):
+                    got, ended = refused_client(exporter.address, make)
+                    if make is plaintext:
+                        # At most a plaintext TLS alert record (type 21), never a message.
+                        self.assertTrue(got == b"" or got[0] == 21, got[:16])
+                        self.assertNotIn(b"VMMI", got)
+                    else:
+                        self.assertEqual(len(got), 0, case)  # (no bytes in the message)
+                        self.assertIsInstance(ended, (peer.TlsRefused, peer.PeerClosed),
+                                              f"{case}: {ended!r}")
+                    self.assertTrue(wait_for(lambda: exporter.listener.refusals == n), case)
+                    self.assertIn(why, exporter.listener.refused[-1].reason)
+                    # The next legitimate client is served.
+                    desc, _, _ = importer(exporter.address)
+                    self.assertEqual(desc.handles, [HANDLE])
+                    self.assertTrue(wait_for(lambda: len(exporter.served) == n), case)
+            # A key that is not the pinned one (its chain and name are fine).
+            pinned = Exporter(self, server_config(allow=None, pins=[pin_of("client")]))
+            got, ended = refused_client(pinned.address,
+                                        tls_client(client_config("wrongname")))
+            self.assertEqual(len(got), 0)
+            self.assertIsInstance(ended, peer.PeerClosed)
+            self.assertTrue(wait_for(lambda: pinned.listener.refusals == 1))
+            self.assertIn("is not pinned", pinned.listener.refused[-1].reason)
+            importer(pinned.address)
+            self.assertTrue(wait_for(lambda: pinned.served == [b"imported"]))
+            exporter.close()
+            pinned.close()
+        self.assertEqual(exporter.errors + pinned.errors, [])
+        text = log.getvalue()
+        self.assertEqual(text.count("vmm_ipc_peer TLS listener"), len(cases) + 1, text)
+        self.assertNotIn(HANDLE.hex()[:16], text.lower())
+        self.assertEqual(open_fds(), before)
+
+    def test_the_client_refuses_a_self_signed_or_wrongly_named_server(self):
+        for server, why in (("selfsigned", "self-signed"),
+                            ("otherserver", "other.vmm.test, none of the allowed")):
+            with self.subTest(server):
+                listener = peer.tls_listen(("127.0.0.1", 0), config(server, allow=[CLIENT]),
+                                           log=False)
+                self.addCleanup(listener.close)
+                got = []
+
+                def serve():
+                    try:
+                        with listener.accept(timeout=3) as conn:
+                            got.append(conn.recv())
+                    except BaseException as e:
+                        got.append(e)
+
+                thread = threading.Thread(target=serve)
+                thread.start()
+                with self.assertRaises(peer.TlsRefused) as caught:
+                    peer.tls_connect(listener.address, client_config(), timeout=10)
+                self.assertIn(why, str(caught.exception))
+                thread.join(timeout=30)
+                # The client sent nothing: the server read no message.
+                self.assertEqual(len(got), 1)
+                self.assertNotIsInstance(got[0], (bytes, peer.FabricDescriptor), got)
+
+
+class Relay:
+    """A TCP relay in the middle: forwards one connection both ways; once the client's
+    encrypted flight (a TLS record of type 23) has gone to the server, the next bytes from the
+    server are application data, and ``mode`` acts on them: ``flip`` changes one byte,
+    ``cut`` forwards half of them and closes both sides."""
+
+    def __init__(self, test, target, mode):
+        self.target, self.mode = target, mode
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = self.server.getsockname()
+        self.client_encrypted = threading.Event()
+        self.acted = threading.Event()
+        self.socks = []
+        threading.Thread(target=self.run, daemon=True).start()
+        test.addCleanup(self.close)
+
+    def run(self):
+        try:
+            client, _ = self.server.accept()
+        except OSError:
+            return
+        upstream = socket.create_connection(self.target)
+        self.socks += [client, upstream]
+        threading.Thread(target=self.pump_up, args=(client, upstream), daemon=True).start()
+        self.pump_down(upstream, client)
+
+    def pump_up(self, src, dst):
+        header, skip = b"", 0
+        try:
+            while True:
+                chunk = src.recv(65536)
+                if not chunk:
+                    break
+                i = 0
+                while i < len(chunk):  # the record headers of what the client sends
+                    if skip:
+                        take = min(skip, len(chunk) - i)
+                        skip, i = skip - take, i + take
+                        continue
+                    header += chunk[i:i + 1]
+                    i += 1
+                    if len(header) == 5:
+                        if header[0] == 23:
+                            self.client_encrypted.set()
+                        skip, header = int.from_bytes(header[3:5], "big"), b""
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def pump_down(self, src, dst):
+        try:
+            while True:
+                chunk = src.recv(65536)
+                if not chunk:
+                    break
+                if self.client_encrypted.is_set() and not self.acted.is_set():
+                    self.acted.set()
+                    if self.mode == "flip":
+                        chunk = chunk[:-1] + bytes([chunk[-1] ^ 0x01])
+                    else:
+                        dst.sendall(chunk[:len(chunk) // 2])
+                        for s in self.socks:
+                            with contextlib.suppress(OSError):
+                                s.shutdown(socket.SHUT_RDWR)
+                        return
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self):
+        for s in self.socks + [self.server]:
+            s.close()
+
+
+class Attacks(unittest.TestCase):
+    def test_a_relay_that_flips_a_byte_or_cuts_the_stream(self):
+        for mode, error in (("flip", peer.TlsError), ("cut", peer.PeerClosed)):
+            with self.subTest(mode):
+                exporter = Exporter(self, server_config())
+                relay = Relay(self, exporter.address, mode)
+                with peer.tls_connect(relay.address, client_config()) as conn:
+                    with self.assertRaises(error) as caught:
+                        conn.recv_descriptor()
+                    self.assertTrue(relay.acted.is_set())
+                    self.assertNotIn(HANDLE.hex()[:16], str(caught.exception).lower())
+                    # The stream has ended: nothing more is read from it.
+                    with self.assertRaisesRegex(peer.ProtocolError, "has ended"):
+                        conn.recv()
+                exporter.close()
+                self.assertEqual(exporter.served, [])
+
+    def test_deadlines_at_both_ends(self):
+        before = open_fds()
+        # A client that connects and says nothing, and one that dribbles its hello: each is
+        # refused at its handshake's deadline (one for the whole handshake), and neither
+        # delays the next client (handshakes run side by side).
+        exporter = Exporter(self, server_config(handshake_timeout=2.0), start=False)
+        silent = socket.create_connection(exporter.address)
+        dribbler = socket.create_connection(exporter.address)
+        stop = threading.Event()
+
+        def dribble():
+            hello = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(64)
+            for byte in hello:
+                if stop.is_set():
+                    return
+                with contextlib.suppress(OSError):
+                    dribbler.send(bytes([byte]))
+                time.sleep(0.05)
+
+        dribbling = threading.Thread(target=dribble, daemon=True)
+        dribbling.start()
+        time.sleep(0.1)
+        started = time.monotonic()
+        exporter.thread.start()
+        desc, _, _ = importer(exporter.address)
+        self.assertEqual(desc.handles, [HANDLE])
+        self.assertLess(time.monotonic() - started, 1.5, "the slow handshakes held accept")
+        self.assertTrue(wait_for(lambda: exporter.listener.refusals == 2, within=10))
+        self.assertLess(time.monotonic() - started, 5)
+        for refusal in exporter.listener.refused:
+            self.assertIn("did not finish within its deadline", refusal.reason)
+        silent.settimeout(5)
+        self.assertEqual(silent.recv(100), b"")  # closed by the listener
+        stop.set()
+        dribbling.join()
+        silent.close()
+        dribbler.close()
+        exporter.close()
+        # Silent clients that fill every handshake slot delay the next client by at most the
+        # handshake deadline.
+        full = peer.tls_listen(("127.0.0.1", 0), server_config(handshake_timeout=1.0),
+                               log=False, max_handshakes=2)
+        with full:
+            squatters = [socket.create_connection(full.address) for _ in range(2)]
+            time.sleep(0.1)
+            accepted = []
+            thread = threading.Thread(target=lambda: accepted.append(full.accept(10)))
+            thread.start()
+            time.sleep(0.2)  # the squatters take both slots
+            started = time.monotonic()
+            with peer.tls_connect(full.address, client_config(), timeout=10):
+                thread.join(timeout=10)
+                took = time.monotonic() - started
+            self.assertEqual(len(accepted), 1)
+            accepted[0].close()
+            self.assertEqual(full.refusals, 2)
+            self.assertLess(took, 3)
+            for s in squatters:
+                s.close()
+        # A server that accepts TCP and says nothing: the client's handshake deadline.
+        with socket.create_server(("127.0.0.1", 0)) as mute:
+            started = time.monotonic()
+            with self.assertRaises(TimeoutError):
+                peer.tls_connect(mute.getsockname(), client_config(), timeout=0.5)
+            self.assertLess(time.monotonic() - started, 3)
+        # A server (and a client) that finish the handshake and then send nothing: each
+        # one's message deadline (the other end stays open, saying nothing).
+        listener = peer.tls_listen(("127.0.0.1", 0), server_config(timeout=0.5))
+        with listener:
+            for waiting in ("client", "server"):
+                accepted = []
+                thread = threading.Thread(target=lambda: accepted.append(listener.accept(10)))
+                thread.start()
+                with peer.tls_connect(listener.address, client_config(timeout=0.5)) as conn:
+                    thread.join()
+                    with accepted[0] as server_side:
+                        side = conn if waiting == "client" else server_side
+                        started = time.monotonic()
+                        with self.assertRaises(TimeoutError, msg=waiting):
+                            side.recv()
+                        self.assertLess(time.monotonic() - started, 3, waiting)
+        self.assertEqual(open_fds(), before)
+
+    def test_the_attacker_that_connects_first_gets_nothing(self):
+        exporter = Exporter(self, server_config(), start=False)
+        outcomes = {}
+
+        def attacker(label, make):
+            outcomes[label] = refused_client(exporter.address, make)
+
+        attackers = [threading.Thread(target=attacker, args=(label, make)) for label, make in
+                     (("a valid chain, another name", tls_client(client_config("wrongname"))),
+                      ("no certificate", no_certificate))]
+        for thread in attackers:  # both connect before the importer, and are accepted first
+            thread.start()
+            time.sleep(0.2)
+        result = []
+        legit = threading.Thread(target=lambda: result.append(importer(exporter.address)))
+        legit.start()
+        time.sleep(0.2)
+        exporter.thread.start()
+        legit.join(timeout=30)
+        for thread in attackers:
+            thread.join(timeout=30)
+        self.assertEqual(result[0][0].handles, [HANDLE])
+        for label, (got, ended) in outcomes.items():
+            self.assertEqual(len(got), 0, label)
+            self.assertIsInstance(ended, (peer.TlsRefused, peer.PeerClosed), label)
+        self.assertTrue(wait_for(lambda: exporter.listener.refusals == 2))
+        self.assertTrue(wait_for(lambda: exporter.served == [b"imported"]))
+
+
+if __name__ == "__main__":
+    unittest.main()
