@@ -36,6 +36,7 @@ mod fabric_tcp;
 mod gpu;
 mod host;
 mod tls;
+mod tls_interop;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 

@@ -64,7 +64,9 @@ impl PeerVerifier {
                     format!("a root is not a usable CA certificate ({e})"),
                 )
             })?;
-            hints.push(DistinguishedName::from(anchor.subject.to_vec()));
+            // DER of the whole Name (its SEQUENCE included), as RFC 8446 sends it: webpki keeps
+            // only its contents.
+            hints.push(DistinguishedName::in_sequence(anchor.subject.as_ref()));
             anchors.push(anchor.to_owned());
         }
         let crls = options

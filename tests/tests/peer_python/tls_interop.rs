@@ -1,0 +1,196 @@
+//! Mutual TLS between Rust (`vmm_core::wire::tls`) and the Python peer (`vmm_ipc_peer`'s
+//! `tls_listen` / `tls_connect`, driven through `peer_roles.py tls-export` / `tls-import`),
+//! both ways, each with an intruder first: a valid chain under another name is refused by the
+//! other language's side before a handle byte crosses, and the legitimate peer then gets
+//! exactly the handles sent. The handles are stand-ins (the GPU's real ones cross in
+//! `fabric_tcp` and the fabric example).
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::time::Duration;
+
+use vmm_core::cuda::{FabricDescriptor, FabricHandle};
+use vmm_core::error::TlsReason;
+use vmm_core::peer::PeerMessage;
+use vmm_core::peer::stream::{StreamReader, StreamWriter};
+use vmm_core::testing::skip_unless;
+use vmm_core::wire::tls::{PeerCheck, TlsConnector, TlsListener, TlsOptions};
+use vmm_core::{Error, Result};
+use vmm_tests::endpoint::finish;
+use vmm_tests::pattern;
+use vmm_tests::turns::exclusive;
+
+use super::tls::write_certificates;
+use super::{TIMEOUT, finish_ok, finish_ok_after, python_dir, python3, role};
+
+/// Rust's options for the leaf `own` in `dir`, admitting the name `peer`.
+fn rust_options(dir: &Path, own: &str, peer: &str) -> TlsOptions {
+    TlsOptions::from_pem_files(
+        dir.join(format!("{own}.pem")),
+        dir.join(format!("{own}.key")),
+        dir.join("ca.pem"),
+        PeerCheck::names([peer]).unwrap(),
+    )
+    .unwrap()
+}
+
+fn handles() -> Vec<FabricHandle> {
+    (0..2)
+        .map(|i| {
+            let mut bytes = [0u8; 64];
+            bytes.copy_from_slice(&pattern(10 + i, 64));
+            FabricHandle::from_bytes(bytes)
+        })
+        .collect()
+}
+
+fn hex(handles: &[FabricHandle]) -> String {
+    handles
+        .iter()
+        .map(|h| {
+            h.as_bytes()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn python_tls() -> std::result::Result<(), String> {
+    python3().and_then(|()| {
+        vmm_tests::python3_can(
+            "import ssl; assert ssl.HAS_TLSv1_3",
+            "python3 has no ssl module with TLS 1.3",
+        )
+    })
+}
+
+#[test]
+fn rust_exporter_to_python_importer_over_mutual_tls() {
+    let _turn = exclusive();
+    if !skip_unless(python_tls()) {
+        return;
+    }
+    let py = python_dir();
+    let certs = py.0.join("certs");
+    std::fs::create_dir_all(&certs).unwrap();
+    write_certificates(&certs);
+    let listener = TlsListener::bind(
+        "127.0.0.1:0",
+        &rust_options(&certs, "server", "client.vmm.test"),
+    )
+    .unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let dir = certs.to_str().unwrap();
+
+    // The intruder: the right CA, another name. Rust refuses it in the handshake.
+    let intruder = role(
+        &py,
+        "tls-import",
+        &[&address, dir, "wrongname", "server.vmm.test"],
+    );
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while listener.refused().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the intruder was not refused"
+        );
+        match listener.accept(Some(Duration::from_millis(100))) {
+            Err(Error::Timeout { .. }) => {}
+            other => panic!("the intruder was admitted: {other:?}"),
+        }
+    }
+    assert_eq!(
+        listener.refused()[0].reason,
+        Some(TlsReason::NameNotAllowed)
+    );
+    let (output, out) = finish(intruder, None, TIMEOUT);
+    assert!(!output.status.success(), "the intruder was served:\n{out}");
+    assert!(
+        !out.contains("HANDLES"),
+        "the intruder read handles:\n{out}"
+    );
+
+    // The importer.
+    let importer = role(
+        &py,
+        "tls-import",
+        &[&address, dir, "client", "server.vmm.test"],
+    );
+    let mut stream = listener.accept(Some(TIMEOUT)).unwrap();
+    let sent = handles();
+    let descriptor =
+        FabricDescriptor::from_handles(&sent, &[2 << 20, 2 << 20], 4 << 20, [0x11; 16]).unwrap();
+    StreamWriter::new(&mut stream)
+        .write_descriptor(&descriptor)
+        .unwrap();
+    match StreamReader::new(&mut stream)
+        .with_timeout(Some(TIMEOUT))
+        .read_message()
+        .unwrap()
+    {
+        PeerMessage::Data(reply) => assert_eq!(reply, b"imported"),
+        other => panic!("{other:?}"),
+    }
+    let out = finish_ok(importer, TIMEOUT);
+    assert!(out.contains(&format!("HANDLES {}\n", hex(&sent))), "{out}");
+}
+
+#[test]
+fn python_exporter_to_rust_importer_over_mutual_tls() {
+    let _turn = exclusive();
+    if !skip_unless(python_tls()) {
+        return;
+    }
+    let py = python_dir();
+    let certs = py.0.join("certs");
+    std::fs::create_dir_all(&certs).unwrap();
+    write_certificates(&certs);
+    let dir = certs.to_str().unwrap();
+    let sent = handles();
+    let mut exporter = role(
+        &py,
+        "tls-export",
+        &["127.0.0.1:0", dir, "server", "client.vmm.test", &hex(&sent)],
+    );
+    let mut stdout = BufReader::new(exporter.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.starts_with("LISTENING ") {
+        line.clear();
+        assert_ne!(stdout.read_line(&mut line).unwrap(), 0, "the exporter died");
+    }
+    let address = line.trim().strip_prefix("LISTENING ").unwrap().to_owned();
+
+    // The intruder: Rust with the right CA and another name. Python refuses it: it reads no
+    // message (in TLS 1.3 it learns of the refusal on its first read).
+    let intruder = TlsConnector::new(&rust_options(&certs, "wrongname", "server.vmm.test"))
+        .unwrap()
+        .connect(address.as_str())
+        .and_then(|mut stream| StreamReader::new(&mut stream).read_message());
+    assert!(
+        matches!(
+            intruder,
+            Err(Error::Tls {
+                reason: TlsReason::RefusedByPeer { .. } | TlsReason::Truncated,
+                ..
+            })
+        ),
+        "the intruder: {intruder:?}"
+    );
+
+    // The importer.
+    let imported: Result<Vec<FabricHandle>> = (|| {
+        let mut stream = TlsConnector::new(&rust_options(&certs, "client", "server.vmm.test"))?
+            .connect(address.as_str())?;
+        let descriptor = match StreamReader::new(&mut stream).read_message()? {
+            PeerMessage::Descriptor(d) => d.into_fabric()?,
+            PeerMessage::Data(_) => return Err(Error::Protocol("DATA, not a descriptor".into())),
+        };
+        StreamWriter::new(&mut stream).write_data(b"imported")?;
+        Ok(descriptor.handles().to_vec())
+    })();
+    assert_eq!(imported.unwrap(), sent);
+    let out = finish_ok_after(exporter, TIMEOUT, Some(stdout));
+    assert!(out.contains("reply imported (refused 1 before)"), "{out}");
+}
