@@ -45,6 +45,22 @@ fn python_unit_tests() {
             && out.contains("test_a_fabric_export_is_imported_over_tcp"),
         "{out}"
     );
+    // The availability attacks (another uid, prlimit, raw sockets) must really run where they
+    // can: as root (CI and the GPU runs are), a skip of one is a failure.
+    if vmm_tests::own_uid() == "0" {
+        for test in [
+            "test_refused_lingering_sockets_do_not_jam_the_listener",
+            "test_a_listener_at_its_fd_limit_admits_its_own_uid_and_waits_out_emfile",
+            "test_one_uids_idle_connections_do_not_starve_another",
+            "test_idle_connections_are_shut_down_and_admission_is_fair",
+        ] {
+            let line = out.lines().find(|l| l.starts_with(test));
+            assert!(
+                line.is_some_and(|l| l.ends_with("ok")),
+                "{test} did not run and pass: {line:?}\n{out}"
+            );
+        }
+    }
 }
 
 #[test]
