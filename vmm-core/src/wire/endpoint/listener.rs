@@ -11,6 +11,7 @@ use nix::sys::socket::{Backlog, SockFlag, accept4, listen};
 use super::closer::close_later;
 use super::connection::{Connection, DEFAULT_TIMEOUT};
 use super::creds::{Allow, Credentials, overflow_note};
+use super::defuse::drain_socket;
 use super::name::{Name, SocketFile, bind_abstract, bind_path, seqpacket_socket};
 use crate::wire::Channel;
 use crate::wire::wait::{Deadline, deadline_after, wait_readable};
@@ -26,10 +27,6 @@ pub const LOG_BURST: u32 = 10;
 
 /// The interval of [`LOG_BURST`]: 10 seconds.
 pub const LOG_INTERVAL: Duration = Duration::from_secs(10);
-
-/// The most packets a refused peer's queued messages are drained of before its connection
-/// closes (it cannot queue more: reading is shut down first).
-const DRAIN_MAX: usize = 1024;
 
 /// The first message of every connection of an endpoint, in the protocol spoken on it: what a
 /// listener sends a peer it admits, and what it sends one it refuses.
@@ -262,11 +259,14 @@ impl Listener {
     /// closing does not reset the connection under the `REFUSED` message: a Unix socket closed
     /// with unread messages makes its peer's next read fail with `ECONNRESET` before it sees
     /// what is queued for it), tell it why (best effort: never waits), remember and log it,
-    /// then close. Nothing it sent is looked at; its fds close on the background closer.
+    /// then close. Nothing it sent is looked at; its fds are defused and closed (see
+    /// `closer`).
     fn refuse(&self, channel: Channel, peer: Credentials, greeting: &dyn Greeting) {
-        // Its further sends fail (EPIPE), so the drain below ends.
+        // Its further sends fail (EPIPE), so the drain below ends. What it queued comes out
+        // defused (see `defuse`): sockets closed here without waiting, the rest to the closers.
         let _ = nix::sys::socket::shutdown(channel.as_raw_fd(), nix::sys::socket::Shutdown::Read);
-        drain(&channel);
+        let (emptied, rest) = drain_socket(channel.as_fd());
+        close_later(rest);
         let reason = format!(
             "uid {} (gid {}) is not allowed to connect to this endpoint{}",
             peer.uid,
@@ -287,8 +287,13 @@ impl Listener {
             self.log_refusal(peer);
         }
         // A message sent between the drain and here (none can be: reading is shut down) would
-        // reset the connection; the socket itself is ours, so its close never blocks.
-        drop(channel);
+        // reset the connection. Emptied, its close cannot block; not emptied (a bound, or too
+        // few fds to receive), its close would drop what is queued here: the closers do it.
+        if emptied {
+            drop(channel);
+        } else {
+            close_later(vec![channel.into_fd()]);
+        }
     }
 
     /// One line for `peer`, within [`LOG_BURST`] lines per [`LOG_INTERVAL`].
@@ -331,25 +336,6 @@ impl Drop for Listener {
     fn drop(&mut self) {
         let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
         self.log_unwritten(&mut log);
-    }
-}
-
-/// Read and discard what a refused peer queued (at most [`DRAIN_MAX`] packets, never
-/// waiting), closing its fds on the background closer.
-fn drain(channel: &Channel) {
-    let mut scratch = [0u8; 1];
-    for _ in 0..DRAIN_MAX {
-        match crate::wire::sys::recv_with_fds(channel.as_fd(), &mut scratch, libc::MSG_DONTWAIT) {
-            Ok(received) => {
-                let done = received.len == 0 && received.fds.is_empty();
-                close_later(received.fds);
-                if done {
-                    return;
-                }
-            }
-            Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
-            Err(_) => return,
-        }
     }
 }
 

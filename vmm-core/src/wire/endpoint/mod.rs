@@ -81,10 +81,19 @@
 //!   `import` checks it before anything is mapped; the decoder is fuzzed. Every receive, send,
 //!   accept and connect has a timeout, so a silent or stuck peer costs a bounded wait, and a
 //!   client that connects and says nothing does not delay `accept`.
-//! - **Hostile fds.** Closing the last reference to a file runs code its sender chose (a FUSE
-//!   file whose server never answers, a socket that lingers): the fds of a refused or unwanted
-//!   message, and those a refused client sent, are closed on a background thread, so no
-//!   receive, accept or connect waits for them past its timeout.
+//! - **Hostile fds.** Closing the last reference to a file runs code its sender chose (a TCP
+//!   socket that lingers with unsent data, a Unix socket holding such sockets in its queue, a
+//!   FUSE file whose server never answers): the fds of a refused or unwanted message, and
+//!   those a refused client sent, are defused before they are closed. Every socket is set to
+//!   close abortively (`SO_LINGER` `{on, 0}`), a Unix socket is shut down for reading and
+//!   drained without waiting (to a bounded depth and count, what comes out defused too), and
+//!   then closed at once by the caller; only files that are not sockets (and sockets whose
+//!   drain hit a bound) go to a bounded set of background closer threads, behind which a
+//!   bounded number of fds may wait. So no receive, accept or connect waits for them past its
+//!   timeout, and what a refused peer sends holds neither the listener's fds nor its threads.
+//!   The residual is a peer that can mount a FUSE file system and never answers `FLUSH`: it
+//!   pins at most 8 closer threads and 256 waiting fds, then the caller's own close (see the
+//!   `closer` module).
 //! - **Running out of fds.** [`Listener::accept`] at the process's fd limit returns
 //!   [`Error::FdLimit`](crate::Error::FdLimit) (`EMFILE`; `ENFILE` at the system's) at once
 //!   and leaves the connection queued: a transient condition a server waits out (the example
@@ -113,6 +122,7 @@
 mod closer;
 mod connection;
 mod creds;
+mod defuse;
 mod listener;
 mod name;
 
