@@ -188,6 +188,22 @@ impl Listener {
     /// server pauses briefly (or until some of its connections close) and calls `accept`
     /// again, rather than giving up.
     pub fn accept(&self, timeout: Option<Duration>, greeting: &dyn Greeting) -> Result<Connection> {
+        self.accept_admitting(timeout, greeting, &mut |_| Ok(()))
+    }
+
+    /// [`accept`](Self::accept), with the server's own rule for peers the allow-list admits:
+    /// `admit` is asked about each, before it is sent the greeting's admission, and a peer it
+    /// answers `Err(reason)` is refused as the allow-list refuses (the greeting's refusal,
+    /// naming `reason`; logged and remembered). It is how a server bounds its connections per
+    /// uid (the example daemon's `--max-connections-per-uid`): the peer hears at once that it
+    /// may not connect now, instead of waiting in the backlog. `admit` runs on the accepting
+    /// thread and should not block.
+    pub fn accept_admitting(
+        &self,
+        timeout: Option<Duration>,
+        greeting: &dyn Greeting,
+        admit: &mut dyn FnMut(&Credentials) -> std::result::Result<(), String>,
+    ) -> Result<Connection> {
         let started = Instant::now();
         let deadline = timeout.map_or(Deadline::Never, deadline_after);
         let timed_out = || Error::Timeout {
@@ -225,7 +241,23 @@ impl Listener {
             let peer = Credentials::of_peer(&socket)?;
             let channel = Channel::from_fd(socket);
             if !self.options.allow.admits(&peer) {
-                self.refuse(channel, peer, greeting);
+                let reason = format!(
+                    "uid {} (gid {}) is not allowed to connect to this endpoint{}",
+                    peer.uid,
+                    peer.gid,
+                    overflow_note(&peer)
+                );
+                let why = format!(
+                    "not in its allow-list ({}){}",
+                    self.options.allow,
+                    overflow_note(&peer)
+                );
+                self.refuse(channel, peer, greeting, &reason, &why);
+                continue;
+            }
+            if let Err(reason) = admit(&peer) {
+                let reason = format!("uid {} (gid {}): {reason}", peer.uid, peer.gid);
+                self.refuse(channel, peer, greeting, &reason, &reason);
                 continue;
             }
             // A fresh socket's buffer is empty, so this never waits; a peer that already hung
@@ -261,19 +293,21 @@ impl Listener {
     /// what is queued for it), tell it why (best effort: never waits), remember and log it,
     /// then close. Nothing it sent is looked at; its fds are defused and closed (see
     /// `closer`).
-    fn refuse(&self, channel: Channel, peer: Credentials, greeting: &dyn Greeting) {
+    /// `reason` is what the peer is told, `why` what the log says.
+    fn refuse(
+        &self,
+        channel: Channel,
+        peer: Credentials,
+        greeting: &dyn Greeting,
+        reason: &str,
+        why: &str,
+    ) {
         // Its further sends fail (EPIPE), so the drain below ends. What it queued comes out
         // defused (see `defuse`): sockets closed here without waiting, the rest to the closers.
         let _ = nix::sys::socket::shutdown(channel.as_raw_fd(), nix::sys::socket::Shutdown::Read);
         let (emptied, rest) = drain_socket(channel.as_fd());
         close_later(rest);
-        let reason = format!(
-            "uid {} (gid {}) is not allowed to connect to this endpoint{}",
-            peer.uid,
-            peer.gid,
-            overflow_note(&peer)
-        );
-        if let Ok(bytes) = greeting.refused(&reason) {
+        if let Ok(bytes) = greeting.refused(reason) {
             let _ = channel.send_peer(&bytes, &[], Some(Duration::ZERO));
         }
         {
@@ -284,7 +318,7 @@ impl Listener {
             refused.push_back(peer);
         }
         if self.options.log_refusals {
-            self.log_refusal(peer);
+            self.log_refusal(peer, why);
         }
         // A message sent between the drain and here (none can be: reading is shut down) would
         // reset the connection. Emptied, its close cannot block; not emptied (a bound, or too
@@ -297,7 +331,7 @@ impl Listener {
     }
 
     /// One line for `peer`, within [`LOG_BURST`] lines per [`LOG_INTERVAL`].
-    fn log_refusal(&self, peer: Credentials) {
+    fn log_refusal(&self, peer: Credentials, why: &str) {
         let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         if now.duration_since(log.since) >= LOG_INTERVAL {
@@ -308,11 +342,8 @@ impl Listener {
         if log.written < LOG_BURST {
             log.written += 1;
             eprintln!(
-                "vmm-ipc endpoint {}: refused a connection from {peer}: not in its allow-list \
-                 ({}){}",
-                self.name,
-                self.options.allow,
-                overflow_note(&peer)
+                "vmm-ipc endpoint {}: refused a connection from {peer}: {why}",
+                self.name
             );
         } else {
             log.unwritten += 1;
