@@ -82,7 +82,8 @@ enum Peeked {
 pub(crate) fn defuse(fds: Vec<OwnedFd>) -> Vec<OwnedFd> {
     let mut drain = Drain {
         fds_left: DRAIN_FDS,
-        spare: spare_fds(),
+        spare: None,
+        held: 0,
         rest: Vec::new(),
     };
     for fd in fds {
@@ -98,7 +99,8 @@ pub(crate) fn defuse(fds: Vec<OwnedFd>) -> Vec<OwnedFd> {
 pub(crate) fn drain_socket(socket: BorrowedFd<'_>) -> (bool, Vec<OwnedFd>) {
     let mut drain = Drain {
         fds_left: DRAIN_FDS,
-        spare: spare_fds(),
+        spare: None,
+        held: 0,
         rest: Vec::new(),
     };
     let emptied = drain.drain_unix(socket, 0);
@@ -116,8 +118,11 @@ fn spare_fds() -> usize {
 struct Drain {
     /// Fds it may still take out of drained sockets ([`DRAIN_FDS`]).
     fds_left: usize,
-    /// Fds the process could open when the pass began, less those the pass holds now.
-    spare: usize,
+    /// Fds the process could open when the pass first needed to know (counting them lists
+    /// `/proc/self/fd`, so only a drain asks).
+    spare: Option<usize>,
+    /// Fds it received and has not closed (or put in `rest`) yet.
+    held: usize,
     /// For the closer threads.
     rest: Vec<OwnedFd>,
 }
@@ -171,8 +176,10 @@ impl Drain {
                         return true;
                     }
                     self.fds_left = self.fds_left.saturating_sub(received.fds.len());
+                    self.held += received.fds.len();
                     for fd in received.fds {
                         self.defuse(fd, depth + 1);
+                        self.held -= 1;
                     }
                 }
                 Err(e) => match Errno::from_raw(e.raw_os_error().unwrap_or(0)) {
@@ -188,11 +195,10 @@ impl Drain {
     }
 
     /// How many fds a receive may install now.
-    fn room(&self) -> usize {
-        self.fds_left.min(
-            self.spare
-                .saturating_sub(DRAIN_RESERVE + DRAIN_DEPTH + self.rest.len()),
-        )
+    fn room(&mut self) -> usize {
+        let spare = *self.spare.get_or_insert_with(spare_fds);
+        self.fds_left
+            .min(spare.saturating_sub(DRAIN_RESERVE + DRAIN_DEPTH + self.rest.len() + self.held))
     }
 
     /// Short of room for a whole message's fds: look at the next message without taking it,
@@ -230,6 +236,17 @@ impl Drain {
     /// Accept every connection queued on the listening Unix socket `socket` (each may hold
     /// fds its client sent before it was accepted) and defuse it; whether none is left.
     fn drain_listening(&mut self, socket: BorrowedFd<'_>, depth: usize) -> bool {
+        // accept4 has no "don't wait" flag of its own: make the socket non-blocking (the file's
+        // flag, shared with the sender's copies: a socket about to be closed).
+        // SAFETY: fcntl on a borrowed fd; no memory arguments.
+        let nonblocking = unsafe {
+            let flags = libc::fcntl(socket.as_raw_fd(), libc::F_GETFL);
+            flags >= 0
+                && libc::fcntl(socket.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+        };
+        if !nonblocking {
+            return false;
+        }
         for _ in 0..DRAIN_RECVS {
             if self.room() == 0 {
                 return false;
@@ -246,14 +263,17 @@ impl Drain {
             if raw < 0 {
                 match Errno::last() {
                     Errno::EINTR | Errno::ECONNABORTED => continue,
-                    Errno::EAGAIN => return true,
+                    // Empty (EINVAL: empty and shut down for reading).
+                    Errno::EAGAIN | Errno::EINVAL => return true,
                     _ => return false,
                 }
             }
             // SAFETY: accept4 returned a new fd, installed for this call alone.
             let connection = unsafe { OwnedFd::from_raw_fd(raw) };
             self.fds_left -= 1;
+            self.held += 1;
             self.defuse(connection, depth + 1);
+            self.held -= 1;
         }
         false
     }
@@ -280,4 +300,128 @@ fn domain(socket: BorrowedFd<'_>) -> Option<libc::c_int> {
         )
     };
     (rc == 0).then_some(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::os::fd::{AsRawFd, OwnedFd};
+    use std::time::Duration;
+
+    use nix::sys::socket::{
+        AddressFamily, Backlog, ControlMessage, MsgFlags, SockFlag, SockType, UnixAddr, bind,
+        connect, listen, sendmsg, setsockopt, socket, socketpair, sockopt,
+    };
+
+    use super::{DRAIN_DEPTH, defuse};
+
+    /// A TCP socket whose last close would linger ten minutes (unsent data its peer never
+    /// reads), and that peer.
+    fn lingering() -> (OwnedFd, TcpStream) {
+        let server = TcpListener::bind("127.0.0.1:0").unwrap();
+        let stream = TcpStream::connect(server.local_addr().unwrap()).unwrap();
+        let (peer, _) = server.accept().unwrap();
+        setsockopt(&stream, sockopt::SndBuf, &4096).unwrap();
+        setsockopt(&peer, sockopt::RcvBuf, &4096).unwrap();
+        stream.set_nonblocking(true).unwrap();
+        while (&stream).write(&[0u8; 4096]).is_ok() {}
+        let linger = libc::linger {
+            l_onoff: 1,
+            l_linger: 600,
+        };
+        setsockopt(&stream, sockopt::Linger, &linger).unwrap();
+        (OwnedFd::from(stream), peer)
+    }
+
+    fn send_fds(socket: &OwnedFd, fds: &[&OwnedFd]) {
+        let raw: Vec<_> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
+        let cmsgs = [ControlMessage::ScmRights(&raw)];
+        let iov = [std::io::IoSlice::new(b"x")];
+        sendmsg::<UnixAddr>(socket.as_raw_fd(), &iov, &cmsgs, MsgFlags::empty(), None).unwrap();
+    }
+
+    fn pair() -> (OwnedFd, OwnedFd) {
+        socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .unwrap()
+    }
+
+    /// The peer of a defused socket reads a reset (an abortive close), not ten minutes later.
+    fn reset(mut peer: TcpStream) -> bool {
+        peer.set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let mut sink = vec![0u8; 1 << 16];
+        loop {
+            match peer.read(&mut sink) {
+                Ok(0) => return false,
+                Ok(_) => {}
+                Err(e) => return e.kind() == std::io::ErrorKind::ConnectionReset,
+            }
+        }
+    }
+
+    #[test]
+    fn a_listening_unix_socket_with_a_queued_connection_holding_a_lingering_socket() {
+        let listening = socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        let name = format!("vmm-defuse-test-{}", std::process::id());
+        let addr = UnixAddr::new_abstract(name.as_bytes()).unwrap();
+        bind(listening.as_raw_fd(), &addr).unwrap();
+        listen(&listening, Backlog::new(4).unwrap()).unwrap();
+        let client = socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        connect(client.as_raw_fd(), &addr).unwrap();
+        let (tcp, peer) = lingering();
+        send_fds(&client, &[&tcp]);
+        drop((tcp, client));
+        // The listening socket's last close would drop the queued connection, and with it
+        // the lingering socket, on this thread.
+        assert!(defuse(vec![listening]).is_empty());
+        assert!(reset(peer));
+    }
+
+    #[test]
+    fn nesting_deeper_than_the_bound_goes_to_the_closers() {
+        let (tcp, peer) = lingering();
+        // tcp inside DRAIN_DEPTH + 1 Unix sockets, each inside the next.
+        let (mut outer_keep, mut outer) = pair();
+        send_fds(&outer_keep, &[&tcp]);
+        drop(tcp);
+        for _ in 0..DRAIN_DEPTH {
+            let (keep, inner) = pair();
+            send_fds(&keep, &[&outer]);
+            drop((outer, outer_keep));
+            (outer_keep, outer) = (keep, inner);
+        }
+        drop(outer_keep);
+        let rest = defuse(vec![outer]);
+        assert_eq!(rest.len(), 1, "the socket at the bound is left undrained");
+        // One level shallower, everything is defused.
+        let (tcp, peer2) = lingering();
+        let (keep, inner) = pair();
+        send_fds(&keep, &[&tcp]);
+        drop((tcp, keep));
+        assert!(defuse(vec![inner]).is_empty());
+        assert!(reset(peer2));
+        // The socket left undrained would linger on its close (a closer's): let the TCP peer
+        // hang up first (with unread data: a reset), so that it does not here.
+        drop(peer);
+        std::thread::sleep(Duration::from_millis(50));
+        drop(rest);
+    }
 }
