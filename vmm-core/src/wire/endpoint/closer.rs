@@ -7,7 +7,8 @@
 //! close without waiting and is closed at once, by the caller. Only what cannot be defused
 //! (files that are not sockets; Unix sockets whose drain stopped at a bound) is handed to the
 //! closer threads, which take fds from one queue: a closer stuck in one close holds that fd
-//! and its thread, nothing else, and the next fd goes to a closer that is free.
+//! and its thread, nothing else, and the next fd goes to a closer that is free (or to a new
+//! one, once every closer has been stuck for [`STUCK`]).
 //!
 //! Why bounded, and what is left: a refused peer that can mount a FUSE file system (in a user
 //! namespace of its own, or with `fusermount`) and never answers `FLUSH` pins one closer per
@@ -21,6 +22,7 @@ use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use super::defuse::defuse;
 
@@ -39,18 +41,43 @@ pub(crate) const MAX_WAITING: usize = 256;
 /// A closer's stack: it only calls `close`.
 const STACK_SIZE: usize = 64 << 10;
 
+/// A closer that has been inside one close this long is taken to be stuck on a hostile fd: only
+/// then is another started for the fds waiting (so quick closes keep to one thread).
+const STUCK: Duration = Duration::from_millis(100);
+
 /// The closers' shared state.
 struct Closers {
     queue: VecDeque<OwnedFd>,
-    threads: usize,
-    /// Threads waiting for an fd (not inside a close).
-    idle: usize,
+    /// One entry per closer thread: since when it has been inside its current close (`None`:
+    /// waiting for an fd).
+    busy: Vec<Option<Instant>>,
+    /// A watcher thread runs (see [`watch`]).
+    watching: bool,
+}
+
+impl Closers {
+    /// Whether fds wait while every closer is inside a close (not necessarily stuck yet).
+    fn waiting(&self) -> bool {
+        !self.queue.is_empty()
+            && self.busy.len() < MAX_CLOSERS
+            && self.busy.iter().all(Option::is_some)
+    }
+
+    /// Whether the fds waiting need another closer: none runs yet, or every one is stuck.
+    fn short(&self) -> bool {
+        !self.queue.is_empty()
+            && self.busy.len() < MAX_CLOSERS
+            && self
+                .busy
+                .iter()
+                .all(|since| since.is_some_and(|since| since.elapsed() > STUCK))
+    }
 }
 
 static CLOSERS: Mutex<Closers> = Mutex::new(Closers {
     queue: VecDeque::new(),
-    threads: 0,
-    idle: 0,
+    busy: Vec::new(),
+    watching: false,
 });
 static WORK: Condvar = Condvar::new();
 
@@ -67,18 +94,38 @@ fn lock() -> MutexGuard<'static, Closers> {
     CLOSERS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// One closer thread: take the next fd, close it, forever.
-fn closer() {
+/// The watcher: fds wait while every closer is inside a close that may yet return; look again
+/// every [`STUCK`] and become a closer once they are all stuck (or end once nothing waits), so
+/// that waiting fds do not depend on another call of [`close_later`] to get a closer.
+fn watch() {
+    loop {
+        std::thread::sleep(STUCK);
+        let mut state = lock();
+        if state.short() {
+            let me = state.busy.len();
+            state.busy.push(None);
+            state.watching = false;
+            drop(state);
+            closer(me);
+        } else if !state.waiting() {
+            state.watching = false;
+            return;
+        }
+    }
+}
+
+/// Closer thread `me`: take the next fd, close it, forever.
+fn closer(me: usize) {
     let mut state = lock();
     loop {
         match state.queue.pop_front() {
             Some(fd) => {
-                state.idle -= 1;
+                state.busy[me] = Some(Instant::now());
                 drop(state);
                 drop(fd);
                 PENDING.fetch_sub(1, Ordering::AcqRel);
                 state = lock();
-                state.idle += 1;
+                state.busy[me] = None;
             }
             None => state = WORK.wait(state).unwrap_or_else(|e| e.into_inner()),
         }
@@ -86,8 +133,9 @@ fn closer() {
 }
 
 /// Close `fds` without waiting for what their senders chose: defuse and close the sockets
-/// here ([`super::defuse`]), and queue the rest for the closer threads (another is started
-/// while fds wait and none is free, up to [`MAX_CLOSERS`]). Past [`MAX_WAITING`] waiting fds,
+/// here ([`super::defuse`]), and queue the rest for the closer threads (the first is started
+/// on first use; another when fds wait and every closer has been stuck in one close for more
+/// than [`STUCK`], up to [`MAX_CLOSERS`]). Past [`MAX_WAITING`] waiting fds,
 /// or where no thread can be started, they are closed here: an fd is never kept open.
 pub(crate) fn close_later(fds: Vec<OwnedFd>) {
     if fds.is_empty() {
@@ -108,18 +156,23 @@ pub(crate) fn close_later(fds: Vec<OwnedFd>) {
                 here.push(fd);
             }
         }
-        while state.idle < state.queue.len() && state.threads < MAX_CLOSERS {
+        if state.short() {
+            let me = state.busy.len();
             let started = std::thread::Builder::new()
                 .name(THREAD_NAME.into())
                 .stack_size(STACK_SIZE)
-                .spawn(closer);
-            if started.is_err() {
-                break;
+                .spawn(move || closer(me));
+            if started.is_ok() {
+                state.busy.push(None);
             }
-            state.threads += 1;
-            state.idle += 1;
+        } else if state.waiting() && !state.watching {
+            let started = std::thread::Builder::new()
+                .name(THREAD_NAME.into())
+                .stack_size(STACK_SIZE)
+                .spawn(watch);
+            state.watching = started.is_ok();
         }
-        if state.threads == 0 {
+        if state.busy.is_empty() {
             // No closer could be started: close them here.
             PENDING.fetch_sub(state.queue.len(), Ordering::AcqRel);
             here.extend(state.queue.drain(..));
