@@ -396,7 +396,16 @@ fn the_daemon_keeps_serving_after_running_out_of_fds() {
         ])
         .env(
             DAEMON_ARGS_VAR,
-            ["--size", "65536", &name.to_string()].join("\u{1f}"),
+            // One uid (this one) may hold every slot here: the fd limit, not the cap per uid,
+            // is what this test runs into.
+            [
+                "--size",
+                "65536",
+                "--max-connections-per-uid",
+                "64",
+                &name.to_string(),
+            ]
+            .join("\u{1f}"),
         )
         .stdin(Stdio::null())
         .stdout(Stdio::null())

@@ -8,9 +8,12 @@
 //!   sides, and by a path endpoint's directory check; admitted only when named;
 //! - a refused client that spoke first still reads the `REFUSED` reason (not `ECONNRESET`);
 //! - a flood of refused connections writes a bounded number of log lines;
-//! - an fd whose `close` blocks (a TCP socket with `SO_LINGER` and unsent data: the stand-in
-//!   for a FUSE file whose server never answers), sent in a refused message, does not hold up
-//!   the receive: it is closed on the background closer.
+//! - an fd whose `close` would block (a TCP socket with `SO_LINGER` and unsent data), sent in a
+//!   refused message, does not hold up the receive: it is defused (an abortive close) and
+//!   closed at once; a file that is not a socket is closed on a closer thread;
+//! - a refused user (another uid) sending many such sockets, directly and inside Unix sockets
+//!   that hold them, to a listener under `prlimit --nofile=128`: the listener's fds stay put
+//!   and a client of its own uid is served while the attacker lives.
 //!
 //! One test at a time (`vmm_tests::turns::exclusive()`); re-runs as roles and the raw peer's
 //! helpers are `vmm_tests::endpoint`'s, shared with `endpoint`.
@@ -131,22 +134,118 @@ fn role_entry() {
             let listener =
                 Listener::bind_with(&name, ListenerOptions::default().allow(Allow::none()))
                     .unwrap();
-            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-            std::thread::spawn({
-                let stop = stop.clone();
-                move || {
-                    let _ = std::io::stdin().read_to_end(&mut Vec::new());
-                    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-                }
-            });
+            let stop = stop_on_stdin_eof();
             println!("READY");
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 let _ = Session::accept(&listener, Some(Duration::from_millis(100)));
             }
             println!("REFUSED {}", listener.refused().len());
         }
+        // A listener that admits its own uid (root in CI) and refuses the rest, and tells each
+        // admitted client `served`; it waits out the fd limit as a server does. It starts
+        // accepting once a line comes on its stdin (so that what the attacker sends is queued
+        // before it is refused, as it is for a busy listener), and stops when stdin closes.
+        "jam-listener" => {
+            let listener =
+                Listener::bind_with(&name, ListenerOptions::default().log_refusals(false)).unwrap();
+            println!("READY");
+            std::io::stdin().read_line(&mut String::new()).unwrap();
+            let stop = stop_on_stdin_eof();
+            let mut short = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match Session::accept(&listener, Some(Duration::from_millis(100))) {
+                    Ok(conn) => {
+                        let _ = conn.send_data(b"served");
+                    }
+                    Err(Error::Timeout { .. }) => {}
+                    Err(Error::FdLimit { .. }) => {
+                        short += 1;
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(e) => println!("ERROR {e}"),
+                }
+            }
+            println!("REFUSED {} SHORT {short}", listener.refused().len());
+        }
+        // A refused user (run under another uid): `arg` connections, each sending 4 TCP
+        // sockets that linger for ten minutes with unsent data (directly, or inside a Unix
+        // socket that holds them, every other connection), closing its own copies at once;
+        // it keeps the never-reading ends open until its stdin closes.
+        "jam-attacker" => {
+            let connections: usize = arg.parse().unwrap();
+            let mut keep = Vec::new();
+            let mut sent = 0;
+            for i in 0..connections {
+                let client = raw_client(&name);
+                let mut hostile = Vec::new();
+                for _ in 0..4 {
+                    let (socket, never_reads, server) = lingering_socket(Duration::from_secs(600));
+                    hostile.push(socket);
+                    keep.push((never_reads, server));
+                }
+                let raw: Vec<_> = hostile.iter().map(|fd| fd.as_raw_fd()).collect();
+                let carried = if i % 2 == 0 {
+                    try_send(&client, &data_packet(b"get weights"), &raw)
+                } else {
+                    // A Unix socket whose queue holds them: its last close drops them.
+                    let (holder, inner) = nix::sys::socket::socketpair(
+                        nix::sys::socket::AddressFamily::Unix,
+                        nix::sys::socket::SockType::SeqPacket,
+                        None,
+                        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+                    )
+                    .unwrap();
+                    assert!(try_send(&holder, b"x", &raw));
+                    try_send(&client, &data_packet(b"get weights"), &[inner.as_raw_fd()])
+                };
+                if carried {
+                    sent += 4;
+                } else {
+                    // Refused before it spoke: our copies are the last, so no linger.
+                    for fd in &hostile {
+                        let abort = libc::linger {
+                            l_onoff: 1,
+                            l_linger: 0,
+                        };
+                        nix::sys::socket::setsockopt(fd, nix::sys::socket::sockopt::Linger, &abort)
+                            .unwrap();
+                    }
+                }
+                // Every copy of ours closes here: the listener holds the last references.
+            }
+            println!("SENT {sent}");
+            let _ = std::io::stdin().read_to_end(&mut Vec::new());
+            drop(keep);
+        }
         other => panic!("unknown role {other}"),
     }
+}
+
+/// A flag set once this process's stdin reaches its end (the test closed it).
+fn stop_on_stdin_eof() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    std::thread::spawn({
+        let stop = stop.clone();
+        move || {
+            let _ = std::io::stdin().read_to_end(&mut Vec::new());
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    stop
+}
+
+/// Send one packet with `fds`; whether it went (a refused peer's socket may be shut already).
+fn try_send(fd: &OwnedFd, bytes: &[u8], fds: &[std::os::fd::RawFd]) -> bool {
+    let iov = [std::io::IoSlice::new(bytes)];
+    let cmsgs = [nix::sys::socket::ControlMessage::ScmRights(fds)];
+    nix::sys::socket::sendmsg::<nix::sys::socket::UnixAddr>(
+        fd.as_raw_fd(),
+        &iov,
+        &cmsgs,
+        MsgFlags::empty(),
+        None,
+    )
+    .is_ok()
 }
 
 fn one_line(s: &str) -> String {
@@ -503,20 +602,6 @@ fn lingering_socket(linger: Duration) -> (OwnedFd, std::net::TcpStream, std::net
     (OwnedFd::from(stream), accepted, server)
 }
 
-/// The states of this process's threads named `name` (`S` sleeping, ...).
-fn thread_states(name: &str) -> Vec<String> {
-    let mut states = Vec::new();
-    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if comm.trim() == name {
-            let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
-            let state = stat.rsplit(')').next().unwrap_or("").trim().chars().next();
-            states.push(state.map(String::from).unwrap_or_default());
-        }
-    }
-    states
-}
-
 #[test]
 fn a_hostile_fd_whose_close_blocks_does_not_hold_up_a_receive() {
     let _serial = exclusive();
@@ -525,8 +610,8 @@ fn a_hostile_fd_whose_close_blocks_does_not_hold_up_a_receive() {
     let client = raw_client(&name);
     let mut conn = Session::accept(&listener, Some(Duration::from_secs(5))).unwrap();
     conn.set_timeout(Some(Duration::from_secs(2)));
-    // Closing it would block for ten minutes.
-    let (hostile, _never_reads, _server) = lingering_socket(Duration::from_secs(600));
+    // Closing it as it is would block for ten minutes.
+    let (hostile, mut never_reads, _server) = lingering_socket(Duration::from_secs(600));
     // A DATA message may carry no fd: refused, and the fd is the receiver's to close.
     send_raw(&client, &data_packet(b"x"), &[hostile.as_raw_fd()]);
     drop(hostile);
@@ -543,19 +628,21 @@ fn a_hostile_fd_whose_close_blocks_does_not_hold_up_a_receive() {
         result.contains("Protocol") && result.contains("arrived with 1 fd"),
         "{result}"
     );
-    // The close goes on, on a closer thread, asleep in it.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !thread_states("vmm-ipc-closer").iter().any(|s| s == "S") {
-        assert!(
-            Instant::now() < deadline,
-            "{:?}",
-            thread_states("vmm-ipc-closer")
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    // Later refused fds are still closed: once a closer is stuck (100 ms in one close),
-    // another takes them.
-    std::thread::sleep(Duration::from_millis(300));
+    // It was defused and closed at once: an abortive close (a reset, the unsent data
+    // dropped), not a close that waits ten minutes on some thread.
+    never_reads
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut sink = vec![0u8; 1 << 20];
+    let reset = loop {
+        match never_reads.read(&mut sink) {
+            Ok(0) => break None,
+            Ok(_) => {}
+            Err(e) => break Some(e.kind()),
+        }
+    };
+    assert_eq!(reset, Some(std::io::ErrorKind::ConnectionReset));
+    // A file that is not a socket goes to a closer thread, and is closed there.
     let (r, w) = nix::unistd::pipe().unwrap();
     send_raw(&client, &data_packet(b"y"), &[w.as_raw_fd()]);
     drop(w);
@@ -572,5 +659,103 @@ fn a_hostile_fd_whose_close_blocks_does_not_hold_up_a_receive() {
     let mut rest = Vec::new();
     std::fs::File::from(r).read_to_end(&mut rest).unwrap();
     assert!(rest.is_empty());
-    assert!(thread_states("vmm-ipc-closer").len() >= 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Item: a refused user cannot jam the closers (issue 23, item 6a).
+
+/// The open fds of process `pid` (this test runs as root: it may list another's).
+fn fds_of(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+#[test]
+fn a_refused_user_sending_lingering_sockets_cannot_starve_the_listener() {
+    let _serial = exclusive();
+    let usable = |program: &[&str]| {
+        Command::new(program[0])
+            .args(&program[1..])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    let setpriv = [
+        "setpriv",
+        "--reuid",
+        "65534",
+        "--regid",
+        "65534",
+        "--clear-groups",
+    ];
+    if !usable(&["prlimit", "--nofile=128:128", "true"])
+        || !usable(&[&setpriv[..], &["true"]].concat())
+    {
+        eprintln!(
+            "SKIP a_refused_user_sending_lingering_sockets_cannot_starve_the_listener: needs \
+             prlimit, and setpriv as root"
+        );
+        return;
+    }
+    let name = unique("jam");
+    // At most 128 fds: the attack sends 200 fds (160 sockets that linger for ten minutes
+    // each, half of them inside 40 Unix sockets).
+    let mut listener = role("jam-listener", &name, "", &["prlimit", "--nofile=128:128"])
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (_, listener_out) = ready(&mut listener);
+    let baseline = fds_of(listener.id());
+    let mut attacker = role("jam-attacker", &name, "80", &setpriv)
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Its stdout, line by line, so that a stuck attacker fails the test instead of hanging it.
+    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
+    let attacker_stdout = attacker.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(attacker_stdout).lines() {
+            let Ok(line) = line else { break };
+            let _ = lines_tx.send(line);
+        }
+    });
+    let sent: usize = loop {
+        match lines.recv_timeout(Duration::from_secs(120)) {
+            Ok(line) if line.starts_with("SENT ") => break line[5..].trim().parse().unwrap(),
+            Ok(_) => {}
+            Err(_) => {
+                let _ = attacker.kill();
+                drop(listener.stdin.take());
+                let (_, text) = finish(attacker, None, Duration::from_secs(30));
+                panic!("the attacker did not send: {text}");
+            }
+        }
+    };
+    assert!(
+        sent > 128,
+        "only {sent} lingering sockets reached the listener"
+    );
+    writeln!(listener.stdin.as_ref().unwrap(), "go").unwrap();
+    // While the attacker lives (its sockets would linger for ten minutes), a client of the
+    // listener's own uid is admitted and served.
+    let served = Session::connect(&name).and_then(|conn| conn.recv_data());
+    let during = fds_of(listener.id());
+    drop(attacker.stdin.take());
+    let (_, attacker_text) = finish(attacker, None, Duration::from_secs(30));
+    reader.join().unwrap();
+    drop(listener.stdin.take());
+    let (output, text) = finish(listener, Some(listener_out), Duration::from_secs(30));
+    assert_eq!(
+        served.as_deref().ok(),
+        Some(&b"served"[..]),
+        "{served:?}: listener: {text} attacker: {attacker_text}"
+    );
+    // The refused connections' sockets were closed as they came, not kept.
+    assert!(
+        during <= baseline + 8,
+        "the listener held {during} fds (from {baseline}): {text}"
+    );
+    assert!(output.status.success(), "{text}");
+    // Every refusal remembered (the most recent 64), and the listener never short of fds.
+    assert!(text.contains("REFUSED 64 SHORT 0"), "{text}");
 }

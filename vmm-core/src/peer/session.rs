@@ -60,6 +60,18 @@ impl Session {
         Ok(Session { connection })
     }
 
+    /// [`accept`](Self::accept) with the server's own admission rule:
+    /// see [`Listener::accept_admitting`]. A peer that `admit` refuses reads `REFUSED` with
+    /// the reason (its `connect` fails with [`Error::PeerRefused`]).
+    pub fn accept_admitting(
+        listener: &Listener,
+        timeout: Option<Duration>,
+        admit: &mut dyn FnMut(&Credentials) -> std::result::Result<(), String>,
+    ) -> Result<Session> {
+        let connection = listener.accept_admitting(timeout, &Handshake, admit)?;
+        Ok(Session { connection })
+    }
+
     /// Connect to the endpoint `name` with [`ConnectOptions::default`]: the listener must run as
     /// this process's uid, and connecting may take
     /// [`DEFAULT_TIMEOUT`](crate::wire::endpoint::DEFAULT_TIMEOUT).

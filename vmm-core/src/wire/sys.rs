@@ -35,6 +35,18 @@ pub(crate) fn recv_with_fds(
     buf: &mut [u8],
     flags: libc::c_int,
 ) -> io::Result<Received> {
+    recv_with_at_most(fd, buf, flags, MAX_FDS)
+}
+
+/// [`recv_with_fds`] with room for at most `max_fds` fds (at most [`MAX_FDS`]): the kernel
+/// installs that many and sets `MSG_CTRUNC` if the message carried more (with `MSG_PEEK`, the
+/// others stay queued; without it, they are dropped, by this thread).
+pub(crate) fn recv_with_at_most(
+    fd: BorrowedFd<'_>,
+    buf: &mut [u8],
+    flags: libc::c_int,
+    max_fds: usize,
+) -> io::Result<Received> {
     // Room for MAX_FDS fds on the stack (1 KiB): no allocation per message.
     let mut control = [0u64; CONTROL_WORDS];
     debug_assert!(control_space() <= size_of_val(&control));
@@ -47,7 +59,11 @@ pub(crate) fn recv_with_fds(
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = size_of_val(&control);
+    msg.msg_controllen = match max_fds.min(MAX_FDS) {
+        0 => 0,
+        // SAFETY: CMSG_SPACE is pure arithmetic; it is at most `control`'s size (above).
+        n => unsafe { libc::CMSG_SPACE((n * size_of::<RawFd>()) as u32) as usize },
+    };
     // SAFETY: every pointer in `msg` refers to a live local buffer of the stated length.
     let n = unsafe { libc::recvmsg(fd.as_raw_fd(), &mut msg, flags | libc::MSG_CMSG_CLOEXEC) };
     if n < 0 {

@@ -1,38 +1,85 @@
 //! Closing fds a peer sent that nobody wants, off the caller's path.
 //!
-//! `close` of the last reference to a file runs that file's release, which a hostile peer
-//! chooses: a FUSE file whose server never answers, or a TCP socket with `SO_LINGER` and unsent
-//! data, blocks the closing thread for as long as its owner likes, past every timeout of the
-//! receive that refused it. So the fds of a refused message (and the unwanted fds of a message
-//! of the wrong kind, and whatever a refused client sent before it was turned away) are handed
-//! to a background thread that closes them. A close that blocks there holds up no receive,
-//! accept or connect; once a closer has been inside one close for more than [`STUCK`], later
-//! fds go to another closer (at most [`MAX_CLOSERS`] threads), so one hostile fd does not keep
-//! every later refused fd open either.
+//! `close` runs code the file's sender chose (see [`super::defuse`]): a lingering TCP socket,
+//! a Unix socket full of those, a FUSE file whose server never answers `FLUSH`. So the fds of
+//! a refused message (and the unwanted fds of a message of the wrong kind, and whatever a
+//! refused client sent before it was turned away) are first defused: every socket is made to
+//! close without waiting and is closed at once, by the caller. Only what cannot be defused
+//! (files that are not sockets; Unix sockets whose drain stopped at a bound) is handed to the
+//! closer threads, which take fds from one queue: a closer stuck in one close holds that fd
+//! and its thread, nothing else, and the next fd goes to a closer that is free (or to a new
+//! one, once every closer has been stuck for [`STUCK`]).
+//!
+//! Why bounded, and what is left: a refused peer that can mount a FUSE file system (in a user
+//! namespace of its own, or with `fusermount`) and never answers `FLUSH` pins one closer per
+//! such fd, forever (the kernel waits for that answer uninterruptibly). At most
+//! [`MAX_CLOSERS`] threads are pinned; behind them at most [`MAX_WAITING`] fds wait (so the
+//! fds that peer costs this process are bounded); past that, the caller closes the fd itself
+//! and waits with it. Sockets, the only hostile files an unprivileged peer can make block
+//! without such a file system, never reach the closers unless the process is short of fds.
 
+use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{Sender, channel};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use super::defuse::defuse;
 
 /// The closer threads' name (as `/proc/<pid>/task/<tid>/comm` shows it).
 pub(crate) const THREAD_NAME: &str = "vmm-ipc-closer";
 
-/// A closer that has been inside one `close` this long is taken to be stuck on a hostile fd:
-/// later fds go to another closer.
+/// The most closer threads: each close that never returns holds one, so this bounds the
+/// threads a hostile peer can pin.
+pub(crate) const MAX_CLOSERS: usize = 8;
+
+/// The most fds waiting for a closer: past that (every closer pinned and this many behind
+/// them), [`close_later`] closes on the caller's thread, so that what a hostile peer sends
+/// cannot hold an unbounded number of this process's fds.
+pub(crate) const MAX_WAITING: usize = 256;
+
+/// A closer's stack: it only calls `close`.
+const STACK_SIZE: usize = 64 << 10;
+
+/// A closer that has been inside one close this long is taken to be stuck on a hostile fd: only
+/// then is another started for the fds waiting (so quick closes keep to one thread).
 const STUCK: Duration = Duration::from_millis(100);
 
-/// The most closer threads: past that many stuck ones, fds queue behind them (each stuck
-/// close holds one thread, and a peer can make a handful; the queue is bounded by the fd
-/// limit, as every open fd is).
-const MAX_CLOSERS: usize = 8;
-
-struct Closer {
-    tx: Sender<Vec<OwnedFd>>,
-    /// When its current close started, in nanoseconds since [`epoch`] plus one; 0 when idle.
-    busy_since: Arc<AtomicU64>,
+/// The closers' shared state.
+struct Closers {
+    queue: VecDeque<OwnedFd>,
+    /// One entry per closer thread: since when it has been inside its current close (`None`:
+    /// waiting for an fd).
+    busy: Vec<Option<Instant>>,
+    /// A watcher thread runs (see [`watch`]).
+    watching: bool,
 }
+
+impl Closers {
+    /// Whether fds wait while every closer is inside a close (not necessarily stuck yet).
+    fn waiting(&self) -> bool {
+        !self.queue.is_empty()
+            && self.busy.len() < MAX_CLOSERS
+            && self.busy.iter().all(Option::is_some)
+    }
+
+    /// Whether the fds waiting need another closer: none runs yet, or every one is stuck.
+    fn short(&self) -> bool {
+        !self.queue.is_empty()
+            && self.busy.len() < MAX_CLOSERS
+            && self
+                .busy
+                .iter()
+                .all(|since| since.is_some_and(|since| since.elapsed() > STUCK))
+    }
+}
+
+static CLOSERS: Mutex<Closers> = Mutex::new(Closers {
+    queue: VecDeque::new(),
+    busy: Vec::new(),
+    watching: false,
+});
+static WORK: Condvar = Condvar::new();
 
 /// Fds handed to [`close_later`] and not closed yet.
 static PENDING: AtomicUsize = AtomicUsize::new(0);
@@ -43,72 +90,94 @@ pub(crate) fn pending() -> usize {
     PENDING.load(Ordering::Acquire)
 }
 
-fn epoch() -> Instant {
-    static EPOCH: OnceLock<Instant> = OnceLock::new();
-    *EPOCH.get_or_init(Instant::now)
+fn lock() -> MutexGuard<'static, Closers> {
+    CLOSERS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn now_nanos() -> u64 {
-    u64::try_from(epoch().elapsed().as_nanos()).unwrap_or(u64::MAX - 1) + 1
-}
-
-impl Closer {
-    fn stuck(&self) -> bool {
-        let since = self.busy_since.load(Ordering::Acquire);
-        since != 0 && now_nanos().saturating_sub(since) > STUCK.as_nanos() as u64
-    }
-
-    fn start() -> Option<Closer> {
-        let (tx, rx) = channel::<Vec<OwnedFd>>();
-        let busy_since = Arc::new(AtomicU64::new(0));
-        let busy = Arc::clone(&busy_since);
-        std::thread::Builder::new()
-            .name(THREAD_NAME.into())
-            .spawn(move || {
-                for fds in rx {
-                    for fd in fds {
-                        busy.store(now_nanos(), Ordering::Release);
-                        drop(fd);
-                        busy.store(0, Ordering::Release);
-                        PENDING.fetch_sub(1, Ordering::AcqRel);
-                    }
-                }
-            })
-            .ok()?;
-        Some(Closer { tx, busy_since })
+/// The watcher: fds wait while every closer is inside a close that may yet return; look again
+/// every [`STUCK`] and become a closer once they are all stuck (or end once nothing waits), so
+/// that waiting fds do not depend on another call of [`close_later`] to get a closer.
+fn watch() {
+    loop {
+        std::thread::sleep(STUCK);
+        let mut state = lock();
+        if state.short() {
+            let me = state.busy.len();
+            state.busy.push(None);
+            state.watching = false;
+            drop(state);
+            closer(me);
+        } else if !state.waiting() {
+            state.watching = false;
+            return;
+        }
     }
 }
 
-/// Close `fds` on a background closer thread (started on first use; another is started when
-/// every one is stuck in a close, up to [`MAX_CLOSERS`]). Where no thread can be started, they
-/// are closed here: an fd is never kept open.
+/// Closer thread `me`: take the next fd, close it, forever.
+fn closer(me: usize) {
+    let mut state = lock();
+    loop {
+        match state.queue.pop_front() {
+            Some(fd) => {
+                state.busy[me] = Some(Instant::now());
+                drop(state);
+                drop(fd);
+                PENDING.fetch_sub(1, Ordering::AcqRel);
+                state = lock();
+                state.busy[me] = None;
+            }
+            None => state = WORK.wait(state).unwrap_or_else(|e| e.into_inner()),
+        }
+    }
+}
+
+/// Close `fds` without waiting for what their senders chose: defuse and close the sockets
+/// here ([`super::defuse`]), and queue the rest for the closer threads (the first is started
+/// on first use; another when fds wait and every closer has been stuck in one close for more
+/// than [`STUCK`], up to [`MAX_CLOSERS`]). Past [`MAX_WAITING`] waiting fds,
+/// or where no thread can be started, they are closed here: an fd is never kept open.
 pub(crate) fn close_later(fds: Vec<OwnedFd>) {
     if fds.is_empty() {
         return;
     }
-    static CLOSERS: Mutex<Vec<Closer>> = Mutex::new(Vec::new());
-    let count = fds.len();
-    let mut closers = CLOSERS.lock().unwrap_or_else(|e| e.into_inner());
-    let free = closers.iter().position(|c| !c.stuck());
-    let index = match free {
-        Some(i) => i,
-        None if closers.len() < MAX_CLOSERS => match Closer::start() {
-            Some(closer) => {
-                closers.push(closer);
-                closers.len() - 1
-            }
-            None if closers.is_empty() => {
-                drop(fds);
-                return;
-            }
-            None => closers.len() - 1,
-        },
-        None => closers.len() - 1,
-    };
-    PENDING.fetch_add(count, Ordering::AcqRel);
-    if let Err(returned) = closers[index].tx.send(fds) {
-        // Its thread is gone (it never is): close them here.
-        drop(returned.0);
-        PENDING.fetch_sub(count, Ordering::AcqRel);
+    let rest = defuse(fds);
+    if rest.is_empty() {
+        return;
     }
+    let mut here = Vec::new();
+    {
+        let mut state = lock();
+        for fd in rest {
+            if state.queue.len() < MAX_WAITING {
+                PENDING.fetch_add(1, Ordering::AcqRel);
+                state.queue.push_back(fd);
+            } else {
+                here.push(fd);
+            }
+        }
+        if state.short() {
+            let me = state.busy.len();
+            let started = std::thread::Builder::new()
+                .name(THREAD_NAME.into())
+                .stack_size(STACK_SIZE)
+                .spawn(move || closer(me));
+            if started.is_ok() {
+                state.busy.push(None);
+            }
+        } else if state.waiting() && !state.watching {
+            let started = std::thread::Builder::new()
+                .name(THREAD_NAME.into())
+                .stack_size(STACK_SIZE)
+                .spawn(watch);
+            state.watching = started.is_ok();
+        }
+        if state.busy.is_empty() {
+            // No closer could be started: close them here.
+            PENDING.fetch_sub(state.queue.len(), Ordering::AcqRel);
+            here.extend(state.queue.drain(..));
+        }
+        WORK.notify_all();
+    }
+    drop(here);
 }

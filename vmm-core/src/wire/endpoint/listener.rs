@@ -11,6 +11,7 @@ use nix::sys::socket::{Backlog, SockFlag, accept4, listen};
 use super::closer::close_later;
 use super::connection::{Connection, DEFAULT_TIMEOUT};
 use super::creds::{Allow, Credentials, overflow_note};
+use super::defuse::drain_socket;
 use super::name::{Name, SocketFile, bind_abstract, bind_path, seqpacket_socket};
 use crate::wire::Channel;
 use crate::wire::wait::{Deadline, deadline_after, wait_readable};
@@ -26,10 +27,6 @@ pub const LOG_BURST: u32 = 10;
 
 /// The interval of [`LOG_BURST`]: 10 seconds.
 pub const LOG_INTERVAL: Duration = Duration::from_secs(10);
-
-/// The most packets a refused peer's queued messages are drained of before its connection
-/// closes (it cannot queue more: reading is shut down first).
-const DRAIN_MAX: usize = 1024;
 
 /// The first message of every connection of an endpoint, in the protocol spoken on it: what a
 /// listener sends a peer it admits, and what it sends one it refuses.
@@ -191,6 +188,22 @@ impl Listener {
     /// server pauses briefly (or until some of its connections close) and calls `accept`
     /// again, rather than giving up.
     pub fn accept(&self, timeout: Option<Duration>, greeting: &dyn Greeting) -> Result<Connection> {
+        self.accept_admitting(timeout, greeting, &mut |_| Ok(()))
+    }
+
+    /// [`accept`](Self::accept), with the server's own rule for peers the allow-list admits:
+    /// `admit` is asked about each, before it is sent the greeting's admission, and a peer it
+    /// answers `Err(reason)` is refused as the allow-list refuses (the greeting's refusal,
+    /// naming `reason`; logged and remembered). It is how a server bounds its connections per
+    /// uid (the example daemon's `--max-connections-per-uid`): the peer hears at once that it
+    /// may not connect now, instead of waiting in the backlog. `admit` runs on the accepting
+    /// thread and should not block.
+    pub fn accept_admitting(
+        &self,
+        timeout: Option<Duration>,
+        greeting: &dyn Greeting,
+        admit: &mut dyn FnMut(&Credentials) -> std::result::Result<(), String>,
+    ) -> Result<Connection> {
         let started = Instant::now();
         let deadline = timeout.map_or(Deadline::Never, deadline_after);
         let timed_out = || Error::Timeout {
@@ -228,7 +241,23 @@ impl Listener {
             let peer = Credentials::of_peer(&socket)?;
             let channel = Channel::from_fd(socket);
             if !self.options.allow.admits(&peer) {
-                self.refuse(channel, peer, greeting);
+                let reason = format!(
+                    "uid {} (gid {}) is not allowed to connect to this endpoint{}",
+                    peer.uid,
+                    peer.gid,
+                    overflow_note(&peer)
+                );
+                let why = format!(
+                    "not in its allow-list ({}){}",
+                    self.options.allow,
+                    overflow_note(&peer)
+                );
+                self.refuse(channel, peer, greeting, &reason, &why);
+                continue;
+            }
+            if let Err(reason) = admit(&peer) {
+                let reason = format!("uid {} (gid {}): {reason}", peer.uid, peer.gid);
+                self.refuse(channel, peer, greeting, &reason, &reason);
                 continue;
             }
             // A fresh socket's buffer is empty, so this never waits; a peer that already hung
@@ -262,18 +291,23 @@ impl Listener {
     /// closing does not reset the connection under the `REFUSED` message: a Unix socket closed
     /// with unread messages makes its peer's next read fail with `ECONNRESET` before it sees
     /// what is queued for it), tell it why (best effort: never waits), remember and log it,
-    /// then close. Nothing it sent is looked at; its fds close on the background closer.
-    fn refuse(&self, channel: Channel, peer: Credentials, greeting: &dyn Greeting) {
-        // Its further sends fail (EPIPE), so the drain below ends.
+    /// then close. Nothing it sent is looked at; its fds are defused and closed (see
+    /// `closer`).
+    /// `reason` is what the peer is told, `why` what the log says.
+    fn refuse(
+        &self,
+        channel: Channel,
+        peer: Credentials,
+        greeting: &dyn Greeting,
+        reason: &str,
+        why: &str,
+    ) {
+        // Its further sends fail (EPIPE), so the drain below ends. What it queued comes out
+        // defused (see `defuse`): sockets closed here without waiting, the rest to the closers.
         let _ = nix::sys::socket::shutdown(channel.as_raw_fd(), nix::sys::socket::Shutdown::Read);
-        drain(&channel);
-        let reason = format!(
-            "uid {} (gid {}) is not allowed to connect to this endpoint{}",
-            peer.uid,
-            peer.gid,
-            overflow_note(&peer)
-        );
-        if let Ok(bytes) = greeting.refused(&reason) {
+        let (emptied, rest) = drain_socket(channel.as_fd());
+        close_later(rest);
+        if let Ok(bytes) = greeting.refused(reason) {
             let _ = channel.send_peer(&bytes, &[], Some(Duration::ZERO));
         }
         {
@@ -284,15 +318,20 @@ impl Listener {
             refused.push_back(peer);
         }
         if self.options.log_refusals {
-            self.log_refusal(peer);
+            self.log_refusal(peer, why);
         }
         // A message sent between the drain and here (none can be: reading is shut down) would
-        // reset the connection; the socket itself is ours, so its close never blocks.
-        drop(channel);
+        // reset the connection. Emptied, its close cannot block; not emptied (a bound, or too
+        // few fds to receive), its close would drop what is queued here: the closers do it.
+        if emptied {
+            drop(channel);
+        } else {
+            close_later(vec![channel.into_fd()]);
+        }
     }
 
     /// One line for `peer`, within [`LOG_BURST`] lines per [`LOG_INTERVAL`].
-    fn log_refusal(&self, peer: Credentials) {
+    fn log_refusal(&self, peer: Credentials, why: &str) {
         let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         if now.duration_since(log.since) >= LOG_INTERVAL {
@@ -303,11 +342,8 @@ impl Listener {
         if log.written < LOG_BURST {
             log.written += 1;
             eprintln!(
-                "vmm-ipc endpoint {}: refused a connection from {peer}: not in its allow-list \
-                 ({}){}",
-                self.name,
-                self.options.allow,
-                overflow_note(&peer)
+                "vmm-ipc endpoint {}: refused a connection from {peer}: {why}",
+                self.name
             );
         } else {
             log.unwritten += 1;
@@ -331,25 +367,6 @@ impl Drop for Listener {
     fn drop(&mut self) {
         let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
         self.log_unwritten(&mut log);
-    }
-}
-
-/// Read and discard what a refused peer queued (at most [`DRAIN_MAX`] packets, never
-/// waiting), closing its fds on the background closer.
-fn drain(channel: &Channel) {
-    let mut scratch = [0u8; 1];
-    for _ in 0..DRAIN_MAX {
-        match crate::wire::sys::recv_with_fds(channel.as_fd(), &mut scratch, libc::MSG_DONTWAIT) {
-            Ok(received) => {
-                let done = received.len == 0 && received.fds.is_empty();
-                close_later(received.fds);
-                if done {
-                    return;
-                }
-            }
-            Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
-            Err(_) => return,
-        }
     }
 }
 

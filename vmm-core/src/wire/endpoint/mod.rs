@@ -81,10 +81,19 @@
 //!   `import` checks it before anything is mapped; the decoder is fuzzed. Every receive, send,
 //!   accept and connect has a timeout, so a silent or stuck peer costs a bounded wait, and a
 //!   client that connects and says nothing does not delay `accept`.
-//! - **Hostile fds.** Closing the last reference to a file runs code its sender chose (a FUSE
-//!   file whose server never answers, a socket that lingers): the fds of a refused or unwanted
-//!   message, and those a refused client sent, are closed on a background thread, so no
-//!   receive, accept or connect waits for them past its timeout.
+//! - **Hostile fds.** Closing the last reference to a file runs code its sender chose (a TCP
+//!   socket that lingers with unsent data, a Unix socket holding such sockets in its queue, a
+//!   FUSE file whose server never answers): the fds of a refused or unwanted message, and
+//!   those a refused client sent, are defused before they are closed. Every socket is set to
+//!   close abortively (`SO_LINGER` `{on, 0}`), a Unix socket is shut down for reading and
+//!   drained without waiting (to a bounded depth and count, what comes out defused too), and
+//!   then closed at once by the caller; only files that are not sockets (and sockets whose
+//!   drain hit a bound) go to a bounded set of background closer threads, behind which a
+//!   bounded number of fds may wait. So no receive, accept or connect waits for them past its
+//!   timeout, and what a refused peer sends holds neither the listener's fds nor its threads.
+//!   The residual is a peer that can mount a FUSE file system and never answers `FLUSH`: it
+//!   pins at most 8 closer threads and 256 waiting fds, then the caller's own close (see the
+//!   `closer` module).
 //! - **Running out of fds.** [`Listener::accept`] at the process's fd limit returns
 //!   [`Error::FdLimit`](crate::Error::FdLimit) (`EMFILE`; `ENFILE` at the system's) at once
 //!   and leaves the connection queued: a transient condition a server waits out (the example
@@ -102,8 +111,15 @@
 //!   this process's user and pid namespaces, so an allow-list that names the overflow uid
 //!   admits every unmapped user; abstract names are per network namespace.
 //! - **An admitted peer holding every connection a server allows**, or a foreign one filling
-//!   the listen backlog: the kernel bounds the backlog, and a server bounds its connections;
+//!   the listen backlog: the kernel bounds the backlog, and a server bounds its connections
+//!   (in all, and per uid through [`Listener::accept_admitting`], which refuses a peer at
+//!   once with the server's reason; the example daemon also closes idle connections);
 //!   clients beyond that wait, within their connect timeout.
+//! - **An admitted peer that never reads** what it is sent: every fd sent to it stays in
+//!   flight, charged by the kernel to the sender's uid (`ETOOMANYREFS` past its
+//!   `RLIMIT_NOFILE`). Sends are bounded by the connection's timeout; how many fds a server
+//!   lets one peer leave unread is the server's to cap (the example daemon does, per
+//!   connection, per uid and in all, from `SIOCOUTQ`).
 //! - **What an admitted peer does with memory it was given**: it may read and write it for as
 //!   long as it keeps the mapping.
 //! - **Races inside the listener's own uid**: between the stale-file check and `bind`, only
@@ -113,6 +129,7 @@
 mod closer;
 mod connection;
 mod creds;
+mod defuse;
 mod listener;
 mod name;
 
