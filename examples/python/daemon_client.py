@@ -36,7 +36,12 @@ def main():
         conn.send_data(f"get {args.buffer}".encode())
         reply = conn.recv()
         if isinstance(reply, peer.Data):
-            sys.exit(f"the daemon says: {bytes(reply).decode()}")
+            text = bytes(reply).decode(errors="replace")
+            if text.startswith("error: busy: "):
+                # Over a cap on descriptors sent and not yet read (per connection, per uid, in
+                # all): read earlier descriptors first, or retry later.
+                sys.exit(f"the daemon is busy (descriptors in flight): {text[len('error: busy: '):]}")
+            sys.exit(f"the daemon says: {text}")
         with reply as desc:
             if isinstance(desc, peer.HostDescriptor):
                 kind, view = "host", desc.map()
