@@ -22,8 +22,8 @@ use vmm_core::peer::{
 };
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
-use vmm_core::wire::TimedStream;
 use vmm_core::wire::endpoint::{Listener, Name};
+use vmm_core::wire::{CallerAuthenticated, TimedStream};
 
 use vmm_tests::endpoint::{data_packet, raw_client, send_raw};
 use vmm_tests::turns::exclusive;
@@ -204,7 +204,8 @@ fn the_codec_carries_a_fabric_descriptor_of_every_allowed_chunk_count() {
     );
 }
 
-/// Both ends of a stream: write on one, read on the other, in both directions.
+/// Both ends of a stream (a pair this test made, so it vouches for both ends): write on one,
+/// read on the other, in both directions.
 fn stream_round_trip<S: Sync + TimedStream>(a: S, b: S)
 where
     for<'s> &'s S: Read + Write,
@@ -212,18 +213,18 @@ where
     let sent = [descriptor(1), descriptor(4)];
     std::thread::scope(|scope| {
         let writer = scope.spawn(|| {
-            let mut out = StreamWriter::new(&a);
+            let mut out = StreamWriter::new(CallerAuthenticated::new(&a));
             for d in &sent {
                 out.write_descriptor(d).unwrap();
             }
             out.write_data(b"done?").unwrap();
-            let mut replies = StreamReader::new(&a);
+            let mut replies = StreamReader::new(CallerAuthenticated::new(&a));
             match replies.read_message().unwrap() {
                 PeerMessage::Data(d) => assert_eq!(d, b"imported"),
                 other => panic!("{other:?}"),
             }
         });
-        let mut reader = StreamReader::new(&b);
+        let mut reader = StreamReader::new(CallerAuthenticated::new(&b));
         for d in &sent {
             match reader.read_message().unwrap() {
                 PeerMessage::Descriptor(received) => {
@@ -233,7 +234,9 @@ where
             }
         }
         assert!(matches!(reader.read_message().unwrap(), PeerMessage::Data(d) if d == b"done?"));
-        StreamWriter::new(&b).write_data(b"imported").unwrap();
+        StreamWriter::new(CallerAuthenticated::new(&b))
+            .write_data(b"imported")
+            .unwrap();
         writer.join().unwrap();
     });
 }
@@ -597,7 +600,7 @@ fn a_message_trickled_a_byte_at_a_time_ends_by_the_message_deadline() {
             std::thread::sleep(Duration::from_millis(50));
         }
     });
-    let err = StreamReader::new(&far)
+    let err = StreamReader::new(CallerAuthenticated::new(&far))
         .with_timeout(Some(Duration::from_millis(300)))
         .read_message()
         .unwrap_err();
@@ -609,7 +612,8 @@ fn a_message_trickled_a_byte_at_a_time_ends_by_the_message_deadline() {
 #[test]
 fn a_writer_to_a_peer_that_stops_reading_ends_by_the_message_deadline() {
     let (near, far) = UnixStream::pair().unwrap();
-    let mut writer = StreamWriter::new(&near).with_timeout(Some(Duration::from_millis(200)));
+    let mut writer = StreamWriter::new(CallerAuthenticated::new(&near))
+        .with_timeout(Some(Duration::from_millis(200)));
     // Fill the socket: the peer never reads.
     let err = loop {
         if let Err(e) = writer.write_data(&[7; 16 * 1024]) {
@@ -633,7 +637,7 @@ fn the_stream_reader_refuses_as_soon_as_the_bytes_decide(
     // for the whole header would wait for its deadline (a timeout, not this refusal).
     let (near, far) = UnixStream::pair().unwrap();
     (&near).write_all(&first).unwrap();
-    let err = StreamReader::new(&far)
+    let err = StreamReader::new(CallerAuthenticated::new(&far))
         .with_timeout(Some(Duration::from_secs(5)))
         .read_message()
         .unwrap_err();

@@ -18,8 +18,8 @@ use criterion::Criterion;
 use vmm_core::cuda::{FabricDescriptor, FabricHandle};
 use vmm_core::peer::PeerMessage;
 use vmm_core::peer::stream::{StreamReader, StreamWriter};
-use vmm_core::wire::TimedStream;
 use vmm_core::wire::tls::{PeerCheck, TlsConnector, TlsIdentity, TlsListener, TlsOptions};
+use vmm_core::wire::{AuthenticatedStream, CallerAuthenticated};
 use vmm_tests::pki::{Leaf, LeafSpec, Pki, dns_name};
 
 use crate::report::{Target, row};
@@ -53,10 +53,7 @@ fn descriptor() -> FabricDescriptor {
 }
 
 /// The peer: read a descriptor, reply `DATA`, until the stream ends.
-fn echo<S>(mut stream: S)
-where
-    for<'s> &'s mut S: std::io::Read + std::io::Write + TimedStream,
-{
+fn echo<S: std::io::Read + std::io::Write + AuthenticatedStream>(mut stream: S) {
     loop {
         let read = StreamReader::new(&mut stream)
             .with_timeout(None)
@@ -73,10 +70,10 @@ where
 }
 
 /// One round trip: the descriptor out, the reply in.
-fn round_trip<S>(stream: &mut S, descriptor: &FabricDescriptor) -> Duration
-where
-    for<'s> &'s mut S: std::io::Read + std::io::Write + TimedStream,
-{
+fn round_trip<S: std::io::Read + std::io::Write + AuthenticatedStream>(
+    stream: &mut S,
+    descriptor: &FabricDescriptor,
+) -> Duration {
     let started = Instant::now();
     StreamWriter::new(&mut *stream)
         .write_descriptor(descriptor)
@@ -109,11 +106,14 @@ pub fn host_tls(c: &mut Criterion) {
     let tls_peer = std::thread::spawn(move || echo(served));
 
     let plain = TcpListener::bind("127.0.0.1:0").expect("TCP listener");
-    let mut tcp = TcpStream::connect(plain.local_addr().expect("its address")).expect("connect");
+    let tcp = TcpStream::connect(plain.local_addr().expect("its address")).expect("connect");
     let _ = tcp.set_nodelay(true);
     let (plain_served, _) = plain.accept().expect("accept");
     let _ = plain_served.set_nodelay(true);
-    let tcp_peer = std::thread::spawn(move || echo(plain_served));
+    // The baseline: the same messages on plain TCP between two threads of this process (it
+    // vouches for both ends).
+    let mut tcp = CallerAuthenticated::new(tcp);
+    let tcp_peer = std::thread::spawn(move || echo(CallerAuthenticated::new(plain_served)));
 
     let mut group = Group::new(c, GROUP, Kind::InProcess);
     group.bench_pair(

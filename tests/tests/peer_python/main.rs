@@ -70,7 +70,7 @@ mod v2 {
     use vmm_core::peer::PeerMessage;
     use vmm_core::peer::Session;
     use vmm_core::peer::stream::{StreamReader, StreamWriter};
-    use vmm_core::wire::TimedStream;
+    use vmm_core::wire::{CallerAuthenticated, TimedStream};
     use vmm_core::{Error, Result};
 
     /// Send a fabric descriptor on an endpoint connection.
@@ -83,22 +83,26 @@ mod v2 {
         conn.recv_descriptor()?.into_fabric()
     }
 
+    // The byte streams here are loopback TCP to a Python process this test started and checked
+    // (its uid, its output): the test vouches for the peer (`CallerAuthenticated`). The same
+    // exchange across users or machines is `tls_interop`'s, over mutual TLS.
+
     /// Write a fabric descriptor as one message on a byte stream.
     pub fn write_fabric(
         stream: &mut (impl Write + TimedStream),
         descriptor: &FabricDescriptor,
     ) -> Result<()> {
-        StreamWriter::new(stream).write_descriptor(descriptor)
+        StreamWriter::new(CallerAuthenticated::new(stream)).write_descriptor(descriptor)
     }
 
     /// Write a DATA message on a byte stream.
     pub fn write_data(stream: &mut (impl Write + TimedStream), bytes: &[u8]) -> Result<()> {
-        StreamWriter::new(stream).write_data(bytes)
+        StreamWriter::new(CallerAuthenticated::new(stream)).write_data(bytes)
     }
 
     /// Read one message from a byte stream: a fabric descriptor.
     pub fn read_fabric(stream: &mut (impl Read + TimedStream)) -> Result<FabricDescriptor> {
-        match StreamReader::new(stream).read_message()? {
+        match StreamReader::new(CallerAuthenticated::new(stream)).read_message()? {
             PeerMessage::Descriptor(d) => d.into_fabric(),
             PeerMessage::Data(b) => Err(Error::Protocol(format!(
                 "expected a CUDA_FABRIC message, got DATA of {} bytes",
@@ -109,7 +113,7 @@ mod v2 {
 
     /// Read one message from a byte stream: DATA.
     pub fn read_data(stream: &mut (impl Read + TimedStream)) -> Result<Vec<u8>> {
-        match StreamReader::new(stream).read_message()? {
+        match StreamReader::new(CallerAuthenticated::new(stream)).read_message()? {
             PeerMessage::Data(b) => Ok(b),
             PeerMessage::Descriptor(d) => Err(Error::Protocol(format!(
                 "expected DATA, got a descriptor ({d:?})"

@@ -28,23 +28,28 @@
 //!   the bytes, and a fabric handle is a bearer token (see
 //!   [`cuda::fabric`](crate::cuda::fabric)). Across a network, or wherever another user can
 //!   connect, run these messages on a mutual-TLS stream (`vmm_core::wire::tls`, feature
-//!   `tls`); a plain socket is for a channel the caller has already authenticated. Nothing
-//!   here prints a handle byte.
+//!   `tls`); a plain socket is for a channel the caller has already authenticated, and says so
+//!   by name ([`CallerAuthenticated`](crate::wire::CallerAuthenticated)): the reader and writer
+//!   take only an [`AuthenticatedStream`](crate::wire::AuthenticatedStream). Nothing here
+//!   prints a handle byte.
 //!
 //! ```
 //! use std::os::unix::net::UnixStream;
 //! use vmm_core::cuda::{FabricDescriptor, FabricHandle};
 //! use vmm_core::peer::PeerMessage;
 //! use vmm_core::peer::stream::{StreamReader, StreamWriter};
+//! use vmm_core::wire::CallerAuthenticated;
 //!
-//! let (near, far) = UnixStream::pair()?; // or a TcpStream, on either side
+//! // A socketpair between this process's own threads: the caller knows who is at the other
+//! // end, and says so. (Across a network: a `wire::tls::TlsStream`, feature `tls`.)
+//! let (near, far) = UnixStream::pair()?;
 //! let handle = FabricHandle::from_bytes([7; 64]); // from VirtualMemoryBuffer::export_fabric
 //! let descriptor = FabricDescriptor::from_handles(&[handle], &[2 << 20], 2 << 20, [1; 16])?;
-//! let mut writer = StreamWriter::new(near); // a `&TcpStream` would do too
+//! let mut writer = StreamWriter::new(CallerAuthenticated::new(near));
 //! writer.write_descriptor(&descriptor)?;
 //! writer.write_data(b"import it, then say so")?;
 //!
-//! let mut reader = StreamReader::new(&far);
+//! let mut reader = StreamReader::new(CallerAuthenticated::new(&far));
 //! let PeerMessage::Descriptor(received) = reader.read_message()? else { unreachable!() };
 //! let received = received.into_fabric()?; // VirtualMemoryBuffer::import_fabric(&received)
 //! assert_eq!(received.handles(), descriptor.handles());
@@ -52,6 +57,17 @@
 //! drop(writer); // closes `near`: the reader sees the end of the stream
 //! assert!(matches!(reader.read_message(), Err(vmm_core::Error::Disconnected(_))));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! A plain socket is no default: handing one over without saying so does not compile.
+//!
+//! ```compile_fail
+//! use std::net::TcpStream;
+//! use vmm_core::peer::stream::StreamReader;
+//!
+//! fn read_from(tcp: &TcpStream) {
+//!     let _ = StreamReader::new(tcp); // not an AuthenticatedStream
+//! }
 //! ```
 
 use std::fmt;
@@ -62,7 +78,7 @@ use super::PeerMessage;
 use super::codec::{fabric_frame, from_frame};
 use super::frame::{Frame, HEADER_LEN, Kind};
 use crate::cuda::FabricDescriptor;
-use crate::wire::TimedStream;
+use crate::wire::{AuthenticatedStream, TimedStream};
 use crate::{Error, Result};
 
 /// How long one message may take to read or write whole, by default: 10 seconds.
@@ -137,9 +153,11 @@ pub struct StreamWriter<W> {
     failed: bool,
 }
 
-impl<W: Write + TimedStream> StreamWriter<W> {
-    /// A writer of peer messages to `writer` (a `TcpStream`, `&TcpStream`, a `UnixStream`, a
-    /// mutual-TLS stream...), each message written whole within [`DEFAULT_TIMEOUT`]
+impl<W: Write + AuthenticatedStream> StreamWriter<W> {
+    /// A writer of peer messages to `writer`: a mutual-TLS stream (`&mut TlsStream`), or a
+    /// plain socket the caller vouches for
+    /// ([`CallerAuthenticated`](crate::wire::CallerAuthenticated)`::new(&tcp)`), each message
+    /// written whole within [`DEFAULT_TIMEOUT`]
     /// ([`with_timeout`](Self::with_timeout) sets another): a peer that stops reading holds a
     /// write no longer than that.
     pub fn new(writer: W) -> Self {
@@ -155,8 +173,9 @@ impl<W: Write + TimedStream> StreamWriter<W> {
 }
 
 impl<W: Write> StreamWriter<W> {
-    /// A writer to a stream that bounds its own writes (or never blocks: a buffer, a pipe to a
-    /// process of the caller's): no deadline is set. Prefer [`new`](Self::new) for a socket.
+    /// A writer to bytes in memory (a `Vec`, a buffer), or to a stream the caller both
+    /// authenticates and bounds itself: no deadline is set and nothing is asked of the stream.
+    /// For a socket, use [`new`](Self::new).
     pub fn untimed(writer: W) -> Self {
         StreamWriter {
             writer,
@@ -271,9 +290,11 @@ impl<R> fmt::Debug for StreamReader<R> {
     }
 }
 
-impl<R: Read + TimedStream> StreamReader<R> {
-    /// A reader of peer messages from `reader` (a `TcpStream`, `&TcpStream`, a `UnixStream`,
-    /// a mutual-TLS stream...), each message read whole within [`DEFAULT_TIMEOUT`]
+impl<R: Read + AuthenticatedStream> StreamReader<R> {
+    /// A reader of peer messages from `reader`: a mutual-TLS stream (`&mut TlsStream`), or a
+    /// plain socket the caller vouches for
+    /// ([`CallerAuthenticated`](crate::wire::CallerAuthenticated)`::new(&tcp)`), each message
+    /// read whole within [`DEFAULT_TIMEOUT`]
     /// ([`with_timeout`](Self::with_timeout) sets another). The deadline is the message's, not
     /// each read's: it is set again before every read to what is left, so a peer that sends
     /// one byte at a time holds the reader no longer than it.
@@ -290,8 +311,9 @@ impl<R: Read + TimedStream> StreamReader<R> {
 }
 
 impl<R: Read> StreamReader<R> {
-    /// A reader of a stream that bounds its own reads (or never blocks: bytes in memory): no
-    /// deadline is set. Prefer [`new`](Self::new) for a socket.
+    /// A reader of bytes in memory, or of a stream the caller both authenticates and bounds
+    /// itself: no deadline is set and nothing is asked of the stream. For a socket, use
+    /// [`new`](Self::new).
     pub fn untimed(reader: R) -> Self {
         StreamReader {
             reader,

@@ -6,10 +6,13 @@
 //! - [`Queue`]: typed, cloneable, shared across processes.
 //! - [`endpoint`]: named endpoints (a socket path or an abstract name) that admit a peer by
 //!   the kernel's credentials for it: how a process that vmm-core did not start connects.
-//! - [`TimedStream`]: byte streams whose reads and writes end by a deadline (a whole message's).
+//! - [`TimedStream`]: byte streams whose reads and writes end by a deadline (a whole message's);
+//!   [`AuthenticatedStream`]: those whose peer is known (mutual TLS, or
+//!   [`CallerAuthenticated`], the caller's explicit word), the only ones peer messages cross.
 //! - `tls` (feature `tls`): mutual-TLS byte streams over TCP, for descriptors that cross a
 //!   network.
 
+mod authenticated;
 mod channel;
 pub mod endpoint;
 mod fd;
@@ -22,6 +25,7 @@ mod timed;
 pub mod tls;
 mod wait;
 
+pub use authenticated::{AuthenticatedStream, CallerAuthenticated};
 pub(crate) use channel::spin_window;
 pub use channel::{Channel, INLINE_MAX, MAX_MESSAGE, MAX_SPIN_US, Message, SPIN_VAR};
 pub use fd::Fd;

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use rustls::{CertificateError, ClientConnection, InvalidMessage, ServerConnection, StreamOwned};
 
 use crate::error::{TlsReason, TlsStep};
+use crate::wire::AuthenticatedStream;
 use crate::wire::timed::{TimedStream, time_left};
 use crate::{Error, Result};
 
@@ -216,6 +217,9 @@ impl TimedStream for TlsStream {
         Ok(())
     }
 }
+
+/// Its peer passed every certificate check of the handshake.
+impl AuthenticatedStream for TlsStream {}
 
 /// A failure of a TLS stream's `step` with `peer` as the crate's error: a timeout, a typed TLS
 /// reason, or (for other socket failures) [`Error::Os`].
