@@ -1418,9 +1418,11 @@ def read_message(stream, timeout=DEFAULT_TIMEOUT):
 
 class StreamConnection(_Receives):
     """DATA and CUDA_FABRIC messages over a connected stream socket (TCP, a Unix SOCK_STREAM).
-    A stream has no credentials: who the peer is, and whether to trust it with fabric handles
-    (bearer tokens), is the stream's business (TLS, a VPN, an SSH tunnel, a socket only one
-    process can reach), not this protocol's.
+    A stream has no credentials, and TCP (loopback included) lets whoever connects first have
+    the bytes: across a network, or wherever another user can connect, use ``tls_listen`` /
+    ``tls_connect`` (mutual TLS). A plain socket is the caller's explicit choice for a channel
+    it has authenticated itself (a socketpair of its own, an SSH tunnel): it says so with
+    ``caller_authenticated=True``, and without it the constructor refuses (ValueError).
 
     Every send and receive is bounded by ``timeout`` seconds (None: no limit), one deadline
     for the whole message. A receive that fails for any reason (a refused message, a timeout,
@@ -1428,7 +1430,11 @@ class StreamConnection(_Receives):
     every later send or receive raises ProtocolError, since after a bad or partial message
     nobody can know where the next one starts."""
 
-    def __init__(self, sock, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, sock, timeout=DEFAULT_TIMEOUT, *, caller_authenticated=False):
+        if not caller_authenticated:
+            raise ValueError("a plain stream authenticates no one: use tls_connect/tls_listen, "
+                             "or pass caller_authenticated=True for a channel you have "
+                             "authenticated yourself")
         self.sock, self.timeout = sock, timeout
         self.ended = None  # why the stream ended, once it has
 
@@ -1730,7 +1736,8 @@ class TlsConnection(StreamConnection):
     did not authenticate), ProtocolError (a bad message); any of them ends the stream."""
 
     def __init__(self, sock, peer_names, peer_spki_sha256, address, timeout=DEFAULT_TIMEOUT):
-        super().__init__(sock, timeout)
+        # Its peer passed the TLS checks before this object exists.
+        super().__init__(sock, timeout, caller_authenticated=True)
         self.peer_names, self.peer_spki_sha256 = peer_names, peer_spki_sha256
         self.address = address
 

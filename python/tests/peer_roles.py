@@ -196,6 +196,7 @@ def _fabric_connection(transport, address, expect_uid):
     assert transport == "tcp", transport
     host, port = address.rsplit(":", 1)
     return peer.StreamConnection(socket.create_connection((host, int(port)), timeout=60),
+                                 caller_authenticated=True,
                                  timeout=60)
 
 

@@ -159,9 +159,10 @@ class FakeFabric(unittest.TestCase):
         owned = vc.Allocation(ctx, chunks=2, fabric=True)
         owned.write(0, peer.pattern(11, owned.size))
         with socket.create_server(("127.0.0.1", 0)) as server:
-            client = peer.StreamConnection(socket.create_connection(server.getsockname()))
+            client = peer.StreamConnection(socket.create_connection(server.getsockname()),
+                                           caller_authenticated=True)
             theirs, _ = server.accept()
-            with peer.StreamConnection(theirs) as sender, client:
+            with peer.StreamConnection(theirs, caller_authenticated=True) as sender, client:
                 self.exchange(owned, sender.send_descriptor, client.recv_descriptor)
         owned.close()
         self.assertEqual(fake._allocations, {})

@@ -232,9 +232,10 @@ class Streams(unittest.TestCase):
 
     def test_tcp_loopback_both_ways(self):
         with socket.create_server(("127.0.0.1", 0)) as server:
-            client = peer.StreamConnection(socket.create_connection(server.getsockname()))
+            client = peer.StreamConnection(socket.create_connection(server.getsockname()),
+                                           caller_authenticated=True)
             sock, _ = server.accept()
-            with peer.StreamConnection(sock) as listener_side, client:
+            with peer.StreamConnection(sock, caller_authenticated=True) as listener_side, client:
                 client.send_descriptor(fabric(2))
                 got = listener_side.recv_descriptor()
                 self.assertEqual(got.handles, HANDLES[:2])
@@ -312,7 +313,7 @@ class Streams(unittest.TestCase):
 
     def test_a_refusal_ends_a_stream_connection(self):
         a, b = self.pair()
-        conn = peer.StreamConnection(b)
+        conn = peer.StreamConnection(b, caller_authenticated=True)
         a.sendall(b"\0" + patch(fabric_bytes(1), 60, "<I", 1))  # refused: reserved set
         a.sendall(b"\0" + fabric_bytes(1))  # valid, but after a refusal nobody trusts framing
         with self.assertRaisesRegex(peer.ProtocolError, "reserved"):
@@ -321,6 +322,14 @@ class Streams(unittest.TestCase):
             conn.recv()
         self.assertEqual(a.recv(10), b"")  # shut down: the writer sees the end
         conn.close()
+
+    def test_a_plain_stream_is_only_the_callers_explicit_choice(self):
+        # A plain socket authenticates no one: without the caller's word, no connection.
+        a, b = self.pair()
+        with self.assertRaisesRegex(ValueError, "authenticates no one"):
+            peer.StreamConnection(b)
+        a.close()
+        b.close()
 
 
 if __name__ == "__main__":
