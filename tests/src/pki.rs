@@ -120,6 +120,24 @@ pub struct Leaf {
 }
 
 impl Leaf {
+    /// A new key, and the certificate `sign` makes of `spec`'s parameters with it.
+    fn make(
+        spec: &LeafSpec,
+        sign: impl FnOnce(&CertificateParams, &KeyPair) -> Result<rcgen::Certificate, rcgen::Error>,
+    ) -> Leaf {
+        let key = KeyPair::generate().expect("a leaf key");
+        let serial = next_serial();
+        let cert = sign(&spec.params(serial.clone()), &key).expect("a leaf certificate");
+        Leaf {
+            name: spec.name.clone(),
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+            cert_der: cert.der().to_vec(),
+            key_der: key.serialize_der(),
+            serial,
+        }
+    }
+
     /// Write `<dir>/<file>.pem` (certificate) and `<dir>/<file>.key` (key); their paths.
     pub fn write(&self, dir: &Path, file: &str) -> (PathBuf, PathBuf) {
         let cert = dir.join(format!("{file}.pem"));
@@ -178,20 +196,7 @@ impl Pki {
 
     /// A leaf as `spec` says, signed by this CA.
     pub fn issue(&self, spec: &LeafSpec) -> Leaf {
-        let key = KeyPair::generate().expect("a leaf key");
-        let serial = next_serial();
-        let cert = spec
-            .params(serial.clone())
-            .signed_by(&key, &self.issuer)
-            .expect("a leaf certificate");
-        Leaf {
-            name: spec.name.clone(),
-            cert_pem: cert.pem(),
-            key_pem: key.serialize_pem(),
-            cert_der: cert.der().to_vec(),
-            key_der: key.serialize_der(),
-            serial,
-        }
+        Leaf::make(spec, |params, key| params.signed_by(key, &self.issuer))
     }
 
     /// This CA's CRL revoking `revoked` (valid from an hour ago for a day), PEM and DER.
@@ -220,20 +225,7 @@ impl Pki {
 
 /// A leaf that signs itself (no CA vouches for it), as `spec` says.
 pub fn self_signed(spec: &LeafSpec) -> Leaf {
-    let key = KeyPair::generate().expect("a key");
-    let serial = next_serial();
-    let cert = spec
-        .params(serial.clone())
-        .self_signed(&key)
-        .expect("a self-signed certificate");
-    Leaf {
-        name: spec.name.clone(),
-        cert_pem: cert.pem(),
-        key_pem: key.serialize_pem(),
-        cert_der: cert.der().to_vec(),
-        key_der: key.serialize_der(),
-        serial,
-    }
+    Leaf::make(spec, |params, key| params.self_signed(key))
 }
 
 /// The DER bytes of the first PEM block in `pem`.

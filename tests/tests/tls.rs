@@ -197,11 +197,15 @@ fn try_as_importer(addr: SocketAddr, options: TlsOptions) -> JoinHandle<Result<P
 /// The arguments of the child importer: the address and its PEM identity and root.
 type ImporterArgs = (String, String, String, String);
 
-fn child_importer((addr, cert, key, ca): ImporterArgs) {
+/// A child importer's options from its arguments: its identity, the root, the exporter's name.
+fn child_options(cert: &str, key: &str, ca: &str) -> TlsOptions {
     let identity = TlsIdentity::from_pem(cert.as_bytes(), key.as_bytes()).unwrap();
-    let ca = vmm_tests::pki::pem_to_der(&ca);
-    let options = TlsOptions::new(identity, vec![ca], names("exporter")).unwrap();
-    import_from(addr.parse().unwrap(), &options).unwrap();
+    let ca = vmm_tests::pki::pem_to_der(ca);
+    TlsOptions::new(identity, vec![ca], names("exporter")).unwrap()
+}
+
+fn child_importer((addr, cert, key, ca): ImporterArgs) {
+    import_from(addr.parse().unwrap(), &child_options(&cert, &key, &ca)).unwrap();
 }
 
 #[rstest]
@@ -728,10 +732,7 @@ fn a_silent_peer_after_the_handshake_ends_a_read_by_its_deadline() {
 
 fn child_fabric_importer((addr, cert, key, ca): ImporterArgs) {
     use vmm_core::cuda::VirtualMemoryBuffer;
-    let identity = TlsIdentity::from_pem(cert.as_bytes(), key.as_bytes()).unwrap();
-    let ca = vmm_tests::pki::pem_to_der(&ca);
-    let options = TlsOptions::new(identity, vec![ca], names("exporter")).unwrap();
-    let mut stream = TlsConnector::new(&options)
+    let mut stream = TlsConnector::new(&child_options(&cert, &key, &ca))
         .unwrap()
         .connect(addr.parse::<SocketAddr>().unwrap())
         .unwrap();

@@ -14,13 +14,14 @@
 //! on `PYTHONPATH`).
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout};
 
 use vmm_core::testing::skip_unless;
 use vmm_tests::endpoint::finish;
 use vmm_tests::pki::{LeafSpec, Pki, self_signed};
 use vmm_tests::turns::exclusive;
-use vmm_tests::{pattern, text};
+use vmm_tests::{PythonDir, pattern, text};
 
 use super::{TIMEOUT, finish_ok, finish_ok_after, python, python_dir, python3, role};
 
@@ -52,8 +53,30 @@ pub fn write_certificates(dir: &Path) {
     self_signed(&LeafSpec::new("server")).write(dir, "selfsigned");
 }
 
+/// The Python files and the certificates of [`write_certificates`] in `<dir>/certs`.
+pub fn python_with_certificates() -> (PythonDir, PathBuf) {
+    let py = python_dir();
+    let certs = py.0.join("certs");
+    std::fs::create_dir_all(&certs).unwrap();
+    write_certificates(&certs);
+    (py, certs)
+}
+
+/// The address a `tls-export` role listens on (its first `LISTENING HOST:PORT` line), and the
+/// rest of its output.
+pub fn listening_address(exporter: &mut Child) -> (String, BufReader<ChildStdout>) {
+    let mut stdout = BufReader::new(exporter.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.starts_with("LISTENING ") {
+        line.clear();
+        assert_ne!(stdout.read_line(&mut line).unwrap(), 0, "the exporter died");
+    }
+    let address = line.trim().strip_prefix("LISTENING ").unwrap().to_owned();
+    (address, stdout)
+}
+
 /// `python3` can run here with an `ssl` module that speaks TLS 1.3.
-fn python3_tls() -> Result<(), String> {
+pub fn python3_tls() -> Result<(), String> {
     python3().and_then(|()| {
         vmm_tests::python3_can(
             "import ssl; assert ssl.HAS_TLSv1_3",
@@ -69,10 +92,7 @@ fn python_mutual_tls() {
     if !skip_unless(python3_tls()) {
         return;
     }
-    let py = python_dir();
-    let certs = py.0.join("certs");
-    std::fs::create_dir_all(&certs).unwrap();
-    write_certificates(&certs);
+    let (py, certs) = python_with_certificates();
     let output = python(&py, &["-m", "unittest", "-v", "test_vmm_ipc_tls"])
         .env("VMM_TLS_CERTS", &certs)
         .output()
@@ -106,10 +126,7 @@ fn python_tls_roles_exchange_given_handles() {
     if !skip_unless(python3_tls()) {
         return;
     }
-    let py = python_dir();
-    let certs = py.0.join("certs");
-    std::fs::create_dir_all(&certs).unwrap();
-    write_certificates(&certs);
+    let (py, certs) = python_with_certificates();
     let certs = certs.to_str().unwrap();
     let hex = |bytes: Vec<u8>| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
     let handles = format!("{},{}", hex(pattern(1, 64)), hex(pattern(2, 64)));
@@ -118,13 +135,7 @@ fn python_tls_roles_exchange_given_handles() {
         "tls-export",
         &["127.0.0.1:0", certs, "server", "client.vmm.test", &handles],
     );
-    let mut stdout = BufReader::new(exporter.stdout.take().unwrap());
-    let mut line = String::new();
-    while !line.starts_with("LISTENING ") {
-        line.clear();
-        assert_ne!(stdout.read_line(&mut line).unwrap(), 0, "the exporter died");
-    }
-    let address = line.trim().strip_prefix("LISTENING ").unwrap().to_owned();
+    let (address, stdout) = listening_address(&mut exporter);
     let intruder = role(
         &py,
         "tls-import",

@@ -5,7 +5,6 @@
 //! exactly the handles sent. The handles are stand-ins (the GPU's real ones cross in
 //! `fabric_tcp` and the fabric example).
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::time::Duration;
 
@@ -20,8 +19,8 @@ use vmm_tests::endpoint::finish;
 use vmm_tests::pattern;
 use vmm_tests::turns::exclusive;
 
-use super::tls::write_certificates;
-use super::{TIMEOUT, finish_ok, finish_ok_after, python_dir, python3, role};
+use super::tls::{listening_address, python_with_certificates, python3_tls};
+use super::{TIMEOUT, finish_ok, finish_ok_after, role};
 
 /// Rust's options for the leaf `own` in `dir`, admitting the name `peer`.
 fn rust_options(dir: &Path, own: &str, peer: &str) -> TlsOptions {
@@ -57,25 +56,13 @@ fn hex(handles: &[FabricHandle]) -> String {
         .join(",")
 }
 
-fn python_tls() -> std::result::Result<(), String> {
-    python3().and_then(|()| {
-        vmm_tests::python3_can(
-            "import ssl; assert ssl.HAS_TLSv1_3",
-            "python3 has no ssl module with TLS 1.3",
-        )
-    })
-}
-
 #[test]
 fn rust_exporter_to_python_importer_over_mutual_tls() {
     let _turn = exclusive();
-    if !skip_unless(python_tls()) {
+    if !skip_unless(python3_tls()) {
         return;
     }
-    let py = python_dir();
-    let certs = py.0.join("certs");
-    std::fs::create_dir_all(&certs).unwrap();
-    write_certificates(&certs);
+    let (py, certs) = python_with_certificates();
     let listener = TlsListener::bind(
         "127.0.0.1:0",
         &rust_options(&certs, "server", "client.vmm.test"),
@@ -140,13 +127,10 @@ fn rust_exporter_to_python_importer_over_mutual_tls() {
 #[test]
 fn python_exporter_to_rust_importer_over_mutual_tls() {
     let _turn = exclusive();
-    if !skip_unless(python_tls()) {
+    if !skip_unless(python3_tls()) {
         return;
     }
-    let py = python_dir();
-    let certs = py.0.join("certs");
-    std::fs::create_dir_all(&certs).unwrap();
-    write_certificates(&certs);
+    let (py, certs) = python_with_certificates();
     let dir = certs.to_str().unwrap();
     let sent = handles();
     let mut exporter = role(
@@ -154,13 +138,7 @@ fn python_exporter_to_rust_importer_over_mutual_tls() {
         "tls-export",
         &["127.0.0.1:0", dir, "server", "client.vmm.test", &hex(&sent)],
     );
-    let mut stdout = BufReader::new(exporter.stdout.take().unwrap());
-    let mut line = String::new();
-    while !line.starts_with("LISTENING ") {
-        line.clear();
-        assert_ne!(stdout.read_line(&mut line).unwrap(), 0, "the exporter died");
-    }
-    let address = line.trim().strip_prefix("LISTENING ").unwrap().to_owned();
+    let (address, stdout) = listening_address(&mut exporter);
 
     // The intruder: Rust with the right CA and another name. Python refuses it: it reads no
     // message (in TLS 1.3 it learns of the refusal on its first read).
