@@ -77,6 +77,16 @@ impl World {
         options(&self.pki, &self.importer, names("exporter"))
     }
 
+    /// What a child importer is given: the exporter's address, its identity, the root.
+    fn child_args(&self, addr: SocketAddr) -> ImporterArgs {
+        (
+            addr.to_string(),
+            self.importer.cert_pem.clone(),
+            self.importer.key_pem.clone(),
+            self.pki.ca_pem(),
+        )
+    }
+
     fn listener(&self) -> TlsListener {
         TlsListener::bind("127.0.0.1:0", &self.exporter_options()).unwrap()
     }
@@ -220,15 +230,7 @@ fn a_valid_pair_delivers_the_descriptor_across_processes(#[case] method: StartMe
     buf.write_at(0, &pattern(1, SIZE)).unwrap();
     let (descriptor, _fd) = stand_in(&buf);
     let child = Context::new(method)
-        .spawn(
-            child_importer,
-            (
-                addr.to_string(),
-                world.importer.cert_pem.clone(),
-                world.importer.key_pem.clone(),
-                world.pki.ca_pem(),
-            ),
-        )
+        .spawn(child_importer, world.child_args(addr))
         .unwrap();
     let mut stream = listener.accept(Some(WAIT)).unwrap();
     let reply = export_on(&mut stream, &descriptor).unwrap();
@@ -767,15 +769,7 @@ fn a_real_fabric_handle_crosses_mutual_tls_to_a_child(#[case] method: StartMetho
     let listener = world.listener();
     let addr = listener.local_addr().unwrap();
     let child = Context::new(method)
-        .spawn(
-            child_fabric_importer,
-            (
-                addr.to_string(),
-                world.importer.cert_pem.clone(),
-                world.importer.key_pem.clone(),
-                world.pki.ca_pem(),
-            ),
-        )
+        .spawn(child_fabric_importer, world.child_args(addr))
         .unwrap();
     let mut stream = listener.accept(Some(WAIT)).unwrap();
     StreamWriter::new(&mut stream)
