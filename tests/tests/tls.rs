@@ -787,3 +787,48 @@ fn a_real_fabric_handle_crosses_mutual_tls_to_a_child(#[case] method: StartMetho
     // The buffer was kept until the reply: the child's write is in it.
     assert_eq!(vmm_tests::contents(&buf), pattern(2, buf.size()));
 }
+
+#[test]
+fn options_no_handshake_could_use_are_refused_up_front() {
+    let world = World::new();
+    let refused = |options: TlsOptions| {
+        let accept = TlsListener::bind("127.0.0.1:0", &options).unwrap_err();
+        let connect = TlsConnector::new(&options).unwrap_err();
+        for err in [accept, connect] {
+            assert!(matches!(err, Error::InvalidOption { .. }), "{err:?}");
+        }
+    };
+    // A peer check built by hand: no name, no pin, or a name that is none.
+    refused(
+        world
+            .exporter_options()
+            .peer_check(PeerCheck::Names(vec![])),
+    );
+    refused(
+        world
+            .exporter_options()
+            .peer_check(PeerCheck::SpkiSha256(vec![])),
+    );
+    refused(
+        world
+            .exporter_options()
+            .peer_check(PeerCheck::Names(vec!["not a name!".into()])),
+    );
+    refused(world.exporter_options().handshake_timeout(Duration::ZERO));
+    assert!(matches!(
+        PeerCheck::names(Vec::<String>::new()),
+        Err(Error::InvalidOption { .. })
+    ));
+    assert!(matches!(
+        TlsOptions::new(
+            TlsIdentity::from_der(
+                vec![world.exporter.cert_der.clone()],
+                world.exporter.key_der.clone()
+            )
+            .unwrap(),
+            vec![],
+            names("importer"),
+        ),
+        Err(Error::InvalidOption { .. })
+    ));
+}

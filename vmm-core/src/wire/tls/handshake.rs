@@ -52,7 +52,7 @@ impl TlsAcceptor {
     /// The accepting side of `options`: TLS 1.3 only, a client certificate required, no
     /// session resumption (every connection is checked in full).
     pub fn new(options: &TlsOptions) -> Result<TlsAcceptor> {
-        options.check_timeouts()?;
+        options.check()?;
         let verifier = PeerVerifier::new(options, PeerRole::Client)?;
         let mut config = ServerConfig::builder_with_provider(provider())
             .with_protocol_versions(&[&rustls::version::TLS13])
@@ -113,7 +113,7 @@ impl TlsConnector {
     /// The connecting side of `options`: TLS 1.3 only, this side's certificate presented, no
     /// session resumption. It asks for (SNI) the first allowed name.
     pub fn new(options: &TlsOptions) -> Result<TlsConnector> {
-        options.check_timeouts()?;
+        options.check()?;
         let verifier = PeerVerifier::new(options, PeerRole::Server)?;
         let mut config = ClientConfig::builder_with_provider(provider())
             .with_protocol_versions(&[&rustls::version::TLS13])

@@ -259,7 +259,17 @@ impl TlsOptions {
         &self.peer
     }
 
-    pub(super) fn check_timeouts(&self) -> Result<()> {
+    /// Refuse what no handshake could work with: a peer check built by hand with no name or
+    /// pin, too many, or a name that is not one; a zero timeout.
+    pub(super) fn check(&self) -> Result<()> {
+        match &self.peer {
+            PeerCheck::Names(names) => {
+                PeerCheck::names(names.iter().map(String::as_str))?;
+            }
+            PeerCheck::SpkiSha256(pins) => {
+                check_count(pins.len())?;
+            }
+        }
         if self.handshake_timeout.is_zero() || self.message_timeout.is_some_and(|t| t.is_zero()) {
             return Err(Error::option(
                 "tls timeouts",
