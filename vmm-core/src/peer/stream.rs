@@ -30,7 +30,7 @@
 //!   connect, run these messages on a mutual-TLS stream (`vmm_core::wire::tls`, feature
 //!   `tls`); a plain socket is for a channel the caller has already authenticated, and says so
 //!   by name ([`CallerAuthenticated`](crate::wire::CallerAuthenticated)): the reader and writer
-//!   take only an [`AuthenticatedStream`](crate::wire::AuthenticatedStream). Nothing here
+//!   take only an [`AuthenticatedStream`]. Nothing here
 //!   prints a handle byte.
 //!
 //! ```
