@@ -14,6 +14,7 @@ mod child;
 mod env;
 mod rules;
 mod tls;
+mod unavailable;
 
 pub(crate) use child::NotRunStage;
 pub use child::{ChildError, ExitStatus, StartMethod};
@@ -21,6 +22,7 @@ pub use env::MAX_ENV_LEN;
 pub(crate) use env::{parse_env_uint, shown_env_value};
 pub use rules::{Chunk, DescriptorRule, EnvRule, IpcOp, IpcStep, SpawnRule};
 pub use tls::{TlsReason, TlsStep};
+pub use unavailable::Unavailable;
 
 /// Every fallible operation of `vmm_core` returns this error.
 ///
@@ -230,9 +232,10 @@ pub enum Error {
         /// What was wrong with its result.
         detail: String,
     },
-    /// CUDA cannot be used in this process (no libcuda, no device, or a missing capability).
+    /// CUDA cannot be used in this process (no libcuda, no device, or a missing capability):
+    /// the [`Unavailable`] reason says which.
     #[error("CUDA is not available: {0}")]
-    CudaUnavailable(String),
+    CudaUnavailable(Unavailable),
     /// The device cannot share memory by fabric handle: it does not offer the handle type
     /// (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED` is 0), or the driver refuses a fabric
     /// allocation as unsupported.
