@@ -20,7 +20,7 @@ pub(crate) use child::NotRunStage;
 pub use child::{ChildError, ExitStatus, StartMethod};
 pub use env::MAX_ENV_LEN;
 pub(crate) use env::{parse_env_uint, shown_env_value};
-pub use rules::{Chunk, DescriptorRule, EnvRule, IpcOp, IpcStep, SpawnRule};
+pub use rules::{Chunk, DescriptorRule, EnvRule, IpcOp, IpcStep, ProtocolRule, SpawnRule};
 pub use tls::{TlsReason, TlsStep};
 pub use unavailable::Unavailable;
 
@@ -58,9 +58,15 @@ pub enum Error {
         /// needs an fd itself).
         open: Option<usize>,
     },
-    /// A message or value broke the wire protocol (truncated, malformed, wrong fds).
-    #[error("wire protocol: {0}")]
-    Protocol(String),
+    /// A message or value broke the wire protocol (truncated, malformed, wrong fds): the peer
+    /// protocol of docs/protocol.md, or vmm-core's internal framing; `rule` says which rule.
+    #[error("wire protocol: {message}")]
+    Protocol {
+        /// The rule it broke.
+        rule: ProtocolRule,
+        /// The rule and the values (never a payload byte), for people.
+        message: String,
+    },
     /// A message would carry more file descriptors than the kernel lets one message carry.
     #[error(
         "a message can carry at most {max} file descriptors, this one needs {count}; \
@@ -333,6 +339,14 @@ impl Error {
         }
     }
 
+    /// An [`Error::Protocol`]: a message broke `rule`.
+    pub(crate) fn protocol(rule: ProtocolRule, message: impl Into<String>) -> Self {
+        Error::Protocol {
+            rule,
+            message: message.into(),
+        }
+    }
+
     /// An [`Error::InvalidOption`]: `option`'s value is refused.
     pub(crate) fn option(option: impl Into<Cow<'static, str>>, message: impl Into<String>) -> Self {
         Error::InvalidOption {
@@ -504,6 +518,12 @@ mod tests {
             }
         ));
         assert!(limit.to_string().contains("soft limit 64, ? fds open"));
+        let protocol = Error::protocol(ProtocolRule::Fds, "2 fds, want 1");
+        assert_eq!(protocol.to_string(), "wire protocol: 2 fds, want 1");
+        assert!(matches!(
+            round_trip(&protocol),
+            Error::Protocol { rule: ProtocolRule::Fds, ref message } if message == "2 fds, want 1"
+        ));
     }
 
     #[test]
