@@ -550,6 +550,9 @@ pub(crate) const ERROR_NOT_PERMITTED: u32 = sys::CUresult::CUDA_ERROR_NOT_PERMIT
 /// `CUDA_ERROR_NOT_SUPPORTED`.
 pub(crate) const ERROR_NOT_SUPPORTED: u32 = sys::CUresult::CUDA_ERROR_NOT_SUPPORTED as u32;
 
+/// `CUDA_ERROR_INVALID_VALUE`: what a driver answers for an attribute it does not know.
+pub(crate) const ERROR_INVALID_VALUE: u32 = sys::CUresult::CUDA_ERROR_INVALID_VALUE as u32;
+
 /// `cuMemExportToShareableHandle` as a fabric handle: 64 bytes of plain data (no fd, nothing
 /// to close).
 ///

@@ -25,7 +25,7 @@ pub(crate) fn check(device: &Device) -> Result<()> {
             ));
         }
         // Drivers older than CUDA 12.3 do not know the attribute.
-        Err(Error::Cuda { name, .. }) if name == "CUDA_ERROR_INVALID_VALUE" => {
+        Err(Error::Cuda { name, code, .. }) if code == driver::ERROR_INVALID_VALUE => {
             return Err(unsupported(format!(
                 "the driver does not know CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED \
                  ({name}): it predates fabric handles (CUDA 12.3)"
