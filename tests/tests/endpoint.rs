@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::{MsgFlags, UnixAddr};
 use vmm_core::Error;
+use vmm_core::error::ProtocolRule;
 use vmm_core::peer::Session;
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
@@ -635,61 +636,92 @@ fn garbage_and_partial_headers_give_clean_errors() {
     let mut cuda = header(4, 1, 2, 0, 4096);
     cuda.extend_from_slice(&4096u64.to_le_bytes());
     cuda.extend_from_slice(&4096u64.to_le_bytes());
-    let cases: Vec<(Vec<u8>, usize, &str)> = vec![
+    let cases: Vec<(Vec<u8>, usize, &str, ProtocolRule)> = vec![
         (
             frame(b"GET / HTTP/1.1\r\n"),
             0,
             "not a vmm-ipc peer message",
+            ProtocolRule::Magic,
         ),
         (
             frame(&header(4, 1, 0, 0, 0)[..40]),
             1,
             "40 bytes: shorter than the 64-byte header",
+            ProtocolRule::Truncated,
         ),
         (
             frame(&[b"VMMI".as_slice(), &9u16.to_le_bytes()].concat()),
             0,
             "protocol version 9 is not supported",
+            ProtocolRule::Version,
         ),
-        (frame(&header(77, 0, 0, 0, 0)), 0, "unknown message kind 77"),
+        (
+            frame(&header(77, 0, 0, 0, 0)),
+            0,
+            "unknown message kind 77",
+            ProtocolRule::UnknownKind,
+        ),
         (
             frame(&header(4, 1, 1_000_000, 0, 0)),
             3,
             "1000000 chunks: at most 253",
+            ProtocolRule::TooLarge,
         ),
         (
             frame(&cuda[..cuda.len() - 4]),
             2,
             "announces 2 chunk size(s)",
+            ProtocolRule::Truncated,
         ),
-        (frame(&cuda), 1, "2 chunk(s) arrived with 1 fd(s)"),
-        (frame(&cuda), 3, "arrived with 3 fd(s)"),
+        (
+            frame(&cuda),
+            1,
+            "2 chunk(s) arrived with 1 fd(s)",
+            ProtocolRule::Fds,
+        ),
+        (frame(&cuda), 3, "arrived with 3 fd(s)", ProtocolRule::Fds),
         (
             frame(&header(4, 8, 0, 0, 0)),
             0,
             "handle type 8 is not carried",
+            ProtocolRule::Descriptor,
         ),
-        (frame(&header(5, 0, 0, 0, 4096)), 0, "size 4096 with no fd"),
+        (
+            frame(&header(5, 0, 0, 0, 4096)),
+            0,
+            "size 4096 with no fd",
+            ProtocolRule::Counts,
+        ),
         (
             frame(&header(3, 0, 0, 100_000, 0)),
             0,
             "100000 payload bytes",
+            ProtocolRule::TooLarge,
         ),
         (
             frame(&header(1, 0, 0, 0, 0)),
             0,
             "HELLO belongs to the handshake",
+            ProtocolRule::UnexpectedKind,
         ),
-        (vec![7, 1, 2, 3], 1, "unknown message tag 7"),
-        (vec![], 0, "empty packet"),
+        (
+            vec![7, 1, 2, 3],
+            1,
+            "unknown message tag 7",
+            ProtocolRule::FrameByte,
+        ),
+        (vec![], 0, "empty packet", ProtocolRule::FrameByte),
     ];
-    for (bytes, nfds, words) in &cases {
+    for (bytes, nfds, words, rule) in &cases {
         let fds: Vec<OwnedFd> = (0..*nfds).map(|_| memfd()).collect();
         let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
         send_raw(&client, bytes, &raw);
         drop(fds);
         match conn.recv_message() {
-            Err(Error::Protocol(m)) => assert!(m.contains(words), "{words:?} not in {m}"),
+            Err(Error::Protocol { rule: got, message }) => {
+                assert_eq!(got, *rule, "{message}");
+                assert!(message.contains(words), "{words:?} not in {message}");
+            }
             other => panic!("{words:?}: wanted Error::Protocol, got {other:?}"),
         }
     }

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::MsgFlags;
 use vmm_core::Error;
+use vmm_core::error::ProtocolRule;
 use vmm_core::peer::Session;
 use vmm_core::wire::endpoint::{Allow, ConnectOptions, LOG_BURST, Listener, ListenerOptions, Name};
 
@@ -336,7 +337,7 @@ fn a_spilled_frame_from_a_peer_is_refused_before_its_memfd_is_read() {
     assert!(output.status.success(), "{text}");
     let result = text.lines().find(|l| l.starts_with("RESULT")).unwrap();
     assert!(
-        result.contains("Protocol") && result.contains("frame byte 1"),
+        result.contains("Protocol { rule: FrameByte") && result.contains("frame byte 1"),
         "{text}"
     );
     let peak: Vec<u64> = text
@@ -365,7 +366,10 @@ fn a_packet_longer_than_any_peer_message_is_refused_and_the_connection_lives() {
     // 60 000 bytes: within vmm-core's inline framing, far beyond docs/protocol.md's largest.
     send_raw(&client, &[vec![0u8], vec![7u8; 60_000]].concat(), &[]);
     match conn.recv_message() {
-        Err(Error::Protocol(m)) => assert!(m.contains("packet larger than"), "{m}"),
+        Err(Error::Protocol {
+            rule: ProtocolRule::TooLarge,
+            message,
+        }) => assert!(message.contains("packet larger than"), "{message}"),
         other => panic!("wanted Error::Protocol, got {other:?}"),
     }
     // A value is a DATA message on an endpoint.
@@ -625,7 +629,7 @@ fn a_hostile_fd_whose_close_blocks_does_not_hold_up_a_receive() {
         .recv_timeout(Duration::from_secs(120))
         .expect("the receive waited for the hostile fd's close");
     assert!(
-        result.contains("Protocol") && result.contains("arrived with 1 fd"),
+        result.contains("Protocol { rule: Fds") && result.contains("arrived with 1 fd"),
         "{result}"
     );
     // It was defused and closed at once: an abortive close (a reset, the unsent data
@@ -646,7 +650,13 @@ fn a_hostile_fd_whose_close_blocks_does_not_hold_up_a_receive() {
     let (r, w) = nix::unistd::pipe().unwrap();
     send_raw(&client, &data_packet(b"y"), &[w.as_raw_fd()]);
     drop(w);
-    assert!(matches!(conn.recv_message(), Err(Error::Protocol(_))));
+    assert!(matches!(
+        conn.recv_message(),
+        Err(Error::Protocol {
+            rule: ProtocolRule::Fds,
+            ..
+        })
+    ));
     let mut pfd = [nix::poll::PollFd::new(
         r.as_fd(),
         nix::poll::PollFlags::POLLIN,

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use vmm_core::Error;
 use vmm_core::cuda::{FabricDescriptor, FabricHandle};
+use vmm_core::error::ProtocolRule;
 use vmm_core::peer::stream::{StreamReader, StreamWriter};
 use vmm_core::peer::{
     Descriptor, MAX_CHUNKS, PROTOCOL_VERSION, PeerMessage, Session, decode_message,
@@ -111,11 +112,17 @@ fn good_fabric_packet(n: usize) -> Vec<u8> {
     )
 }
 
-fn protocol_error<T: std::fmt::Debug>(result: vmm_core::Result<T>, words: &str) -> String {
+/// The message of a refusal by `rule`, which must contain `words`.
+fn protocol_error<T: std::fmt::Debug>(
+    result: vmm_core::Result<T>,
+    rule: ProtocolRule,
+    words: &str,
+) -> String {
     match result {
-        Err(Error::Protocol(m)) => {
-            assert!(m.contains(words), "{words:?} not in {m}");
-            m
+        Err(Error::Protocol { rule: got, message }) => {
+            assert_eq!(got, rule, "{words:?}: {message}");
+            assert!(message.contains(words), "{words:?} not in {message}");
+            message
         }
         other => panic!("{words:?}: wanted Error::Protocol, got {other:?}"),
     }
@@ -156,6 +163,7 @@ fn a_fabric_descriptor_crosses_a_named_endpoint_beside_version_1_messages() {
             let host = client.recv_descriptor().unwrap();
             let m = protocol_error(
                 Descriptor::from(descriptor(1)).into_host(),
+                ProtocolRule::UnexpectedKind,
                 "expected a HOST_MEMFD descriptor, the peer sent a CUDA_FABRIC one",
             );
             assert!(!m.contains("c0"), "{m}");
@@ -306,36 +314,42 @@ fn hostile_version_2_messages_on_an_endpoint_are_refused_by_rule_and_nothing_lea
     hello_v2[7] = 1; // kind HELLO
     let mut v3 = good_fabric_packet(1);
     v3[5] = 3;
-    let cases: Vec<(Vec<u8>, usize, &str)> = vec![
+    let cases: Vec<(Vec<u8>, usize, &str, ProtocolRule)> = vec![
         (
             fabric(1, 1, 8, &sizes, &handles),
             0,
             "CUDA_FABRIC is a version 2 kind, but the message is marked version 1",
+            ProtocolRule::Version,
         ),
         (
             hello_v2,
             0,
             "HELLO is a version 1 kind, but the message is marked version 2",
+            ProtocolRule::Version,
         ),
         (
             v3,
             0,
             "protocol version 3 is not supported: this peer speaks versions 1 and 2",
+            ProtocolRule::Version,
         ),
         (
             fabric(2, 1, 1, &sizes, &handles),
             0,
             "handle type 1 is not carried by CUDA_FABRIC",
+            ProtocolRule::Descriptor,
         ),
         (
             fabric(2, 1, 8, &sizes, &handles[..127]),
             0,
             "127 payload bytes for 2 chunk(s)",
+            ProtocolRule::Counts,
         ),
         (
             fabric(2, 1, 8, &[], &[]),
             0,
             "0 chunks: a CUDA_FABRIC message carries at least one",
+            ProtocolRule::Counts,
         ),
         (
             {
@@ -345,16 +359,19 @@ fn hostile_version_2_messages_on_an_endpoint_are_refused_by_rule_and_nothing_lea
             },
             0,
             "the device flag (0x0001) is not set",
+            ProtocolRule::Descriptor,
         ),
         (
             fabric(2, 1, 8, &sizes, &handles),
             2,
             "arrived with 2 fd(s): a CUDA_FABRIC message carries no fds",
+            ProtocolRule::Fds,
         ),
         (
             fabric(2, 1, 8, &[G as u64, 0], &handles),
             0,
             "invalid CUDA_FABRIC: chunk 2 of 2 has size 0",
+            ProtocolRule::Descriptor,
         ),
         // A version 1 kind carrying the fabric handle type is still refused as in version 1.
         (
@@ -366,9 +383,10 @@ fn hostile_version_2_messages_on_an_endpoint_are_refused_by_rule_and_nothing_lea
             },
             2,
             "handle type 8 is not carried by CUDA_VMM",
+            ProtocolRule::Descriptor,
         ),
     ];
-    for (bytes, nfds, words) in &cases {
+    for (bytes, nfds, words, rule) in &cases {
         let fds: Vec<OwnedFd> = (0..*nfds)
             .map(|_| {
                 nix::sys::memfd::memfd_create(c"v2", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
@@ -378,7 +396,7 @@ fn hostile_version_2_messages_on_an_endpoint_are_refused_by_rule_and_nothing_lea
         let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
         send_raw(&client, bytes, &raw);
         drop(fds);
-        let m = protocol_error(conn.recv_message(), words);
+        let m = protocol_error(conn.recv_message(), *rule, words);
         assert!(!m.contains("ab, ab") && !m.contains("171"), "{m}");
     }
     // The connection still carries a real message, fabric and otherwise.
@@ -413,7 +431,7 @@ impl Read for Counting<'_> {
 
 /// Read one message of `bytes` followed by a good DATA message; the error, and how many bytes
 /// the reader took. The good message is never read: any refusal ends the stream.
-fn refused_on_a_stream(bytes: &[u8], words: &str) -> usize {
+fn refused_on_a_stream(bytes: &[u8], rule: ProtocolRule, words: &str) -> usize {
     let all = [bytes, &data_packet(b"after")].concat();
     let mut source = Counting {
         bytes: &all,
@@ -421,8 +439,12 @@ fn refused_on_a_stream(bytes: &[u8], words: &str) -> usize {
     };
     {
         let mut reader = StreamReader::untimed(&mut source);
-        protocol_error(reader.read_message(), words);
-        protocol_error(reader.read_message(), "nothing more is read from it");
+        protocol_error(reader.read_message(), rule, words);
+        protocol_error(
+            reader.read_message(),
+            ProtocolRule::StreamFailed,
+            "nothing more is read from it",
+        );
     }
     source.given
 }
@@ -437,57 +459,99 @@ fn hostile_stream_messages_are_refused_from_the_header_and_end_the_stream() {
         b[21..25].copy_from_slice(&p.to_le_bytes());
         b
     };
-    let took = refused_on_a_stream(&claim(253, 16384), "16384 payload bytes for 253 chunk(s)");
+    let took = refused_on_a_stream(
+        &claim(253, 16384),
+        ProtocolRule::Counts,
+        "16384 payload bytes for 253 chunk(s)",
+    );
     assert_eq!(took, 65, "only the frame byte and the header were read");
     // Counts that agree: the reader reads what they announce (bounded), then finds the end.
     let all = claim(253, 16192);
     let mut reader = StreamReader::untimed(all.as_slice());
     protocol_error(
         reader.read_message(),
+        ProtocolRule::Truncated,
         "it ended after 0 of the 18216 bytes of chunk sizes and payload",
     );
     // Over the maxima: refused from the counts.
-    let took = refused_on_a_stream(&claim(254, 64 * 254), "254 chunks: at most 253");
+    let took = refused_on_a_stream(
+        &claim(254, 64 * 254),
+        ProtocolRule::TooLarge,
+        "254 chunks: at most 253",
+    );
     assert_eq!(took, 65);
-    let took = refused_on_a_stream(&claim(1, u32::MAX), "4294967295 payload bytes");
+    let took = refused_on_a_stream(
+        &claim(1, u32::MAX),
+        ProtocolRule::TooLarge,
+        "4294967295 payload bytes",
+    );
     assert_eq!(took, 65);
     // Kinds a stream does not carry.
     let mut cuda = vmm_tests::endpoint::header(4, 1, 1, 0, 4096);
     cuda.insert(0, 0);
     cuda.extend_from_slice(&4096u64.to_le_bytes());
-    let took = refused_on_a_stream(&cuda, "CUDA_VMM on a byte stream: its kind carries fds");
+    let took = refused_on_a_stream(
+        &cuda,
+        ProtocolRule::UnexpectedKind,
+        "CUDA_VMM on a byte stream: its kind carries fds",
+    );
     assert_eq!(took, 65);
     let mut host = vmm_tests::endpoint::header(5, 0, 0, 0, 0);
     host.insert(0, 0);
-    refused_on_a_stream(&host, "HOST_MEMFD on a byte stream");
+    refused_on_a_stream(
+        &host,
+        ProtocolRule::UnexpectedKind,
+        "HOST_MEMFD on a byte stream",
+    );
     let mut hello = vmm_tests::endpoint::header(1, 0, 0, 0, 0);
     hello.insert(0, 0);
-    refused_on_a_stream(&hello, "HELLO on a byte stream");
+    refused_on_a_stream(
+        &hello,
+        ProtocolRule::UnexpectedKind,
+        "HELLO on a byte stream",
+    );
     // Framing: another frame byte (vmm-core's spilled-payload framing), garbage, versions.
     let mut spilled = good_fabric_packet(1);
     spilled[0] = 1;
     // Refused on the first read: at most the frame byte and a header's worth are taken, into
     // the reader's fixed 65-byte buffer (one read for both, not one system call each).
-    assert!(refused_on_a_stream(&spilled, "frame byte 0x01") <= 65);
-    refused_on_a_stream(b"\0GET / HTTP/1.1\r\n", "not a vmm-ipc peer message");
+    assert!(refused_on_a_stream(&spilled, ProtocolRule::FrameByte, "frame byte 0x01") <= 65);
+    refused_on_a_stream(
+        b"\0GET / HTTP/1.1\r\n",
+        ProtocolRule::Magic,
+        "not a vmm-ipc peer message",
+    );
     let mut v3 = good_fabric_packet(1);
     v3[5] = 3;
-    refused_on_a_stream(&v3, "protocol version 3 is not supported");
+    refused_on_a_stream(
+        &v3,
+        ProtocolRule::Version,
+        "protocol version 3 is not supported",
+    );
     let mut fabric_v1 = good_fabric_packet(1);
     fabric_v1[5] = 1;
-    refused_on_a_stream(&fabric_v1, "CUDA_FABRIC is a version 2 kind");
+    refused_on_a_stream(
+        &fabric_v1,
+        ProtocolRule::Version,
+        "CUDA_FABRIC is a version 2 kind",
+    );
     // Cut short: inside the header, inside the body.
     let good = good_fabric_packet(2);
     let mut reader = StreamReader::untimed(&good[..40]);
     protocol_error(
         reader.read_message(),
+        ProtocolRule::Truncated,
         "39 bytes: shorter than the 64-byte header",
     );
     let mut reader = StreamReader::untimed(&good[..good.len() - 1]);
-    protocol_error(reader.read_message(), "it ended after 143 of the 144 bytes");
+    protocol_error(
+        reader.read_message(),
+        ProtocolRule::Truncated,
+        "it ended after 143 of the 144 bytes",
+    );
     // The body's rules, after the body.
     let bad = fabric_packet(2, 6, 1, 8, &[G as u64], 64, G as u64 + 1, &[0xab; 64]);
-    refused_on_a_stream(&bad, "exceeds the 2097152 bytes");
+    refused_on_a_stream(&bad, ProtocolRule::Descriptor, "exceeds the 2097152 bytes");
     // A clean end between messages is a disconnection, and stays one.
     let mut reader = StreamReader::untimed(&good[..]);
     reader.read_message().unwrap();
@@ -534,7 +598,11 @@ fn a_write_that_fails_part_way_ends_the_stream() {
         matches!(&err, Error::Os { op, .. } if op.contains("CUDA_FABRIC")),
         "{err:?}"
     );
-    protocol_error(writer.write_data(b"x"), "can carry no more");
+    protocol_error(
+        writer.write_data(b"x"),
+        ProtocolRule::StreamFailed,
+        "can carry no more",
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -625,12 +693,21 @@ fn a_writer_to_a_peer_that_stops_reading_ends_by_the_message_deadline() {
 }
 
 #[rstest::rstest]
-#[case::unknown_version(b"\x00VMMI\x09\x00".to_vec(), "protocol version 9")]
-#[case::wrong_magic(b"\x00VMMX".to_vec(), "magic")]
-#[case::kind_with_fds(b"\x00VMMI\x01\x00\x04\x00".to_vec(), "carries fds")]
-#[case::unknown_kind(b"\x00VMMI\x01\x00\x63\x00".to_vec(), "unknown message kind 99")]
+#[case::unknown_version(b"\x00VMMI\x09\x00".to_vec(), ProtocolRule::Version, "protocol version 9")]
+#[case::wrong_magic(b"\x00VMMX".to_vec(), ProtocolRule::Magic, "magic")]
+#[case::kind_with_fds(
+    b"\x00VMMI\x01\x00\x04\x00".to_vec(),
+    ProtocolRule::UnexpectedKind,
+    "carries fds"
+)]
+#[case::unknown_kind(
+    b"\x00VMMI\x01\x00\x63\x00".to_vec(),
+    ProtocolRule::UnknownKind,
+    "unknown message kind 99"
+)]
 fn the_stream_reader_refuses_as_soon_as_the_bytes_decide(
     #[case] first: Vec<u8>,
+    #[case] rule: ProtocolRule,
     #[case] words: &str,
 ) {
     // The peer sends only the deciding bytes and keeps the stream open: a reader that waited
@@ -642,7 +719,7 @@ fn the_stream_reader_refuses_as_soon_as_the_bytes_decide(
         .read_message()
         .unwrap_err();
     assert!(
-        matches!(&err, Error::Protocol(m) if m.contains(words)),
+        matches!(&err, Error::Protocol { rule: got, message } if *got == rule && message.contains(words)),
         "{err:?}"
     );
     drop(near);

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use rstest::rstest;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use vmm_core::Error;
-use vmm_core::error::DescriptorRule;
+use vmm_core::error::{DescriptorRule, ProtocolRule};
 use vmm_core::process::ensure_running;
 use vmm_core::process::{Context, StartMethod, forkserver_pid};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
@@ -512,7 +512,10 @@ fn truncated_control_message_is_an_error_and_leaks_nothing(
     let (error, before, after) = report.get(TIMEOUT).unwrap();
     // The rule broken: the fds did not all arrive, and those that did were closed.
     match error {
-        Some(Error::Protocol(message)) => {
+        Some(Error::Protocol {
+            rule: ProtocolRule::Fds,
+            message,
+        }) => {
             for needle in ["MSG_CTRUNC", "did not all arrive", "were closed"] {
                 assert!(
                     message.contains(needle),

@@ -20,6 +20,7 @@ use nix::sys::wait::{WaitPidFlag, waitpid};
 use nix::unistd::Pid;
 use rstest::rstest;
 use vmm_core::Error;
+use vmm_core::error::ProtocolRule;
 use vmm_core::process::{
     Context, ExitStatus, StartMethod, WarmPool, ensure_running, forkserver_pid,
 };
@@ -588,7 +589,10 @@ fn start_a_child_whose_argument_cannot_fit(method: StartMethod) {
     assert_eq!(failure.panic_message, None, "{failure}");
     assert_eq!(failure.status, Some(ExitStatus::Exited(122)), "{failure}");
     match failure.not_run.as_deref() {
-        Some(Error::Protocol(message)) => assert!(message.contains("MSG_CTRUNC"), "{message}"),
+        Some(Error::Protocol {
+            rule: ProtocolRule::Fds,
+            message,
+        }) => assert!(message.contains("MSG_CTRUNC"), "{message}"),
         other => panic!("expected the receive's Protocol error (MSG_CTRUNC), got {other:?}"),
     }
     assert!(

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use rstest::rstest;
 use vmm_core::cuda::{FabricDescriptor, FabricHandle};
-use vmm_core::error::{TlsReason, TlsStep};
+use vmm_core::error::{ProtocolRule, TlsReason, TlsStep};
 use vmm_core::peer::PeerMessage;
 use vmm_core::peer::stream::{StreamReader, StreamWriter};
 use vmm_core::process::{Context, StartMethod};
@@ -172,7 +172,10 @@ fn export_on(stream: &mut TlsStream, descriptor: &FabricDescriptor) -> Result<Ve
     StreamWriter::new(&mut *stream).write_descriptor(descriptor)?;
     match StreamReader::new(&mut *stream).read_message()? {
         PeerMessage::Data(reply) => Ok(reply),
-        PeerMessage::Descriptor(_) => Err(Error::Protocol("a descriptor, not a reply".into())),
+        PeerMessage::Descriptor(_) => Err(Error::Protocol {
+            rule: ProtocolRule::UnexpectedKind,
+            message: "a descriptor, not a reply".into(),
+        }),
     }
 }
 
@@ -182,7 +185,12 @@ fn import_from(addr: SocketAddr, options: &TlsOptions) -> Result<()> {
     let mut stream = TlsConnector::new(options)?.connect(addr)?;
     let descriptor = match StreamReader::new(&mut stream).read_message()? {
         PeerMessage::Descriptor(d) => d.into_fabric()?,
-        PeerMessage::Data(_) => return Err(Error::Protocol("DATA, not a descriptor".into())),
+        PeerMessage::Data(_) => {
+            return Err(Error::Protocol {
+                rule: ProtocolRule::UnexpectedKind,
+                message: "DATA, not a descriptor".into(),
+            });
+        }
     };
     let mut mapping = map_stand_in(&descriptor).map_err(|e| Error::Os {
         op: "mapping the stand-in".into(),

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use criterion::Criterion;
 use vmm_core::cuda::{
-    Device, FabricDescriptor, HandleType, ResourceOptions, VirtualMemoryBuffer,
+    Device, FabricDescriptor, HandleType, ResourceOptions, Unavailable, VirtualMemoryBuffer,
     VirtualMemoryResource,
 };
 
@@ -50,7 +50,7 @@ pub const BUFFER_TARGET: Target = Target::RatioAtMost(0.5);
 
 /// Whether fabric handles can be used here (vmm-core's own check: device 0 offers them and
 /// this process has an IMEX channel); `Err` is the reason.
-pub fn availability() -> Result<(), String> {
+pub fn availability() -> Result<(), Unavailable> {
     vmm_core::cuda::fabric_availability()
 }
 

@@ -25,6 +25,7 @@ use std::time::Duration;
 
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, SamplingMode};
+use vmm_core::cuda::Unavailable;
 
 /// Set in a baseline process the bench starts from its own executable: `cuda-init` runs
 /// `cuInit` + primary context and exits, `noop` exits at once. Checked by
@@ -188,7 +189,7 @@ pub fn key(group: &str, id: &str) -> String {
 /// Whether GPU groups can run: vmm-core's own check (libcuda, a device, VMM and POSIX-fd
 /// support on device 0). With [`REQUIRE_GPU_VAR`]`=1` a missing GPU ends the process with
 /// exit status 1 and the reason.
-pub fn gpu_or_exit() -> Result<(), String> {
+pub fn gpu_or_exit() -> Result<(), Unavailable> {
     let status = vmm_core::cuda::availability();
     if let Err(reason) = &status
         && std::env::var(REQUIRE_GPU_VAR).is_ok_and(|v| v == "1")
@@ -218,7 +219,7 @@ pub fn is_measuring_run() -> bool {
 /// The fabric groups run last, where fabric handles can be used; elsewhere (a GPU without
 /// fabric support or without an IMEX channel) each prints one SKIP line and the report says
 /// why (see [`exit_if_fabric_required`]).
-pub fn run(c: &mut Criterion, gpu: &Result<(), String>) {
+pub fn run(c: &mut Criterion, gpu: &Result<(), Unavailable>) {
     let fabric_groups = [fabric::GROUP, fabric::HANDOFF_GROUP];
     if let Err(reason) = gpu {
         for group in [
@@ -231,7 +232,7 @@ pub fn run(c: &mut Criterion, gpu: &Result<(), String>) {
         .into_iter()
         .chain(fabric_groups)
         {
-            skip(group, reason);
+            skip(group, &reason.to_string());
         }
     }
     host::driver(c);
@@ -255,6 +256,7 @@ pub fn run(c: &mut Criterion, gpu: &Result<(), String>) {
                 fabric::gpu_fabric_handoff(c);
             }
             Err(reason) => {
+                let reason = reason.to_string();
                 for group in fabric_groups {
                     skip(group, &reason);
                 }

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use serde::Serialize;
+use vmm_core::cuda::Unavailable;
 
 use crate::record;
 
@@ -208,7 +209,7 @@ pub fn output_dir() -> PathBuf {
 /// Print the table and, if `write_json`, write [`REPORT_FILE`] under [`output_dir`] (and a copy
 /// in `$CRITERION_HOME` when that is set), printing each path written.
 /// Does nothing if no figure ran (criterion's `--list`, or a filter that matched nothing).
-pub fn finish(quick: bool, gpu: Result<(), String>, write_json: bool) {
+pub fn finish(quick: bool, gpu: Result<(), Unavailable>, write_json: bool) {
     let rows = collect();
     if rows.is_empty() {
         return;
@@ -233,7 +234,7 @@ pub fn finish(quick: bool, gpu: Result<(), String>, write_json: bool) {
     let report = JsonReport {
         bench: "vmm-bench",
         quick,
-        gpu_skipped: gpu.err(),
+        gpu_skipped: gpu.err().map(|reason| reason.to_string()),
         fabric_skipped,
         note: "medians over every timed iteration (warm-up included) of one run; ratio = \
                figure / baseline",

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use vmm_core::Error;
 use vmm_core::cuda::{
-    Device, HandleType, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource,
+    Device, HandleType, ResourceOptions, Unavailable, VirtualMemoryBuffer, VirtualMemoryResource,
 };
 use vmm_core::testing::{settled_open_fds, skip_unless};
 use vmm_tests::filled_in;
@@ -42,7 +42,7 @@ const TIMEOUT: Duration = Duration::from_secs(60);
 /// `Some(turn)` when `requirement` holds: a turn with no scenario running beside it, taken
 /// once the warm children that scenarios asked for have started (so that this process's fds
 /// stay put). Otherwise skips (or fails under `VMM_REQUIRE_GPU=1`) with the reason.
-fn alone(requirement: Result<(), String>) -> Option<RwLockWriteGuard<'static, ()>> {
+fn alone(requirement: Result<(), Unavailable>) -> Option<RwLockWriteGuard<'static, ()>> {
     skip_unless(requirement).then(|| {
         let turn = exclusive();
         settled_open_fds().unwrap();

@@ -67,6 +67,7 @@ mod v2 {
     use std::io::{Read, Write};
 
     use vmm_core::cuda::FabricDescriptor;
+    use vmm_core::error::ProtocolRule;
     use vmm_core::peer::PeerMessage;
     use vmm_core::peer::Session;
     use vmm_core::peer::stream::{StreamReader, StreamWriter};
@@ -104,10 +105,13 @@ mod v2 {
     pub fn read_fabric(stream: &mut (impl Read + TimedStream)) -> Result<FabricDescriptor> {
         match StreamReader::new(CallerAuthenticated::new(stream)).read_message()? {
             PeerMessage::Descriptor(d) => d.into_fabric(),
-            PeerMessage::Data(b) => Err(Error::Protocol(format!(
-                "expected a CUDA_FABRIC message, got DATA of {} bytes",
-                b.len()
-            ))),
+            PeerMessage::Data(b) => Err(Error::Protocol {
+                rule: ProtocolRule::UnexpectedKind,
+                message: format!(
+                    "expected a CUDA_FABRIC message, got DATA of {} bytes",
+                    b.len()
+                ),
+            }),
         }
     }
 
@@ -115,9 +119,10 @@ mod v2 {
     pub fn read_data(stream: &mut (impl Read + TimedStream)) -> Result<Vec<u8>> {
         match StreamReader::new(CallerAuthenticated::new(stream)).read_message()? {
             PeerMessage::Data(b) => Ok(b),
-            PeerMessage::Descriptor(d) => Err(Error::Protocol(format!(
-                "expected DATA, got a descriptor ({d:?})"
-            ))),
+            PeerMessage::Descriptor(d) => Err(Error::Protocol {
+                rule: ProtocolRule::UnexpectedKind,
+                message: format!("expected DATA, got a descriptor ({d:?})"),
+            }),
         }
     }
 }

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use vmm_core::cuda::{FabricDescriptor, FabricHandle};
-use vmm_core::error::TlsReason;
+use vmm_core::error::{ProtocolRule, TlsReason};
 use vmm_core::peer::PeerMessage;
 use vmm_core::peer::stream::{StreamReader, StreamWriter};
 use vmm_core::testing::skip_unless;
@@ -163,7 +163,12 @@ fn python_exporter_to_rust_importer_over_mutual_tls() {
             .connect(address.as_str())?;
         let descriptor = match StreamReader::new(&mut stream).read_message()? {
             PeerMessage::Descriptor(d) => d.into_fabric()?,
-            PeerMessage::Data(_) => return Err(Error::Protocol("DATA, not a descriptor".into())),
+            PeerMessage::Data(_) => {
+                return Err(Error::Protocol {
+                    rule: ProtocolRule::UnexpectedKind,
+                    message: "DATA, not a descriptor".into(),
+                });
+            }
         };
         StreamWriter::new(&mut stream).write_data(b"imported")?;
         Ok(descriptor.handles().to_vec())

@@ -10,6 +10,7 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::driver::{self, CUdevice_attribute};
+use crate::error::Unavailable;
 use crate::{Error, Result};
 
 /// A CUDA device of this process, by ordinal (as numbered under this process's
@@ -248,35 +249,26 @@ pub(crate) fn format_uuid(uuid: &[u8; 16]) -> String {
 }
 
 /// Whether this process can share CUDA VMM buffers by fd: libcuda loads, a device exists, and
-/// device 0 supports VMM and POSIX-fd handles. `Err` names the check that failed, for skip
-/// messages (`SKIP <test>: <reason>`).
-pub fn availability() -> std::result::Result<(), String> {
-    let count = match Device::count() {
-        Ok(count) => count,
-        Err(Error::CudaUnavailable(reason)) => return Err(reason),
-        Err(e) => return Err(e.to_string()),
-    };
+/// device 0 supports VMM and POSIX-fd handles. `Err` is the [`Unavailable`] reason: the check
+/// that failed, whose text is what skip messages (`SKIP <test>: <reason>`) print.
+pub fn availability() -> std::result::Result<(), Unavailable> {
+    let count = Device::count().map_err(Unavailable::from_error)?;
     if count == 0 {
-        return Err("no CUDA device is visible (cuDeviceGetCount returned 0)".to_owned());
+        return Err(Unavailable::NoDevice);
     }
-    let device = Device::new(0).map_err(|e| e.to_string())?;
-    let describe = |what: &str, attribute: &str| {
-        format!(
-            "device 0 ({}) does not support {what} ({attribute} = 0)",
-            device.name()
-        )
-    };
-    if !device.supports_vmm().map_err(|e| e.to_string())? {
-        return Err(describe(
-            "virtual memory management",
-            "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
-        ));
+    let device = Device::new(0).map_err(Unavailable::from_error)?;
+    if !device.supports_vmm().map_err(Unavailable::from_error)? {
+        return Err(Unavailable::NoVmm {
+            device: device.name().to_owned(),
+        });
     }
-    if !device.supports_posix_fd().map_err(|e| e.to_string())? {
-        return Err(describe(
-            "POSIX file descriptor handles",
-            "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED",
-        ));
+    if !device
+        .supports_posix_fd()
+        .map_err(Unavailable::from_error)?
+    {
+        return Err(Unavailable::NoPosixFd {
+            device: device.name().to_owned(),
+        });
     }
     Ok(())
 }
@@ -302,20 +294,41 @@ mod tests {
         let Err(reason) = availability() else {
             return;
         };
-        assert!(!reason.is_empty());
+        assert!(!reason.to_string().is_empty());
         match Device::count() {
-            // No driver (or cuInit failed): every constructor says so.
+            // No driver (or cuInit failed): every constructor says so, with the same reason.
             Err(err) => {
-                assert!(matches!(err, Error::CudaUnavailable(_)), "{err:?}");
+                assert!(
+                    matches!(
+                        (&err, &reason),
+                        (
+                            Error::CudaUnavailable(Unavailable::NoDriver),
+                            Unavailable::NoDriver
+                        ) | (
+                            Error::CudaUnavailable(Unavailable::Driver { .. }),
+                            Unavailable::Driver { .. }
+                        )
+                    ),
+                    "{err:?} / {reason:?}"
+                );
                 assert!(matches!(Device::new(0), Err(Error::CudaUnavailable(_))));
             }
-            Ok(0) => assert!(
-                matches!(Device::new(0), Err(Error::NoSuchDevice { message: m })
-                    if m.contains("device ordinal 0 does not exist")),
-                "{reason}"
-            ),
+            Ok(0) => {
+                assert!(matches!(reason, Unavailable::NoDevice), "{reason:?}");
+                assert!(
+                    matches!(Device::new(0), Err(Error::NoSuchDevice { message: m })
+                        if m.contains("device ordinal 0 does not exist")),
+                    "{reason}"
+                );
+            }
             // A device without VMM or POSIX-fd support: it exists, it just cannot share.
-            Ok(_) => assert!(reason.contains("does not support"), "{reason}"),
+            Ok(_) => assert!(
+                matches!(
+                    reason,
+                    Unavailable::NoVmm { .. } | Unavailable::NoPosixFd { .. }
+                ),
+                "{reason:?}"
+            ),
         }
     }
 }

@@ -25,6 +25,7 @@ use std::sync::OnceLock;
 use cudarc::driver::sys;
 use nix::errno::Errno;
 
+use crate::error::Unavailable;
 use crate::{Error, Result};
 
 pub(crate) use sys::{
@@ -63,22 +64,23 @@ fn check(call: &'static str, result: sys::CUresult) -> Result<()> {
 
 /// Load libcuda and `cuInit(0)` once per process; later calls return the first outcome.
 pub(crate) fn init() -> Result<()> {
-    static INIT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
-    INIT.get_or_init(|| {
+    // `None`: no libcuda; `Some(result)`: what cuInit returned.
+    static INIT: OnceLock<Option<sys::CUresult>> = OnceLock::new();
+    let outcome = INIT.get_or_init(|| {
         // SAFETY: only tries to dlopen libcuda under its usual names; no driver call is made.
         if !unsafe { sys::is_culib_present() } {
-            return Err(
-                "libcuda could not be loaded (no NVIDIA driver on this machine, or \
-                        libcuda.so.1 is not on the loader path)"
-                    .to_owned(),
-            );
+            return None;
         }
         // SAFETY: libcuda is present, so cudarc's lazy symbol lookup succeeds; cuInit takes
         // only flags, which must be 0.
-        check("cuInit", unsafe { sys::cuInit(0) }).map_err(|e| e.to_string())
-    })
-    .clone()
-    .map_err(Error::CudaUnavailable)
+        Some(unsafe { sys::cuInit(0) })
+    });
+    match *outcome {
+        None => Err(Error::CudaUnavailable(Unavailable::NoDriver)),
+        Some(result) => {
+            check("cuInit", result).map_err(|e| Error::CudaUnavailable(Unavailable::from_error(e)))
+        }
+    }
 }
 
 /// A retained primary context. The handle is process-wide and never released (one per device).
@@ -548,6 +550,9 @@ pub(crate) const ERROR_NOT_PERMITTED: u32 = sys::CUresult::CUDA_ERROR_NOT_PERMIT
 /// `CUDA_ERROR_NOT_SUPPORTED`.
 pub(crate) const ERROR_NOT_SUPPORTED: u32 = sys::CUresult::CUDA_ERROR_NOT_SUPPORTED as u32;
 
+/// `CUDA_ERROR_INVALID_VALUE`: what a driver answers for an attribute it does not know.
+pub(crate) const ERROR_INVALID_VALUE: u32 = sys::CUresult::CUDA_ERROR_INVALID_VALUE as u32;
+
 /// `cuMemExportToShareableHandle` as a fabric handle: 64 bytes of plain data (no fd, nothing
 /// to close).
 ///
@@ -709,7 +714,8 @@ mod tests {
         }
         let err = init().unwrap_err();
         assert!(
-            matches!(&err, Error::CudaUnavailable(reason) if reason.contains("libcuda")),
+            matches!(&err, Error::CudaUnavailable(Unavailable::NoDriver))
+                && err.to_string().contains("libcuda could not be loaded"),
             "{err:?}"
         );
         assert!(matches!(device_count(), Err(Error::CudaUnavailable(_))));

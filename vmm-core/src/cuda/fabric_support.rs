@@ -8,6 +8,7 @@ use super::driver;
 use super::fabric::IMEX_CHANNEL_DIR;
 use super::handle::Allocation;
 use super::options::{HandleType, Location};
+use crate::error::Unavailable;
 use crate::{Error, Result};
 
 /// [`Device::check_fabric`]: the attribute, then a trial allocation and export of one chunk.
@@ -24,7 +25,7 @@ pub(crate) fn check(device: &Device) -> Result<()> {
             ));
         }
         // Drivers older than CUDA 12.3 do not know the attribute.
-        Err(Error::Cuda { name, .. }) if name == "CUDA_ERROR_INVALID_VALUE" => {
+        Err(Error::Cuda { name, code, .. }) if code == driver::ERROR_INVALID_VALUE => {
             return Err(unsupported(format!(
                 "the driver does not know CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED \
                  ({name}): it predates fabric handles (CUDA 12.3)"
@@ -125,12 +126,13 @@ fn unreachable_from(error: Error, owner: &[u8; 16], device: &str) -> Error {
 }
 
 /// Whether this process can share CUDA VMM buffers by fabric handle: [`availability`] holds,
-/// and [`Device::check_fabric`] passes for device 0. `Err` says what is missing, for skip
+/// and [`Device::check_fabric`] passes for device 0. `Err` is the [`Unavailable`] reason
+/// (typically [`Unavailable::NoFabric`] or [`Unavailable::NoImexChannel`]), for skip
 /// messages (`SKIP <test>: <reason>`). Never panics, with or without a GPU.
-pub fn fabric_availability() -> std::result::Result<(), String> {
+pub fn fabric_availability() -> std::result::Result<(), Unavailable> {
     availability()?;
-    let device = Device::new(0).map_err(|e| e.to_string())?;
-    device.check_fabric().map_err(|e| e.to_string())
+    let device = Device::new(0).map_err(Unavailable::from_error)?;
+    device.check_fabric().map_err(Unavailable::from_error)
 }
 
 #[cfg(test)]

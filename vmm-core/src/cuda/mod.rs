@@ -50,6 +50,8 @@ mod keeper;
 mod options;
 mod resource;
 
+/// Why CUDA cannot be used here ([`availability`], [`fabric_availability`]).
+pub use crate::error::Unavailable;
 pub use buffer::VirtualMemoryBuffer;
 /// The descriptors' layout rule, also the peer protocol's for its CUDA kinds (one place for it).
 pub(crate) use descriptor::validate_chunks;

@@ -14,13 +14,15 @@ mod child;
 mod env;
 mod rules;
 mod tls;
+mod unavailable;
 
 pub(crate) use child::NotRunStage;
 pub use child::{ChildError, ExitStatus, StartMethod};
 pub use env::MAX_ENV_LEN;
 pub(crate) use env::{parse_env_uint, shown_env_value};
-pub use rules::{Chunk, DescriptorRule, EnvRule, IpcOp, IpcStep, SpawnRule};
+pub use rules::{Chunk, DescriptorRule, EnvRule, IpcOp, IpcStep, ProtocolRule, SpawnRule};
 pub use tls::{TlsReason, TlsStep};
+pub use unavailable::Unavailable;
 
 /// Every fallible operation of `vmm_core` returns this error.
 ///
@@ -56,9 +58,15 @@ pub enum Error {
         /// needs an fd itself).
         open: Option<usize>,
     },
-    /// A message or value broke the wire protocol (truncated, malformed, wrong fds).
-    #[error("wire protocol: {0}")]
-    Protocol(String),
+    /// A message or value broke the wire protocol (truncated, malformed, wrong fds): the peer
+    /// protocol of docs/protocol.md, or vmm-core's internal framing; `rule` says which rule.
+    #[error("wire protocol: {message}")]
+    Protocol {
+        /// The rule it broke.
+        rule: ProtocolRule,
+        /// The rule and the values (never a payload byte), for people.
+        message: String,
+    },
     /// A message would carry more file descriptors than the kernel lets one message carry.
     #[error(
         "a message can carry at most {max} file descriptors, this one needs {count}; \
@@ -230,9 +238,10 @@ pub enum Error {
         /// What was wrong with its result.
         detail: String,
     },
-    /// CUDA cannot be used in this process (no libcuda, no device, or a missing capability).
+    /// CUDA cannot be used in this process (no libcuda, no device, or a missing capability):
+    /// the [`Unavailable`] reason says which.
     #[error("CUDA is not available: {0}")]
-    CudaUnavailable(String),
+    CudaUnavailable(Unavailable),
     /// The device cannot share memory by fabric handle: it does not offer the handle type
     /// (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED` is 0), or the driver refuses a fabric
     /// allocation as unsupported.
@@ -325,6 +334,14 @@ impl Error {
     /// An [`Error::InvalidDescriptor`]: a descriptor broke `rule`.
     pub(crate) fn descriptor(rule: DescriptorRule, message: impl Into<String>) -> Self {
         Error::InvalidDescriptor {
+            rule,
+            message: message.into(),
+        }
+    }
+
+    /// An [`Error::Protocol`]: a message broke `rule`.
+    pub(crate) fn protocol(rule: ProtocolRule, message: impl Into<String>) -> Self {
+        Error::Protocol {
             rule,
             message: message.into(),
         }
@@ -501,6 +518,12 @@ mod tests {
             }
         ));
         assert!(limit.to_string().contains("soft limit 64, ? fds open"));
+        let protocol = Error::protocol(ProtocolRule::Fds, "2 fds, want 1");
+        assert_eq!(protocol.to_string(), "wire protocol: 2 fds, want 1");
+        assert!(matches!(
+            round_trip(&protocol),
+            Error::Protocol { rule: ProtocolRule::Fds, ref message } if message == "2 fds, want 1"
+        ));
     }
 
     #[test]

@@ -46,6 +46,66 @@ pub enum SpawnRule {
     Entry,
 }
 
+/// Which rule a message broke ([`Error::Protocol`](super::Error::Protocol)): the peer
+/// protocol of docs/protocol.md (on a named endpoint or a byte stream), or vmm-core's internal
+/// framing between the processes it started.
+///
+/// The rules follow the order a receiver checks them in: the frame byte, the header's fields,
+/// the counts, the fds, the kind's own fields, then whether the message was the one expected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum ProtocolRule {
+    /// A packet's (or a stream message's) first byte is not one this reader takes: a peer
+    /// message on a channel between vmm-core's processes, vmm-core's internal framing on a
+    /// named endpoint, an unknown byte, or an empty packet.
+    FrameByte,
+    /// A peer message does not start with the magic `VMMI`.
+    Magic,
+    /// The protocol version is not one spoken here, or not the version of the message's kind.
+    Version,
+    /// The message kind is not one the protocol defines.
+    UnknownKind,
+    /// A message of a kind the protocol defines, where another was expected (a handshake
+    /// message after the handshake, a kind with fds on a byte stream, `DATA` where a
+    /// descriptor was asked for, one descriptor kind for another).
+    UnexpectedKind,
+    /// The header's length field is not the header length of the message's version.
+    HeaderLength,
+    /// The header sets flags the protocol does not define.
+    Flags,
+    /// A reserved field, or a field the message's kind does not use, is not zero.
+    Reserved,
+    /// A count or length is larger than its documented maximum (chunks, payload bytes, a
+    /// packet, a spilled payload); refused before anything is allocated for it.
+    TooLarge,
+    /// The counts do not fit the message's kind (a descriptor with payload bytes, a fabric
+    /// message with no chunks or not one handle per chunk, a memfd message with more than one).
+    Counts,
+    /// The message ended before the length its header announces (a partial header, a message
+    /// cut short).
+    Truncated,
+    /// The message is longer than its header announces.
+    TrailingBytes,
+    /// The fds are wrong: not as many as the message needs, cut short by the kernel
+    /// (`MSG_CTRUNC`), refused by it (`ETOOMANYREFS`), referred to but absent, taken twice, or
+    /// not the kind of fd (a sealed memfd) the message needs.
+    Fds,
+    /// A descriptor's fields break its kind's rules: the handle type, the owner device, the
+    /// location, the size or the chunk sizes.
+    Descriptor,
+    /// An earlier message on this stream was refused or cut short, or a write failed part
+    /// way through one: nobody knows where the next message starts, so the stream carries no
+    /// more.
+    StreamFailed,
+    /// The parent asked a child to run code that its executable did not register, or the
+    /// child runs a different executable image than its parent; nothing was called.
+    Entry,
+    /// vmm-core's own messages between the processes it started broke their framing (a
+    /// malformed fork request, a reply out of turn, a task the pool does not know, a child
+    /// nothing is left to watch by).
+    Internal,
+}
+
 /// Which rule an environment variable's value broke
 /// ([`Error::InvalidEnv`](super::Error::InvalidEnv)).
 ///

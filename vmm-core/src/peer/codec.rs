@@ -12,6 +12,7 @@ use super::{Descriptor, DescriptorRef, PeerMessage};
 use crate::cuda::{
     DeviceIdentity, FabricDescriptor, FabricHandle, HandleType, IpcDescriptor, Location,
 };
+use crate::error::ProtocolRule;
 use crate::shm::HostDescriptor;
 use crate::{Error, Result};
 
@@ -145,17 +146,23 @@ pub(super) fn from_frame(frame: Frame, mut fds: Vec<OwnedFd>) -> Result<PeerMess
         Kind::Host => {
             // The frame checked: no fd with size 0, one fd of `size` bytes otherwise.
             let size = usize::try_from(frame.size).map_err(|_| {
-                Error::Protocol(format!("peer message: HOST_MEMFD size {}", frame.size))
+                Error::protocol(
+                    ProtocolRule::Descriptor,
+                    format!("peer message: HOST_MEMFD size {}", frame.size),
+                )
             })?;
             Ok(PeerMessage::Descriptor(Descriptor::Host(HostDescriptor {
                 size,
                 fd: fds.pop(),
             })))
         }
-        Kind::Hello | Kind::Refused => Err(Error::Protocol(format!(
-            "peer message: {} belongs to the handshake, and the handshake is over",
-            frame.kind.name()
-        ))),
+        Kind::Hello | Kind::Refused => Err(Error::protocol(
+            ProtocolRule::UnexpectedKind,
+            format!(
+                "peer message: {} belongs to the handshake, and the handshake is over",
+                frame.kind.name()
+            ),
+        )),
     }
 }
 
@@ -165,8 +172,9 @@ pub(super) fn from_frame(frame: Frame, mut fds: Vec<OwnedFd>) -> Result<PeerMess
 /// descriptor.
 fn fabric_descriptor(frame: Frame) -> Result<FabricDescriptor> {
     let Some((ordinal, uuid)) = frame.device else {
-        return Err(Error::Protocol(
-            "peer message: CUDA_FABRIC: no owner device".into(),
+        return Err(Error::protocol(
+            ProtocolRule::Descriptor,
+            "peer message: CUDA_FABRIC: no owner device",
         ));
     };
     let handles = frame
@@ -180,9 +188,10 @@ fn fabric_descriptor(frame: Frame) -> Result<FabricDescriptor> {
         .collect();
     let fit = |v: u64| {
         usize::try_from(v).map_err(|_| {
-            Error::Protocol(format!(
-                "peer message: CUDA_FABRIC: {v} does not fit this platform's usize"
-            ))
+            Error::protocol(
+                ProtocolRule::Descriptor,
+                format!("peer message: CUDA_FABRIC: {v} does not fit this platform's usize"),
+            )
         })
     };
     let chunk_sizes = frame

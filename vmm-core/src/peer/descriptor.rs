@@ -5,6 +5,7 @@ use std::os::fd::BorrowedFd;
 
 use super::frame::Kind;
 use crate::cuda::{FabricDescriptor, IpcDescriptor};
+use crate::error::ProtocolRule;
 use crate::shm::HostDescriptor;
 use crate::{Error, Result};
 
@@ -37,11 +38,14 @@ impl Descriptor {
 
     /// `Error::Protocol`: expected `wanted`, the peer sent this.
     fn unexpected(&self, wanted: Kind) -> Error {
-        Error::Protocol(format!(
-            "expected a {} descriptor, the peer sent a {} one",
-            wanted.name(),
-            self.kind_name()
-        ))
+        Error::protocol(
+            ProtocolRule::UnexpectedKind,
+            format!(
+                "expected a {} descriptor, the peer sent a {} one",
+                wanted.name(),
+                self.kind_name()
+            ),
+        )
     }
 
     /// The CUDA descriptor, or an [`Error::Protocol`] saying which kind the peer sent instead.

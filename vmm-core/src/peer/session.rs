@@ -16,6 +16,7 @@ use serde::de::DeserializeOwned;
 use super::codec::from_frame;
 use super::frame::{Frame, Kind, MAX_FRAME};
 use super::{Descriptor, DescriptorRef, PeerMessage, encode_descriptor};
+use crate::error::ProtocolRule;
 use crate::wire::endpoint::{
     ConnectOptions, Connection, Credentials, Greeting, Listener, Name, close_later,
 };
@@ -129,10 +130,13 @@ impl Session {
                     String::from_utf8_lossy(&frame.payload)
                 ),
             }),
-            other => Err(Error::Protocol(format!(
-                "endpoint {name}: the listener's first message is {}, not HELLO",
-                other.name()
-            ))),
+            other => Err(Error::protocol(
+                ProtocolRule::UnexpectedKind,
+                format!(
+                    "endpoint {name}: the listener's first message is {}, not HELLO",
+                    other.name()
+                ),
+            )),
         }
     }
 
@@ -204,11 +208,14 @@ impl Session {
         close_later(fds);
         match frame.kind {
             Kind::Data => Ok(frame.payload),
-            other => Err(Error::Protocol(format!(
-                "endpoint {}: expected a DATA message, got {}",
-                self.endpoint(),
-                other.name()
-            ))),
+            other => Err(Error::protocol(
+                ProtocolRule::UnexpectedKind,
+                format!(
+                    "endpoint {}: expected a DATA message, got {}",
+                    self.endpoint(),
+                    other.name()
+                ),
+            )),
         }
     }
 
@@ -228,11 +235,14 @@ impl Session {
     pub fn recv_descriptor(&self) -> Result<Descriptor> {
         match self.recv_message()? {
             PeerMessage::Descriptor(d) => Ok(d),
-            PeerMessage::Data(bytes) => Err(Error::Protocol(format!(
-                "endpoint {}: expected a descriptor, got a DATA message of {} bytes",
-                self.endpoint(),
-                bytes.len()
-            ))),
+            PeerMessage::Data(bytes) => Err(Error::protocol(
+                ProtocolRule::UnexpectedKind,
+                format!(
+                    "endpoint {}: expected a descriptor, got a DATA message of {} bytes",
+                    self.endpoint(),
+                    bytes.len()
+                ),
+            )),
         }
     }
 

@@ -78,6 +78,7 @@ use super::PeerMessage;
 use super::codec::{fabric_frame, from_frame};
 use super::frame::{Frame, HEADER_LEN, Kind};
 use crate::cuda::FabricDescriptor;
+use crate::error::ProtocolRule;
 use crate::wire::{AuthenticatedStream, TimedStream};
 use crate::{Error, Result};
 
@@ -222,10 +223,13 @@ impl<W: Write> StreamWriter<W> {
 
     fn write_frame(&mut self, frame: &Frame) -> Result<()> {
         if self.failed {
-            return Err(Error::Protocol(format!(
-                "{STREAM}: an earlier write failed part way through a message, so the stream \
+            return Err(Error::protocol(
+                ProtocolRule::StreamFailed,
+                format!(
+                    "{STREAM}: an earlier write failed part way through a message, so the stream \
                  can carry no more"
-            )));
+                ),
+            ));
         }
         let bytes = frame.encode()?;
         let mut packet = Vec::with_capacity(1 + bytes.len());
@@ -341,10 +345,13 @@ impl<R: Read> StreamReader<R> {
             State::Open => {}
             State::Closed => return Err(Error::Disconnected(STREAM.into())),
             State::Failed => {
-                return Err(Error::Protocol(format!(
-                    "{STREAM}: an earlier message was refused or cut short, so nothing more is \
+                return Err(Error::protocol(
+                    ProtocolRule::StreamFailed,
+                    format!(
+                        "{STREAM}: an earlier message was refused or cut short, so nothing more is \
                      read from it (after a bad message, nobody knows where the next one starts)"
-                )));
+                    ),
+                ));
             }
         }
         let read = self.read_one();
@@ -389,10 +396,13 @@ impl<R: Read> StreamReader<R> {
             }
             read += n;
             if head[0] != FRAME_BYTE {
-                return Err(Error::Protocol(format!(
-                    "{STREAM}: frame byte {:#04x}: a message on a stream starts with 0x00",
-                    head[0]
-                )));
+                return Err(Error::protocol(
+                    ProtocolRule::FrameByte,
+                    format!(
+                        "{STREAM}: frame byte {:#04x}: a message on a stream starts with 0x00",
+                        head[0]
+                    ),
+                ));
             }
             Frame::check_stream_prefix(&head[1..read])?;
         }
@@ -412,10 +422,13 @@ impl<R: Read> StreamReader<R> {
         message.resize(len, 0);
         let got = source.fill(&mut message[HEADER_LEN..])?;
         if got != body {
-            return Err(Error::Protocol(format!(
-                "{STREAM}: it ended after {got} of the {body} bytes of chunk sizes and payload \
+            return Err(Error::protocol(
+                ProtocolRule::Truncated,
+                format!(
+                    "{STREAM}: it ended after {got} of the {body} bytes of chunk sizes and payload \
                  that the message's header announced (a message cut short)"
-            )));
+                ),
+            ));
         }
         let frame = Frame::decode(&message, 0)?;
         from_frame(frame, Vec::new())

@@ -20,6 +20,7 @@ use std::os::fd::OwnedFd;
 use std::sync::OnceLock;
 
 use super::sys;
+use crate::error::ProtocolRule;
 use crate::{Error, Result};
 
 /// An entry point: receive the argument (postcard bytes and its fds), run the function it was
@@ -113,10 +114,13 @@ unsafe fn sorted_words(start: *const [usize; 0], stop: *const [usize; 0]) -> Vec
 fn address(layout: isize, offset: isize) -> Result<usize> {
     let here = sys::code_offset(sys::layout_probe as fn() -> usize as usize);
     if here != layout {
-        return Err(Error::Protocol(format!(
-            "the child runs a different executable image than its parent (layout {here} vs \
+        return Err(Error::protocol(
+            ProtocolRule::Entry,
+            format!(
+                "the child runs a different executable image than its parent (layout {here} vs \
              {layout}); was the binary rebuilt while the test ran?"
-        )));
+            ),
+        ));
     }
     Ok((sys::code_base as fn() -> usize as usize).wrapping_add(offset as usize))
 }
@@ -125,10 +129,13 @@ fn address(layout: isize, offset: isize) -> Result<usize> {
 pub(crate) fn find(layout: isize, offset: isize) -> Result<Entry> {
     let address = address(layout, offset)?;
     if table().binary_search(&address).is_err() {
-        return Err(Error::Protocol(format!(
-            "the parent asked for an entry at offset {offset:#x}, which is not an entry point \
+        return Err(Error::protocol(
+            ProtocolRule::Entry,
+            format!(
+                "the parent asked for an entry at offset {offset:#x}, which is not an entry point \
              this executable registered (section {SECTION}); refused without calling it"
-        )));
+            ),
+        ));
     }
     // SAFETY: `address` is in the entry table, into which only `register_entry!` writes, and
     // only `remote::registered` uses that macro, with an `Entry` (see there). A function

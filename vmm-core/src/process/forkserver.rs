@@ -15,6 +15,7 @@ use super::launch::{Launch, launch};
 use super::protocol::{ForkReply, ForkRequest};
 use super::status::ExitStatus;
 use super::supervisor::reap_pid;
+use crate::error::ProtocolRule;
 use crate::wire::{self, Channel};
 use crate::{Error, Result};
 
@@ -179,7 +180,10 @@ fn request(
         // The reply carries a pidfd; at the fd limit it cannot be installed (MSG_CTRUNC). The
         // child was forked, but it never gets its start message (see `Context::spawn`): it
         // exits without running its function, and the server reaps it.
-        Err(Error::Protocol(why)) if at_fd_limit() => {
+        Err(Error::Protocol {
+            rule: ProtocolRule::Fds,
+            message: why,
+        }) if at_fd_limit() => {
             return Err(Error::fd_limit(format!(
                 "receiving the forkserver's reply, which carries a pidfd for the new child \
                  (that child will exit without running its function; {why})"
@@ -192,6 +196,9 @@ fn request(
         // The server's own error: `Error::Os` for a failed fork (its errno, say EAGAIN at a
         // process limit), `Error::Protocol` for a request it refused.
         ForkReply::Failed(error) => Err(error),
-        ForkReply::Ready { .. } => Err(Error::Protocol("forkserver sent Ready twice".into())),
+        ForkReply::Ready { .. } => Err(Error::protocol(
+            ProtocolRule::Internal,
+            "forkserver sent Ready twice",
+        )),
     }
 }

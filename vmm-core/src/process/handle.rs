@@ -13,6 +13,7 @@ use super::protocol::Report;
 use super::status::{ChildError, ExitStatus, Observed, Outcome};
 use super::supervisor::{Incoming, Reaper, STATUS_REPORT_GRACE, Supervised, poll_timeout};
 use super::tracker::{Fate, FateCell};
+use crate::error::ProtocolRule;
 use crate::{Error, Result};
 
 /// While a spawned child cannot be watched through a pidfd (none could be opened, at the fd
@@ -290,10 +291,10 @@ impl Process {
             fds.push(PollFd::new(pidfd.as_fd(), PollFlags::POLLIN));
         }
         if fds.is_empty() && until.is_none() && tick.is_none() {
-            return Err(Error::Protocol(
+            return Err(Error::protocol(
+                ProtocolRule::Internal,
                 "nothing left to watch the child by (its channel is closed and there is no \
-                 pidfd)"
-                    .into(),
+                 pidfd)",
             ));
         }
         if let Some(tick) = tick {

@@ -23,6 +23,7 @@ use super::protocol::{ForkReply, ForkRequest, Report};
 use super::supervisor::exit_status;
 use super::{launch, sys};
 use crate::Error;
+use crate::error::ProtocolRule;
 use crate::wire::{self, Channel, Message};
 
 /// The forkserver's main loop. Never returns.
@@ -80,7 +81,7 @@ pub(crate) fn serve(requests: Channel) -> ! {
                 Ok(None) => {}
                 // A request that could not be taken whole (its fds do not fit under this
                 // server's fd limit: MSG_CTRUNC) was consumed: refuse it, and serve on.
-                Err(error @ Error::Protocol(_)) => {
+                Err(error @ Error::Protocol { .. }) => {
                     let _ = requests.send_value(&ForkReply::Failed(error));
                 }
                 // The parent is gone: take the children with us.
@@ -113,11 +114,14 @@ fn fork_one(
         _ => None,
     };
     let Some(request) = request else {
-        let reply = ForkReply::Failed(Error::Protocol(format!(
-            "malformed fork request ({} bytes, {} fds; want a ForkRequest and 3 fds)",
-            message.bytes.len(),
-            message.fds.len()
-        )));
+        let reply = ForkReply::Failed(Error::protocol(
+            ProtocolRule::Internal,
+            format!(
+                "malformed fork request ({} bytes, {} fds; want a ForkRequest and 3 fds)",
+                message.bytes.len(),
+                message.fds.len()
+            ),
+        ));
         let _ = requests.send_value(&reply);
         return;
     };

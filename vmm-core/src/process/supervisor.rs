@@ -319,7 +319,7 @@ impl Supervised {
             Ok(None) => return Incoming::Empty,
             Err(Error::Disconnected(_)) => return Incoming::HungUp,
             // The offending packet was consumed.
-            Err(Error::Protocol(why)) => return Incoming::NotAReport(why),
+            Err(Error::Protocol { message, .. }) => return Incoming::NotAReport(message),
             Err(error) => return Incoming::Broken(error),
         };
         let fds = message.fds.len();

@@ -15,6 +15,7 @@ use super::protocol::{Call, Payload, Report, Serve, TaskOutcome};
 use super::remote::{self, Ended};
 use super::status::NotRunStage;
 use crate::Error;
+use crate::error::ProtocolRule;
 use crate::wire::{self, Channel};
 
 /// Serve tasks until the pool closes its end of the task socket, whose other end came with
@@ -88,8 +89,9 @@ fn report(channel: &Channel, outcome: TaskOutcome, fds: &[std::os::fd::BorrowedF
     let _ = std::io::stderr().flush();
     let sent = wire::encode(&Report::TaskDone(outcome)).and_then(|encoded| {
         if encoded.fd_count() != 0 {
-            return Err(Error::Protocol(
-                "a task report carries fds of its own".into(),
+            return Err(Error::protocol(
+                ProtocolRule::Fds,
+                "a task report carries fds of its own",
             ));
         }
         channel.send(encoded.bytes(), fds)

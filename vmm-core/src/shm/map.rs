@@ -14,6 +14,7 @@ use nix::sys::statfs::{FsType, HUGETLBFS_MAGIC, TMPFS_MAGIC, fstatfs};
 use nix::unistd::ftruncate;
 
 use crate::error::DescriptorRule;
+use crate::error::ProtocolRule;
 use crate::{Error, Result};
 
 /// The seals every shared buffer carries: its size can never change, so no process can make
@@ -225,7 +226,10 @@ impl Mapping {
         .map_err(|e| Error::errno(format!("open({path})"), e))?;
         let stat = fstat(&fd).map_err(|e| Error::errno("fstat(reopened memfd)", e))?;
         if (stat.st_dev, stat.st_ino) != self.file_id {
-            return Err(Error::Protocol(format!("{path} is not the buffer's memfd")));
+            return Err(Error::protocol(
+                ProtocolRule::Fds,
+                format!("{path} is not the buffer's memfd"),
+            ));
         }
         Ok(fd)
     }

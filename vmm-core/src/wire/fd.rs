@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::oob;
 use crate::Error;
+use crate::error::ProtocolRule;
 
 /// A type that carries fds on the wire; its name appears in transport errors.
 pub(crate) trait FdOwner {
@@ -77,10 +78,10 @@ impl<O: FdOwner> Serialize for FdOut<'_, O> {
             },
             Out::Given(cell) => match cell.take() {
                 Some(fd) => oob::serialize_owned_fd(fd, O::WHAT, serializer),
-                None => Err(oob::serialize_error::<S>(Error::Protocol(format!(
-                    "{}: an fd given to a message was serialised twice",
-                    O::WHAT
-                )))),
+                None => Err(oob::serialize_error::<S>(Error::protocol(
+                    ProtocolRule::Fds,
+                    format!("{}: an fd given to a message was serialised twice", O::WHAT),
+                ))),
             },
         }
     }
@@ -202,7 +203,8 @@ mod tests {
         let encoded = encode(&fd).unwrap();
         let err = decode::<Fd>(encoded.bytes(), Vec::new()).unwrap_err();
         assert!(
-            matches!(&err, Error::Protocol(m) if m.contains("fd #0") && m.contains("wire::Fd")),
+            matches!(&err, Error::Protocol { rule: ProtocolRule::Fds, message: m }
+                if m.contains("fd #0") && m.contains("wire::Fd")),
             "{err:?}"
         );
     }

@@ -36,6 +36,7 @@ use serde::de::{DeserializeOwned, Deserializer, Error as _};
 use serde::ser::{Error as _, Serializer};
 use serde::{Deserialize, Serialize};
 
+use crate::error::ProtocolRule;
 use crate::{Error, Result};
 
 /// What keeps a shared fd open: any reference-counted owner of it.
@@ -338,9 +339,12 @@ pub fn deserialize_fd<'de, D: Deserializer<'de>>(
     });
     match taken {
         Some(Some(fd)) => Ok(fd),
-        Some(None) => Err(deserialize_error::<D>(Error::Protocol(format!(
-            "{what} refers to fd #{index}, which the message does not carry or another value took"
-        )))),
+        Some(None) => Err(deserialize_error::<D>(Error::protocol(
+            ProtocolRule::Fds,
+            format!(
+                "{what} refers to fd #{index}, which the message does not carry or another value took"
+            ),
+        ))),
         None => Err(deserialize_error::<D>(outside_transport(what))),
     }
 }

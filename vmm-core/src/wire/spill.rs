@@ -11,6 +11,7 @@ use nix::fcntl::{FcntlArg, SealFlag, fcntl};
 use nix::sys::memfd::{MFdFlags, memfd_create};
 
 use super::channel::MAX_MESSAGE;
+use crate::error::ProtocolRule;
 use crate::{Error, Result};
 
 /// Write `bytes` to a new memfd sealed against writing, resizing and further seals.
@@ -38,31 +39,41 @@ pub(crate) fn spill_to_memfd(bytes: &[u8]) -> Result<OwnedFd> {
 /// writing and resizing (so the bytes cannot change while read), before anything is allocated;
 /// the allocation itself is fallible.
 pub(crate) fn read_spill(fd: OwnedFd, size: u64) -> Result<Vec<u8>> {
-    let refuse = |why: String| Err(Error::Protocol(format!("large message: {why}")));
+    let refuse = |rule: ProtocolRule, why: String| {
+        Err(Error::protocol(rule, format!("large message: {why}")))
+    };
     let len = match usize::try_from(size) {
         Ok(len) if len <= MAX_MESSAGE => len,
         _ => {
-            return refuse(format!(
-                "its header says {size} bytes, more than wire::MAX_MESSAGE ({MAX_MESSAGE})"
-            ));
+            return refuse(
+                ProtocolRule::TooLarge,
+                format!(
+                    "its header says {size} bytes, more than wire::MAX_MESSAGE ({MAX_MESSAGE})"
+                ),
+            );
         }
     };
     let seals = fcntl(&fd, FcntlArg::F_GET_SEALS).map_err(|e| {
-        Error::Protocol(format!(
-            "its payload fd is not a sealed memfd (F_GET_SEALS: {e})"
-        ))
+        Error::protocol(
+            ProtocolRule::Fds,
+            format!("its payload fd is not a sealed memfd (F_GET_SEALS: {e})"),
+        )
     })?;
     let needed = SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SHRINK;
     if !SealFlag::from_bits_truncate(seals).contains(needed) {
-        return refuse("its memfd is not sealed against writing and resizing".into());
+        return refuse(
+            ProtocolRule::Fds,
+            "its memfd is not sealed against writing and resizing".into(),
+        );
     }
     let actual = nix::sys::stat::fstat(&fd)
         .map_err(|e| Error::errno("fstat(message memfd)", e))?
         .st_size as u64;
     if actual != size {
-        return refuse(format!(
-            "its memfd holds {actual} bytes, its header says {size}"
-        ));
+        return refuse(
+            ProtocolRule::Fds,
+            format!("its memfd holds {actual} bytes, its header says {size}"),
+        );
     }
     let mut bytes = Vec::new();
     bytes.try_reserve_exact(len).map_err(|_| Error::Os {

@@ -8,11 +8,12 @@ use super::{
     FLAG_DEVICE, FrameLocation, HEADER_LEN, Kind, MAGIC, MAX_CHUNKS, MAX_DATA, PROTOCOL_VERSION,
     VERSIONS_SPOKEN,
 };
+use crate::error::ProtocolRule;
 use crate::{Error, Result};
 
-/// `Err(Error::Protocol("peer message: {why}"))`.
-pub(super) fn refuse<T>(why: String) -> Result<T> {
-    Err(Error::Protocol(format!("peer message: {why}")))
+/// `Err(Error::Protocol { rule, message: "peer message: {why}" })`.
+pub(super) fn refuse<T>(rule: ProtocolRule, why: String) -> Result<T> {
+    Err(Error::protocol(rule, format!("peer message: {why}")))
 }
 
 /// What a header's fields say, after rules 1 and 2 and the counts of rule 3 of
@@ -53,10 +54,13 @@ impl RawHeader {
         let magic = len.min(MAGIC.len());
         if bytes[..magic] != MAGIC[..magic] {
             let start = &bytes[..magic];
-            return refuse(format!(
-                "it does not start with the magic \"VMMI\" (got {start:02x?}, {len} bytes): not \
+            return refuse(
+                ProtocolRule::Magic,
+                format!(
+                    "it does not start with the magic \"VMMI\" (got {start:02x?}, {len} bytes): not \
                  a vmm-ipc peer message"
-            ));
+                ),
+            );
         }
         if len < 6 {
             return Ok(None);
@@ -64,29 +68,38 @@ impl RawHeader {
         let u16_at = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]);
         let version = u16_at(4);
         if !(1..=PROTOCOL_VERSION).contains(&version) {
-            return refuse(format!(
-                "protocol version {version} is not supported: this peer speaks \
+            return refuse(
+                ProtocolRule::Version,
+                format!(
+                    "protocol version {version} is not supported: this peer speaks \
                  {VERSIONS_SPOKEN}"
-            ));
+                ),
+            );
         }
         if len < 8 {
             return Ok(None);
         }
         let raw_kind = u16_at(6);
         let Some(kind) = Kind::from_raw(raw_kind) else {
-            return refuse(format!(
-                "unknown message kind {raw_kind} (version {version} message; {VERSIONS_SPOKEN} \
+            return refuse(
+                ProtocolRule::UnknownKind,
+                format!(
+                    "unknown message kind {raw_kind} (version {version} message; {VERSIONS_SPOKEN} \
                  know 1 HELLO, 2 REFUSED, 3 DATA, 4 CUDA_VMM, 5 HOST_MEMFD and, in version 2, \
                  6 CUDA_FABRIC)"
-            ));
+                ),
+            );
         };
         if version != kind.version() {
-            return refuse(format!(
-                "{} is a version {} kind, but the message is marked version {version}: a \
+            return refuse(
+                ProtocolRule::Version,
+                format!(
+                    "{} is a version {} kind, but the message is marked version {version}: a \
                  message carries the version that defines its kind",
-                kind.name(),
-                kind.version()
-            ));
+                    kind.name(),
+                    kind.version()
+                ),
+            );
         }
         Ok(Some(kind))
     }
@@ -99,20 +112,29 @@ impl RawHeader {
         let len = bytes.len();
         let kind = RawHeader::check_prefix(bytes)?;
         if len < MAGIC.len() {
-            return refuse(format!(
-                "it does not start with the magic \"VMMI\" (got {bytes:02x?}, {len} bytes): not \
+            return refuse(
+                ProtocolRule::Magic,
+                format!(
+                    "it does not start with the magic \"VMMI\" (got {bytes:02x?}, {len} bytes): not \
                  a vmm-ipc peer message"
-            ));
+                ),
+            );
         }
         if len < 6 {
-            return refuse(format!(
-                "{len} bytes end inside the header's version field (the header has {HEADER_LEN})"
-            ));
+            return refuse(
+                ProtocolRule::Truncated,
+                format!(
+                    "{len} bytes end inside the header's version field (the header has {HEADER_LEN})"
+                ),
+            );
         }
         let (Some(kind), true) = (kind, len >= HEADER_LEN) else {
-            return refuse(format!(
-                "{len} bytes: shorter than the {HEADER_LEN}-byte header (a partial header)"
-            ));
+            return refuse(
+                ProtocolRule::Truncated,
+                format!(
+                    "{len} bytes: shorter than the {HEADER_LEN}-byte header (a partial header)"
+                ),
+            );
         };
         let u16_at = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]);
         let u32_at = |at: usize| {
@@ -122,31 +144,44 @@ impl RawHeader {
         let version = u16_at(4);
         let header_len = u16_at(8);
         if usize::from(header_len) != HEADER_LEN {
-            return refuse(format!(
-                "header length {header_len}: version {version} headers are {HEADER_LEN} bytes"
-            ));
+            return refuse(
+                ProtocolRule::HeaderLength,
+                format!(
+                    "header length {header_len}: version {version} headers are {HEADER_LEN} bytes"
+                ),
+            );
         }
         let flags = u16_at(10);
         if flags & !FLAG_DEVICE != 0 {
-            return refuse(format!(
-                "unknown flags {flags:#06x} (only 0x0001 is defined)"
-            ));
+            return refuse(
+                ProtocolRule::Flags,
+                format!("unknown flags {flags:#06x} (only 0x0001 is defined)"),
+            );
         }
         let reserved = u32_at(60);
         if reserved != 0 {
-            return refuse(format!("reserved header field is {reserved:#x}, not 0"));
+            return refuse(
+                ProtocolRule::Reserved,
+                format!("reserved header field is {reserved:#x}, not 0"),
+            );
         }
         let chunk_count = u32_at(16) as usize;
         let payload_len = u32_at(20) as usize;
         if chunk_count > MAX_CHUNKS {
-            return refuse(format!(
-                "{chunk_count} chunks: at most {MAX_CHUNKS} (one fd each) may travel in one message"
-            ));
+            return refuse(
+                ProtocolRule::TooLarge,
+                format!(
+                    "{chunk_count} chunks: at most {MAX_CHUNKS} (one fd each) may travel in one message"
+                ),
+            );
         }
         if payload_len > MAX_DATA {
-            return refuse(format!(
-                "{payload_len} payload bytes: at most {MAX_DATA} may travel in one message"
-            ));
+            return refuse(
+                ProtocolRule::TooLarge,
+                format!(
+                    "{payload_len} payload bytes: at most {MAX_DATA} may travel in one message"
+                ),
+            );
         }
         let mut uuid = [0u8; 16];
         uuid.copy_from_slice(&bytes[32..48]);
@@ -181,11 +216,14 @@ impl RawHeader {
             (0, format!("a {} message carries no fds", self.kind.name()))
         };
         if fd_count != expected {
-            return refuse(format!(
-                "{} message with {} chunk(s) arrived with {fd_count} fd(s): {rule}",
-                self.kind.name(),
-                self.chunk_count
-            ));
+            return refuse(
+                ProtocolRule::Fds,
+                format!(
+                    "{} message with {} chunk(s) arrived with {fd_count} fd(s): {rule}",
+                    self.kind.name(),
+                    self.chunk_count
+                ),
+            );
         }
         Ok(())
     }
@@ -195,6 +233,7 @@ impl RawHeader {
         let device_named = self.flags & FLAG_DEVICE != 0;
         if !device_named && (self.ordinal != 0 || self.uuid != [0; 16]) {
             return refuse(
+                ProtocolRule::Reserved,
                 "device fields are set but the device flag (0x0001) is not: fields a message \
                  does not use must be zero"
                     .into(),
@@ -203,16 +242,23 @@ impl RawHeader {
         let location = match (self.location_type, self.location_id) {
             (0, 0) => FrameLocation::Device,
             (0, id) => {
-                return refuse(format!(
-                    "location type 0 (device) with location id {id}: the id must be 0"
-                ));
+                return refuse(
+                    ProtocolRule::Reserved,
+                    format!("location type 0 (device) with location id {id}: the id must be 0"),
+                );
             }
             (1, node) if node >= 0 => FrameLocation::HostNuma(node),
-            (1, node) => return refuse(format!("host NUMA node {node} is negative")),
+            (1, node) => {
+                return refuse(
+                    ProtocolRule::Descriptor,
+                    format!("host NUMA node {node} is negative"),
+                );
+            }
             (other, _) => {
-                return refuse(format!(
-                    "unknown location type {other} (0 device, 1 host NUMA node)"
-                ));
+                return refuse(
+                    ProtocolRule::Descriptor,
+                    format!("unknown location type {other} (0 device, 1 host NUMA node)"),
+                );
             }
         };
         Ok(Header {

@@ -31,6 +31,7 @@ use std::fmt;
 
 use header::{RawHeader, refuse};
 
+use crate::error::ProtocolRule;
 use crate::{Error, Result};
 
 /// The first four bytes of every message: `VMMI`.
@@ -265,11 +266,19 @@ impl Frame {
         let raw = RawHeader::parse(bytes)?;
         let (len, expected) = (bytes.len(), raw.message_len());
         if len != expected {
-            return refuse(format!(
-                "its header announces {} chunk size(s) and {} payload bytes ({expected} bytes \
+            let rule = if len < expected {
+                ProtocolRule::Truncated
+            } else {
+                ProtocolRule::TrailingBytes
+            };
+            return refuse(
+                rule,
+                format!(
+                    "its header announces {} chunk size(s) and {} payload bytes ({expected} bytes \
                  in all), but the message has {len} bytes",
-                raw.chunk_count, raw.payload_len
-            ));
+                    raw.chunk_count, raw.payload_len
+                ),
+            );
         }
         raw.check_fds(fd_count)?;
         let header = raw.resolve()?;
@@ -324,16 +333,22 @@ impl Frame {
 fn stream_carries(kind: Kind) -> Result<()> {
     let name = kind.name();
     if kind.carries_fds() {
-        return refuse(format!(
-            "{name} on a byte stream: its kind carries fds, which a stream cannot (send it on a \
+        return refuse(
+            ProtocolRule::UnexpectedKind,
+            format!(
+                "{name} on a byte stream: its kind carries fds, which a stream cannot (send it on a \
              named endpoint)"
-        ));
+            ),
+        );
     }
     if kind.is_handshake() {
-        return refuse(format!(
-            "{name} on a byte stream: it belongs to a named endpoint's handshake, and a stream \
+        return refuse(
+            ProtocolRule::UnexpectedKind,
+            format!(
+                "{name} on a byte stream: it belongs to a named endpoint's handshake, and a stream \
              has none"
-        ));
+            ),
+        );
     }
     Ok(())
 }

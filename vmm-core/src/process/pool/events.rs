@@ -12,6 +12,7 @@ use nix::poll::{PollFd, PollFlags, poll};
 use super::super::supervisor::poll_timeout;
 use super::Shared;
 use super::tasks::{Finished, Inner, TaskState, task_over};
+use crate::error::ProtocolRule;
 use crate::wire::{Channel, spin_window};
 use crate::{Error, Result};
 
@@ -41,8 +42,9 @@ impl Shared {
                     _ => unreachable!("just seen done"),
                 },
                 None => {
-                    break Err(Error::Protocol(
-                        "a Pool task that this pool does not know".into(),
+                    break Err(Error::protocol(
+                        ProtocolRule::Internal,
+                        "a Pool task that this pool does not know",
                     ));
                 }
                 Some(_) => {}

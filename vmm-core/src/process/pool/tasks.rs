@@ -9,6 +9,7 @@ use nix::sys::socket::MsgFlags;
 
 use super::Shared;
 use super::worker::{Worker, WorkerState};
+use crate::error::ProtocolRule;
 use crate::{Error, Result};
 
 /// How many workers a task is sent to at most: one that dies before taking the task off its
@@ -183,5 +184,5 @@ pub(super) fn clone_error(error: &Error) -> Error {
     postcard::to_stdvec(error)
         .ok()
         .and_then(|bytes| postcard::from_bytes(&bytes).ok())
-        .unwrap_or_else(|| Error::Protocol(error.to_string()))
+        .unwrap_or_else(|| Error::protocol(ProtocolRule::Internal, error.to_string()))
 }

@@ -42,6 +42,7 @@ use super::oob;
 use super::spill::{read_spill, spill_to_memfd};
 use super::sys::{self, MAX_FDS};
 use super::wait::{Deadline, deadline_after, peer_hung_up, wait_for, wait_readable};
+use crate::error::ProtocolRule;
 use crate::{Error, Result};
 
 mod spin;
@@ -236,11 +237,14 @@ impl Channel {
                     return Err(Error::Disconnected("send".into()));
                 }
                 Err(Errno::ETOOMANYREFS) => {
-                    return Err(Error::Protocol(format!(
-                        "sendmsg refused {} fds: too many fds in flight (ETOOMANYREFS); \
+                    return Err(Error::protocol(
+                        ProtocolRule::Fds,
+                        format!(
+                            "sendmsg refused {} fds: too many fds in flight (ETOOMANYREFS); \
                          the receiver must take messages before more are sent",
-                        raw.len()
-                    )));
+                            raw.len()
+                        ),
+                    ));
                 }
                 Err(e) => return Err(Error::errno("sendmsg(SCM_RIGHTS)", e)),
             }
@@ -368,14 +372,15 @@ impl Channel {
             received.fds,
         );
         // Every refusal below hands the packet's fds to `accept`'s discard.
-        let refuse = |fds: Vec<OwnedFd>, why: String| -> Result<Received> {
+        let refuse = |fds: Vec<OwnedFd>, rule: ProtocolRule, why: String| -> Result<Received> {
             accept.discard(fds);
-            Err(Error::Protocol(why))
+            Err(Error::protocol(rule, why))
         };
         if flags.contains(MsgFlags::MSG_CTRUNC) {
             let n = fds.len();
             return refuse(
                 fds,
+                ProtocolRule::Fds,
                 format!(
                     "control message truncated (MSG_CTRUNC): the sender's fds did not all \
                      arrive ({n} did, and were closed); is the process near its fd limit?"
@@ -394,7 +399,7 @@ impl Channel {
                     1 + max
                 ),
             };
-            return refuse(fds, why);
+            return refuse(fds, ProtocolRule::TooLarge, why);
         }
         // A zero-length read: the peer hung up, or sent an empty packet (which vmm_core::wire
         // never does: every packet has a tag).
@@ -403,6 +408,7 @@ impl Channel {
                 let n = fds.len();
                 return refuse(
                     fds,
+                    ProtocolRule::FrameByte,
                     format!(
                         "an empty packet ({n} fds, closed) from a peer that is still \
                          connected: not sent by vmm_core::wire"
@@ -429,6 +435,7 @@ impl Channel {
                 };
                 return refuse(
                     fds,
+                    ProtocolRule::FrameByte,
                     format!(
                         "frame byte {tag} (vmm-core's internal framing: {what}; {len} bytes, \
                          {n} fd(s), closed unread) from an endpoint's peer: a peer message \
@@ -442,6 +449,7 @@ impl Channel {
                 let n = fds.len();
                 return refuse(
                     fds,
+                    ProtocolRule::FrameByte,
                     format!(
                         "frame byte 0 (a named endpoint's peer message of docs/protocol.md; \
                          {len} bytes, {n} fd(s), closed) on a channel between processes \
@@ -453,7 +461,7 @@ impl Channel {
                 let size = u64::from_le_bytes(payload[..].try_into().expect("8 bytes"));
                 let mut fds = fds;
                 let spill = fds.pop().ok_or_else(|| {
-                    Error::Protocol("large message arrived without its memfd".into())
+                    Error::protocol(ProtocolRule::Fds, "large message arrived without its memfd")
                 })?;
                 let bytes = read_spill(spill, size)?;
                 Ok(Some(Message { bytes, fds }))
@@ -461,6 +469,7 @@ impl Channel {
             (tag, _) => {
                 return refuse(
                     fds,
+                    ProtocolRule::FrameByte,
                     format!("unknown message tag {tag} ({len} bytes): not sent by vmm_core::wire"),
                 );
             }

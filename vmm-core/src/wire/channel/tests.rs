@@ -38,9 +38,13 @@ const ALL_SEALS: SealFlag = SealFlag::F_SEAL_WRITE
     .union(SealFlag::F_SEAL_GROW)
     .union(SealFlag::F_SEAL_SHRINK);
 
-fn protocol_error(result: Result<Message>) -> String {
+/// The message of a refusal, which must be by `rule`.
+fn protocol_error(result: Result<Message>, rule: ProtocolRule) -> String {
     match result {
-        Err(Error::Protocol(message)) => message,
+        Err(Error::Protocol { rule: got, message }) => {
+            assert_eq!(got, rule, "{message}");
+            message
+        }
         other => panic!("wanted Error::Protocol, got {other:?}"),
     }
 }
@@ -51,7 +55,7 @@ fn a_spill_header_of_a_terabyte_is_refused_before_any_allocation() {
     // Sparse: costs nothing to create, 1 TiB to read.
     let fd = memfd(1 << 40, ALL_SEALS);
     raw_packet(&a, &spill_header(1 << 40), &[fd.as_raw_fd()]);
-    let m = protocol_error(b.recv(Some(Duration::from_secs(5))));
+    let m = protocol_error(b.recv(Some(Duration::from_secs(5))), ProtocolRule::TooLarge);
     assert!(
         m.contains("1099511627776 bytes") && m.contains("MAX_MESSAGE"),
         "{m}"
@@ -66,7 +70,10 @@ fn each_reader_refuses_the_other_framing_by_its_frame_byte() {
     let (a, b) = Channel::pair().unwrap();
     // A peer message on an internal channel: named, not mistaken for a payload.
     a.send_peer(b"VMMI", &[], None).unwrap();
-    let m = protocol_error(b.recv(Some(Duration::from_secs(5))));
+    let m = protocol_error(
+        b.recv(Some(Duration::from_secs(5))),
+        ProtocolRule::FrameByte,
+    );
     assert!(
         m.contains("frame byte 0") && m.contains("peer message"),
         "{m}"
@@ -74,13 +81,19 @@ fn each_reader_refuses_the_other_framing_by_its_frame_byte() {
     // vmm-core's internal framing (inline, then spilled) at a peer's receive.
     let drop_fds: fn(Vec<OwnedFd>) = drop;
     a.send(b"internal", &[]).unwrap();
-    let m = protocol_error(b.recv_peer(Some(Duration::from_secs(5)), 1024, drop_fds));
+    let m = protocol_error(
+        b.recv_peer(Some(Duration::from_secs(5)), 1024, drop_fds),
+        ProtocolRule::FrameByte,
+    );
     assert!(
         m.contains("frame byte 2") && m.contains("internal framing"),
         "{m}"
     );
     a.send(&vec![7u8; INLINE_MAX + 1], &[]).unwrap();
-    let m = protocol_error(b.recv_peer(Some(Duration::from_secs(5)), 1024, drop_fds));
+    let m = protocol_error(
+        b.recv_peer(Some(Duration::from_secs(5)), 1024, drop_fds),
+        ProtocolRule::FrameByte,
+    );
     assert!(m.contains("frame byte 1") && m.contains("spilled"), "{m}");
     // Each reader still takes its own.
     a.send_peer(b"VMMI", &[], None).unwrap();
@@ -112,15 +125,15 @@ fn a_spill_whose_memfd_disagrees_or_is_unsealed_is_refused() {
     let (a, b) = Channel::pair().unwrap();
     let fd = memfd(20, ALL_SEALS);
     raw_packet(&a, &spill_header(10), &[fd.as_raw_fd()]);
-    let m = protocol_error(b.recv(None));
+    let m = protocol_error(b.recv(None), ProtocolRule::Fds);
     assert!(m.contains("holds 20 bytes, its header says 10"), "{m}");
     let fd = memfd(100_000, SealFlag::empty());
     raw_packet(&a, &spill_header(100_000), &[fd.as_raw_fd()]);
-    let m = protocol_error(b.recv(None));
+    let m = protocol_error(b.recv(None), ProtocolRule::Fds);
     assert!(m.contains("not sealed"), "{m}");
     let file = File::open("/proc/self/stat").unwrap();
     raw_packet(&a, &spill_header(100_000), &[file.as_raw_fd()]);
-    let m = protocol_error(b.recv(None));
+    let m = protocol_error(b.recv(None), ProtocolRule::Fds);
     assert!(m.contains("not a sealed memfd"), "{m}");
 }
 
@@ -128,7 +141,10 @@ fn a_spill_whose_memfd_disagrees_or_is_unsealed_is_refused() {
 fn an_empty_packet_from_a_live_peer_is_not_a_hang_up() {
     let (a, b) = Channel::pair().unwrap();
     send(a.as_raw_fd(), &[], MsgFlags::empty()).unwrap();
-    let m = protocol_error(b.recv(Some(Duration::from_secs(5))));
+    let m = protocol_error(
+        b.recv(Some(Duration::from_secs(5))),
+        ProtocolRule::FrameByte,
+    );
     assert!(m.contains("empty packet"), "{m}");
     a.send(b"still here", &[]).unwrap();
     assert_eq!(b.recv(None).unwrap().bytes, b"still here");
