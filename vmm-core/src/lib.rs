@@ -30,6 +30,7 @@ pub mod process;
 mod share;
 pub mod shm;
 pub mod testing;
+mod trace;
 pub mod wire;
 
 pub use error::{Error, Result};

@@ -14,6 +14,7 @@ use nix::sys::statfs::{FsType, HUGETLBFS_MAGIC, TMPFS_MAGIC, fstatfs};
 use nix::unistd::ftruncate;
 
 use crate::error::DescriptorRule;
+use crate::trace;
 use crate::{Error, Result};
 
 /// The seals every shared buffer carries: its size can never change, so no process can make
@@ -160,6 +161,7 @@ impl Mapping {
     /// Refused unless the file holds at least `len` bytes and is sealed against shrinking and
     /// growing: otherwise its owner could shrink it and make every access here fault (SIGBUS).
     pub(crate) fn map(fd: BorrowedFd<'_>, len: NonZeroUsize, facts: &FileFacts) -> Result<Mapping> {
+        let _span = trace::span!(DEBUG, "shm.map", bytes = len.get());
         if facts.fs_type != TMPFS_MAGIC {
             let fs = match facts.fs_type {
                 HUGETLBFS_MAGIC => "hugetlbfs".to_owned(),
