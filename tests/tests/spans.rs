@@ -2,7 +2,8 @@
 //! span, with its fields, as a subscriber sees it. A capturing layer records every span (name,
 //! parent, fields, including those recorded later) on the test's own thread, through
 //! `tracing::subscriber::with_default`, so tests running side by side see only their own spans.
-//! Remove a span from vmm-core and its test here fails.
+//! Remove a span from vmm-core and its test here fails. The CUDA test needs a GPU (it prints
+//! one SKIP line without one).
 //!
 //! The other half of the feature, that with it off nothing is compiled in, is a build check,
 //! not a test: see the README's "Tracing" section.
@@ -20,13 +21,15 @@ use tracing::subscriber::with_default;
 use tracing_subscriber::layer::{Context as LayerContext, Layer, SubscriberExt};
 use tracing_subscriber::registry::{LookupSpan, Registry};
 use vmm_core::Error;
+use vmm_core::cuda::{Device, ResourceOptions, VirtualMemoryResource};
 use vmm_core::peer::Session;
 use vmm_core::process::{Context, Pool, StartMethod};
 use vmm_core::shm::HostBuffer;
+use vmm_core::testing::{cuda_vmm_ipc, skip_unless};
 use vmm_core::wire::endpoint::{Allow, Credentials, Listener, ListenerOptions};
 use vmm_core::wire::tls::{PeerCheck, TlsConnector, TlsIdentity, TlsListener, TlsOptions};
 use vmm_tests::pki::{Leaf, LeafSpec, Pki, dns_name};
-use vmm_tests::unique_name;
+use vmm_tests::{filled_in, unique_name};
 
 const SIZE: usize = 1 << 20;
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -140,6 +143,30 @@ fn host_export_import_and_map_have_spans_with_their_sizes() {
     let map = one(&seen, "shm.map");
     assert_eq!(map.field("bytes"), Some(&*bytes));
     assert_eq!(map.parent, Some("shm.import"));
+}
+
+#[test]
+fn cuda_export_import_and_map_have_spans_with_sizes_and_chunks() {
+    if !skip_unless(cuda_vmm_ipc()) {
+        return;
+    }
+    let resource =
+        VirtualMemoryResource::new(&Device::new(0).unwrap(), ResourceOptions::default()).unwrap();
+    let buf = filled_in(&resource, 2);
+    let (alias, seen) = capture(|| resource.import(&buf.export().unwrap()).unwrap());
+    assert_eq!(alias.chunk_sizes(), buf.chunk_sizes());
+    let bytes = buf.size().to_string();
+    for name in ["cuda.export", "cuda.import"] {
+        let span = one(&seen, name);
+        assert_eq!(span.field("bytes"), Some(&*bytes), "{span:?}");
+        assert_eq!(span.field("chunks"), Some("2"), "{span:?}");
+        assert_eq!(span.field("handle_type"), Some("posix_fd"), "{span:?}");
+    }
+    // The import maps both chunks back to back in one reservation of their total size.
+    let map = one(&seen, "cuda.map");
+    assert_eq!(map.parent, Some("cuda.import"));
+    assert_eq!(map.field("chunks"), Some("2"), "{map:?}");
+    assert_eq!(map.field("bytes"), Some(&*bytes), "{map:?}");
 }
 
 fn fill(buf: HostBuffer) {
