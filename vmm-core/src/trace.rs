@@ -2,8 +2,8 @@
 //!
 //! Every instrumented call site writes [`span!`] and [`record!`] from here rather than the
 //! `tracing` macros, so that with the feature off there is no `tracing` dependency to compile
-//! and no code at run time: [`span!`] then expands to a unit value and [`record!`] to nothing,
-//! and neither evaluates its fields. A leaf module (it imports nothing of vmm-core), so any
+//! and no code at run time: [`span!`] then expands to a zero-sized `Off` and [`record!`] to
+//! nothing, and neither evaluates its fields. A leaf module (it imports nothing of vmm-core), so any
 //! module may use it without a cycle.
 //!
 //! The spans and their fields are listed in the README ("Tracing"). Fields are sizes, counts,
