@@ -15,6 +15,9 @@
 //! - [`testing`]: the runtime behind `#[ipc_test]`: fd accounting, requirement checks.
 //! - [`error`]: the one [`Error`] type, and the typed rules and steps its refusals name.
 //!
+//! With the feature `tracing`, the operations above emit `tracing` spans (export, import,
+//! map, spawn, join, accept, refuse); without it, nothing of it is compiled in.
+//!
 //! Linux only. A buffer crosses processes as fds, over an anonymous socketpair between processes
 //! vmm-core started or over a named endpoint that checks the peer's credentials, or (fabric
 //! allocations) as fabric handles over any transport you trust.
@@ -30,6 +33,7 @@ pub mod process;
 mod share;
 pub mod shm;
 pub mod testing;
+mod trace;
 pub mod wire;
 
 pub use error::{Error, Result};

@@ -16,6 +16,7 @@ use super::driver::{
     self, CUdeviceptr, CUmemAccessDesc, CUmemAllocationProp, CUmemGenericAllocationHandle,
 };
 use crate::Result;
+use crate::trace;
 
 /// A physical allocation (`cuMemCreate` or `cuMemImportFromShareableHandle`, of a POSIX fd or a
 /// fabric handle), released with `cuMemRelease`. Shared (`Arc`) by every mapping of it, so
@@ -236,6 +237,12 @@ impl Segment {
         chunks: impl IntoIterator<Item = Arc<Allocation>>,
         access: &[CUmemAccessDesc],
     ) -> std::result::Result<Self, (usize, crate::Error)> {
+        let span = trace::span!(
+            DEBUG,
+            "cuda.map",
+            bytes = reservation.size,
+            chunks = trace::Empty
+        );
         let mut segment = Segment {
             mappings: Vec::new(),
             reservation,
@@ -269,6 +276,7 @@ impl Segment {
             segment.mappings.push(mapping);
             offset += size;
         }
+        trace::record!(span, "chunks", segment.mappings.len());
         Ok(segment)
     }
 

@@ -13,6 +13,7 @@ use super::fabric_support;
 use super::handle::{Allocation, Reservation, Segment};
 use super::options::{Access, Granularity, HandleType, Location, ResourceOptions};
 use crate::error::{Chunk, DescriptorRule, IpcOp, IpcStep};
+use crate::trace;
 use crate::{Error, Result};
 
 /// `size` rounded up to a multiple of `granularity`, or an error naming what overflowed.
@@ -298,6 +299,13 @@ impl VirtualMemoryResource {
     /// A resource created with [`HandleType::None`] imports nothing ([`Error::InvalidOption`]):
     /// its buffers are not shareable, and an import is shared memory.
     pub fn import(&self, descriptor: &IpcDescriptor) -> Result<VirtualMemoryBuffer> {
+        let _span = trace::span!(
+            DEBUG,
+            "cuda.import",
+            bytes = descriptor.size(),
+            chunks = descriptor.chunk_sizes().len(),
+            handle_type = "posix_fd"
+        );
         if self.inner.options.handle_type == HandleType::None {
             return Err(Error::option(
                 "handle_type",
@@ -357,6 +365,14 @@ impl VirtualMemoryResource {
     ///
     /// A resource created with [`HandleType::None`] imports nothing, as for [`Self::import`].
     pub fn import_fabric(&self, descriptor: &FabricDescriptor) -> Result<VirtualMemoryBuffer> {
+        // Sizes and counts only: a fabric handle is a bearer token, never traced.
+        let _span = trace::span!(
+            DEBUG,
+            "cuda.import",
+            bytes = descriptor.size(),
+            chunks = descriptor.chunk_sizes().len(),
+            handle_type = "fabric"
+        );
         if self.inner.options.handle_type == HandleType::None {
             return Err(Error::option(
                 "handle_type",

@@ -17,6 +17,7 @@ use super::timeout::default_timeout;
 use super::tracker::{FateCell, Tracked, Tracker};
 use super::warm::WarmPool;
 use super::{forkserver, remote};
+use crate::trace;
 use crate::wire::{self, Channel};
 use crate::{Error, Result};
 
@@ -114,6 +115,13 @@ impl Context {
         F: Fn(A) + Copy,
         A: Serialize + DeserializeOwned,
     {
+        // Entered here, so that the export of a buffer argument nests in it; `pid` once made.
+        let span = trace::span!(
+            INFO,
+            "process.spawn",
+            method = self.method.name(),
+            pid = trace::Empty
+        );
         let entry = remote::registered::<F, A, ()>(f);
         let what = "the child's entry point for this function";
         // Checked before anything is encoded or made (see `Call::new`).
@@ -128,6 +136,7 @@ impl Context {
         let start = wire::encode(&start)?;
         let made = make(self.method, &self.env, hook::child_args(ChildKind::Test))?;
         let pid = made.child.pid();
+        trace::record!(span, "pid", pid.as_raw());
         let fate = Arc::new(FateCell::default());
         let process = Process::new(
             made.child,

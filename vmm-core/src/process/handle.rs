@@ -14,6 +14,7 @@ use super::status::{ChildError, ExitStatus, Observed, Outcome};
 use super::supervisor::{Incoming, Reaper, STATUS_REPORT_GRACE, Supervised, poll_timeout};
 use super::tracker::{Fate, FateCell};
 use crate::error::ProtocolRule;
+use crate::trace;
 use crate::{Error, Result};
 
 /// While a spawned child cannot be watched through a pidfd (none could be opened, at the fd
@@ -155,6 +156,12 @@ impl Process {
     /// status is then unknown). A `timeout` too large to represent (`Duration::MAX`) waits
     /// forever.
     pub fn join(mut self, timeout: Duration) -> Result<ExitStatus> {
+        let _span = trace::span!(
+            INFO,
+            "process.join",
+            method = self.method.name(),
+            pid = self.pid()
+        );
         let timed_out = self.wait_until(Instant::now().checked_add(timeout));
         if self.fate.get() == Fate::Running {
             self.fate.set(Fate::Finished);

@@ -13,6 +13,7 @@ use super::descriptor::HostDescriptor;
 use super::map::{self, Mapping};
 use crate::error::DescriptorRule;
 use crate::share::{check_range, imported_cannot_export};
+use crate::trace;
 use crate::{Error, Result};
 
 /// Host memory that other processes can map: a sealed memfd, mapped shared.
@@ -129,6 +130,7 @@ impl HostBuffer {
     /// [`import`](Self::import) with a cap of `max_size` bytes for this import, whatever the
     /// process-wide [`max_import_size`](super::max_import_size).
     pub fn import_capped(descriptor: &HostDescriptor, max_size: usize) -> Result<Self> {
+        let _span = trace::span!(DEBUG, "shm.import", bytes = descriptor.size);
         if descriptor.size > max_size {
             return Err(Error::LimitExceeded {
                 what: "importing a host buffer".into(),
@@ -171,6 +173,7 @@ impl HostBuffer {
     ///
     /// Refused for imported memory, like the CUDA path: forward the descriptor instead.
     pub fn export(&self) -> Result<HostDescriptor> {
+        let _span = trace::span!(DEBUG, "shm.export", bytes = self.inner.size);
         if self.inner.imported {
             return Err(imported_cannot_export("export"));
         }

@@ -15,6 +15,7 @@ use nix::unistd::ftruncate;
 
 use crate::error::DescriptorRule;
 use crate::error::ProtocolRule;
+use crate::trace;
 use crate::{Error, Result};
 
 /// The seals every shared buffer carries: its size can never change, so no process can make
@@ -161,6 +162,7 @@ impl Mapping {
     /// Refused unless the file holds at least `len` bytes and is sealed against shrinking and
     /// growing: otherwise its owner could shrink it and make every access here fault (SIGBUS).
     pub(crate) fn map(fd: BorrowedFd<'_>, len: NonZeroUsize, facts: &FileFacts) -> Result<Mapping> {
+        let _span = trace::span!(DEBUG, "shm.map", bytes = len.get());
         if facts.fs_type != TMPFS_MAGIC {
             let fs = match facts.fs_type {
                 HUGETLBFS_MAGIC => "hugetlbfs".to_owned(),

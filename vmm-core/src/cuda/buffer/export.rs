@@ -17,6 +17,7 @@ use crate::cuda::keeper;
 use crate::cuda::options::HandleType;
 use crate::error::{Chunk, IpcOp, IpcStep};
 use crate::share::imported_cannot_export;
+use crate::trace;
 use crate::wire::{FdOut, FdOwner, serialize_error};
 use crate::{Error, Result};
 
@@ -29,6 +30,13 @@ impl VirtualMemoryBuffer {
     /// [`Error::Ipc`] naming the chunk, whose source is [`Error::FdLimit`] when the process is
     /// at its fd limit; the fds taken so far are closed.
     pub fn export(&self) -> Result<IpcDescriptor> {
+        let _span = trace::span!(
+            DEBUG,
+            "cuda.export",
+            bytes = self.size(),
+            chunks = self.chunks().count(),
+            handle_type = "posix_fd"
+        );
         if self.is_imported() {
             return Err(imported_cannot_export("export"));
         }
@@ -92,6 +100,14 @@ impl VirtualMemoryBuffer {
     /// without [`HandleType::Fabric`] or [`HandleType::PosixFdAndFabric`]. A chunk that cannot
     /// be exported fails the whole export with an [`Error::Ipc`] naming the chunk.
     pub fn export_fabric(&self) -> Result<FabricDescriptor> {
+        // The handles are bearer tokens: the span names sizes and counts, never a handle byte.
+        let _span = trace::span!(
+            DEBUG,
+            "cuda.export",
+            bytes = self.size(),
+            chunks = self.chunks().count(),
+            handle_type = "fabric"
+        );
         if self.is_imported() {
             return Err(imported_cannot_export("export_fabric"));
         }

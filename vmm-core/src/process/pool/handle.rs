@@ -11,7 +11,7 @@ use super::super::timeout::default_timeout;
 use super::Shared;
 use super::tasks::TaskState;
 use crate::Result;
-use crate::wire;
+use crate::{trace, wire};
 
 /// A submitted task: [`join`](Self::join) it for its result. Dropping it unjoined cancels the
 /// task (see [`Pool::submit`](super::Pool::submit)).
@@ -57,6 +57,12 @@ impl<R: DeserializeOwned> TaskHandle<R> {
     /// was dropped first. It returns by `timeout` plus the time a kill takes; `Duration::MAX`
     /// waits forever.
     pub fn join(mut self, timeout: Duration) -> Result<R> {
+        let _span = trace::span!(
+            INFO,
+            "pool.join",
+            method = self.shared.method.name(),
+            task = self.id
+        );
         self.joined = true;
         let finished = self.shared.wait_for(self.id, timeout)?;
         let (bytes, fds) = finished.result?;

@@ -41,8 +41,8 @@ use super::protocol::Call;
 use super::timeout::default_timeout;
 use super::warm::{WarmOptions, WarmPool};
 use super::{remote, sys};
-use crate::wire;
 use crate::{Error, Result};
+use crate::{trace, wire};
 
 pub use handle::TaskHandle;
 use tasks::{Inner, Queued, TaskState};
@@ -199,6 +199,13 @@ impl Pool {
         A: Serialize + DeserializeOwned,
         R: Serialize + DeserializeOwned,
     {
+        // Entered here, so that the export of a buffer argument nests in it; `task` once queued.
+        let span = trace::span!(
+            INFO,
+            "pool.submit",
+            method = self.shared.method.name(),
+            task = trace::Empty
+        );
         let entry = remote::registered::<F, A, R>(f);
         let what = "the task's entry point for this function";
         // Checked before anything is encoded or queued (see `Call::new`).
@@ -214,6 +221,7 @@ impl Pool {
         }
         let id = inner.next_id;
         inner.next_id += 1;
+        trace::record!(span, "task", id);
         inner.tasks.insert(id, TaskState::Queued);
         inner.queue.push_back(Queued {
             id,

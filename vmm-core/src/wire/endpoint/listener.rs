@@ -13,6 +13,7 @@ use super::connection::{Connection, DEFAULT_TIMEOUT};
 use super::creds::{Allow, Credentials, overflow_note};
 use super::defuse::drain_socket;
 use super::name::{Name, SocketFile, bind_abstract, bind_path, seqpacket_socket};
+use crate::trace;
 use crate::wire::Channel;
 use crate::wire::wait::{Deadline, deadline_after, wait_readable};
 use crate::{Error, Result};
@@ -204,6 +205,14 @@ impl Listener {
         greeting: &dyn Greeting,
         admit: &mut dyn FnMut(&Credentials) -> std::result::Result<(), String>,
     ) -> Result<Connection> {
+        // The whole wait, refusals nested in it; the admitted peer's pid and uid once known.
+        let span = trace::span!(
+            INFO,
+            "endpoint.accept",
+            endpoint = %self.name,
+            pid = trace::Empty,
+            uid = trace::Empty
+        );
         let started = Instant::now();
         let deadline = timeout.map_or(Deadline::Never, deadline_after);
         let timed_out = || Error::Timeout {
@@ -268,6 +277,8 @@ impl Listener {
                 Err(Error::Disconnected(_) | Error::Timeout { .. }) => continue,
                 Err(e) => return Err(e),
             }
+            trace::record!(span, "pid", peer.pid);
+            trace::record!(span, "uid", peer.uid);
             return Ok(Connection::new(
                 channel,
                 peer,
@@ -302,6 +313,14 @@ impl Listener {
         reason: &str,
         why: &str,
     ) {
+        let _span = trace::span!(
+            INFO,
+            "endpoint.refuse",
+            endpoint = %self.name,
+            pid = peer.pid,
+            uid = peer.uid,
+            gid = peer.gid
+        );
         // Its further sends fail (EPIPE), so the drain below ends. What it queued comes out
         // defused (see `defuse`): sockets closed here without waiting, the rest to the closers.
         let _ = nix::sys::socket::shutdown(channel.as_raw_fd(), nix::sys::socket::Shutdown::Read);

@@ -17,6 +17,7 @@ use super::handshake::TlsAcceptor;
 use super::options::TlsOptions;
 use super::stream::{DeadlineSocket, TlsStream, reason};
 use crate::error::TlsReason;
+use crate::trace;
 use crate::wire::endpoint::{LOG_BURST, LOG_INTERVAL};
 use crate::{Error, Result};
 
@@ -115,6 +116,8 @@ impl TlsListener {
     /// forever); [`Error::Timeout`] when none did in time. Refused clients do not end the
     /// wait. Out of fds, it returns [`Error::FdLimit`] at once (the connection stays queued).
     pub fn accept(&self, timeout: Option<Duration>) -> Result<TlsStream> {
+        // The whole wait, refusals nested in it; the admitted client's address once known.
+        let span = trace::span!(INFO, "tls.accept", peer = trace::Empty);
         let started = Instant::now();
         let deadline = timeout.and_then(|t| started.checked_add(t));
         let mut pending = lock(&self.pending);
@@ -151,6 +154,7 @@ impl TlsListener {
                     Progress::Done => {
                         let p = pending.swap_remove(i);
                         if let Some(stream) = self.finish(p) {
+                            trace::record!(span, "peer", trace::display(stream.peer_addr()));
                             return Ok(stream);
                         }
                     }
@@ -247,6 +251,8 @@ impl TlsListener {
     }
 
     fn refuse(&self, peer: SocketAddr, reason: Option<TlsReason>) {
+        // `reason` is a kind (a certificate rule, a timeout), never certificate or key bytes.
+        let _span = trace::span!(INFO, "tls.refuse", peer = %peer, reason = ?reason);
         {
             let mut refused = lock(&self.refused);
             if refused.len() == REFUSALS_KEPT {
