@@ -1,6 +1,8 @@
 //! vmm-core's module graph, checked against the README's "Architecture" table: every top-level
 //! module has a row, imports only the modules its row allows, and no two modules import each
-//! other, directly or around a circle.
+//! other, directly or around a circle. Inside a module the same holds for files: no two files
+//! of one module import each other around a circle (one known exception, `KNOWN_FILE_CIRCLES`),
+//! and each file of `cuda/` imports only files its `mod.rs` Layout table lists before it.
 //!
 //! The sources and the README are embedded at build time (see `build.rs`), so this runs
 //! wherever the test executable runs. An "import" is any path that leaves the module: `crate::x`
@@ -543,4 +545,306 @@ fn raw_string_len(rest: &[char]) -> Option<usize> {
         j += 1;
     }
     Some(rest.len())
+}
+
+// ---- Files inside a module --------------------------------------------------------------------
+
+/// Known circles between files, as pairs of files whose imports of each other are not counted.
+/// Each entry is an explicit, temporary exception, removed with the circle.
+const KNOWN_FILE_CIRCLES: &[(&str, &str)] = &[
+    // Issue 24 item 5 (the pool owned by one type) untangles the pool's tasks and worker.
+    ("process::pool::tasks", "process::pool::worker"),
+    // Issue 24 item 4: cuda/ layered by file (next commit).
+    ("cuda::device", "cuda::fabric_support"),
+    // Found by this check, broken in the next commit.
+    ("wire::channel", "wire::spill"),
+    ("wire::tls::options", "wire::tls::verify"),
+];
+
+#[test]
+fn no_two_files_inside_a_module_import_each_other_around_a_circle() {
+    let mut graph = file_graph(SOURCES);
+    for (a, b) in KNOWN_FILE_CIRCLES {
+        let mut removed = 0;
+        for (from, to) in [(a, b), (b, a)] {
+            if let Some(edges) = graph.get_mut(*from) {
+                removed += usize::from(edges.remove(*to).is_some());
+            }
+        }
+        assert_eq!(
+            removed, 2,
+            "`{a}` and `{b}` no longer import each other: remove them from KNOWN_FILE_CIRCLES"
+        );
+    }
+    if let Some(cycle) = find_cycle(&graph) {
+        let steps: Vec<String> = cycle
+            .windows(2)
+            .map(|pair| {
+                let evidence = &graph[&pair[0]][&pair[1]];
+                format!("{} -> {} (at {})", pair[0], pair[1], places(evidence))
+            })
+            .collect();
+        panic!("import cycle between files:\n{}", steps.join("\n"));
+    }
+}
+
+#[test]
+fn scanner_finds_file_cycles_inside_a_module() {
+    let sources: &[(&str, &str)] = &[
+        ("lib.rs", "pub mod m; mod other;"),
+        (
+            "m/mod.rs",
+            "mod a; mod b; mod c; mod d; mod e;\npub use c::Reexported;\nuse crate::other::Q;",
+        ),
+        ("m/a.rs", "use super::b::X;\nuse crate::other::Y;"),
+        ("m/b.rs", "use crate::m::{c::{self, Z}, d};"),
+        // Closes a -> b -> c -> a. (A glob from a file's own inline module is the file itself.)
+        (
+            "m/c.rs",
+            "fn f() { super::a::g(); }\nmod tests { use super::*; }",
+        ),
+        (
+            "m/d.rs",
+            // `super::Reexported` is `c`'s: the module file re-exports it from `c`.
+            "use super::Reexported;\nmod inner { use super::super::e; }\n\
+             #[cfg(test)]\nmod unit { use super::super::b; }",
+        ),
+        ("m/e.rs", ""),
+        ("other.rs", "use crate::m::a::W;"),
+    ];
+    let graph = file_graph(sources);
+    let edges = |from: &str| -> Vec<&str> {
+        graph
+            .get(from)
+            .map(|e| e.keys().map(String::as_str).collect())
+            .unwrap_or_default()
+    };
+    assert_eq!(edges("m::a"), ["m::b"]);
+    assert_eq!(edges("m::b"), ["m::c", "m::d"]);
+    assert_eq!(edges("m::c"), ["m::a"]);
+    assert_eq!(
+        edges("m::d"),
+        ["m::c", "m::e"],
+        "not `m::b`: only a unit test uses it"
+    );
+    assert!(
+        edges("m").is_empty(),
+        "a module file's `mod x;` and `pub use x::..` are not imports"
+    );
+    assert!(
+        edges("other").is_empty(),
+        "edges between modules are the module graph's"
+    );
+    assert_eq!(graph["m::c"]["m::a"], ["m/c.rs:1"]);
+    let cycle = find_cycle(&graph).expect("m::a -> m::b -> m::c -> m::a");
+    assert_eq!(cycle, ["m::a", "m::b", "m::c", "m::a"]);
+
+    let broken: Vec<(&str, &str)> = sources
+        .iter()
+        .map(|&(path, text)| {
+            if path == "m/c.rs" {
+                (path, "")
+            } else {
+                (path, text)
+            }
+        })
+        .collect();
+    assert_eq!(find_cycle(&file_graph(&broken)), None);
+}
+
+/// Every source file as a node: `cuda/buffer/mod.rs` is `cuda::buffer`, `cuda/handle.rs` is
+/// `cuda::handle`.
+fn file_nodes(sources: &[(&str, &str)]) -> BTreeSet<String> {
+    sources
+        .iter()
+        .filter(|(path, _)| *path != "lib.rs")
+        .map(|(path, _)| file_module_path(path).join("::"))
+        .collect()
+}
+
+/// For each module file (`mod.rs`): the names it re-exports from its own child files
+/// (`pub use device::{Device, availability}` maps both names to `cuda::device`).
+fn module_file_reexports(
+    sources: &[(&str, &str)],
+    files: &BTreeSet<String>,
+) -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut out: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    for (path, text) in sources {
+        if !path.ends_with("/mod.rs") {
+            continue;
+        }
+        let module = file_module_path(path).join("::");
+        let tokens = tokens(&code_only(text));
+        for (i, token) in tokens.iter().enumerate() {
+            if token.text != "use" || tokens.get(i + 2).is_none_or(|t| t.text != "::") {
+                continue;
+            }
+            let child = format!("{module}::{}", tokens[i + 1].text);
+            if !files.contains(&child) {
+                continue;
+            }
+            for name in tree_heads(&tokens, i + 3) {
+                out.entry(module.clone())
+                    .or_default()
+                    .insert(name, child.clone());
+            }
+        }
+    }
+    out
+}
+
+/// Every edge between two files of the same top-level module, with where it comes from. An
+/// import is a `crate::` path or a `super::` chain, resolved to the deepest file it names; a name
+/// a module file re-exports from one of its files is that file's. Imports inside an inline
+/// `#[cfg(test)] mod` are left out (a unit test may use any file of its module); a module file's
+/// `mod x;` and `pub use x::..` declare, they do not import.
+fn file_graph(sources: &[(&str, &str)]) -> Graph {
+    let files = file_nodes(sources);
+    let reexports = module_file_reexports(sources, &files);
+    let resolve = |path: &[String]| -> Option<String> {
+        let mut found = None;
+        for len in 1..=path.len() {
+            let candidate = path[..len].join("::");
+            if files.contains(&candidate) {
+                found = Some(candidate);
+            } else {
+                break;
+            }
+        }
+        let found = found?;
+        let depth = found.split("::").count();
+        Some(
+            path.get(depth)
+                .and_then(|next| reexports.get(&found)?.get(next))
+                .cloned()
+                .unwrap_or(found),
+        )
+    };
+    let mut graph = Graph::new();
+    for (path, text) in sources {
+        if *path == "lib.rs" {
+            continue;
+        }
+        let file_module = file_module_path(path);
+        let own = file_module.join("::");
+        let tokens = tokens(&code_only(text));
+        // Inline `mod name { ... }` blocks: (name, brace depth inside it, under `#[cfg(test)]`).
+        let mut inline: Vec<(String, usize, bool)> = Vec::new();
+        let mut depth = 0usize;
+        let mut i = 0;
+        while i < tokens.len() {
+            let token = &tokens[i];
+            match token.text.as_str() {
+                "{" => depth += 1,
+                "}" => {
+                    if inline.last().is_some_and(|(_, d, _)| *d == depth) {
+                        inline.pop();
+                    }
+                    depth = depth.saturating_sub(1);
+                }
+                "mod" if tokens.get(i + 2).is_some_and(|t| t.text == "{") => {
+                    let cfg_test = i >= 7
+                        && tokens[i - 7..i]
+                            .iter()
+                            .map(|t| t.text.as_str())
+                            .eq(["#", "[", "cfg", "(", "test", ")", "]"]);
+                    inline.push((tokens[i + 1].text.clone(), depth + 1, cfg_test));
+                }
+                _ => {}
+            }
+            // A unit test may use any file of its module: its imports are not the file's.
+            let in_test = inline.iter().any(|(_, _, test)| *test);
+            let starts_path = i == 0 || tokens[i - 1].text != "::";
+            let next_is_path = tokens.get(i + 1).is_some_and(|t| t.text == "::");
+            let mut targets = Vec::new();
+            if starts_path && next_is_path && token.text == "crate" {
+                targets = tree_paths(&tokens, i + 2);
+            } else if starts_path && next_is_path && token.text == "super" {
+                let mut here: Vec<String> = file_module.clone();
+                here.extend(inline.iter().map(|(name, _, _)| name.clone()));
+                let mut j = i;
+                while tokens.get(j).is_some_and(|t| t.text == "super")
+                    && tokens.get(j + 1).is_some_and(|t| t.text == "::")
+                {
+                    here.pop();
+                    j += 2;
+                }
+                targets = tree_paths(&tokens, j)
+                    .into_iter()
+                    .map(|tail| here.iter().cloned().chain(tail).collect())
+                    .collect();
+                i = j - 1;
+            }
+            for target in targets {
+                if in_test || target.first() != file_module.first() {
+                    continue;
+                }
+                if let Some(to) = resolve(&target)
+                    && to != own
+                {
+                    graph
+                        .entry(own.clone())
+                        .or_default()
+                        .entry(to)
+                        .or_default()
+                        .push(format!("{path}:{}", token.line));
+                }
+            }
+            i += 1;
+        }
+    }
+    for edges in graph.values_mut() {
+        for evidence in edges.values_mut() {
+            evidence.dedup();
+        }
+    }
+    graph
+}
+
+/// Every path of the use tree (or inline path) starting at `tokens[at]`, as its names:
+/// `x::{a, b::{c, d}}` gives `x::a`, `x::b::c`, `x::b::d`. A path ends at the first token that is
+/// not a name followed by `::`.
+fn tree_paths(tokens: &[Token], at: usize) -> Vec<Vec<String>> {
+    fn subtree(tokens: &[Token], mut at: usize, prefix: Vec<String>) -> (Vec<Vec<String>>, usize) {
+        let mut prefix = prefix;
+        loop {
+            let Some(token) = tokens.get(at) else {
+                return (vec![prefix], at);
+            };
+            if token.text == "{" {
+                let mut out = Vec::new();
+                at += 1;
+                loop {
+                    match tokens.get(at).map(|t| t.text.as_str()) {
+                        None => return (out, at),
+                        Some("}") => return (out, at + 1),
+                        Some(",") => at += 1,
+                        Some(_) => {
+                            let (paths, end) = subtree(tokens, at, prefix.clone());
+                            out.extend(paths);
+                            // Skip what follows the path (`as name`, `*`) up to `,` or `}`.
+                            at = end.max(at + 1);
+                            while let Some(t) = tokens.get(at) {
+                                if t.text == "," || t.text == "}" {
+                                    break;
+                                }
+                                at += 1;
+                            }
+                        }
+                    }
+                }
+            }
+            let is_name = token.text.chars().all(|c| c.is_alphanumeric() || c == '_');
+            if !is_name {
+                return (vec![prefix], at);
+            }
+            prefix.push(token.text.clone());
+            if tokens.get(at + 1).is_some_and(|t| t.text == "::") {
+                at += 2;
+            } else {
+                return (vec![prefix], at + 1);
+            }
+        }
+    }
+    subtree(tokens, at, Vec::new()).0
 }
