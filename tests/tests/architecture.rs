@@ -554,11 +554,6 @@ fn raw_string_len(rest: &[char]) -> Option<usize> {
 const KNOWN_FILE_CIRCLES: &[(&str, &str)] = &[
     // Issue 24 item 5 (the pool owned by one type) untangles the pool's tasks and worker.
     ("process::pool::tasks", "process::pool::worker"),
-    // Issue 24 item 4: cuda/ layered by file (next commit).
-    ("cuda::device", "cuda::fabric_support"),
-    // Found by this check, broken in the next commit.
-    ("wire::channel", "wire::spill"),
-    ("wire::tls::options", "wire::tls::verify"),
 ];
 
 #[test]

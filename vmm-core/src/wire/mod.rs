@@ -27,7 +27,7 @@ mod wait;
 
 pub use authenticated::{AuthenticatedStream, CallerAuthenticated};
 pub(crate) use channel::spin_window;
-pub use channel::{Channel, INLINE_MAX, MAX_MESSAGE, MAX_SPIN_US, Message, SPIN_VAR};
+pub use channel::{Channel, INLINE_MAX, MAX_SPIN_US, Message, SPIN_VAR};
 pub use fd::Fd;
 pub(crate) use fd::{FdIn, FdOut, FdOwner};
 pub use oob::{
@@ -35,6 +35,7 @@ pub use oob::{
     serialize_owned_fd, serialize_shared_fd,
 };
 pub use queue::Queue;
+pub use spill::MAX_MESSAGE;
 pub use sys::MAX_FDS;
 pub use timed::TimedStream;
 pub(crate) use wait::wait_hangup;

@@ -10,9 +10,12 @@ use std::os::unix::fs::FileExt;
 use nix::fcntl::{FcntlArg, SealFlag, fcntl};
 use nix::sys::memfd::{MFdFlags, memfd_create};
 
-use super::channel::MAX_MESSAGE;
 use crate::error::ProtocolRule;
 use crate::{Error, Result};
+
+/// The largest payload one message may carry (1 GiB): a sender refuses more, and a receiver
+/// refuses a spilled payload whose header (or memfd) claims more before allocating anything.
+pub const MAX_MESSAGE: usize = 1 << 30;
 
 /// Write `bytes` to a new memfd sealed against writing, resizing and further seals.
 pub(crate) fn spill_to_memfd(bytes: &[u8]) -> Result<OwnedFd> {

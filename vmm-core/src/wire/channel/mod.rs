@@ -39,7 +39,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::oob;
-use super::spill::{read_spill, spill_to_memfd};
+use super::spill::{MAX_MESSAGE, read_spill, spill_to_memfd};
 use super::sys::{self, MAX_FDS};
 use super::wait::{Deadline, deadline_after, peer_hung_up, wait_for, wait_readable};
 use crate::error::ProtocolRule;
@@ -51,10 +51,6 @@ pub use spin::{MAX_SPIN_US, SPIN_VAR};
 
 /// Payloads up to this many bytes travel inside the packet; larger ones in a sealed memfd.
 pub const INLINE_MAX: usize = 64 * 1024;
-
-/// The largest payload one message may carry (1 GiB): a sender refuses more, and a receiver
-/// refuses a spilled payload whose header (or memfd) claims more before allocating anything.
-pub const MAX_MESSAGE: usize = 1 << 30;
 
 /// Frame byte: a named endpoint's peer message (docs/protocol.md), inline.
 const FRAME_PEER: u8 = 0x00;

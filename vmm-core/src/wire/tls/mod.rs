@@ -55,6 +55,7 @@ pub use handshake::{TlsAcceptor, TlsConnector};
 pub use listener::{MAX_HANDSHAKES, TlsListener, TlsRefusal};
 pub use options::{
     DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MESSAGE_TIMEOUT, MAX_ALLOWED_PEERS, PeerCheck, TlsIdentity,
-    TlsOptions, spki_sha256,
+    TlsOptions,
 };
 pub use stream::TlsStream;
+pub use verify::spki_sha256;

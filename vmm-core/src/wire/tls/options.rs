@@ -87,7 +87,7 @@ pub enum PeerCheck {
     /// as TLS matches server names).
     Names(Vec<String>),
     /// The SHA-256 of the peer certificate's DER `SubjectPublicKeyInfo` must be one of these
-    /// ([`spki_sha256`] computes it from a certificate).
+    /// ([`spki_sha256`](super::spki_sha256) computes it from a certificate).
     SpkiSha256(Vec<[u8; 32]>),
 }
 
@@ -146,18 +146,6 @@ fn check_count(count: usize) -> Result<()> {
         ));
     }
     Ok(())
-}
-
-/// The SHA-256 of the DER `SubjectPublicKeyInfo` of the certificate `der`: the pin
-/// [`PeerCheck::SpkiSha256`] compares (what `openssl x509 -pubkey | openssl pkey -pubin
-/// -outform der | sha256sum` prints).
-pub fn spki_sha256(der: &[u8]) -> Result<[u8; 32]> {
-    let der = CertificateDer::from(der);
-    let cert = webpki::EndEntityCert::try_from(&der)
-        .map_err(|e| Error::option("certificate", format!("not a DER X.509 certificate ({e})")))?;
-    Ok(super::verify::sha256(
-        cert.subject_public_key_info().as_ref(),
-    ))
 }
 
 /// Everything one side of a mutual-TLS stream needs: its identity, the roots (and CRLs) it

@@ -138,6 +138,16 @@ impl PeerVerifier {
     }
 }
 
+/// The SHA-256 of the DER `SubjectPublicKeyInfo` of the certificate `der`: the pin
+/// [`PeerCheck::SpkiSha256`] compares (what `openssl x509 -pubkey | openssl pkey -pubin
+/// -outform der | sha256sum` prints).
+pub fn spki_sha256(der: &[u8]) -> Result<[u8; 32]> {
+    let der = CertificateDer::from(der);
+    let cert = webpki::EndEntityCert::try_from(&der)
+        .map_err(|e| Error::option("certificate", format!("not a DER X.509 certificate ({e})")))?;
+    Ok(sha256(cert.subject_public_key_info().as_ref()))
+}
+
 /// SHA-256 of `bytes`.
 pub(super) fn sha256(bytes: &[u8]) -> [u8; 32] {
     let digest = ring::digest::digest(&ring::digest::SHA256, bytes);
