@@ -584,6 +584,85 @@ fn no_two_files_inside_a_module_import_each_other_around_a_circle() {
 }
 
 #[test]
+fn cuda_files_import_only_files_listed_before_them_in_its_layout() {
+    let order = layout_order(SOURCES, "cuda/mod.rs");
+    let graph = file_graph(SOURCES);
+    let rank = |file: &str| -> Option<usize> {
+        let name = file.strip_prefix("cuda::")?.split("::").next()?;
+        order.iter().position(|listed| listed == name)
+    };
+    let mut problems = Vec::new();
+    // `cuda/mod.rs` itself declares and re-exports; a file that imports through it is told to
+    // name the file instead (`cuda` has no rank).
+    for file in file_nodes(SOURCES) {
+        if !file.starts_with("cuda::") {
+            continue;
+        }
+        if rank(&file).is_none() {
+            problems.push(format!("`{file}` has no row in cuda/mod.rs's Layout table"));
+        }
+    }
+    let in_cuda = |file: &str| file == "cuda" || file.starts_with("cuda::");
+    for (from, edges) in graph.iter().filter(|(from, _)| in_cuda(from)) {
+        for (to, evidence) in edges {
+            let ok = match (rank(from), rank(to)) {
+                (Some(f), Some(t)) => t <= f,
+                _ => false,
+            };
+            if !ok {
+                problems.push(format!(
+                    "`{from}` imports `{to}`, which cuda/mod.rs's Layout table does not list \
+                     before it (at {})",
+                    places(evidence)
+                ));
+            }
+        }
+    }
+    assert!(!order.is_empty(), "cuda/mod.rs has a Layout table");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn the_layout_parser_reads_names_in_order() {
+    let sources: &[(&str, &str)] = &[(
+        "m/mod.rs",
+        "//! Prose.\n//!\n//! | module | job |\n//! | --- | --- |\n//! | `low` | a |\n\
+         //! | [`high`] | b, [`x`] |\n//!\n//! | `later` | other table |\nmod low;",
+    )];
+    assert_eq!(layout_order(sources, "m/mod.rs"), ["low", "high"]);
+}
+
+/// The names in the first table of a module file's `//!` docs, in order.
+fn layout_order(sources: &[(&str, &str)], path: &str) -> Vec<String> {
+    let text = sources
+        .iter()
+        .find(|(p, _)| *p == path)
+        .map(|(_, text)| *text)
+        .unwrap_or_default();
+    let mut names = Vec::new();
+    let mut started = false;
+    for line in text.lines() {
+        let Some(doc) = line.strip_prefix("//!") else {
+            continue;
+        };
+        let doc = doc.trim();
+        if !doc.starts_with('|') {
+            if started {
+                break;
+            }
+            continue;
+        }
+        started = true;
+        let first = doc.trim_matches('|').split('|').next().unwrap_or("").trim();
+        let name = first.trim_start_matches('[').trim_end_matches(']');
+        if let Some(name) = name.strip_prefix('`').and_then(|n| n.strip_suffix('`')) {
+            names.push(name.to_owned());
+        }
+    }
+    names
+}
+
+#[test]
 fn scanner_finds_file_cycles_inside_a_module() {
     let sources: &[(&str, &str)] = &[
         ("lib.rs", "pub mod m; mod other;"),

@@ -22,8 +22,11 @@
 //!
 //! # Layout
 //!
-//! Layered like cudarc (sys, then result, then safe types). Each module has one job, and each
-//! uses only the modules listed before it:
+//! Layered like cudarc (sys, then result, then safe types): the driver's FFI, then the handles,
+//! then the data a buffer is described by (options, descriptors, fabric), then buffer and
+//! resource, and last the receiving side. Each module has one job, and each uses only the
+//! modules listed before it (`tests/tests/architecture.rs` checks this table against the
+//! imports):
 //!
 //! | module | job |
 //! | --- | --- |
@@ -32,7 +35,8 @@
 //! | `handle` | RAII over one driver object each (allocation, reservation, mapping, a segment of mappings): where the driver's `unsafe` contracts are discharged, by ownership and drop order |
 //! | `options` | [`ResourceOptions`] and its enums: plain data, checked before any driver call, translated to driver types here |
 //! | `descriptor` | [`IpcDescriptor`], [`DeviceIdentity`], the layout rules a descriptor from another process must meet, its serde form |
-//! | [`fabric`] | [`FabricDescriptor`] (fabric handles: plain data, any transport), its rules and serde form, [`Device::check_fabric`] |
+//! | [`fabric`] | [`FabricDescriptor`] (fabric handles: plain data, any transport), its rules and serde form |
+//! | `fabric_support` | whether this process can use fabric handles ([`Device::check_fabric`], [`fabric_availability`]) and what the driver's refusals of a fabric call mean |
 //! | `keeper` | keeps a fabric buffer in flight alive until its receiver has imported it (one thread per process, started on first use) |
 //! | `buffer` | [`VirtualMemoryBuffer`]: copies, [`export`](VirtualMemoryBuffer::export), [`export_fabric`](VirtualMemoryBuffer::export_fabric), sending (`Serialize`) |
 //! | `resource` | [`VirtualMemoryResource`]: allocate, grow, [`import`](VirtualMemoryResource::import) and [`import_fabric`](VirtualMemoryResource::import_fabric) (validate, import, reserve, map, set access, or roll back) |

@@ -1,6 +1,7 @@
 //! [`VirtualMemoryBuffer`]: a contiguous device address range made of chunks, and its copies.
 //! How it leaves this process is [`export`]'s job (an export, or a send as a fresh export); how
-//! one arrives is [`import`]'s (into this process's importer for its device and location).
+//! one arrives ([`VirtualMemoryBuffer::import`], the buffer's `Deserialize`) is the `importer`
+//! module's (into this process's importer for its device and location).
 
 use std::sync::Arc;
 
@@ -13,7 +14,6 @@ use crate::Result;
 use crate::share::check_range;
 
 mod export;
-mod import;
 
 /// A range of device virtual memory backed by one or more chunks mapped back to back.
 ///
