@@ -108,7 +108,8 @@
 // - role: the pre-`main` hook and `init`: a started process takes its role
 // - server: the forkserver's own loop (forks children)
 // - entry: a child's life: (warm-up,) start message, its call, report, exit
-// - worker: a pool worker's life: warm-up, then calls from its task socket until it closes
+// - task_loop: a pool worker's life (the child's side): warm-up, then calls from its task socket
+//   until it closes
 // - remote: one remote call (the entry point registered for a function, the `Call` naming it,
 //   running it in the child), for single-use children and pool tasks alike
 // - entries: the entry table (what a child may run on its parent's word) and its lookup
@@ -142,10 +143,10 @@ mod server;
 mod status;
 mod supervisor;
 mod sys;
+mod task_loop;
 mod timeout;
 pub(crate) mod tracker;
 mod warm;
-mod worker;
 
 pub use crate::error::StartMethod;
 pub use context::Context;
