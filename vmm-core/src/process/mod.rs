@@ -116,9 +116,11 @@
 // - child: what every child does (exit codes, die with the parent, record panics, warm up)
 // - tracker: a child's fate, and the `Tracker` a `Context` tells of each child it starts
 //   (`testing` keeps `#[ipc_test]`'s registry behind it)
-// - supervisor: `Supervised`, the one supervised child (pid, pidfd, channel, output, what is
-//   known of its end; kill, reap, waits by deadline) that `Process`, a waiting
-//   warm child and a pool worker are built on
+// - supervisor: `Child`, the one held child (pid, pidfd, channel, output, what is known of
+//   its end; kill, reap, waits by deadline). One noun for it: every holder keeps a `Child` and
+//   is named for what it is to it: `Process` (the user's handle, public), `NewChild` (just
+//   made, not yet handed over), `WaitingChild` (in the warm pool), a pool's `Worker` (a child
+//   plus its task socket); `TrackedChild` is a tracker's view of one, from outside
 // - output: a child's captured stdout and stderr, read from the end up to the output cap
 // - launch: posix_spawn of /proc/self/exe on the launcher thread
 // - hook: the argv a re-executed child needs, from the harness (`testing` installs libtest's)
