@@ -30,10 +30,9 @@ fn read_back_and_reply(buf: HostBuffer) {
     buf.write_at(0, &pattern(2, buf.size())).unwrap();
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn host_buffer_as_argument(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn host_buffer_as_argument(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let buf = HostBuffer::new(1 << 20).unwrap();
     buf.write_at(0, &pattern(1, buf.size())).unwrap();
@@ -51,10 +50,9 @@ fn read_from_queue(queue: Queue<HostBuffer>) {
     read_back_and_reply(buf);
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn host_buffer_through_queue(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn host_buffer_through_queue(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let queue = Queue::new().unwrap();
     let child = Context::new(method)
@@ -67,10 +65,9 @@ fn host_buffer_through_queue(
     assert_eq!(buf.to_vec(), pattern(2, buf.size()));
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn fd_count_returns_to_baseline(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn fd_count_returns_to_baseline(#[all_methods] method: StartMethod) {
     let _guard = exclusive();
     ensure_running().unwrap();
     let buf = HostBuffer::new(1 << 16).unwrap();
@@ -108,10 +105,9 @@ fn panics(message: String) {
     panic!("{message}");
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn child_panic_is_reported(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn child_panic_is_reported(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let child = Context::new(method)
         .spawn(panics, "the child's own words".to_owned())
@@ -160,10 +156,9 @@ fn alive(pid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn hanging_child_is_killed_at_timeout(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn hanging_child_is_killed_at_timeout(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let child = Context::new(method).spawn(hang, ()).unwrap();
     let pid = child.pid();
@@ -310,11 +305,9 @@ fn middle(args: (StartMethod, HostDescriptor, Queue<u32>)) {
         .unwrap();
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn nested_children(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] outer: StartMethod,
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] inner: StartMethod,
-) {
+fn nested_children(#[all_methods] outer: StartMethod, #[all_methods] inner: StartMethod) {
     let _guard = shared();
     let buf = HostBuffer::new(4096).unwrap();
     let queue = Queue::new().unwrap();
@@ -342,10 +335,9 @@ fn report_and_hang(queue: Queue<u32>) {
     std::thread::sleep(Duration::from_secs(600));
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn children_die_with_their_parent(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn children_die_with_their_parent(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let queue = Queue::new().unwrap();
     let child = Context::new(method)
@@ -630,10 +622,9 @@ fn report_env(queue: Queue<Option<String>>) {
         .unwrap();
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn with_env_reaches_the_child_before_its_function(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn with_env_reaches_the_child_before_its_function(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let queue = Queue::new().unwrap();
     Context::new(method)

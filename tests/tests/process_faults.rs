@@ -139,9 +139,10 @@ fn assert_protocol_violation(result: vmm_core::Result<ExitStatus>, method: Start
     );
 }
 
+#[vmm_core::all_methods]
 #[rstest]
 fn a_child_that_writes_garbage_on_its_channel_is_reaped_and_fails(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+    #[all_methods] method: StartMethod,
 ) {
     let _guard = shared();
     let child = Context::new(method)
@@ -152,10 +153,9 @@ fn a_child_that_writes_garbage_on_its_channel_is_reaped_and_fails(
     assert_reaped(pid, method);
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn a_dropped_child_that_wrote_garbage_on_its_channel_is_reaped(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn a_dropped_child_that_wrote_garbage_on_its_channel_is_reaped(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let child = Context::new(method)
         .spawn(scribble_on_own_channel, std::process::id() as i32)
@@ -181,10 +181,9 @@ fn exec_sleep(_: ()) {
     panic!("exec failed: {error}");
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn join_returns_by_its_deadline_when_the_child_execs(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn join_returns_by_its_deadline_when_the_child_execs(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let child = Context::new(method).spawn(exec_sleep, ()).unwrap();
     let pid = child.pid();
@@ -245,9 +244,10 @@ fn kill_stray(pid_file: &Path) {
     }
 }
 
+#[vmm_core::all_methods]
 #[rstest]
 fn join_returns_by_its_deadline_when_a_grandchild_holds_the_channel(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+    #[all_methods] method: StartMethod,
     #[values(false, true)] hang_after: bool,
 ) {
     let _guard = shared();
@@ -352,10 +352,9 @@ fn spawn_near_the_fd_limit(args: (StartMethod, String)) {
     println!("{} refused, {} ran", refused.len(), ran.len());
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn a_spawn_that_fails_at_the_fd_limit_never_runs_its_function(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn a_spawn_that_fails_at_the_fd_limit_never_runs_its_function(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let dir = scratch_path(&format!("markers-{method}"));
     let _ = std::fs::remove_dir_all(&dir);
@@ -371,10 +370,9 @@ fn a_spawn_that_fails_at_the_fd_limit_never_runs_its_function(
     result.unwrap();
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn duration_max_is_forever_for_join_wait_and_with_timeout(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn duration_max_is_forever_for_join_wait_and_with_timeout(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let ctx = Context::new(method);
     let status = ctx.spawn(noop, ()).unwrap().join(Duration::MAX).unwrap();
@@ -697,9 +695,10 @@ fn join_a_flooding_child_under_a_memory_limit((method, flood): (StartMethod, Flo
 /// child nothing), or writes 4 MiB to each, then panics: its parent reads the last
 /// `output_cap()` bytes of each, which hold the panic, says how much it cut, and its memory
 /// stays within a limit far below the flood (a parent that read it whole aborted on 1 TiB).
+#[vmm_core::all_methods]
 #[rstest]
 fn a_child_that_floods_its_captured_output_costs_its_parent_one_cap(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+    #[all_methods] method: StartMethod,
     #[values(Flood::Sparse, Flood::Written)] flood: Flood,
 ) {
     let _guard = shared();

@@ -400,7 +400,7 @@ fn read_back_and_reply(buf: HostBuffer) {
     buf.write_at(0, &pattern(2, buf.size())).unwrap();
 }
 
-#[ipc_test(methods = [spawn, forkserver, warm])]
+#[ipc_test(methods = all)]
 fn host_buffer_as_argument(ctx: &Context) {
     let _turn = turn();
     let buf = HostBuffer::new(LEN).unwrap();

@@ -38,4 +38,4 @@ pub mod wire;
 
 pub use error::{Error, Result};
 pub use share::SharedBuffer;
-pub use vmm_macros::ipc_test;
+pub use vmm_macros::{all_methods, ipc_test};

@@ -48,7 +48,8 @@ mod expand;
 /// All optional, in any order, each at most once:
 ///
 /// - `methods = [spawn, forkserver, warm]`: the start methods to run under, one test each, in the
-///   given order. Any non-empty subset; the default is `[spawn, forkserver]`. `warm` takes its
+///   given order. Any non-empty subset, or `methods = all` for every one (the one list, shared
+///   with [`macro@all_methods`]); the default is `[spawn, forkserver]`. `warm` takes its
 ///   children from the process's warm pool (`vmm_core::process::WarmPool::global()`: children started
 ///   ahead of need, CUDA initialised where there is a GPU, each still running one function);
 ///   its test fills the pool first (and, for a `thread_unsafe` test, waits until it is full, so
@@ -171,4 +172,27 @@ mod expand;
 #[proc_macro_attribute]
 pub fn ipc_test(attr: TokenStream, item: TokenStream) -> TokenStream {
     expand::ipc_test(attr.into(), item.into()).into()
+}
+
+/// Run an [`rstest`](https://docs.rs/rstest) test under every start method: each parameter
+/// marked `#[all_methods]` becomes `#[values(StartMethod::Spawn, StartMethod::Forkserver,
+/// StartMethod::Warm)]` (the parameter's type as written, then each variant), so that the
+/// list of start methods is written once, here, and the generated tests keep rstest's names
+/// (`method_1_StartMethod__Spawn`, ...). Put it above `#[rstest]`.
+///
+/// ```
+/// use rstest::rstest;
+/// use vmm_core::process::StartMethod;
+///
+/// #[vmm_core::all_methods]
+/// #[rstest]
+/// fn runs_under(#[all_methods] method: StartMethod) {
+///     assert!(StartMethod::ALL.contains(&method));
+/// }
+/// ```
+///
+/// `#[ipc_test]` says the same with `methods = all`.
+#[proc_macro_attribute]
+pub fn all_methods(attr: TokenStream, item: TokenStream) -> TokenStream {
+    expand::all_methods(attr.into(), item.into()).into()
 }

@@ -331,3 +331,61 @@ fn crate_option_errors() {
         );
     }
 }
+
+#[test]
+fn all_methods_gives_each_marked_parameter_every_start_method() {
+    let expanded = expansion::all_methods(
+        TokenStream::new(),
+        quote!(
+            #[rstest]
+            fn t(#[all_methods] outer: StartMethod, n: u32, #[all_methods] inner: StartMethod) {}
+        ),
+    );
+    let expected = quote!(
+        #[rstest]
+        fn t(
+            #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)]
+            outer: StartMethod,
+            n: u32,
+            #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)]
+            inner: StartMethod,
+        ) {
+        }
+    );
+    // rustfmt puts a trailing comma after the last parameter of `expected`.
+    assert_eq!(
+        expanded.to_string(),
+        expected.to_string().replace(" ,)", ")")
+    );
+}
+
+#[test]
+fn all_methods_refuses_arguments_and_a_function_with_no_marked_parameter() {
+    let item = quote!(
+        fn t(method: StartMethod) {}
+    );
+    let unmarked = expansion::all_methods(TokenStream::new(), item.clone()).to_string();
+    assert!(unmarked.contains("marks no parameter"), "{unmarked}");
+    let with_argument = expansion::all_methods(quote!(spawn), item).to_string();
+    assert!(
+        with_argument.contains("takes no arguments"),
+        "{with_argument}"
+    );
+}
+
+#[test]
+fn methods_all_expands_to_every_start_method() {
+    let all = expand(
+        quote!(methods = all),
+        quote!(
+            fn t(ctx: &Context) {}
+        ),
+    );
+    let listed = expand(
+        quote!(methods = [spawn, forkserver, warm]),
+        quote!(
+            fn t(ctx: &Context) {}
+        ),
+    );
+    assert_eq!(all, listed);
+}

@@ -48,7 +48,7 @@ pub(super) fn read_back_and_reply((buf, by_fabric): (VirtualMemoryBuffer, bool))
 #[rstest]
 #[case::posix_fd(HandleType::PosixFd, 1)]
 #[case::fabric(HandleType::Fabric, 2)]
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = all, skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn buffer_as_process_argument(
     #[ignore] ctx: &Context,
     #[case] handle_type: HandleType,
@@ -72,7 +72,7 @@ fn buffer_as_process_argument(
 #[rstest]
 #[case::posix_fd(HandleType::PosixFd)]
 #[case::fabric(HandleType::Fabric)]
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = all, skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn buffer_through_queue(#[ignore] ctx: &Context, #[case] handle_type: HandleType) {
     let _turn = shared();
     if !usable(handle_type) {

@@ -26,7 +26,7 @@ use vmm_tests::{contents, pattern};
 use super::handles::read_back_and_reply;
 use super::{TIMEOUT, filled, resource};
 
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
+#[ipc_test(methods = all, skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
 fn fd_count_returns_to_baseline(ctx: &Context) {
     let _turn = shared();
     ensure_running().unwrap();
@@ -59,7 +59,7 @@ fn read_grown(buf: VirtualMemoryBuffer) {
     assert_eq!(contents(&buf), pattern(1, 2 * g));
 }
 
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = all, skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn grown_two_chunk_buffer_reads_as_one_range(ctx: &Context) {
     let _turn = shared();
     let buf = filled(2);
@@ -122,7 +122,7 @@ fn refuse_malformed(descriptor: IpcDescriptor) {
     assert_eq!(contents(&buf), pattern(1, g));
 }
 
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = all, skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn malformed_descriptors_are_refused(ctx: &Context) {
     let _turn = shared();
     let buf = filled(1);
@@ -174,7 +174,7 @@ fn try_reexport(args: (VirtualMemoryBuffer, Queue<VirtualMemoryBuffer>, Queue<u8
     assert_eq!(ack.get(TIMEOUT).unwrap(), 1);
 }
 
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = all, skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn imported_buffer_is_not_exported_again(ctx: &Context) {
     let _turn = shared();
     let buf = filled(1);
@@ -193,7 +193,7 @@ fn imported_buffer_is_not_exported_again(ctx: &Context) {
     );
 }
 
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
+#[ipc_test(methods = all, skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
 fn imported_buffer_as_process_argument_is_refused(ctx: &Context) {
     let _turn = shared();
     ensure_running().unwrap();
@@ -242,7 +242,7 @@ fn importer_holds_no_fd(descriptor: IpcDescriptor) {
     assert_eq!(contents(&buf), pattern(1, buf.size()));
 }
 
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
+#[ipc_test(methods = all, skip_unless = vmm_core::testing::cuda_vmm_ipc(), thread_unsafe = "counts the process's open fds")]
 fn fds_live_only_in_descriptors(ctx: &Context) {
     let _turn = shared();
     ensure_running().unwrap();
@@ -313,7 +313,7 @@ fn write_every_chunk(buf: VirtualMemoryBuffer) {
     }
 }
 
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = all, skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn relocated_buffer_crosses_to_a_child_that_writes_every_chunk(ctx: &Context) {
     let _turn = shared();
     let resource = resource();
@@ -361,7 +361,7 @@ fn import_from_plain_fds(args: (Vec<Fd>, Vec<usize>, usize)) {
     read_back_and_reply((buf, false));
 }
 
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = all, skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn descriptor_fds_through_a_transport_of_ones_own(ctx: &Context) {
     let _turn = shared();
     let buf = filled(2);
@@ -401,7 +401,7 @@ fn receive_empty(args: (VirtualMemoryBuffer, Queue<VirtualMemoryBuffer>)) {
     check_empty(&queue.get(TIMEOUT).unwrap());
 }
 
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = all, skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn empty_buffer_as_argument_and_through_queue(ctx: &Context) {
     let _turn = shared();
     let empty = resource().allocate(0).unwrap();
@@ -425,7 +425,7 @@ fn write_half(args: (VirtualMemoryBuffer, usize)) {
         .unwrap();
 }
 
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = all, skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn two_children_share_one_buffer(ctx: &Context) {
     let _turn = shared();
     let buf = filled(2);
@@ -474,7 +474,7 @@ fn import_from_many_threads(descriptor: IpcDescriptor) {
     }
 }
 
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = all, skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn concurrent_imports_from_several_threads(ctx: &Context) {
     let _turn = shared();
     let buf = filled(2);
@@ -517,7 +517,7 @@ fn check_seven(buffers: Vec<VirtualMemoryBuffer>) {
     }
 }
 
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_vmm_ipc())]
+#[ipc_test(methods = all, skip_unless = vmm_core::testing::cuda_vmm_ipc())]
 fn seven_buffers_as_one_argument(ctx: &Context) {
     let _turn = shared();
     let resource = resource();

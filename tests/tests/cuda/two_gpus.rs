@@ -102,7 +102,7 @@ fn import_on_the_other_device(args: (IpcDescriptor, String)) {
     );
 }
 
-#[ipc_test(methods = [spawn, forkserver, warm], skip_unless = vmm_core::testing::cuda_devices(2))]
+#[ipc_test(methods = all, skip_unless = vmm_core::testing::cuda_devices(2))]
 fn two_gpus_import_from_the_other_device_with_peer_access(ctx: &Context) {
     let _turn = shared();
     let device = Device::new(0).unwrap();

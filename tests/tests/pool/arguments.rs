@@ -57,9 +57,10 @@ fn make_buffer(len: usize) -> HostDescriptor {
     buf.export().unwrap()
 }
 
+#[vmm_core::all_methods]
 #[rstest]
 fn arguments_are_imported_for_the_task_and_released_when_it_ends(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+    #[all_methods] method: StartMethod,
 ) {
     let _guard = shared();
     let pool = Pool::new(method, 1).unwrap();
@@ -133,9 +134,10 @@ fn never_runs(_: Refused) -> u32 {
     unreachable!("the argument is refused before the function runs")
 }
 
+#[vmm_core::all_methods]
 #[rstest]
 fn an_argument_the_worker_cannot_receive_fails_the_task_not_the_worker(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+    #[all_methods] method: StartMethod,
 ) {
     let _guard = shared();
     let pool = Pool::new(method, 1).unwrap();
@@ -192,10 +194,9 @@ fn panics(_: ()) -> usize {
     panic!("a task that fails on purpose")
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn host_buffers_through_a_pool(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn host_buffers_through_a_pool(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let pool = Pool::new(method, 2).unwrap();
     let baseline = run_task(&pool, count_fds, (), BUFFER_TIMEOUT);
@@ -231,10 +232,9 @@ fn filled(resource: &VirtualMemoryResource, seed: u8) -> VirtualMemoryBuffer {
     buf
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn gpu_buffers_through_a_pool_are_released_after_each_task(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn gpu_buffers_through_a_pool_are_released_after_each_task(#[all_methods] method: StartMethod) {
     let _guard = shared();
     if !skip_unless(cuda_vmm_ipc()) {
         return;

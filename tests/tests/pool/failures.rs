@@ -33,10 +33,9 @@ fn print_and_panic(word: String) -> String {
     panic!("task panicked on {word}");
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn a_panicking_task_fails_alone_and_its_worker_is_replaced(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn a_panicking_task_fails_alone_and_its_worker_is_replaced(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let pool = Pool::new(method, 2).unwrap();
     let before: BTreeSet<u32> = pool.pids().into_iter().collect();
@@ -92,10 +91,9 @@ fn die_by_signal(_: ()) -> u32 {
     unreachable!("killed")
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn a_worker_that_dies_fails_its_task_with_how_it_died(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn a_worker_that_dies_fails_its_task_with_how_it_died(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let pool = Pool::new(method, 1).unwrap();
     let first = next_worker(&pool);
@@ -120,10 +118,9 @@ fn a_worker_that_dies_fails_its_task_with_how_it_died(
     assert_eq!(state(first), None, "the dead worker was not reaped");
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn a_worker_killed_while_idle_is_replaced_before_its_next_task(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn a_worker_killed_while_idle_is_replaced_before_its_next_task(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let pool = Pool::new(method, 1).unwrap();
     let idle = pool.pids()[0];
@@ -147,9 +144,10 @@ fn count_run(runs: Queue<u32>) -> u32 {
 /// the task sits unread in its channel) never ran, so it runs on the replacement, once, rather
 /// than failing. A worker that dies after taking its task fails it instead
 /// (`a_worker_that_dies_fails_its_task_with_how_it_died`).
+#[vmm_core::all_methods]
 #[rstest]
 fn a_task_its_worker_died_before_taking_runs_on_the_replacement(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+    #[all_methods] method: StartMethod,
 ) {
     let _guard = shared();
     let pool = Pool::new(method, 1).unwrap();
@@ -231,9 +229,10 @@ fn shut_every_socket_and_die(runs: Queue<u32>) -> u32 {
 /// "No task runs twice" whatever a task does to its own process: a task that wipes every
 /// shared mapping of its worker, or shuts down every socket it has, and then dies ran once,
 /// and fails with how its worker died; it is never handed to a replacement.
+#[vmm_core::all_methods]
 #[rstest]
 fn a_hostile_task_that_kills_its_worker_runs_once(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+    #[all_methods] method: StartMethod,
     #[values("wipe shared memory", "shut every socket")] attack: &str,
 ) {
     let _guard = shared();
@@ -265,9 +264,10 @@ fn a_hostile_task_that_kills_its_worker_runs_once(
 
 /// A worker SIGKILLed an instant before a submit: the task may reach its channel before the
 /// kernel has finished it, but it never takes the task, so the task runs elsewhere.
+#[vmm_core::all_methods]
 #[rstest]
 fn a_task_submitted_just_after_its_worker_was_killed_runs_elsewhere(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+    #[all_methods] method: StartMethod,
 ) {
     let _guard = shared();
     let pool = Pool::new(method, 1).unwrap();
@@ -285,10 +285,9 @@ fn hang(started: Queue<u32>) -> u32 {
     0
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn a_task_past_its_timeout_is_killed_with_its_worker(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn a_task_past_its_timeout_is_killed_with_its_worker(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let pool = Pool::new(method, 1).unwrap();
     let started = Queue::new().unwrap();
@@ -322,10 +321,9 @@ fn a_task_past_its_timeout_is_killed_with_its_worker(
     assert_ne!(next_worker(&pool), worker);
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn dropping_an_unjoined_handle_cancels_its_task(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn dropping_an_unjoined_handle_cancels_its_task(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let pool = Pool::new(method, 1).unwrap();
     let started = Queue::new().unwrap();
@@ -340,10 +338,9 @@ fn dropping_an_unjoined_handle_cancels_its_task(
     assert_ne!(next_worker(&pool), worker);
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn dropping_the_pool_kills_and_reaps_every_worker(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn dropping_the_pool_kills_and_reaps_every_worker(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let pool = Pool::new(method, 3).unwrap();
     let pids = pool.pids();
@@ -374,10 +371,9 @@ fn dropping_the_pool_kills_and_reaps_every_worker(
     }
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn the_parents_fds_are_stable_across_tasks_and_replacements(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn the_parents_fds_are_stable_across_tasks_and_replacements(#[all_methods] method: StartMethod) {
     let _guard = exclusive();
     ensure_running().unwrap();
     WarmPool::global().fill().unwrap();
@@ -444,9 +440,10 @@ fn run_flooding_tasks_under_a_memory_limit((method, flood): (StartMethod, Flood)
 /// keeps of a task's output is its tail, with the panic, and a note of what was cut, and the
 /// process stays within a memory limit far below the flood (a parent that read it whole
 /// aborted on 1 TiB).
+#[vmm_core::all_methods]
 #[rstest]
 fn a_task_that_floods_its_workers_output_costs_the_pool_one_cap(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
+    #[all_methods] method: StartMethod,
     #[values(Flood::Sparse, Flood::Written)] flood: Flood,
 ) {
     let _guard = shared();

@@ -14,10 +14,9 @@ fn square(n: u64) -> (u32, u64) {
     (std::process::id(), n * n)
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn tasks_return_typed_results_from_the_workers(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn tasks_return_typed_results_from_the_workers(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let pool = Pool::new(method, 2).unwrap();
     assert_eq!(pool.method(), method);
@@ -39,10 +38,9 @@ fn tasks_return_typed_results_from_the_workers(
     assert_eq!(pool.pids().into_iter().collect::<BTreeSet<_>>(), workers);
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn tasks_joined_from_several_threads_all_get_their_own_results(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn tasks_joined_from_several_threads_all_get_their_own_results(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let pool = Pool::new(method, 2).unwrap();
     std::thread::scope(|scope| {
@@ -72,10 +70,9 @@ fn sleep_ms(ms: u64) -> u64 {
     ms
 }
 
+#[vmm_core::all_methods]
 #[rstest]
-fn a_quick_task_is_not_held_up_by_a_slow_one_joined_first(
-    #[values(StartMethod::Spawn, StartMethod::Forkserver, StartMethod::Warm)] method: StartMethod,
-) {
+fn a_quick_task_is_not_held_up_by_a_slow_one_joined_first(#[all_methods] method: StartMethod) {
     let _guard = shared();
     let pool = Pool::new(method, 2).unwrap();
     let slow = pool.submit(sleep_ms, 2000).unwrap();

@@ -12,9 +12,9 @@ use super::hook::{self, ChildKind};
 use super::launch::{self, Launch};
 use super::output::Output;
 use super::protocol::{Begin, Call, Start};
-use super::supervisor::{Made, Supervised};
+use super::supervisor::{Child, NewChild};
 use super::timeout::default_timeout;
-use super::tracker::{FateCell, Tracked, Tracker};
+use super::tracker::{FateCell, TrackedChild, Tracker};
 use super::warm::WarmPool;
 use super::{forkserver, remote};
 use crate::trace;
@@ -134,14 +134,14 @@ impl Context {
             method: self.method,
         });
         let start = wire::encode(&start)?;
-        let made = make(self.method, &self.env, hook::child_args(ChildKind::Test))?;
-        let pid = made.child.pid();
+        let new_child = make(self.method, &self.env, hook::child_args(ChildKind::Test))?;
+        let pid = new_child.child.pid();
         trace::record!(span, "pid", pid.as_raw());
         let fate = Arc::new(FateCell::default());
         let process = Process::new(
-            made.child,
+            new_child.child,
             self.method,
-            made.ready,
+            new_child.ready,
             Arc::clone(&fate),
             self.timeout,
         );
@@ -162,7 +162,7 @@ impl Context {
         drop(fds);
         drop(encoded);
         if let Some(tracker) = &self.tracker {
-            tracker.track(Tracked::new(pid, self.method, fate, process.pidfd()));
+            tracker.track(TrackedChild::new(pid, self.method, fate, process.pidfd()));
         }
         Ok(process)
     }
@@ -175,7 +175,7 @@ pub(crate) fn make(
     method: StartMethod,
     env: &[(String, String)],
     args: Vec<String>,
-) -> Result<Made> {
+) -> Result<NewChild> {
     let child = match method {
         StartMethod::Spawn => {
             let (ours, theirs) = Channel::pair()?;
@@ -188,17 +188,17 @@ pub(crate) fn make(
                 args,
                 env: env.to_vec(),
             })?;
-            Supervised::ours(pid, ours, output)
+            Child::ours(pid, ours, output)
         }
         StartMethod::Forkserver => {
             let (ours, theirs) = Channel::pair()?;
             let output = Output::new()?;
             let (pid, pidfd) = forkserver::fork(&theirs.into_fd(), output.fds(), env)?;
-            Supervised::forked(pid, pidfd, ours, output)
+            Child::forked(pid, pidfd, ours, output)
         }
         StartMethod::Warm => return WarmPool::global().take(env),
     };
-    Ok(Made {
+    Ok(NewChild {
         child,
         ready: false,
     })

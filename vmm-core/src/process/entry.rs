@@ -1,6 +1,6 @@
 //! A child's life once it has its channel: (for a warm child: warm up and say so,) take the
 //! start message, acknowledge, run the function (a `remote` call), report how it ended,
-//! exit. A child whose first message makes it a pool worker goes on in `worker`.
+//! exit. A child whose first message makes it a pool worker goes on in `task_loop`.
 
 use std::io::Write;
 use std::os::fd::OwnedFd;
@@ -10,7 +10,7 @@ use super::child::{EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED, record_panics, wa
 use super::protocol::{Begin, Report, Start};
 use super::remote::{self, Ended};
 use super::status::{NotRunStage, Outcome};
-use super::worker;
+use super::task_loop;
 use crate::Error;
 use crate::wire::{self, Channel};
 
@@ -42,7 +42,7 @@ pub(crate) fn run_child(channel: Channel, method: StartMethod) -> ! {
         };
         match wire::decode::<Begin>(&message.bytes, Vec::new()) {
             Ok(Begin::Once(start)) => break (message, start),
-            Ok(Begin::Serve(serve)) => worker::serve(channel, serve, message.fds),
+            Ok(Begin::Serve(serve)) => task_loop::serve(channel, serve, message.fds),
             // The warm pool asks whether this child is alive before it hands it out.
             Ok(Begin::Ping) => {
                 if channel.send_value(&Report::Pong).is_err() {

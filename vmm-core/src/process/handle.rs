@@ -1,5 +1,5 @@
 //! The parent's handle on a single-use child ([`Process`]): its reports, join with a timeout,
-//! kill. Watching, killing and reaping the child itself is the [`Supervised`] it holds.
+//! kill. Watching, killing and reaping the child itself is the [`Child`] it holds.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
@@ -11,7 +11,7 @@ use nix::poll::{PollFd, PollFlags, poll};
 use super::StartMethod;
 use super::protocol::Report;
 use super::status::{ChildError, ExitStatus, Observed, Outcome};
-use super::supervisor::{Incoming, Reaper, STATUS_REPORT_GRACE, Supervised, poll_timeout};
+use super::supervisor::{Child, Incoming, Reaper, STATUS_REPORT_GRACE, poll_timeout};
 use super::tracker::{Fate, FateCell};
 use crate::error::ProtocolRule;
 use crate::trace;
@@ -49,7 +49,7 @@ enum ChannelState {
 /// is reaped.
 #[derive(Debug)]
 pub struct Process {
-    child: Supervised,
+    child: Child,
     method: StartMethod,
     /// Shared with the registry of the `#[ipc_test]` that started it, if any.
     fate: Arc<FateCell>,
@@ -71,7 +71,7 @@ impl Process {
     /// Hold `child`, started with `method`; `ready` when a warm child's `Ready` report was
     /// read already.
     pub(crate) fn new(
-        child: Supervised,
+        child: Child,
         method: StartMethod,
         ready: bool,
         fate: Arc<FateCell>,

@@ -108,16 +108,19 @@
 // - role: the pre-`main` hook and `init`: a started process takes its role
 // - server: the forkserver's own loop (forks children)
 // - entry: a child's life: (warm-up,) start message, its call, report, exit
-// - worker: a pool worker's life: warm-up, then calls from its task socket until it closes
+// - task_loop: a pool worker's life (the child's side): warm-up, then calls from its task socket
+//   until it closes
 // - remote: one remote call (the entry point registered for a function, the `Call` naming it,
 //   running it in the child), for single-use children and pool tasks alike
 // - entries: the entry table (what a child may run on its parent's word) and its lookup
 // - child: what every child does (exit codes, die with the parent, record panics, warm up)
 // - tracker: a child's fate, and the `Tracker` a `Context` tells of each child it starts
 //   (`testing` keeps `#[ipc_test]`'s registry behind it)
-// - supervisor: `Supervised`, the one supervised child (pid, pidfd, channel, output, what is
-//   known of its end; kill, reap, waits by deadline) that `Process`, a waiting
-//   warm child and a pool worker are built on
+// - supervisor: `Child`, the one held child (pid, pidfd, channel, output, what is known of
+//   its end; kill, reap, waits by deadline). One noun for it: every holder keeps a `Child` and
+//   is named for what it is to it: `Process` (the user's handle, public), `NewChild` (just
+//   made, not yet handed over), `WaitingChild` (in the warm pool), a pool's `Worker` (a child
+//   plus its task socket); `TrackedChild` is a tracker's view of one, from outside
 // - output: a child's captured stdout and stderr, read from the end up to the output cap
 // - launch: posix_spawn of /proc/self/exe on the launcher thread
 // - hook: the argv a re-executed child needs, from the harness (`testing` installs libtest's)
@@ -142,10 +145,10 @@ mod server;
 mod status;
 mod supervisor;
 mod sys;
+mod task_loop;
 mod timeout;
 pub(crate) mod tracker;
 mod warm;
-mod worker;
 
 pub use crate::error::StartMethod;
 pub use context::Context;

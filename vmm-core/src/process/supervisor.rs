@@ -1,6 +1,6 @@
 //! One supervised child, as its parent sees it: its pid (and pidfd), its channel, its captured
 //! output ([`Output`], read under the output cap), and what is known of its end. Every holder of a child (a [`Process`](super::Process),
-//! a child waiting in the warm pool, a pool worker) keeps it as a [`Supervised`], and the
+//! a child waiting in the warm pool, a pool worker) keeps it as a [`Child`], and the
 //! registry of an `#[ipc_test]` uses the same kill and reap, so that killing, reaping, waiting
 //! by a deadline and reading output are written once.
 //!
@@ -83,7 +83,7 @@ pub(crate) enum Incoming {
 
 /// A child of this process's making: see the module docs.
 #[derive(Debug)]
-pub(crate) struct Supervised {
+pub(crate) struct Child {
     pid: Pid,
     reaper: Reaper,
     /// Watched for its exit, and used to signal it (never a recycled pid), where one could be
@@ -95,12 +95,12 @@ pub(crate) struct Supervised {
     state: State,
 }
 
-impl Supervised {
+impl Child {
     /// A child of ours (spawn, warm), just started: a pidfd is opened for it here (ours until
     /// reaped, so the pid is still it). Without one it is watched by polling `waitpid`.
-    pub(crate) fn ours(pid: Pid, channel: Channel, output: Output) -> Supervised {
+    pub(crate) fn ours(pid: Pid, channel: Channel, output: Output) -> Child {
         let pidfd = sys::pidfd_open(pid).ok().map(Arc::new);
-        Supervised::new(pid, Reaper::Us, pidfd, channel, output)
+        Child::new(pid, Reaper::Us, pidfd, channel, output)
     }
 
     /// A child the forkserver forked, with the pidfd it sent for it, if any.
@@ -109,8 +109,8 @@ impl Supervised {
         pidfd: Option<OwnedFd>,
         channel: Channel,
         output: Output,
-    ) -> Supervised {
-        Supervised::new(
+    ) -> Child {
+        Child::new(
             pid,
             Reaper::Forkserver,
             pidfd.map(Arc::new),
@@ -125,8 +125,8 @@ impl Supervised {
         pidfd: Option<Arc<OwnedFd>>,
         channel: Channel,
         output: Output,
-    ) -> Supervised {
-        Supervised {
+    ) -> Child {
+        Child {
             pid,
             reaper,
             pidfd,
@@ -366,7 +366,7 @@ impl Supervised {
 
 /// A child nobody ended is killed and reaped (a forkserver child: its status awaited), so that
 /// none outlives its holder.
-impl Drop for Supervised {
+impl Drop for Child {
     fn drop(&mut self) {
         self.end(false);
     }
@@ -374,8 +374,8 @@ impl Drop for Supervised {
 
 /// A child just made, waiting for its first message.
 #[derive(Debug)]
-pub(crate) struct Made {
-    pub child: Supervised,
+pub(crate) struct NewChild {
+    pub child: Child,
     /// Its `Ready` report (a warm child's) has been read already.
     pub ready: bool,
 }

@@ -52,7 +52,7 @@ impl FateCell {
 
 /// One child started through a tracked [`Context`](super::Context), as its tracker sees it.
 #[derive(Debug)]
-pub(crate) struct Tracked {
+pub(crate) struct TrackedChild {
     pid: Pid,
     method: StartMethod,
     fate: Arc<FateCell>,
@@ -60,14 +60,14 @@ pub(crate) struct Tracked {
     pidfd: Option<Weak<OwnedFd>>,
 }
 
-impl Tracked {
+impl TrackedChild {
     pub(crate) fn new(
         pid: Pid,
         method: StartMethod,
         fate: Arc<FateCell>,
         pidfd: Option<&Arc<OwnedFd>>,
-    ) -> Tracked {
-        Tracked {
+    ) -> TrackedChild {
+        TrackedChild {
             pid,
             method,
             fate,
@@ -122,5 +122,5 @@ impl Tracked {
 /// Told of every child a [`Context`](super::Context) starts.
 pub(crate) trait Tracker: Send + Sync + fmt::Debug {
     /// A child was started (and holds its start message).
-    fn track(&self, child: Tracked);
+    fn track(&self, child: TrackedChild);
 }

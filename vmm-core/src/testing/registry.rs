@@ -3,7 +3,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::process::tracker::{Fate, Tracked, Tracker};
+use crate::process::tracker::{Fate, TrackedChild, Tracker};
 
 /// How long [`Registry::finish`] waits to see a killed child dead.
 const KILL_CONFIRM: Duration = Duration::from_secs(5);
@@ -11,11 +11,11 @@ const KILL_CONFIRM: Duration = Duration::from_secs(5);
 /// The children started through one test's `Context` and its clones.
 #[derive(Debug, Default)]
 pub(crate) struct Registry {
-    entries: Mutex<Vec<Tracked>>,
+    entries: Mutex<Vec<TrackedChild>>,
 }
 
 impl Tracker for Registry {
-    fn track(&self, child: Tracked) {
+    fn track(&self, child: TrackedChild) {
         self.entries
             .lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -1,6 +1,7 @@
 //! Parsing, validation and code generation of `#[ipc_test]`, on `proc_macro2` tokens so that it
 //! can be unit-tested.
 
+mod all_methods;
 pub(crate) mod crate_path;
 mod options;
 mod signature;
@@ -9,6 +10,7 @@ use proc_macro2::{Span, TokenStream};
 use quote::{ToTokens, quote};
 use syn::{Attribute, FnArg, Ident, ItemFn, LitStr, Path, parse_quote};
 
+pub(crate) use all_methods::all_methods;
 use options::{Method, parse_options};
 use signature::check_signature;
 

@@ -29,6 +29,11 @@ impl Method {
     /// opt-in: it keeps children waiting (with a CUDA context each, on a GPU machine).
     pub(super) const DEFAULT: [Method; 2] = [Method::Spawn, Method::Forkserver];
 
+    /// Every start method, in the order of `vmm_core::process::StartMethod::ALL`: what
+    /// `methods = all` and `#[all_methods]` run under. The one list of start methods the tests
+    /// name.
+    pub(super) const ALL: [Method; 3] = [Method::Spawn, Method::Forkserver, Method::Warm];
+
     fn from_name(name: &str) -> Option<Self> {
         match name {
             "spawn" => Some(Method::Spawn),
@@ -125,10 +130,17 @@ pub(super) fn parse_options(attr: TokenStream, errors: &mut Errors) -> Options {
 }
 
 fn parse_methods(value: &Expr, errors: &mut Errors) -> Option<Vec<Method>> {
+    if let Expr::Path(path) = value
+        && path.attrs.is_empty()
+        && path.qself.is_none()
+        && path.path.is_ident("all")
+    {
+        return Some(Method::ALL.to_vec());
+    }
     let Expr::Array(array) = value else {
         errors.spanned(
             value,
-            "expected a list of start methods, e.g. `methods = [spawn, forkserver, warm]`",
+            "expected a list of start methods, e.g. `methods = [spawn, forkserver, warm]`, or `all`",
         );
         return None;
     };

@@ -6,7 +6,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use super::super::context;
 use super::super::protocol::{Begin, Serve};
 use super::super::status::ExitStatus;
-use super::super::supervisor::Supervised;
+use super::super::supervisor::Child;
 use super::tasks::{Queued, clone_error};
 use super::{Inner, Shared};
 use crate::wire::{self, Channel};
@@ -27,7 +27,7 @@ pub(super) enum WorkerState {
 
 /// One worker: the child, and the pool's side of its task socket.
 pub(super) struct Worker {
-    pub(super) child: Supervised,
+    pub(super) child: Child,
     pub(super) state: WorkerState,
     pub(super) tasks_done: u64,
     /// Our end of its task socket: tasks go here, nothing is read (shut for reading, so the
@@ -62,9 +62,9 @@ impl Shared {
         nix::sys::socket::shutdown(tasks.as_raw_fd(), nix::sys::socket::Shutdown::Read)
             .map_err(|e| Error::errno("shutdown(SHUT_RD) of a worker's task socket", e))?;
         let unread = unread.into_fd();
-        let made = context::make(self.method, &[], self.child_args.clone())?;
+        let new_child = context::make(self.method, &[], self.child_args.clone())?;
         let worker = Worker {
-            child: made.child,
+            child: new_child.child,
             state: WorkerState::Starting,
             tasks_done: 0,
             tasks,
@@ -89,7 +89,7 @@ impl Shared {
         }
     }
 
-    /// Kill (if still needed) and reap `worker` (see [`Supervised::end`]), and take what it
+    /// Kill (if still needed) and reap `worker` (see [`Child::end`]), and take what it
     /// printed last. With `let_exit` (it said it is exiting), it is given time to exit by
     /// itself, so that its own exit status is what is reported.
     pub(super) fn end_worker(&self, mut worker: Worker, let_exit: bool) -> Ended {

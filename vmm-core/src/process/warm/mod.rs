@@ -29,7 +29,7 @@ use super::hook::{self, ChildKind};
 use super::launch::{self, Launch};
 use super::output::Output;
 use super::status::{ChildError, Observed};
-use super::supervisor::{Made, Supervised};
+use super::supervisor::{Child, NewChild};
 use super::timeout::default_timeout;
 use crate::wire::Channel;
 use crate::{Error, Result};
@@ -37,7 +37,7 @@ use crate::{Error, Result};
 pub use options::{
     DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, MAX_DEPTH, MAX_DEVICE_ORDINAL, MAX_DEVICES, WarmOptions,
 };
-use waiting::{Health, Waiting};
+use waiting::{Health, WaitingChild};
 
 /// How long [`WarmPool::quiesce`] waits for launches in flight.
 const QUIESCE_LIMIT: Duration = Duration::from_secs(10);
@@ -89,7 +89,7 @@ struct State {
 /// The children waiting with one environment.
 #[derive(Default)]
 struct Bucket {
-    waiting: VecDeque<Waiting>,
+    waiting: VecDeque<WaitingChild>,
     /// Launches queued on the launcher thread, not yet waiting.
     launching: usize,
     /// The last background launch that failed, for `fill` to report.
@@ -153,7 +153,7 @@ impl WarmPool {
     /// Keep the pool by `options` from now on: children waiting under other options are
     /// killed and reaped, and the pool refills (on next use, or [`fill`](Self::fill)) with these.
     pub fn set_options(&self, options: WarmOptions) {
-        let discarded: Vec<Waiting> = {
+        let discarded: Vec<WaitingChild> = {
             let mut state = self.shared.lock();
             state.options = options;
             state.generation += 1;
@@ -190,7 +190,7 @@ impl WarmPool {
             let ready = bucket.waiting.len() >= depth
                 && bucket.waiting.iter().all(|w| w.ready)
                 && refill.is_empty();
-            let pids: Vec<u32> = bucket.waiting.iter().map(Waiting::pid).collect();
+            let pids: Vec<u32> = bucket.waiting.iter().map(WaitingChild::pid).collect();
             drop(state);
             let refilled = self.start_launches(refill);
             deaths += dead.len();
@@ -243,7 +243,7 @@ impl WarmPool {
             .buckets
             .values()
             .flat_map(|bucket| bucket.waiting.iter())
-            .map(Waiting::pid)
+            .map(WaitingChild::pid)
             .collect()
     }
 
@@ -283,8 +283,8 @@ impl WarmPool {
     /// A ready child is handed out only once it has answered a ping: a child killed while it
     /// waited can keep its pidfd quiet and its channel open for as long as its teardown takes,
     /// but it can never answer. One that does not is killed, reaped and replaced, and the next
-    /// is asked. (One still warming up is handed out as it is: see `Waiting::confirm`.)
-    pub(crate) fn take(&self, env: &[(String, String)]) -> Result<Made> {
+    /// is asked. (One still warming up is handed out as it is: see `WaitingChild::confirm`.)
+    pub(crate) fn take(&self, env: &[(String, String)]) -> Result<NewChild> {
         let mut asked = 0;
         loop {
             let mut state = self.shared.lock();
@@ -308,7 +308,7 @@ impl WarmPool {
             drop(dead);
             match taken {
                 Some(waiting) => match waiting.confirm() {
-                    Ok(made) => return Ok(made),
+                    Ok(new_child) => return Ok(new_child),
                     // Killed and reaped on drop; ask the next.
                     Err(dead) => {
                         drop(dead);
@@ -319,7 +319,7 @@ impl WarmPool {
                 None => {
                     let (launch, pending) = launch_now.expect("prepared when none was taken")?;
                     let pid = launch::launch(launch)?;
-                    return Ok(pending.finish(pid).into_made());
+                    return Ok(pending.finish(pid).into_new_child());
                 }
             }
         }
@@ -356,7 +356,7 @@ impl WarmPool {
 
 impl Drop for WarmPool {
     fn drop(&mut self) {
-        let waiting: Vec<Waiting> = self
+        let waiting: Vec<WaitingChild> = self
             .shared
             .lock()
             .buckets
@@ -382,7 +382,7 @@ impl Shared {
         shared: &Weak<Shared>,
         env: Vec<(String, String)>,
         generation: u64,
-        finished: Result<Waiting>,
+        finished: Result<WaitingChild>,
     ) {
         let Some(shared) = shared.upgrade() else {
             return;
@@ -446,7 +446,7 @@ impl State {
     }
 
     /// [`Bucket::prune`] and [`plan_refill`](Self::plan_refill) for `env`.
-    fn prune_and_refill(&mut self, env: &[(String, String)]) -> (Vec<Waiting>, Vec<Refill>) {
+    fn prune_and_refill(&mut self, env: &[(String, String)]) -> (Vec<WaitingChild>, Vec<Refill>) {
         let dead = self.buckets.entry(env.to_vec()).or_default().prune();
         (dead, self.plan_refill(env))
     }
@@ -480,7 +480,7 @@ impl State {
 impl Bucket {
     /// Take the dead children out (to be reaped outside the lock), reading the others' `Ready`
     /// reports.
-    fn prune(&mut self) -> Vec<Waiting> {
+    fn prune(&mut self) -> Vec<WaitingChild> {
         let mut dead = Vec::new();
         let mut alive = VecDeque::with_capacity(self.waiting.len());
         for mut waiting in self.waiting.drain(..) {
@@ -495,7 +495,7 @@ impl Bucket {
 }
 
 impl Pending {
-    fn finish(self, pid: nix::unistd::Pid) -> Waiting {
-        Waiting::new(Supervised::ours(pid, self.channel, self.output))
+    fn finish(self, pid: nix::unistd::Pid) -> WaitingChild {
+        WaitingChild::new(Child::ours(pid, self.channel, self.output))
     }
 }

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use super::super::protocol::{Begin, Report};
-use super::super::supervisor::{Incoming, Made, Supervised};
+use super::super::supervisor::{Child, Incoming, NewChild};
 use crate::wire;
 
 /// How long a ready waiting child has to answer a [`Begin::Ping`] before it is taken for dead.
@@ -13,8 +13,8 @@ const PING_LIMIT: Duration = Duration::from_secs(2);
 
 /// A waiting child. Dropping it kills and reaps the child (it never ran anything).
 #[derive(Debug)]
-pub(super) struct Waiting {
-    pub(super) child: Supervised,
+pub(super) struct WaitingChild {
+    pub(super) child: Child,
     /// Its `Ready` report has been read.
     pub(super) ready: bool,
 }
@@ -26,9 +26,9 @@ pub(super) enum Health {
     Dead,
 }
 
-impl Waiting {
-    pub(super) fn new(child: Supervised) -> Waiting {
-        Waiting {
+impl WaitingChild {
+    pub(super) fn new(child: Child) -> WaitingChild {
+        WaitingChild {
             child,
             ready: false,
         }
@@ -63,12 +63,12 @@ impl Waiting {
     /// would hold the caller (a `Pool` replacing a worker inside a `join`) for as long as CUDA
     /// takes to start. If it was killed meanwhile, its start fails as any child's would
     /// (`join` says it never started; a `Pool` replaces a worker that dies starting).
-    pub(super) fn confirm(mut self) -> Result<Made, Waiting> {
+    pub(super) fn confirm(mut self) -> Result<NewChild, WaitingChild> {
         if self.check() == Health::Dead || self.child.exiting() {
             return Err(self);
         }
         if !self.ready {
-            return Ok(self.into_made());
+            return Ok(self.into_new_child());
         }
         let deadline = Instant::now() + PING_LIMIT;
         let Ok(ping) = wire::encode(&Begin::Ping) else {
@@ -80,15 +80,15 @@ impl Waiting {
         }
         let answer = channel.recv(Some(deadline.saturating_duration_since(Instant::now())));
         match answer.map(|m| (wire::decode::<Report>(&m.bytes, Vec::new()), m.fds.len())) {
-            Ok((Ok(Report::Pong), 0)) => Ok(self.into_made()),
+            Ok((Ok(Report::Pong), 0)) => Ok(self.into_new_child()),
             // Hung up (dead), silent past the limit (stopped, or stuck), or off the protocol:
             // not handed out.
             _ => Err(self),
         }
     }
 
-    pub(super) fn into_made(self) -> Made {
-        Made {
+    pub(super) fn into_new_child(self) -> NewChild {
+        NewChild {
             child: self.child,
             ready: self.ready,
         }
