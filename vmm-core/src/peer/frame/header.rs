@@ -43,6 +43,20 @@ pub(super) struct Header {
     pub(super) payload_len: usize,
 }
 
+/// The refusal of bytes that do not start with the whole magic (a wrong byte of it, or too
+/// few bytes to hold it), naming the bytes there are of it.
+fn no_magic<T>(bytes: &[u8]) -> Result<T> {
+    let len = bytes.len();
+    let start = &bytes[..len.min(MAGIC.len())];
+    refuse(
+        ProtocolRule::Magic,
+        format!(
+            "it does not start with the magic \"VMMI\" (got {start:02x?}, {len} bytes): not a \
+             vmm-ipc peer message"
+        ),
+    )
+}
+
 impl RawHeader {
     /// Rules 1 and 2 on as many of a header's first bytes as there are: the magic (on the
     /// bytes there are of it), then the version (once its 2 bytes are there), then the kind
@@ -53,14 +67,7 @@ impl RawHeader {
         let len = bytes.len();
         let magic = len.min(MAGIC.len());
         if bytes[..magic] != MAGIC[..magic] {
-            let start = &bytes[..magic];
-            return refuse(
-                ProtocolRule::Magic,
-                format!(
-                    "it does not start with the magic \"VMMI\" (got {start:02x?}, {len} bytes): not \
-                 a vmm-ipc peer message"
-                ),
-            );
+            return no_magic(bytes);
         }
         if len < 6 {
             return Ok(None);
@@ -112,13 +119,7 @@ impl RawHeader {
         let len = bytes.len();
         let kind = RawHeader::check_prefix(bytes)?;
         if len < MAGIC.len() {
-            return refuse(
-                ProtocolRule::Magic,
-                format!(
-                    "it does not start with the magic \"VMMI\" (got {bytes:02x?}, {len} bytes): not \
-                 a vmm-ipc peer message"
-                ),
-            );
+            return no_magic(bytes);
         }
         if len < 6 {
             return refuse(
