@@ -230,16 +230,44 @@ fn module_graph(sources: &[(&str, &str)]) -> Graph {
         }
     };
     let mut graph = Graph::new();
+    for_each_import(sources, |import| {
+        let own = &import.module[0];
+        if let Some(to) = import.target.first().and_then(|head| resolve(head))
+            && to != *own
+        {
+            add_edge(&mut graph, own, to, &import);
+        }
+    });
+    dedup_evidence(&mut graph);
+    graph
+}
+
+/// One import of a source file, as [`for_each_import`] finds it.
+struct Import<'a> {
+    /// The file, e.g. `cuda/buffer.rs`.
+    path: &'a str,
+    /// Its module path, e.g. `cuda::buffer`.
+    module: &'a [String],
+    /// The path it names, from the crate root (a `super::` chain resolved against the file's
+    /// module and the inline modules around it).
+    target: Vec<String>,
+    /// The line of its `crate` or first `super`.
+    line: usize,
+    /// Whether it sits inside an inline `#[cfg(test)] mod`.
+    in_test: bool,
+}
+
+/// Every `crate::` and `super::` path of every source file but `lib.rs` (use trees expanded
+/// into one path each): the one scanner both graphs are built from.
+fn for_each_import(sources: &[(&str, &str)], mut each: impl FnMut(Import<'_>)) {
     for (path, text) in sources {
         if *path == "lib.rs" {
             continue;
         }
         let file_module = file_module_path(path);
-        let own = file_module[0].clone();
-        let code = code_only(text);
-        let tokens = tokens(&code);
-        // Inline `mod name { ... }` blocks: (name, brace depth inside it).
-        let mut inline: Vec<(String, usize)> = Vec::new();
+        let tokens = tokens(&code_only(text));
+        // Inline `mod name { ... }` blocks: (name, brace depth inside it, under `#[cfg(test)]`).
+        let mut inline: Vec<(String, usize, bool)> = Vec::new();
         let mut depth = 0usize;
         let mut i = 0;
         while i < tokens.len() {
@@ -247,57 +275,74 @@ fn module_graph(sources: &[(&str, &str)]) -> Graph {
             match token.text.as_str() {
                 "{" => depth += 1,
                 "}" => {
-                    if inline.last().is_some_and(|(_, d)| *d == depth) {
+                    if inline.last().is_some_and(|(_, d, _)| *d == depth) {
                         inline.pop();
                     }
                     depth = depth.saturating_sub(1);
                 }
                 "mod" if tokens.get(i + 2).is_some_and(|t| t.text == "{") => {
-                    inline.push((tokens[i + 1].text.clone(), depth + 1));
+                    let cfg_test = i >= 7
+                        && tokens[i - 7..i]
+                            .iter()
+                            .map(|t| t.text.as_str())
+                            .eq(["#", "[", "cfg", "(", "test", ")", "]"]);
+                    inline.push((tokens[i + 1].text.clone(), depth + 1, cfg_test));
                 }
                 _ => {}
             }
+            let in_test = inline.iter().any(|(_, _, test)| *test);
             let starts_path = i == 0 || tokens[i - 1].text != "::";
             let next_is_path = tokens.get(i + 1).is_some_and(|t| t.text == "::");
             let mut targets = Vec::new();
             if starts_path && next_is_path && token.text == "crate" {
-                targets = tree_heads(&tokens, i + 2);
+                targets = tree_paths(&tokens, i + 2);
             } else if starts_path && next_is_path && token.text == "super" {
-                let mut climbs = 0;
+                let mut here: Vec<String> = file_module.clone();
+                here.extend(inline.iter().map(|(name, _, _)| name.clone()));
                 let mut j = i;
                 while tokens.get(j).is_some_and(|t| t.text == "super")
                     && tokens.get(j + 1).is_some_and(|t| t.text == "::")
                 {
-                    climbs += 1;
+                    here.pop();
                     j += 2;
                 }
-                let here = file_module.len() + inline.len();
-                if climbs >= here {
-                    targets = tree_heads(&tokens, j);
-                }
+                targets = tree_paths(&tokens, j)
+                    .into_iter()
+                    .map(|tail| here.iter().cloned().chain(tail).collect())
+                    .collect();
                 i = j - 1;
             }
             for target in targets {
-                if let Some(to) = resolve(&target)
-                    && to != own
-                {
-                    graph
-                        .entry(own.clone())
-                        .or_default()
-                        .entry(to)
-                        .or_default()
-                        .push(format!("{path}:{}", token.line));
-                }
+                each(Import {
+                    path,
+                    module: &file_module,
+                    target,
+                    line: token.line,
+                    in_test,
+                });
             }
             i += 1;
         }
     }
+}
+
+/// The edge `from -> to`, with `import`'s place as its evidence.
+fn add_edge(graph: &mut Graph, from: &str, to: String, import: &Import<'_>) {
+    graph
+        .entry(from.to_owned())
+        .or_default()
+        .entry(to)
+        .or_default()
+        .push(format!("{}:{}", import.path, import.line));
+}
+
+/// Each edge names each place once.
+fn dedup_evidence(graph: &mut Graph) {
     for edges in graph.values_mut() {
         for evidence in edges.values_mut() {
             evidence.dedup();
         }
     }
-    graph
 }
 
 /// `cuda/buffer.rs` is `cuda::buffer`; `cuda/mod.rs` is `cuda`.
@@ -795,83 +840,19 @@ fn file_graph(sources: &[(&str, &str)]) -> Graph {
         )
     };
     let mut graph = Graph::new();
-    for (path, text) in sources {
-        if *path == "lib.rs" {
-            continue;
+    for_each_import(sources, |import| {
+        // A unit test may use any file of its module: its imports are not the file's.
+        if import.in_test || import.target.first() != import.module.first() {
+            return;
         }
-        let file_module = file_module_path(path);
-        let own = file_module.join("::");
-        let tokens = tokens(&code_only(text));
-        // Inline `mod name { ... }` blocks: (name, brace depth inside it, under `#[cfg(test)]`).
-        let mut inline: Vec<(String, usize, bool)> = Vec::new();
-        let mut depth = 0usize;
-        let mut i = 0;
-        while i < tokens.len() {
-            let token = &tokens[i];
-            match token.text.as_str() {
-                "{" => depth += 1,
-                "}" => {
-                    if inline.last().is_some_and(|(_, d, _)| *d == depth) {
-                        inline.pop();
-                    }
-                    depth = depth.saturating_sub(1);
-                }
-                "mod" if tokens.get(i + 2).is_some_and(|t| t.text == "{") => {
-                    let cfg_test = i >= 7
-                        && tokens[i - 7..i]
-                            .iter()
-                            .map(|t| t.text.as_str())
-                            .eq(["#", "[", "cfg", "(", "test", ")", "]"]);
-                    inline.push((tokens[i + 1].text.clone(), depth + 1, cfg_test));
-                }
-                _ => {}
-            }
-            // A unit test may use any file of its module: its imports are not the file's.
-            let in_test = inline.iter().any(|(_, _, test)| *test);
-            let starts_path = i == 0 || tokens[i - 1].text != "::";
-            let next_is_path = tokens.get(i + 1).is_some_and(|t| t.text == "::");
-            let mut targets = Vec::new();
-            if starts_path && next_is_path && token.text == "crate" {
-                targets = tree_paths(&tokens, i + 2);
-            } else if starts_path && next_is_path && token.text == "super" {
-                let mut here: Vec<String> = file_module.clone();
-                here.extend(inline.iter().map(|(name, _, _)| name.clone()));
-                let mut j = i;
-                while tokens.get(j).is_some_and(|t| t.text == "super")
-                    && tokens.get(j + 1).is_some_and(|t| t.text == "::")
-                {
-                    here.pop();
-                    j += 2;
-                }
-                targets = tree_paths(&tokens, j)
-                    .into_iter()
-                    .map(|tail| here.iter().cloned().chain(tail).collect())
-                    .collect();
-                i = j - 1;
-            }
-            for target in targets {
-                if in_test || target.first() != file_module.first() {
-                    continue;
-                }
-                if let Some(to) = resolve(&target)
-                    && to != own
-                {
-                    graph
-                        .entry(own.clone())
-                        .or_default()
-                        .entry(to)
-                        .or_default()
-                        .push(format!("{path}:{}", token.line));
-                }
-            }
-            i += 1;
+        let own = import.module.join("::");
+        if let Some(to) = resolve(&import.target)
+            && to != own
+        {
+            add_edge(&mut graph, &own, to, &import);
         }
-    }
-    for edges in graph.values_mut() {
-        for evidence in edges.values_mut() {
-            evidence.dedup();
-        }
-    }
+    });
+    dedup_evidence(&mut graph);
     graph
 }
 
