@@ -840,3 +840,38 @@ fn options_no_handshake_could_use_are_refused_up_front() {
         Err(Error::InvalidOption { .. })
     ));
 }
+
+#[test]
+fn duration_max_handshake_and_message_timeouts_mean_no_limit() {
+    let _turn = exclusive();
+    let world = World::new();
+    let exporter = world
+        .exporter_options()
+        .handshake_timeout(Duration::MAX)
+        .message_timeout(Some(Duration::MAX));
+    let listener = TlsListener::bind("127.0.0.1:0", &exporter).unwrap();
+    let importer = world
+        .importer_options()
+        .handshake_timeout(Duration::MAX)
+        .message_timeout(Some(Duration::MAX));
+    let addr = listener.local_addr().unwrap();
+    let client = std::thread::spawn(move || -> Result<Vec<u8>> {
+        let mut stream = TlsConnector::new(&importer)?.connect(addr)?;
+        match StreamReader::new(&mut stream)
+            .with_timeout(Some(Duration::MAX))
+            .read_message()?
+        {
+            PeerMessage::Data(bytes) => Ok(bytes),
+            PeerMessage::Descriptor(_) => Err(Error::Protocol {
+                rule: vmm_core::error::ProtocolRule::UnexpectedKind,
+                message: "a descriptor, not DATA".into(),
+            }),
+        }
+    });
+    let mut stream = listener.accept(Some(WAIT)).unwrap();
+    StreamWriter::new(&mut stream)
+        .with_timeout(Some(Duration::MAX))
+        .write_data(b"no limit")
+        .unwrap();
+    assert_eq!(client.join().unwrap().unwrap(), b"no limit");
+}

@@ -208,7 +208,8 @@ fn handshake(
     let started = Instant::now();
     let _ = tcp.set_nodelay(true);
     let mut sock = DeadlineSocket::new(tcp, message_timeout);
-    sock.set_deadlines(Some(started + timeout));
+    // A timeout too large to add to now (`Duration::MAX`) is no deadline.
+    sock.set_deadlines(started.checked_add(timeout));
     let failed = |e| match io_to_error(e, TlsStep::Handshake, peer) {
         Error::Timeout { what, .. } => Error::Timeout {
             what,

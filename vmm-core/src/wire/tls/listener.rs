@@ -43,7 +43,8 @@ struct Pending {
     conn: ServerConnection,
     tcp: TcpStream,
     peer: SocketAddr,
-    deadline: Instant,
+    /// `None` for a handshake timeout too large to add to now (`Duration::MAX`): no deadline.
+    deadline: Option<Instant>,
 }
 
 /// What one step of a handshake came to.
@@ -124,7 +125,7 @@ impl TlsListener {
         loop {
             let now = Instant::now();
             pending.retain(|p| {
-                let alive = now < p.deadline;
+                let alive = p.deadline.is_none_or(|d| now < d);
                 if !alive {
                     self.refuse(p.peer, None);
                 }
@@ -136,7 +137,11 @@ impl TlsListener {
                     after: started.elapsed(),
                 });
             }
-            let wake = pending.iter().map(|p| p.deadline).chain(deadline).min();
+            let wake = pending
+                .iter()
+                .filter_map(|p| p.deadline)
+                .chain(deadline)
+                .min();
             let (listener_ready, ready) = self.wait(&pending, wake)?;
             if listener_ready {
                 self.take_new(&mut pending)?;
@@ -221,7 +226,7 @@ impl TlsListener {
                 conn,
                 tcp,
                 peer,
-                deadline: Instant::now() + self.acceptor.handshake_timeout,
+                deadline: Instant::now().checked_add(self.acceptor.handshake_timeout),
             });
         }
     }
@@ -239,7 +244,7 @@ impl TlsListener {
             return None;
         }
         let mut sock = DeadlineSocket::new(tcp, self.acceptor.message_timeout);
-        sock.set_deadlines(Some(deadline));
+        sock.set_deadlines(deadline);
         while conn.wants_write() {
             if conn.write_tls(&mut sock).is_err() {
                 self.refuse(peer, Some(TlsReason::Truncated));
