@@ -55,10 +55,10 @@ use serde::de::{self, Deserializer, Visitor};
 use serde::ser::Serializer;
 use serde::{Deserialize, Serialize};
 
-use super::descriptor::{DeviceIdentity, validate_chunks};
 use super::device::format_uuid;
 use super::driver::FABRIC_HANDLE_LEN;
-use super::options::{HandleType, Location};
+use super::ipc_descriptor::{DeviceIdentity, validate_chunks};
+use super::resource_options::{HandleType, Location};
 use crate::error::DescriptorRule;
 use crate::wire::deserialize_error;
 use crate::{Error, Result};

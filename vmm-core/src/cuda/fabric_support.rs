@@ -6,8 +6,8 @@
 use super::device::{Device, availability, format_uuid};
 use super::driver;
 use super::fabric::IMEX_CHANNEL_DIR;
-use super::handle::Allocation;
-use super::options::{HandleType, Location};
+use super::objects::Allocation;
+use super::resource_options::{HandleType, Location};
 use crate::error::Unavailable;
 use crate::{Error, Result};
 

@@ -18,11 +18,11 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 
 use super::buffer::VirtualMemoryBuffer;
-use super::descriptor::{IpcDescriptor, PosixRest};
 use super::device::Device;
 use super::fabric::FabricDescriptor;
-use super::options::{HandleType, Location, ResourceOptions};
+use super::ipc_descriptor::{IpcDescriptor, PosixRest};
 use super::resource::VirtualMemoryResource;
+use super::resource_options::{HandleType, Location, ResourceOptions};
 use crate::Result;
 use crate::wire::{FdIn, deserialize_error};
 

@@ -22,19 +22,19 @@
 //!
 //! # Layout
 //!
-//! Layered like cudarc (sys, then result, then safe types): the driver's FFI, then the handles,
-//! then the data a buffer is described by (options, descriptors, fabric), then buffer and
-//! resource, and last the receiving side. Each module has one job, and each uses only the
-//! modules listed before it (`tests/tests/architecture.rs` checks this table against the
-//! imports):
+//! Layered like cudarc (sys, then result, then safe types): the driver's FFI, then the owners of
+//! driver objects, then the data a buffer is described by (options, descriptors, fabric), then
+//! buffer and resource, and last the receiving side. Each module has one job, and each uses
+//! only the modules listed before it (`tests/tests/architecture.rs` checks this table against
+//! the imports):
 //!
 //! | module | job |
 //! | --- | --- |
 //! | `driver` | one checked wrapper per driver call; driver types only. Wrappers whose soundness depends on what their arguments name are `unsafe fn`s with a `# Safety` section |
 //! | `device` | [`Device`]: identity, capabilities, the primary context made current per call |
-//! | `handle` | RAII over one driver object each (allocation, reservation, mapping, a segment of mappings): where the driver's `unsafe` contracts are discharged, by ownership and drop order |
-//! | `options` | [`ResourceOptions`] and its enums: plain data, checked before any driver call, translated to driver types here |
-//! | `descriptor` | [`IpcDescriptor`], [`DeviceIdentity`], the layout rules a descriptor from another process must meet, its serde form |
+//! | `objects` | RAII over one driver object each (allocation, reservation, mapping, a segment of mappings): where the driver's `unsafe` contracts are discharged, by ownership and drop order |
+//! | `resource_options` | [`ResourceOptions`] and its enums: plain data, checked before any driver call, translated to driver types here |
+//! | `ipc_descriptor` | [`IpcDescriptor`], [`DeviceIdentity`], the layout rules a descriptor from another process must meet, its serde form |
 //! | [`fabric`] | [`FabricDescriptor`] (fabric handles: plain data, any transport), its rules and serde form |
 //! | `fabric_support` | whether this process can use fabric handles ([`Device::check_fabric`], [`fabric_availability`]) and what the driver's refusals of a fabric call mean |
 //! | `keeper` | keeps a fabric buffer in flight alive until its receiver has imported it (one thread per process, started on first use) |
@@ -43,29 +43,31 @@
 //! | `importer` | the receiving side: [`set_importer`], [`importer`], [`VirtualMemoryBuffer::import`], [`VirtualMemoryBuffer::import_fabric`], and the buffer's `Deserialize` |
 
 mod buffer;
-mod descriptor;
 mod device;
 mod driver;
 pub mod fabric;
 mod fabric_support;
-mod handle;
 mod importer;
+mod ipc_descriptor;
 mod keeper;
-mod options;
+mod objects;
 mod resource;
+mod resource_options;
 
 /// Why CUDA cannot be used here ([`availability`], [`fabric_availability`]).
 pub use crate::error::Unavailable;
 pub use buffer::VirtualMemoryBuffer;
-/// The descriptors' layout rule, also the peer protocol's for its CUDA kinds (one place for it).
-pub(crate) use descriptor::validate_chunks;
-pub use descriptor::{DeviceIdentity, IpcDescriptor};
 pub use device::{Device, availability};
 pub use fabric::{FabricDescriptor, FabricHandle};
 pub use fabric_support::fabric_availability;
 pub use importer::{importer, set_importer};
-pub use options::{Access, Granularity, HandleType, Location, PeerAccess, ResourceOptions};
+/// The descriptors' layout rule, also the peer protocol's for its CUDA kinds (one place for it).
+pub(crate) use ipc_descriptor::validate_chunks;
+pub use ipc_descriptor::{DeviceIdentity, IpcDescriptor};
 pub use resource::VirtualMemoryResource;
+pub use resource_options::{
+    Access, Granularity, HandleType, Location, PeerAccess, ResourceOptions,
+};
 
 #[cfg(test)]
 mod tests {

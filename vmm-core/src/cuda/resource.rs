@@ -5,13 +5,13 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use super::buffer::VirtualMemoryBuffer;
-use super::descriptor::{IpcDescriptor, validate_chunks, validate_layout};
 use super::device::{Device, format_uuid};
 use super::driver::{self, CUmemAccessDesc, CUmemLocation};
 use super::fabric::FabricDescriptor;
 use super::fabric_support;
-use super::handle::{Allocation, Reservation, Segment};
-use super::options::{Access, Granularity, HandleType, Location, ResourceOptions};
+use super::ipc_descriptor::{IpcDescriptor, validate_chunks, validate_layout};
+use super::objects::{Allocation, Reservation, Segment};
+use super::resource_options::{Access, Granularity, HandleType, Location, ResourceOptions};
 use crate::error::{Chunk, DescriptorRule, IpcOp, IpcStep};
 use crate::trace;
 use crate::{Error, Result};

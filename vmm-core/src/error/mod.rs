@@ -10,18 +10,18 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-mod child;
+mod child_error;
 mod env;
 mod rules;
-mod tls;
+mod tls_error;
 mod unavailable;
 
-pub(crate) use child::NotRunStage;
-pub use child::{ChildError, ExitStatus, StartMethod};
+pub(crate) use child_error::NotRunStage;
+pub use child_error::{ChildError, ExitStatus, StartMethod};
 pub use env::MAX_ENV_LEN;
 pub(crate) use env::{parse_env_uint, shown_env_value};
 pub use rules::{Chunk, DescriptorRule, EnvRule, IpcOp, IpcStep, ProtocolRule, SpawnRule};
-pub use tls::{TlsReason, TlsStep};
+pub use tls_error::{TlsReason, TlsStep};
 pub use unavailable::Unavailable;
 
 /// Every fallible operation of `vmm_core` returns this error.

@@ -244,4 +244,4 @@ fn cuda_descriptor(frame: &Frame, fds: Vec<OwnedFd>) -> Result<IpcDescriptor> {
 }
 
 #[cfg(test)]
-mod tests;
+mod codec_tests;

@@ -59,12 +59,12 @@
 //! (a message's bytes exclude the packet's leading frame byte; see the specification).
 
 mod codec;
-mod descriptor;
 mod frame;
+mod message;
 mod session;
 pub mod stream;
 
 pub use codec::{decode_message, encode_descriptor};
-pub use descriptor::{Descriptor, DescriptorRef, PeerMessage};
 pub use frame::{MAX_CHUNKS, MAX_DATA, PROTOCOL_VERSION};
+pub use message::{Descriptor, DescriptorRef, PeerMessage};
 pub use session::{Handshake, Session};

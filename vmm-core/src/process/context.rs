@@ -7,10 +7,10 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::StartMethod;
-use super::handle::Process;
 use super::hook::{self, ChildKind};
 use super::launch::{self, Launch};
 use super::output::Output;
+use super::process_handle::Process;
 use super::protocol::{Begin, Call, Start};
 use super::supervisor::{Child, NewChild};
 use super::timeout::default_timeout;

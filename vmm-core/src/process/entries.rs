@@ -178,7 +178,7 @@ mod tests {
     use std::time::Duration;
 
     use super::super::StartMethod;
-    use super::super::child::EXIT_NOT_RUN;
+    use super::super::child_runtime::EXIT_NOT_RUN;
     use super::super::protocol::{Begin, Call, Payload, ROLE_VAR, Report, Start};
     use super::super::status::{NotRunStage, Outcome};
     use super::super::{remote, sys};

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::os::fd::OwnedFd;
 
 use super::StartMethod;
-use super::child::{EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED, record_panics, warm_up};
+use super::child_runtime::{EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED, record_panics, warm_up};
 use super::protocol::{Begin, Report, Start};
 use super::remote::{self, Ended};
 use super::status::{NotRunStage, Outcome};

@@ -128,16 +128,16 @@
 //   (`ChildError`, `ExitStatus` and `StartMethod` are plain data in `crate::error`)
 // - timeout: `VMM_CHILD_TIMEOUT`, default_timeout
 // - sys: the thin unsafe layer (fork, fd renumbering, pidfds, code addresses, environment)
-mod child;
+mod child_runtime;
 mod context;
 mod entries;
 mod entry;
 mod forkserver;
-mod handle;
 pub(crate) mod hook;
 mod launch;
 mod output;
 mod pool;
+mod process_handle;
 mod protocol;
 mod remote;
 mod role;
@@ -153,9 +153,9 @@ mod warm;
 pub use crate::error::StartMethod;
 pub use context::Context;
 pub use forkserver::{ensure_running, forkserver_pid};
-pub use handle::Process;
 pub use output::{DEFAULT_OUTPUT_CAP, output_cap, set_output_cap};
 pub use pool::{Pool, TaskHandle};
+pub use process_handle::Process;
 pub use role::init;
 pub use status::{ChildError, ExitStatus};
 pub use timeout::{

@@ -13,7 +13,7 @@ use std::panic::{self, AssertUnwindSafe};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::child;
+use super::child_runtime;
 use super::entries::{self, Entry, register_entry};
 use super::protocol::{Call, Payload};
 use super::status::NotRunStage;
@@ -113,7 +113,7 @@ pub(crate) fn run(call: &Call, fds: Vec<OwnedFd>) -> Ended {
         }
     };
     // A panic an earlier call caught itself must not be taken for this one's.
-    let _ = child::take_recorded_panic();
+    let _ = child_runtime::take_recorded_panic();
     match panic::catch_unwind(AssertUnwindSafe(|| entry(&call.args, fds))) {
         Ok(Ok(Ok((bytes, fds)))) => Ended::Returned(bytes, fds),
         Ok(Ok(Err(error))) => Ended::Unsendable(error),
@@ -122,7 +122,7 @@ pub(crate) fn run(call: &Call, fds: Vec<OwnedFd>) -> Ended {
             Ended::NotRun { stage, error }
         }
         Err(payload) => {
-            let (message, location) = child::panic_report(payload.as_ref());
+            let (message, location) = child_runtime::panic_report(payload.as_ref());
             // The payload may own anything; dropping it could panic again. Leave it.
             std::mem::forget(payload);
             Ended::Panicked { message, location }

@@ -26,7 +26,7 @@ use nix::sys::socket::{getsockopt, sockopt};
 use nix::unistd::{Pid, getppid};
 
 use super::StartMethod;
-use super::child;
+use super::child_runtime;
 use super::entry;
 use super::protocol::ROLE_VAR;
 use super::warm::{MAX_DEVICE_ORDINAL, MAX_DEVICES};
@@ -113,7 +113,7 @@ pub fn init() {
 /// Become what `role` says. Never returns.
 fn take(role: Role) -> ! {
     let channel = Channel::from_fd(role.channel);
-    child::die_with(role.parent);
+    child_runtime::die_with(role.parent);
     match role.kind {
         Kind::Spawn => entry::run_child(channel, StartMethod::Spawn),
         Kind::Forkserver => server::serve(channel),

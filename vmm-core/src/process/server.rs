@@ -17,7 +17,7 @@ use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Pid, getpid};
 
 use super::StartMethod;
-use super::child::{self, EXIT_NO_START};
+use super::child_runtime::{self, EXIT_NO_START};
 use super::entry;
 use super::protocol::{ForkReply, ForkRequest, Report};
 use super::supervisor::exit_status;
@@ -164,7 +164,7 @@ fn fork_one(
             let Ok(channel) = (unsafe { sys::adopt_inherited_fd(3) }) else {
                 std::process::exit(EXIT_NO_START);
             };
-            child::die_with(server);
+            child_runtime::die_with(server);
             // The environment the parent asked for, set as the child is made (a start message
             // carries none). Only the parent that started this server sends requests.
             let env: Vec<_> = request

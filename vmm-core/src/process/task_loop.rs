@@ -10,7 +10,7 @@
 use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
 
-use super::child::{self, EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED};
+use super::child_runtime::{self, EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED};
 use super::protocol::{Call, Payload, Report, Serve, TaskOutcome};
 use super::remote::{self, Ended};
 use super::status::NotRunStage;
@@ -32,8 +32,8 @@ pub(crate) fn serve(channel: Channel, serve: Serve, fds: Vec<OwnedFd>) -> ! {
             std::process::exit(EXIT_NOT_RUN);
         }
     };
-    child::warm_up(&serve.devices);
-    child::record_panics();
+    child_runtime::warm_up(&serve.devices);
+    child_runtime::record_panics();
     if channel.send_value(&Report::Serving).is_err() {
         std::process::exit(EXIT_NO_START);
     }

@@ -9,7 +9,7 @@ use serde::de::Deserializer;
 use serde::ser::Serializer;
 use serde::{Deserialize, Serialize};
 
-use super::descriptor::HostDescriptor;
+use super::host_descriptor::HostDescriptor;
 use super::map::{self, Mapping};
 use crate::error::DescriptorRule;
 use crate::share::{check_range, imported_cannot_export};

@@ -7,13 +7,13 @@
 //! the cross-process machinery without a GPU.
 
 mod buffer;
-mod descriptor;
+mod host_descriptor;
 mod map;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use buffer::HostBuffer;
-pub use descriptor::HostDescriptor;
+pub use host_descriptor::HostDescriptor;
 
 /// The largest host buffer this process imports unless told otherwise: 64 GiB (on 64-bit
 /// platforms; 1 GiB on 32-bit ones).

@@ -18,8 +18,8 @@ pub mod endpoint;
 mod fd;
 mod oob;
 mod queue;
+mod recvmsg;
 mod spill;
-mod sys;
 mod timed;
 #[cfg(feature = "tls")]
 pub mod tls;
@@ -35,7 +35,7 @@ pub use oob::{
     serialize_owned_fd, serialize_shared_fd,
 };
 pub use queue::Queue;
+pub use recvmsg::MAX_FDS;
 pub use spill::MAX_MESSAGE;
-pub use sys::MAX_FDS;
 pub use timed::TimedStream;
 pub(crate) use wait::wait_hangup;

@@ -10,11 +10,11 @@ use serde::Serialize;
 use serde::ser::{SerializeTuple, Serializer};
 
 use super::VirtualMemoryBuffer;
-use crate::cuda::descriptor::{DeviceIdentity, IpcDescriptor};
 use crate::cuda::fabric::{FabricDescriptor, FabricHandle};
-use crate::cuda::handle::Allocation;
+use crate::cuda::ipc_descriptor::{DeviceIdentity, IpcDescriptor};
 use crate::cuda::keeper;
-use crate::cuda::options::HandleType;
+use crate::cuda::objects::Allocation;
+use crate::cuda::resource_options::HandleType;
 use crate::error::{Chunk, IpcOp, IpcStep};
 use crate::share::imported_cannot_export;
 use crate::trace;

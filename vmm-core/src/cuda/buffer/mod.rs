@@ -5,11 +5,11 @@
 
 use std::sync::Arc;
 
-use super::descriptor::IpcDescriptor;
 use super::device::Device;
 use super::driver::{self, CUdeviceptr};
-use super::handle::{Allocation, Segment};
-use super::options::{HandleType, Location};
+use super::ipc_descriptor::IpcDescriptor;
+use super::objects::{Allocation, Segment};
+use super::resource_options::{HandleType, Location};
 use crate::Result;
 use crate::share::check_range;
 

@@ -25,7 +25,7 @@
 //! must know how much more to read before it reads it.
 
 mod header;
-mod rules;
+mod kind_rules;
 
 use std::fmt;
 
@@ -354,4 +354,4 @@ fn stream_carries(kind: Kind) -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests;
+mod frame_tests;

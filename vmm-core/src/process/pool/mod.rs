@@ -21,8 +21,8 @@
 //! to its own process, a task that may have run is never sent again.
 
 mod events;
-mod handle;
 mod report;
+mod task_handle;
 mod tasks;
 mod worker;
 
@@ -44,7 +44,7 @@ use super::{remote, sys};
 use crate::{Error, Result};
 use crate::{trace, wire};
 
-pub use handle::TaskHandle;
+pub use task_handle::TaskHandle;
 use tasks::{Inner, Queued, TaskState};
 use worker::{Worker, WorkerState};
 

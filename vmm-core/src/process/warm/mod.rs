@@ -16,8 +16,8 @@
 //! A pool keeps its children per environment (`Context::with_env`): a child's environment is
 //! fixed at its exec, before CUDA reads variables such as `CUDA_VISIBLE_DEVICES`.
 
-mod options;
 mod waiting;
+mod warm_options;
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -34,10 +34,10 @@ use super::timeout::default_timeout;
 use crate::wire::Channel;
 use crate::{Error, Result};
 
-pub use options::{
+use waiting::{Health, WaitingChild};
+pub use warm_options::{
     DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, MAX_DEPTH, MAX_DEVICE_ORDINAL, MAX_DEVICES, WarmOptions,
 };
-use waiting::{Health, WaitingChild};
 
 /// How long [`WarmPool::quiesce`] waits for launches in flight.
 const QUIESCE_LIMIT: Duration = Duration::from_secs(10);

@@ -39,8 +39,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::oob;
+use super::recvmsg::{self, MAX_FDS};
 use super::spill::{MAX_MESSAGE, read_spill, spill_to_memfd};
-use super::sys::{self, MAX_FDS};
 use super::wait::{Deadline, deadline_after, peer_hung_up, wait_for, wait_readable};
 use crate::error::ProtocolRule;
 use crate::{Error, Result};
@@ -343,7 +343,7 @@ impl Channel {
             };
             let buf = &mut buf[..room];
             loop {
-                match sys::recv_with_fds(self.fd.as_fd(), buf, libc::MSG_DONTWAIT) {
+                match recvmsg::recv_with_fds(self.fd.as_fd(), buf, libc::MSG_DONTWAIT) {
                     Ok(received) => {
                         // The tag stays in `buf`; the payload is copied once, without it.
                         let tag = buf.first().copied().filter(|_| received.len > 0);
@@ -550,4 +550,4 @@ enum Received {
 }
 
 #[cfg(test)]
-mod tests;
+mod channel_tests;

@@ -38,7 +38,7 @@ use nix::sys::socket::{SockType, getsockopt, setsockopt, sockopt};
 use nix::sys::stat::{SFlag, fstat};
 
 use crate::wire::MAX_FDS;
-use crate::wire::sys::{recv_with_at_most, recv_with_fds};
+use crate::wire::recvmsg::{recv_with_at_most, recv_with_fds};
 
 /// How deep a drain goes: a Unix socket received inside a Unix socket received inside ...
 /// at most this many levels; deeper ones go to the closer threads undrained.

@@ -14,8 +14,8 @@ use rustls::pki_types::ServerName;
 use rustls::server::NoServerSessionStorage;
 use rustls::{ClientConfig, ClientConnection, Connection, ServerConfig, ServerConnection};
 
-use super::options::{PeerCheck, TlsOptions};
-use super::stream::{DeadlineSocket, TlsStream, io_to_error};
+use super::tls_options::{PeerCheck, TlsOptions};
+use super::tls_stream::{DeadlineSocket, TlsStream, io_to_error};
 use super::verify::{PeerRole, PeerVerifier};
 use crate::error::TlsStep;
 use crate::{Error, Result};

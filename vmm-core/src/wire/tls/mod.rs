@@ -46,16 +46,16 @@
 //! ```
 
 mod handshake;
-mod listener;
-mod options;
-mod stream;
+mod tls_listener;
+mod tls_options;
+mod tls_stream;
 mod verify;
 
 pub use handshake::{TlsAcceptor, TlsConnector};
-pub use listener::{MAX_HANDSHAKES, TlsListener, TlsRefusal};
-pub use options::{
+pub use tls_listener::{MAX_HANDSHAKES, TlsListener, TlsRefusal};
+pub use tls_options::{
     DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MESSAGE_TIMEOUT, MAX_ALLOWED_PEERS, PeerCheck, TlsIdentity,
     TlsOptions,
 };
-pub use stream::TlsStream;
+pub use tls_stream::TlsStream;
 pub use verify::spki_sha256;

@@ -21,7 +21,7 @@ use webpki::{
     RevocationOptionsBuilder, UnknownStatusPolicy,
 };
 
-use super::options::{PeerCheck, TlsOptions};
+use super::tls_options::{PeerCheck, TlsOptions};
 use crate::{Error, Result};
 
 /// Which side's certificate is checked: it decides the extended key usage required.

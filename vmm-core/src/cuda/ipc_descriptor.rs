@@ -11,7 +11,7 @@ use serde::de::Deserializer;
 use serde::ser::Serializer;
 use serde::{Deserialize, Serialize};
 
-use super::options::{HandleType, Location};
+use super::resource_options::{HandleType, Location};
 use crate::error::DescriptorRule;
 use crate::wire::{FdIn, FdOut, FdOwner, deserialize_error};
 use crate::{Error, Result};

@@ -14,8 +14,8 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use rustls::ServerConnection;
 
 use super::handshake::TlsAcceptor;
-use super::options::TlsOptions;
-use super::stream::{DeadlineSocket, TlsStream, reason};
+use super::tls_options::TlsOptions;
+use super::tls_stream::{DeadlineSocket, TlsStream, reason};
 use crate::error::TlsReason;
 use crate::trace;
 use crate::wire::endpoint::{LOG_BURST, LOG_INTERVAL};
