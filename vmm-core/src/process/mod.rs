@@ -98,12 +98,12 @@
 //! (the kernel's rules, not vmm-core's, decide that).
 
 // Inside, each file one job; dependencies point down this list, never back up:
-// - pool/: `Pool` (mod), `TaskHandle` (handle), the task table and redelivery (tasks), the
+// - pool/: `Pool` (mod), `TaskHandle` (task_handle), the task table and redelivery (tasks), the
 //   waiters' event loop (events), a worker's reports (report), a worker's start and end (worker)
 // - context: `Context` (what the parent does to start a child), `make` (a child of any
 //   method, waiting for its first message)
-// - handle: `Process` (a single-use child's reports; join, kill)
-// - warm/: `WarmPool` (mod), `WarmOptions` (options), one waiting child (waiting)
+// - process_handle: `Process` (a single-use child's reports; join, kill)
+// - warm/: `WarmPool` (mod), `WarmOptions` (warm_options), one waiting child (waiting)
 // - forkserver: the parent's side of the forkserver (start it, ask it for a child)
 // - role: the pre-`main` hook and `init`: a started process takes its role
 // - server: the forkserver's own loop (forks children)
@@ -113,7 +113,7 @@
 // - remote: one remote call (the entry point registered for a function, the `Call` naming it,
 //   running it in the child), for single-use children and pool tasks alike
 // - entries: the entry table (what a child may run on its parent's word) and its lookup
-// - child: what every child does (exit codes, die with the parent, record panics, warm up)
+// - child_runtime: what every child does (exit codes, die with the parent, record panics, warm up)
 // - tracker: a child's fate, and the `Tracker` a `Context` tells of each child it starts
 //   (`testing` keeps `#[ipc_test]`'s registry behind it)
 // - supervisor: `Child`, the one held child (pid, pidfd, channel, output, what is known of
