@@ -25,7 +25,7 @@
 //! Layered like cudarc (sys, then result, then safe types): the driver's FFI, then the owners of
 //! driver objects, then the data a buffer is described by (options, descriptors, fabric), then
 //! buffer and resource, and last the receiving side. Each module has one job, and each uses
-//! only the modules listed before it (`tests/tests/architecture.rs` checks this table against
+//! only the modules listed before it (`tests/tests/architecture/` checks this table against
 //! the imports):
 //!
 //! | module | job |

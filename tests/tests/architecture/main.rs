@@ -2,7 +2,8 @@
 //! module has a row, imports only the modules its row allows, and no two modules import each
 //! other, directly or around a circle. Inside a module the same holds for files: no two files
 //! of one module import each other around a circle (one known exception, `KNOWN_FILE_CIRCLES`),
-//! and each file of `cuda/` imports only files its `mod.rs` Layout table lists before it.
+//! and each file of `cuda/` imports only files its `mod.rs` Layout table lists before it. No two
+//! files share a name (`mod.rs` aside), so a file's name alone says which one is meant.
 //!
 //! The sources and the README are embedded at build time (see `build.rs`), so this runs
 //! wherever the test executable runs. An "import" is any path that leaves the module: `crate::x`
@@ -11,6 +12,10 @@
 //! links and string literals are not imports.
 
 use std::collections::{BTreeMap, BTreeSet};
+
+mod lexer;
+
+use lexer::{code_only, tokens, tree_heads, tree_paths};
 
 include!(concat!(env!("OUT_DIR"), "/sources.rs"));
 
@@ -358,41 +363,6 @@ fn file_module_path(path: &str) -> Vec<String> {
     parts
 }
 
-/// The first name of each branch of the use tree (or path) starting at `tokens[at]`: `x::..`
-/// gives `x`, `{x::a, y, z::{..}}` gives `x, y, z`.
-fn tree_heads(tokens: &[Token], at: usize) -> Vec<String> {
-    let Some(first) = tokens.get(at) else {
-        return Vec::new();
-    };
-    if first.text != "{" {
-        return vec![first.text.clone()];
-    }
-    let mut heads = Vec::new();
-    let mut depth = 0;
-    let mut expect_head = true;
-    for token in &tokens[at..] {
-        match token.text.as_str() {
-            "{" => {
-                depth += 1;
-                expect_head = depth == 1;
-            }
-            "}" => {
-                depth -= 1;
-                if depth == 0 {
-                    break;
-                }
-            }
-            "," if depth == 1 => expect_head = true,
-            text if expect_head && depth == 1 => {
-                heads.push(text.to_owned());
-                expect_head = false;
-            }
-            _ => {}
-        }
-    }
-    heads
-}
-
 /// A circle in the graph, as `[a, b, .., a]`, if there is one.
 fn find_cycle(graph: &Graph) -> Option<Vec<String>> {
     fn visit(
@@ -456,140 +426,59 @@ fn architecture_table(readme: &str) -> BTreeMap<String, BTreeSet<String>> {
     table
 }
 
-/// A token of code: an identifier, `::`, or one punctuation character; with its line.
-#[derive(Debug)]
-struct Token {
-    text: String,
-    line: usize,
+#[test]
+fn no_two_source_files_share_a_name() {
+    let clashes = same_names(SOURCES.iter().map(|(path, _)| *path));
+    assert!(
+        clashes.is_empty(),
+        "source files of vmm-core that share a name (name each after what it holds):\n{}",
+        clashes
+            .iter()
+            .map(|(name, paths)| format!("{name}: {}", paths.join(", ")))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
 }
 
-fn tokens(code: &str) -> Vec<Token> {
-    let chars: Vec<char> = code.chars().collect();
-    let mut out = Vec::new();
-    let mut line = 1;
-    let mut i = 0;
-    while i < chars.len() {
-        let c = chars[i];
-        if c == '\n' {
-            line += 1;
-            i += 1;
-        } else if c.is_whitespace() {
-            i += 1;
-        } else if c.is_alphanumeric() || c == '_' {
-            let start = i;
-            while i < chars.len() && (chars[i].is_alphanumeric() || chars[i] == '_') {
-                i += 1;
-            }
-            out.push(Token {
-                text: chars[start..i].iter().collect(),
-                line,
-            });
-        } else if c == ':' && chars.get(i + 1) == Some(&':') {
-            out.push(Token {
-                text: "::".to_owned(),
-                line,
-            });
-            i += 2;
-        } else {
-            out.push(Token {
-                text: c.to_string(),
-                line,
-            });
-            i += 1;
+#[test]
+fn same_names_finds_files_of_one_name_in_different_folders() {
+    let clashes = same_names(
+        [
+            "a/mod.rs",
+            "b/mod.rs",
+            "a/handle.rs",
+            "b/c/handle.rs",
+            "lib.rs",
+            "a/x.rs",
+        ]
+        .into_iter(),
+    );
+    assert_eq!(
+        clashes,
+        vec![(
+            "handle.rs".to_owned(),
+            vec!["a/handle.rs".to_owned(), "b/c/handle.rs".to_owned()]
+        )]
+    );
+}
+
+/// File names (not `mod.rs`, every module's root) that more than one of `paths` has, with
+/// those paths.
+fn same_names<'a>(paths: impl Iterator<Item = &'a str>) -> Vec<(String, Vec<String>)> {
+    let mut by_name: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for path in paths {
+        let name = path.rsplit('/').next().unwrap_or(path);
+        if name != "mod.rs" {
+            by_name
+                .entry(name.to_owned())
+                .or_default()
+                .push(path.to_owned());
         }
     }
-    out
-}
-
-/// `src` with comments, string literals and char literals blanked out (newlines kept, so line
-/// numbers stay true).
-fn code_only(src: &str) -> String {
-    let chars: Vec<char> = src.chars().collect();
-    let mut out = String::with_capacity(src.len());
-    let blank = |out: &mut String, text: &[char]| {
-        out.extend(text.iter().map(|&c| if c == '\n' { '\n' } else { ' ' }));
-    };
-    let ident = |c: char| c.is_alphanumeric() || c == '_';
-    let mut i = 0;
-    while i < chars.len() {
-        let rest = &chars[i..];
-        let after_ident = i > 0 && ident(chars[i - 1]);
-        let end = if rest.starts_with(&['/', '/']) {
-            rest.iter().position(|&c| c == '\n').unwrap_or(rest.len())
-        } else if rest.starts_with(&['/', '*']) {
-            let mut depth = 0;
-            let mut j = 0;
-            loop {
-                if j + 1 >= rest.len() {
-                    break rest.len();
-                }
-                if rest[j] == '/' && rest[j + 1] == '*' {
-                    depth += 1;
-                    j += 2;
-                } else if rest[j] == '*' && rest[j + 1] == '/' {
-                    depth -= 1;
-                    j += 2;
-                    if depth == 0 {
-                        break j;
-                    }
-                } else {
-                    j += 1;
-                }
-            }
-        } else if !after_ident && let Some(len) = raw_string_len(rest) {
-            len
-        } else if rest[0] == '"' {
-            let mut j = 1;
-            while j < rest.len() && rest[j] != '"' {
-                j += if rest[j] == '\\' { 2 } else { 1 };
-            }
-            (j + 1).min(rest.len())
-        } else if rest[0] == '\'' && rest.get(1) == Some(&'\\') {
-            // An escape: `'\''`, `'\n'`, `'\u{..}'`; the escaped character is skipped.
-            rest.get(3..)
-                .and_then(|tail| tail.iter().position(|&c| c == '\''))
-                .map_or(rest.len(), |p| p + 4)
-        } else if rest[0] == '\'' && rest.get(2) == Some(&'\'') {
-            3
-        } else {
-            out.push(rest[0]);
-            i += 1;
-            continue;
-        };
-        blank(&mut out, &rest[..end]);
-        i += end;
-    }
-    out
-}
-
-/// The length of a raw string literal (`r"..."`, `r#"..."#`, `br"..."`) at the start of
-/// `rest`, if one starts there.
-fn raw_string_len(rest: &[char]) -> Option<usize> {
-    let mut j = usize::from(rest.first() == Some(&'b'));
-    if rest.get(j) != Some(&'r') {
-        return None;
-    }
-    j += 1;
-    let hashes = rest[j..].iter().take_while(|&&c| c == '#').count();
-    j += hashes;
-    if rest.get(j) != Some(&'"') {
-        return None;
-    }
-    j += 1;
-    while j < rest.len() {
-        if rest[j] == '"'
-            && rest[j + 1..]
-                .iter()
-                .take(hashes)
-                .filter(|&&c| c == '#')
-                .count()
-                == hashes
-        {
-            return Some(j + 1 + hashes);
-        }
-        j += 1;
-    }
-    Some(rest.len())
+    by_name
+        .into_iter()
+        .filter(|(_, paths)| paths.len() > 1)
+        .collect()
 }
 
 // ---- Files inside a module --------------------------------------------------------------------
@@ -854,52 +743,4 @@ fn file_graph(sources: &[(&str, &str)]) -> Graph {
     });
     dedup_evidence(&mut graph);
     graph
-}
-
-/// Every path of the use tree (or inline path) starting at `tokens[at]`, as its names:
-/// `x::{a, b::{c, d}}` gives `x::a`, `x::b::c`, `x::b::d`. A path ends at the first token that is
-/// not a name followed by `::`.
-fn tree_paths(tokens: &[Token], at: usize) -> Vec<Vec<String>> {
-    fn subtree(tokens: &[Token], mut at: usize, prefix: Vec<String>) -> (Vec<Vec<String>>, usize) {
-        let mut prefix = prefix;
-        loop {
-            let Some(token) = tokens.get(at) else {
-                return (vec![prefix], at);
-            };
-            if token.text == "{" {
-                let mut out = Vec::new();
-                at += 1;
-                loop {
-                    match tokens.get(at).map(|t| t.text.as_str()) {
-                        None => return (out, at),
-                        Some("}") => return (out, at + 1),
-                        Some(",") => at += 1,
-                        Some(_) => {
-                            let (paths, end) = subtree(tokens, at, prefix.clone());
-                            out.extend(paths);
-                            // Skip what follows the path (`as name`, `*`) up to `,` or `}`.
-                            at = end.max(at + 1);
-                            while let Some(t) = tokens.get(at) {
-                                if t.text == "," || t.text == "}" {
-                                    break;
-                                }
-                                at += 1;
-                            }
-                        }
-                    }
-                }
-            }
-            let is_name = token.text.chars().all(|c| c.is_alphanumeric() || c == '_');
-            if !is_name {
-                return (vec![prefix], at);
-            }
-            prefix.push(token.text.clone());
-            if tokens.get(at + 1).is_some_and(|t| t.text == "::") {
-                at += 2;
-            } else {
-                return (vec![prefix], at + 1);
-            }
-        }
-    }
-    subtree(tokens, at, Vec::new()).0
 }
