@@ -4,6 +4,8 @@
 # directory and vmm-bench-report.json (in its parent: what every build writes) under
 # $OUT/ab/<build>-<round>/; compare.py (beside this
 # script) prints, per figure, both builds' medians in every round and the ratio of their medians.
+# Stage with `AB_BASE=<exe> bash gpu/stage.sh`; run `bash .gpu/run.sh` once (it unpacks), or
+# `tar -C .gpu -xzf .gpu/executables.tar.gz`, then:
 # Usage: bash .gpu/ab.sh NEW_EXE BASE_EXE ROUNDS [criterion args, e.g. --warm-up-time 1 FILTER]
 set -uo pipefail
 new=$1 base=$2 rounds=$3; shift 3

@@ -20,7 +20,7 @@ fi
 cd "$(dirname "$0")"
 # stage.sh ships the executables gzipped.
 if [ -f executables.tar.gz ]; then
-  rm -rf tests benches examples && tar -xzf executables.tar.gz
+  rm -rf tests benches examples base && tar -xzf executables.tar.gz
 fi
 {
   echo "commit $(cat COMMIT 2>/dev/null)"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -31,6 +31,12 @@ mkdir -p .gpu/examples
 cargo build --release -p vmm-core --features tls --example fabric_tcp
 cp target/release/examples/fabric_tcp .gpu/examples/fabric_tcp
 cp "$here/run.sh" .gpu/run.sh
+# An A/B in one lease (ab.sh, compare.py): AB_BASE=<a bench executable of another build> stages
+# it as .gpu/base/vmm-bench beside this build's.
+cp "$here/ab.sh" "$here/compare.py" .gpu/
+if [ -n "${AB_BASE:-}" ]; then
+  mkdir -p .gpu/base && cp "$AB_BASE" .gpu/base/vmm-bench
+fi
 anchors="$root/../shared/anchors"
 if [ -d "$anchors" ]; then
   cp -r "$anchors" .gpu/anchors
@@ -45,8 +51,9 @@ if commit=$(git rev-parse HEAD 2>/dev/null); then
 fi
 ls -la .gpu/tests .gpu/benches
 # The executables travel gzipped (run.sh unpacks them): the carried tree is limited to 64 MiB.
-tar -C .gpu -czf .gpu/executables.tar.gz tests benches examples
-rm -rf .gpu/tests .gpu/benches .gpu/examples
+extra=(); [ -d .gpu/base ] && extra=(base)
+tar -C .gpu -czf .gpu/executables.tar.gz tests benches examples "${extra[@]}"
+rm -rf .gpu/tests .gpu/benches .gpu/examples .gpu/base
 size=$(du -sm .gpu | cut -f1)
 echo "staged ${size} MiB under .gpu/ (keep it under 60 MiB so it can travel)"
 [ "$size" -lt 60 ] || { echo "too large to carry: stage fewer targets (cargo args such as -p NAME)" >&2; exit 1; }
