@@ -9,7 +9,7 @@ use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use super::task_message::TaskMessage;
-use super::worker::{Worker, WorkerState};
+use super::worker::{Assigned, Worker, WorkerState};
 use crate::error::ProtocolRule;
 use crate::{Error, Result};
 
@@ -216,7 +216,7 @@ impl PoolState {
         let task = self.queue.pop_front().expect("not empty");
         let worker = self.slots[slot].as_mut().expect("found above");
         match worker.assign(task) {
-            Ok(id) => {
+            Assigned::Sent(id) => {
                 self.tasks.insert(
                     id,
                     TaskState::Running {
@@ -228,11 +228,11 @@ impl PoolState {
             }
             // The worker is gone: the task never reached it. Put it back; reading the worker
             // ends it.
-            Err((task, Error::Disconnected(_))) => {
+            Assigned::Unsent(task, Error::Disconnected(_)) => {
                 self.queue.push_front(task);
                 Dispatch::WorkerGone(slot)
             }
-            Err((task, error)) => {
+            Assigned::Unsent(task, error) => {
                 self.finish(task.id(), Err(error), Default::default());
                 Dispatch::Unsendable
             }
@@ -389,7 +389,7 @@ mod tests {
 
     fn done_error(state: &mut PoolState, id: u64) -> Error {
         match state.take_finished(id) {
-            Progress::Finished(finished) => finished.result.err().expect("a failed task"),
+            Progress::Finished(finished) => finished.result.expect_err("a failed task"),
             Progress::Pending => panic!("task {id} is pending"),
             Progress::Unknown => panic!("task {id} is unknown"),
         }

@@ -76,11 +76,8 @@ impl Worker {
     }
 
     /// Send `task` to this idle worker, which is then busy with it and keeps it until it
-    /// reports. Its id, or, where it could not be sent, the task back with why.
-    pub(super) fn assign(
-        &mut self,
-        mut task: TaskMessage,
-    ) -> std::result::Result<u64, (TaskMessage, Error)> {
+    /// reports; where it could not be sent, the task comes back with why.
+    pub(super) fn assign(&mut self, mut task: TaskMessage) -> Assigned {
         debug_assert_eq!(self.state, WorkerState::Idle);
         let (bytes, fds) = task.contents();
         let sent = self.tasks.send(bytes, &fds);
@@ -91,9 +88,9 @@ impl Worker {
                 task.sent();
                 self.state = WorkerState::Busy(id);
                 self.in_flight = Some(task);
-                Ok(id)
+                Assigned::Sent(id)
             }
-            Err(error) => Err((task, error)),
+            Err(error) => Assigned::Unsent(task, error),
         }
     }
 
@@ -122,6 +119,14 @@ impl Worker {
     pub(super) fn take_in_flight(&mut self) -> Option<TaskMessage> {
         self.in_flight.take()
     }
+}
+
+/// What [`Worker::assign`] did with a task.
+pub(super) enum Assigned {
+    /// The worker has task `.0` now.
+    Sent(u64),
+    /// It could not be sent: here it is back, with why.
+    Unsent(TaskMessage, Error),
 }
 
 /// Whether a task still waits in `unread`, a (dead) worker's end of its task socket: the worker
