@@ -242,6 +242,7 @@ impl PoolState {
     /// Put `task`, which a dead worker never received, back at the front of the queue for the
     /// next worker.
     pub(super) fn requeue(&mut self, task: TaskMessage) {
+        debug_assert!(self.awaits_result(task.id()), "requeued a task not running");
         self.tasks.insert(task.id(), TaskState::Queued);
         self.queue.push_front(task);
     }
@@ -477,13 +478,42 @@ mod tests {
         let mut state = PoolState::new(1);
         let first = state.submit(Vec::new(), Vec::new()).unwrap();
         let second = state.submit(Vec::new(), Vec::new()).unwrap();
-        // As a dead worker's unreceived task comes back: out of the queue, then requeued.
+        // As a dead worker's unreceived task comes back: out of the queue to a worker (as
+        // `dispatch_next` does), then requeued.
         let taken = state.queue.pop_front().unwrap();
         assert_eq!(taken.id(), first);
+        state.tasks.insert(
+            first,
+            TaskState::Running {
+                slot: 0,
+                timed_out: None,
+            },
+        );
+        assert!(state.awaits_result(first));
         state.requeue(taken);
+        assert!(!state.awaits_result(first));
         assert!(!state.task_over(first));
         let order: Vec<u64> = state.queue.iter().map(TaskMessage::id).collect();
         assert_eq!(order, [first, second]);
+    }
+
+    #[test]
+    fn a_running_task_whose_waiter_gave_up_is_not_sent_again() {
+        let mut state = PoolState::new(1);
+        let id = state.submit(Vec::new(), Vec::new()).unwrap();
+        state.queue.pop_front().unwrap();
+        state.tasks.insert(
+            id,
+            TaskState::Running {
+                slot: 0,
+                timed_out: None,
+            },
+        );
+        let after = Duration::from_millis(5);
+        assert!(matches!(state.expire(id, after), Expired::WorkerKilled));
+        assert_eq!(state.timed_out(id), Some(after));
+        assert!(!state.awaits_result(id));
+        assert!(!state.task_over(id));
     }
 
     #[test]
