@@ -1,9 +1,9 @@
 //! vmm-core's module graph, checked against the README's "Architecture" table: every top-level
 //! module has a row, imports only the modules its row allows, and no two modules import each
 //! other, directly or around a circle. Inside a module the same holds for files: no two files
-//! of one module import each other around a circle (one known exception, `KNOWN_FILE_CIRCLES`),
-//! and each file of `cuda/` imports only files its `mod.rs` Layout table lists before it. No two
-//! files share a name (`mod.rs` aside), so a file's name alone says which one is meant.
+//! of one module import each other around a circle, and each file of `cuda/` imports only files
+//! its `mod.rs` Layout table lists before it. No two files share a name (`mod.rs` aside), so a
+//! file's name alone says which one is meant.
 //!
 //! The sources and the README are embedded at build time (see `build.rs`), so this runs
 //! wherever the test executable runs. An "import" is any path that leaves the module: `crate::x`
@@ -483,28 +483,9 @@ fn same_names<'a>(paths: impl Iterator<Item = &'a str>) -> Vec<(String, Vec<Stri
 
 // ---- Files inside a module --------------------------------------------------------------------
 
-/// Known circles between files, as pairs of files whose imports of each other are not counted.
-/// Each entry is an explicit, temporary exception, removed with the circle.
-const KNOWN_FILE_CIRCLES: &[(&str, &str)] = &[
-    // Issue 24 item 5 (the pool owned by one type) untangles the pool's tasks and worker.
-    ("process::pool::tasks", "process::pool::worker"),
-];
-
 #[test]
 fn no_two_files_inside_a_module_import_each_other_around_a_circle() {
-    let mut graph = file_graph(SOURCES);
-    for (a, b) in KNOWN_FILE_CIRCLES {
-        let mut removed = 0;
-        for (from, to) in [(a, b), (b, a)] {
-            if let Some(edges) = graph.get_mut(*from) {
-                removed += usize::from(edges.remove(*to).is_some());
-            }
-        }
-        assert_eq!(
-            removed, 2,
-            "`{a}` and `{b}` no longer import each other: remove them from KNOWN_FILE_CIRCLES"
-        );
-    }
+    let graph = file_graph(SOURCES);
     if let Some(cycle) = find_cycle(&graph) {
         let steps: Vec<String> = cycle
             .windows(2)

@@ -98,8 +98,11 @@
 //! (the kernel's rules, not vmm-core's, decide that).
 
 // Inside, each file one job; dependencies point down this list, never back up:
-// - pool/: `Pool` (mod), `TaskHandle` (task_handle), the task table and redelivery (tasks), the
-//   waiters' event loop (events), a worker's reports (report), a worker's start and end (worker)
+// - pool/: `Pool` (mod), `TaskHandle` (task_handle), the waiters' event loop, dispatch and
+//   replacement of the dead (events), a worker's reports (report); below them `PoolState`
+//   (pool_state: the one owner of the workers' slots, the task table and queue), then `Worker`
+//   (worker: one worker's state, start and end), then `TaskMessage` (task_message: a task on its
+//   way to a worker, and the redelivery cap)
 // - context: `Context` (what the parent does to start a child), `make` (a child of any
 //   method, waiting for its first message)
 // - process_handle: `Process` (a single-use child's reports; join, kill)

@@ -11,19 +11,19 @@ use nix::poll::{PollFd, PollFlags, poll};
 
 use super::super::supervisor::poll_timeout;
 use super::Shared;
-use super::tasks::{Finished, Inner, TaskState, task_over};
+use super::pool_state::{Dispatch, Expired, Finished, PoolState, Progress};
 use crate::error::ProtocolRule;
 use crate::wire::{Channel, spin_window};
 use crate::{Error, Result};
 
 impl Shared {
-    pub(super) fn lock(&self) -> MutexGuard<'_, Inner> {
+    pub(super) fn lock(&self) -> MutexGuard<'_, PoolState> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Wake the waiter that sleeps on the workers, if there is one.
-    pub(super) fn wake_driver(&self, inner: &Inner) {
-        if inner.driving {
+    pub(super) fn wake_driver(&self, inner: &PoolState) {
+        if inner.is_driving() {
             let _ = nix::unistd::write(&self.wake, &1u64.to_ne_bytes());
         }
     }
@@ -36,51 +36,40 @@ impl Shared {
         let mut gave_up = false;
         let mut spun = false;
         let result = loop {
-            match inner.tasks.get(&id) {
-                Some(TaskState::Done(_)) => match inner.tasks.remove(&id) {
-                    Some(TaskState::Done(finished)) => break Ok(finished),
-                    _ => unreachable!("just seen done"),
-                },
-                None => {
+            match inner.take_finished(id) {
+                Progress::Finished(finished) => break Ok(finished),
+                Progress::Unknown => {
                     break Err(Error::protocol(
                         ProtocolRule::Internal,
                         "a Pool task that this pool does not know",
                     ));
                 }
-                Some(_) => {}
+                Progress::Pending => {}
             }
             if !gave_up && deadline.is_some_and(|d| Instant::now() >= d) {
                 gave_up = true;
-                match inner.tasks.get_mut(&id) {
-                    Some(TaskState::Queued) => {
-                        inner.tasks.remove(&id);
-                        inner.queue.retain(|q| q.id != id);
+                match inner.expire(id, timeout) {
+                    Expired::Dequeued => {
                         break Err(Error::Timeout {
                             what: "a Pool task waiting for a free worker".into(),
                             after: timeout,
                         });
                     }
-                    Some(TaskState::Running { slot, timed_out }) => {
-                        *timed_out = Some(timeout);
-                        let slot = *slot;
-                        if let Some(worker) = inner.slots[slot].as_ref() {
-                            let _ = worker.child.kill();
-                        }
+                    Expired::WorkerKilled => {
                         if !driving {
                             self.wake_driver(&inner);
                         }
                     }
-                    _ => {}
+                    Expired::Over => {}
                 }
             }
-            if !inner.driving {
-                inner.driving = true;
-                driving = true;
+            if !driving {
+                driving = inner.start_driving();
             }
             let until = deadline.filter(|_| !gave_up);
             if driving {
                 self.drive(&mut inner);
-                if task_over(&inner, id) {
+                if inner.task_over(id) {
                     continue;
                 }
                 // Keep trying for a moment before sleeping: a report that comes within the
@@ -88,13 +77,13 @@ impl Shared {
                 if !spun {
                     spun = true;
                     let spin_end = Instant::now() + spin_window();
-                    while Instant::now() < spin_end && !task_over(&inner, id) {
+                    while Instant::now() < spin_end && !inner.task_over(id) {
                         drop(inner);
                         std::hint::spin_loop();
                         inner = self.lock();
                         self.drive(&mut inner);
                     }
-                    if task_over(&inner, id) {
+                    if inner.task_over(id) {
                         continue;
                     }
                 }
@@ -113,7 +102,7 @@ impl Shared {
             }
         };
         if driving {
-            inner.driving = false;
+            inner.stop_driving();
         }
         drop(inner);
         if driving {
@@ -127,13 +116,11 @@ impl Shared {
     /// or `until` passes; then lock again.
     pub(super) fn sleep_on_workers<'a>(
         &'a self,
-        inner: MutexGuard<'a, Inner>,
+        inner: MutexGuard<'a, PoolState>,
         until: Option<Instant>,
-    ) -> MutexGuard<'a, Inner> {
+    ) -> MutexGuard<'a, PoolState> {
         let watched: Vec<(Arc<Channel>, Option<Arc<OwnedFd>>)> = inner
-            .slots
-            .iter()
-            .flatten()
+            .workers()
             .map(|w| (Arc::clone(w.child.channel()), w.child.pidfd().cloned()))
             .collect();
         drop(inner);
@@ -158,16 +145,49 @@ impl Shared {
     /// Read every report the workers have sent, note deaths, replace dead workers and hand
     /// queued tasks to idle ones. Never blocks for long (reaping a dead forkserver worker waits
     /// for the server's report).
-    pub(super) fn drive(&self, inner: &mut Inner) {
-        let finished = inner.finished;
-        for slot in 0..inner.slots.len() {
+    pub(super) fn drive(&self, inner: &mut PoolState) {
+        let finished = inner.finished_count();
+        for slot in 0..inner.slot_count() {
             self.read_worker(inner, slot);
         }
         self.replace_dead(inner);
         self.dispatch(inner);
-        if inner.finished != finished {
+        if inner.finished_count() != finished {
             // Waiters whose task just finished look again.
             self.changed.notify_all();
         }
+    }
+
+    /// Hand queued tasks to idle workers.
+    pub(super) fn dispatch(&self, inner: &mut PoolState) {
+        loop {
+            match inner.dispatch_next() {
+                Dispatch::Nothing => return,
+                Dispatch::Sent | Dispatch::Unsendable => {}
+                Dispatch::WorkerGone(slot) => {
+                    self.read_worker(inner, slot);
+                    if let Some(worker) = inner.take_worker(slot) {
+                        // Not seen dead yet: end it now rather than offer it again.
+                        self.end_worker(worker, false);
+                    }
+                    self.replace_dead(inner);
+                }
+            }
+        }
+    }
+
+    /// Start workers in empty slots (unless the pool is closed, or workers keep dying as they
+    /// start: then fail the tasks that wait, with why).
+    pub(super) fn replace_dead(&self, inner: &mut PoolState) {
+        for slot in inner.empty_slots() {
+            if !inner.may_start_worker() {
+                break;
+            }
+            match self.start_worker() {
+                Ok(worker) => inner.install(slot, worker),
+                Err(error) => inner.start_failed(error),
+            }
+        }
+        inner.fail_queued_if_none_can_run();
     }
 }

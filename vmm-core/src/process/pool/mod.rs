@@ -20,10 +20,17 @@
 //! a task running in it) can consume messages but never put one back, so whatever a task does
 //! to its own process, a task that may have run is never sent again.
 
+// Who owns what: `PoolState` (pool_state) is the one owner of everything that changes behind
+// the pool's lock, with private fields; `Worker` (worker) owns a worker's state the same way.
+// The other files work through their methods: `Pool` (here) submits and closes, the waiters'
+// event loop (events) reads, replaces and dispatches, report reads one worker's reports,
+// `TaskHandle` (task_handle) joins or cancels; a `TaskMessage` (task_message) is a task on its
+// way to a worker. Imports point down: events, report -> pool_state -> worker -> task_message.
 mod events;
+mod pool_state;
 mod report;
 mod task_handle;
-mod tasks;
+mod task_message;
 mod worker;
 
 use std::borrow::Borrow;
@@ -44,9 +51,9 @@ use super::{remote, sys};
 use crate::{Error, Result};
 use crate::{trace, wire};
 
+use pool_state::PoolState;
 pub use task_handle::TaskHandle;
-use tasks::{Inner, Queued, TaskState};
-use worker::{Worker, WorkerState};
+use worker::Worker;
 
 /// Reusable worker processes that run tasks: `fn(A) -> R` with a serde argument and result.
 ///
@@ -114,7 +121,7 @@ pub(super) struct Shared {
     child_args: Vec<String>,
     /// Wakes the waiter that reads the workers (a submit, a worker replaced, the pool dropped).
     wake: OwnedFd,
-    inner: Mutex<Inner>,
+    inner: Mutex<PoolState>,
     /// Notified when a task finishes or the reading waiter steps down.
     changed: Condvar,
 }
@@ -145,29 +152,24 @@ impl Pool {
                 devices: options.devices().to_vec(),
                 child_args: hook::child_args(ChildKind::PoolWorker),
                 wake: sys::eventfd()?,
-                inner: Mutex::new(Inner::default()),
+                inner: Mutex::new(PoolState::new(workers)),
                 changed: Condvar::new(),
             }),
         };
         let timeout = default_timeout();
         let deadline = Instant::now().checked_add(timeout);
         let mut inner = pool.shared.lock();
-        inner.slots = (0..workers).map(|_| None).collect();
-        for slot in 0..workers {
+        for slot in inner.empty_slots() {
             let worker = pool.shared.start_worker()?;
-            inner.slots[slot] = Some(worker);
+            inner.install(slot, worker);
         }
         // Wait until every worker serves: read their reports as a join does.
         loop {
             pool.shared.drive(&mut inner);
-            if let Some(error) = inner.start_error.take() {
+            if let Some(error) = inner.take_start_error() {
                 return Err(error);
             }
-            let serving = inner
-                .slots
-                .iter()
-                .all(|w| w.as_ref().is_some_and(|w| w.state != WorkerState::Starting));
-            if serving {
+            if inner.all_serving() {
                 break;
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -216,19 +218,10 @@ impl Pool {
         let task = call.with_args(encoded);
         let bytes = wire::encode(&task)?.bytes().to_vec();
         let mut inner = self.shared.lock();
-        if inner.closed {
+        let Some(id) = inner.submit(bytes, fds) else {
             return Err(Error::Disconnected("Pool::submit: the pool".into()));
-        }
-        let id = inner.next_id;
-        inner.next_id += 1;
+        };
         trace::record!(span, "task", id);
-        inner.tasks.insert(id, TaskState::Queued);
-        inner.queue.push_back(Queued {
-            id,
-            bytes,
-            fds,
-            deliveries: 0,
-        });
         self.shared.drive(&mut inner);
         self.shared.wake_driver(&inner);
         drop(inner);
@@ -247,55 +240,37 @@ impl Pool {
 
     /// The pids of the workers alive now (a dead one's replacement appears once started).
     pub fn pids(&self) -> Vec<u32> {
-        self.shared
-            .lock()
-            .slots
-            .iter()
-            .flatten()
-            .map(Worker::pid)
-            .collect()
+        self.shared.lock().workers().map(Worker::pid).collect()
     }
 }
 
 impl Drop for Pool {
     fn drop(&mut self) {
         let mut inner = self.shared.lock();
-        inner.closed = true;
+        let workers = inner.close();
         // Kill them all first, then reap: they die in parallel.
-        for worker in inner.slots.iter().flatten() {
-            let _ = worker.child.kill();
+        for worker in &workers {
+            worker.kill();
         }
-        for slot in 0..inner.slots.len() {
-            if let Some(worker) = inner.slots[slot].take() {
-                let task = match worker.state {
-                    WorkerState::Busy(id) => Some(id),
-                    _ => None,
-                };
-                let ended = self.shared.end_worker(worker, false);
-                if let Some(id) = task {
-                    let (stdout, stderr) = ended.output;
-                    inner.finish(
-                        id,
-                        Err(Error::Disconnected(
-                            "a Pool task: its Pool was dropped while it ran (its worker was \
-                             killed)"
-                                .into(),
-                        )),
-                        (stdout, stderr),
-                    );
-                }
+        for worker in workers {
+            let task = worker.busy_with();
+            let ended = self.shared.end_worker(worker, false);
+            if let Some(id) = task {
+                let (stdout, stderr) = ended.output;
+                inner.finish(
+                    id,
+                    Err(Error::Disconnected(
+                        "a Pool task: its Pool was dropped while it ran (its worker was \
+                         killed)"
+                            .into(),
+                    )),
+                    (stdout, stderr),
+                );
             }
         }
-        let queued: Vec<u64> = inner.queue.drain(..).map(|q| q.id).collect();
-        for id in queued {
-            inner.finish(
-                id,
-                Err(Error::Disconnected(
-                    "a Pool task: its Pool was dropped before a worker took it".into(),
-                )),
-                Default::default(),
-            );
-        }
+        inner.fail_queued(|| {
+            Error::Disconnected("a Pool task: its Pool was dropped before a worker took it".into())
+        });
         self.shared.wake_driver(&inner);
         drop(inner);
         self.shared.changed.notify_all();

@@ -7,17 +7,17 @@ use super::super::protocol::{Report, TaskOutcome};
 use super::super::status::{ChildError, Observed, Outcome};
 use super::super::supervisor::{Incoming, Reaper};
 use super::Shared;
-use super::tasks::{Inner, TaskState};
+use super::pool_state::PoolState;
 use super::worker::{Worker, WorkerState};
 use crate::Error;
 
 impl Shared {
     /// Take what worker `slot` sent; end it if it died or broke the protocol.
-    pub(super) fn read_worker(&self, inner: &mut Inner, slot: usize) {
+    pub(super) fn read_worker(&self, inner: &mut PoolState, slot: usize) {
         let mut gone = false;
         let mut violation = None;
         loop {
-            let Some(worker) = inner.slots[slot].as_mut() else {
+            let Some(worker) = inner.worker_mut(slot) else {
                 return;
             };
             let (report, fds) = match worker.child.next_report() {
@@ -36,30 +36,27 @@ impl Shared {
                     break;
                 }
             };
-            match (report, worker.state) {
+            match (report, worker.state()) {
                 // A warm child's own `Ready`, from before it became a worker.
                 (Report::Ready, WorkerState::Starting) => {}
                 (Report::Serving, WorkerState::Starting) => {
-                    worker.state = WorkerState::Idle;
-                    inner.start_failures = 0;
+                    worker.serving();
+                    inner.worker_started();
                 }
                 (Report::TaskDone(outcome), WorkerState::Busy(id)) => {
-                    worker.in_flight = None;
+                    worker.task_reported();
                     let output = worker.child.output().take();
                     match outcome {
                         TaskOutcome::Returned(bytes) => {
-                            worker.state = WorkerState::Idle;
-                            worker.tasks_done += 1;
+                            worker.task_done();
                             inner.finish(id, Ok((bytes.0, fds)), output);
                         }
                         TaskOutcome::Unsendable(error) => {
-                            worker.state = WorkerState::Idle;
-                            worker.tasks_done += 1;
+                            worker.task_done();
                             inner.finish(id, Err(error), output);
                         }
                         TaskOutcome::NotRun { stage, error } => {
-                            worker.state = WorkerState::Idle;
-                            worker.tasks_done += 1;
+                            worker.task_done();
                             let pid = worker.pid();
                             let outcome = Outcome::NotRun { stage, error };
                             let error =
@@ -70,7 +67,7 @@ impl Shared {
                             // It exits next, on its own: fail the task with the panic and how
                             // the worker exited.
                             let outcome = Outcome::Panicked { message, location };
-                            let worker = inner.slots[slot].take().expect("read above");
+                            let worker = inner.take_worker(slot).expect("read above");
                             let error = self.failed_task(inner, worker, id, Some(outcome), output);
                             inner.finish(id, Err(error), Default::default());
                             return;
@@ -88,24 +85,26 @@ impl Shared {
                 }
             }
         }
-        let Some(worker) = inner.slots[slot].as_mut() else {
+        let Some(worker) = inner.worker_mut(slot) else {
             return;
         };
         if !gone && violation.is_none() && !worker.child.poll_exited() {
             return;
         }
         // Dead, or no longer to be trusted: end it and fail what it was doing.
-        let worker = inner.slots[slot].take().expect("checked above");
+        let worker = inner.take_worker(slot).expect("checked above");
         let _ = worker.child.kill();
-        match worker.state {
-            WorkerState::Busy(id) if self.never_taken(inner, &worker, id, violation.is_some()) => {
-                // It died before taking the task off its channel (killed while idle, say): the
-                // task never ran; the next worker gets it.
+        match worker.state() {
+            // It kept to the protocol, its task still waits for its result, and it died before
+            // taking the task off its channel (killed while idle, say): the task never ran; the
+            // next worker gets it.
+            WorkerState::Busy(id)
+                if violation.is_none() && inner.awaits_result(id) && worker.never_received(id) =>
+            {
                 let mut worker = worker;
-                let task = worker.in_flight.take().expect("checked by never_taken");
+                let task = worker.take_in_flight().expect("checked by never_received");
                 self.end_worker(worker, false);
-                inner.tasks.insert(id, TaskState::Queued);
-                inner.queue.push_front(task);
+                inner.requeue(task);
             }
             WorkerState::Busy(id) => {
                 let mut error = self.failed_task(inner, worker, id, None, Default::default());
@@ -117,8 +116,7 @@ impl Shared {
             WorkerState::Starting => {
                 let pid = worker.pid();
                 let ended = self.end_worker(worker, false);
-                inner.start_failures += 1;
-                inner.start_error = Some(Error::Child(Box::new(ChildError::new(
+                inner.start_failed(Error::Child(Box::new(ChildError::new(
                     (self.method, pid),
                     (ended.status, false),
                     None,
@@ -143,14 +141,14 @@ impl Shared {
     /// reported (a panic) is let exit by itself, for its true exit status.
     fn failed_task(
         &self,
-        inner: &Inner,
+        inner: &PoolState,
         worker: Worker,
         id: u64,
         outcome: Option<Outcome>,
         (stdout, stderr): (String, String),
     ) -> Error {
         let pid = worker.pid();
-        let done = worker.tasks_done;
+        let done = worker.tasks_done();
         let ended = self.end_worker(worker, outcome.is_some());
         let timed_out = inner.timed_out(id);
         Error::Child(Box::new(ChildError::new(

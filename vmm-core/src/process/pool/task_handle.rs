@@ -9,7 +9,6 @@ use serde::de::DeserializeOwned;
 
 use super::super::timeout::default_timeout;
 use super::Shared;
-use super::tasks::TaskState;
 use crate::Result;
 use crate::{trace, wire};
 
@@ -83,15 +82,10 @@ impl<R> Drop for TaskHandle<R> {
             return;
         }
         let mut inner = self.shared.lock();
-        match inner.tasks.remove(&self.id) {
-            Some(TaskState::Queued) => inner.queue.retain(|q| q.id != self.id),
-            Some(TaskState::Running { slot, .. }) => {
-                if let Some(worker) = inner.slots[slot].take() {
-                    self.shared.end_worker(worker, false);
-                }
-                self.shared.replace_dead(&mut inner);
-            }
-            Some(TaskState::Done(_)) | None => {}
+        // A running task's worker is killed with it, and replaced.
+        if let Some(worker) = inner.cancel(self.id) {
+            self.shared.end_worker(worker, false);
+            self.shared.replace_dead(&mut inner);
         }
         self.shared.wake_driver(&inner);
         drop(inner);
