@@ -27,11 +27,10 @@ use nix::unistd::{Pid, getppid};
 
 use super::StartMethod;
 use super::child_runtime;
+use super::ends::{ChildEnd, ServerEnd};
 use super::entry;
-use super::protocol::ROLE_VAR;
-use super::warm::{MAX_DEVICE_ORDINAL, MAX_DEVICES};
+use super::protocol::{MAX_ROLE_LEN, ROLE_VAR, Role};
 use super::{server, sys};
-use crate::wire::Channel;
 use crate::wire::endpoint::maybe_overflow_uid;
 
 /// Set (to anything) to keep the pre-`main` hook from taking a child's role, so that only an
@@ -41,22 +40,14 @@ pub(crate) const NO_AUTO_INIT_VAR: &str = "VMM_IPC_NO_AUTO_INIT";
 
 /// A role the pre-`main` hook accepted but did not take (under [`NO_AUTO_INIT_VAR`]): [`init`]
 /// takes it.
-static PENDING: Mutex<Option<Role>> = Mutex::new(None);
+static PENDING: Mutex<Option<Accepted>> = Mutex::new(None);
 
 /// A role this process accepted: what it is, its channel (adopted), its parent.
 #[derive(Debug)]
-struct Role {
-    kind: Kind,
+struct Accepted {
+    role: Role,
     channel: OwnedFd,
     parent: Pid,
-}
-
-#[derive(Debug)]
-enum Kind {
-    Spawn,
-    Forkserver,
-    /// A warm child, with the CUDA ordinals to initialise while it waits.
-    Warm(Vec<usize>),
 }
 
 /// Runs before `main` in every executable that links vmm-core, so that a child (or the
@@ -75,8 +66,8 @@ extern "C" fn before_main() {
         // before the call returns, so no other thread can read or write the environment.
         unsafe { sys::remove_env_single_threaded(ROLE_VAR) };
     }
-    let role = match accept(&value) {
-        Ok(role) => role,
+    let accepted = match accept(&value) {
+        Ok(accepted) => accepted,
         Err(why) => {
             eprintln!("vmm-ipc: ignoring {ROLE_VAR}: {why}");
             return;
@@ -84,11 +75,11 @@ extern "C" fn before_main() {
     };
     if deferred {
         if let Ok(mut pending) = PENDING.lock() {
-            *pending = Some(role);
+            *pending = Some(accepted);
         }
         return;
     }
-    take(role)
+    take(accepted)
 }
 
 #[used]
@@ -105,25 +96,24 @@ static BEFORE_MAIN: extern "C" fn() = before_main;
 /// takes a role the hook accepted but deferred (`VMM_IPC_NO_AUTO_INIT`).
 pub fn init() {
     let pending = PENDING.lock().ok().and_then(|mut pending| pending.take());
-    if let Some(role) = pending {
-        take(role);
+    if let Some(accepted) = pending {
+        take(accepted);
     }
 }
 
-/// Become what `role` says. Never returns.
-fn take(role: Role) -> ! {
-    let channel = Channel::from_fd(role.channel);
-    child_runtime::die_with(role.parent);
-    match role.kind {
-        Kind::Spawn => entry::run_child(channel, StartMethod::Spawn),
-        Kind::Forkserver => server::serve(channel),
-        Kind::Warm(devices) => entry::run_warm(channel, &devices),
+/// Become what `accepted` says. Never returns.
+fn take(accepted: Accepted) -> ! {
+    child_runtime::die_with(accepted.parent);
+    match accepted.role {
+        Role::Spawn => entry::run_child(ChildEnd::from_fd(accepted.channel), StartMethod::Spawn),
+        Role::Forkserver => server::serve(ServerEnd::from_fd(accepted.channel)),
+        Role::Warm { devices } => entry::run_warm(ChildEnd::from_fd(accepted.channel), &devices),
     }
 }
 
 /// Check the role variable's `value` and what it names (see the module docs); adopt its
 /// channel if everything holds. `Err` says why not; nothing is touched then.
-fn accept(value: &OsStr) -> Result<Role, String> {
+fn accept(value: &OsStr) -> Result<Accepted, String> {
     // SAFETY: getauxval reads the auxiliary vector the kernel gave this process; no
     // precondition.
     if unsafe { libc::getauxval(libc::AT_SECURE) } != 0 {
@@ -136,8 +126,11 @@ fn accept(value: &OsStr) -> Result<Role, String> {
     if sys::check_main_text(sys::code_base as fn() -> usize as usize, "vmm-core").is_err() {
         return Err("vmm-core is not part of the main executable here".to_owned());
     }
-    let (kind, fd, parent) = parse(value.as_bytes())
-        .ok_or_else(|| format!("malformed value {:?}", value.to_string_lossy()))?;
+    let (role, fd, parent) = Role::parse(value.as_bytes()).ok_or_else(|| {
+        let shown: String = value.to_string_lossy().chars().take(MAX_ROLE_LEN).collect();
+        format!("malformed value {shown:?}")
+    })?;
+    let parent = Pid::from_raw(parent as i32);
     check_channel(fd, parent)?;
     // SAFETY: `fd` is open (checked), is a Unix socket whose peer is our parent (checked), and
     // was named by the role variable, which only this function reads, once per process (from
@@ -145,41 +138,11 @@ fn accept(value: &OsStr) -> Result<Role, String> {
     // in this process, and before `main` nothing else has had a chance to take it.
     let channel =
         unsafe { sys::adopt_inherited_fd(fd) }.map_err(|e| format!("fd {fd} is unusable: {e}"))?;
-    Ok(Role {
-        kind,
+    Ok(Accepted {
+        role,
         channel,
         parent,
     })
-}
-
-/// `kind:fd:parent[:devices]` (see `protocol::ROLE_VAR`).
-fn parse(value: &[u8]) -> Option<(Kind, i32, Pid)> {
-    let value = std::str::from_utf8(value).ok()?;
-    let mut parts = value.splitn(4, ':');
-    let kind = parts.next()?;
-    let fd: i32 = parts.next()?.parse().ok()?;
-    let parent: i32 = parts.next()?.parse().ok()?;
-    let arg = parts.next();
-    let kind = match (kind, arg) {
-        ("spawn", None) => Kind::Spawn,
-        ("forkserver", None) => Kind::Forkserver,
-        ("warm", devices) => Kind::Warm(parse_devices(devices.unwrap_or(""))),
-        _ => return None,
-    };
-    (fd > 2 && parent > 1).then_some((kind, fd, Pid::from_raw(parent)))
-}
-
-/// A warm child's devices, as the role variable lists them (`0,1`; empty for none). Entries
-/// that are not numbers, ordinals above [`MAX_DEVICE_ORDINAL`] and entries past the first
-/// [`MAX_DEVICES`] are ignored: warming up is an optimisation, never a reason to fail, and the
-/// parent never writes more (its `VMM_WARM_DEVICES` is checked against the same maxima), so
-/// a longer list only makes the child try devices no machine has.
-fn parse_devices(list: &str) -> Vec<usize> {
-    list.split(',')
-        .take(MAX_DEVICES)
-        .filter_map(|d| d.trim().parse().ok())
-        .filter(|&d| d <= MAX_DEVICE_ORDINAL)
-        .collect()
 }
 
 /// `Ok` when fd `fd` is a Unix `SOCK_SEQPACKET` socket whose peer (by `SO_PEERCRED`) is
@@ -256,42 +219,4 @@ fn socket_option(socket: BorrowedFd<'_>, option: libc::c_int) -> Result<libc::c_
         ));
     }
     Ok(value)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn malformed_role_values_are_refused() {
-        for value in [
-            "",
-            "spawn",
-            "spawn:3",
-            "spawn:x:10",
-            "spawn:3:x",
-            "spawn:2:10",
-            "spawn:-1:10",
-            "spawn:3:1",
-            "spawn:3:10:extra",
-            "forkserver:3:10:extra",
-            "other:3:10",
-        ] {
-            assert!(parse(value.as_bytes()).is_none(), "{value:?} was accepted");
-        }
-        assert!(matches!(parse(b"spawn:3:10"), Some((Kind::Spawn, 3, _))));
-        assert!(matches!(
-            parse(b"warm:4:10:0,x,1"),
-            Some((Kind::Warm(devices), 4, _)) if devices == [0, 1]
-        ));
-        assert!(matches!(
-            parse(b"warm:4:10:1,64,18446744073709551615,-1,63"),
-            Some((Kind::Warm(devices), 4, _)) if devices == [1, 63]
-        ));
-        let long = format!("warm:4:10:{}", "0,".repeat(10_000));
-        assert!(matches!(
-            parse(long.as_bytes()),
-            Some((Kind::Warm(devices), 4, _)) if devices.len() == MAX_DEVICES
-        ));
-    }
 }

@@ -9,11 +9,12 @@ use std::time::{Duration, Instant};
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, poll};
 
+use super::super::ends::ParentEnd;
 use super::super::supervisor::poll_timeout;
 use super::Shared;
 use super::tasks::{Finished, Inner, TaskState, task_over};
 use crate::error::ProtocolRule;
-use crate::wire::{Channel, spin_window};
+use crate::wire::spin_window;
 use crate::{Error, Result};
 
 impl Shared {
@@ -130,7 +131,7 @@ impl Shared {
         inner: MutexGuard<'a, Inner>,
         until: Option<Instant>,
     ) -> MutexGuard<'a, Inner> {
-        let watched: Vec<(Arc<Channel>, Option<Arc<OwnedFd>>)> = inner
+        let watched: Vec<(Arc<ParentEnd>, Option<Arc<OwnedFd>>)> = inner
             .slots
             .iter()
             .flatten()

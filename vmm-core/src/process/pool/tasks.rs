@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use nix::sys::socket::MsgFlags;
 
+use super::super::ends::Sealed;
+use super::super::protocol::Call;
 use super::Shared;
 use super::worker::{Worker, WorkerState};
 use crate::error::ProtocolRule;
@@ -45,7 +47,7 @@ pub(super) enum TaskState {
 
 pub(super) struct Queued {
     pub(super) id: u64,
-    pub(super) bytes: Vec<u8>,
+    pub(super) bytes: Sealed<Call>,
     pub(super) fds: Vec<OwnedFd>,
     /// How many workers it was sent to that died before taking it.
     pub(super) deliveries: u32,
@@ -123,7 +125,7 @@ impl Shared {
             let mut task = inner.queue.pop_front().expect("not empty");
             let fds: Vec<BorrowedFd<'_>> = task.fds.iter().map(AsFd::as_fd).collect();
             let worker = inner.slots[slot].as_mut().expect("found above");
-            match worker.tasks.send(&task.bytes, &fds) {
+            match worker.tasks.send_sealed(&task.bytes, &fds, None) {
                 Ok(()) => {
                     drop(fds);
                     let id = task.id;
