@@ -158,10 +158,17 @@ pub(crate) struct Received<M> {
 
 /// A message encoded ahead of sending (a pool task, sent again if its worker dies before taking
 /// it): only an end of a side that sends `M` sends it.
-#[derive(Debug, Clone)]
 pub(crate) struct Sealed<M> {
     bytes: Vec<u8>,
     message: PhantomData<fn() -> M>,
+}
+
+/// Its length only: the bytes may hold the user's data, a bearer token even (see `Payload`).
+impl<M> std::fmt::Debug for Sealed<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = std::any::type_name::<M>().rsplit("::").next().unwrap_or("");
+        write!(f, "Sealed<{name}>(<{} bytes>)", self.bytes.len())
+    }
 }
 
 impl<M: Serialize> Sealed<M> {
@@ -175,8 +182,10 @@ impl<M: Serialize> Sealed<M> {
                 "an internal protocol message holds fds of its own",
             ));
         }
+        // No fds to move: the bytes move out, uncopied.
+        let (bytes, _) = encoded.into_owned()?;
         Ok(Sealed {
-            bytes: encoded.bytes().to_vec(),
+            bytes,
             message: PhantomData,
         })
     }
@@ -320,6 +329,18 @@ mod tests {
         // It was consumed: the channel reads on.
         child.send(&Report::Pong).unwrap();
         assert!(matches!(parent.recv(None).unwrap().message, Report::Pong));
+    }
+
+    #[test]
+    fn a_sealed_message_never_shows_its_bytes() {
+        let task = Call {
+            layout: 1,
+            entry: 2,
+            args: Payload(vec![0xA7; 64]),
+        };
+        let shown = format!("{:?}", Sealed::new(&task).unwrap());
+        assert!(shown.starts_with("Sealed<Call>(<"), "{shown}");
+        assert!(!shown.contains("167") && !shown.contains("a7"), "{shown}");
     }
 
     #[test]
