@@ -101,6 +101,48 @@ pub fn init() {
     }
 }
 
+/// Why the role variable was ignored (one line on stderr says it): see the module docs.
+#[derive(Debug, thiserror::Error)]
+enum Refusal {
+    #[error(
+        "this is a secure-exec process (setuid, setgid or file capabilities), whose environment \
+         is its caller's"
+    )]
+    SecureExec,
+    #[error("vmm-core is not part of the main executable here")]
+    NotInMainExecutable,
+    /// Not a value `Role::encode` writes; shown up to [`MAX_ROLE_LEN`] characters.
+    #[error("malformed value {0:?}")]
+    Malformed(String),
+    #[error("it names pid {named} as the parent, and this process's parent is {actual}")]
+    NotTheParent { named: Pid, actual: Pid },
+    #[error("fd {0} is not open")]
+    NotOpen(i32),
+    #[error("fd {0} is not a socket")]
+    NotASocket(i32),
+    #[error("fd {0} is not a Unix SOCK_SEQPACKET socket")]
+    NotSeqpacket(i32),
+    /// A call that reads the fd's metadata failed.
+    #[error("{call} on fd {fd}: {errno}")]
+    Unreadable {
+        call: &'static str,
+        fd: i32,
+        errno: nix::errno::Errno,
+    },
+    #[error("fd {fd}'s peer is pid {peer}, not the parent (pid {parent})")]
+    PeerNotTheParent { fd: i32, peer: i32, parent: Pid },
+    #[error("fd {fd}'s peer runs as uid {peer}, and this process as uid {euid}")]
+    PeerUid { fd: i32, peer: u32, euid: u32 },
+    #[error(
+        "this process runs as the overflow uid {0} (its user is not mapped in its user \
+         namespace, or /proc/sys/kernel/overflowuid cannot be read), so its parent cannot be \
+         told apart from other unmapped users"
+    )]
+    OverflowUid(u32),
+    #[error("fd {fd} is unusable: {error}")]
+    Unusable { fd: i32, error: crate::Error },
+}
+
 /// Become what `accepted` says. Never returns.
 fn take(accepted: Accepted) -> ! {
     child_runtime::die_with(accepted.parent);
@@ -113,22 +155,17 @@ fn take(accepted: Accepted) -> ! {
 
 /// Check the role variable's `value` and what it names (see the module docs); adopt its
 /// channel if everything holds. `Err` says why not; nothing is touched then.
-fn accept(value: &OsStr) -> Result<Accepted, String> {
+fn accept(value: &OsStr) -> Result<Accepted, Refusal> {
     // SAFETY: getauxval reads the auxiliary vector the kernel gave this process; no
     // precondition.
     if unsafe { libc::getauxval(libc::AT_SECURE) } != 0 {
-        return Err(
-            "this is a secure-exec process (setuid, setgid or file capabilities), whose \
-                    environment is its caller's"
-                .to_owned(),
-        );
+        return Err(Refusal::SecureExec);
     }
     if sys::check_main_text(sys::code_base as fn() -> usize as usize, "vmm-core").is_err() {
-        return Err("vmm-core is not part of the main executable here".to_owned());
+        return Err(Refusal::NotInMainExecutable);
     }
     let (role, fd, parent) = Role::parse(value.as_bytes()).ok_or_else(|| {
-        let shown: String = value.to_string_lossy().chars().take(MAX_ROLE_LEN).collect();
-        format!("malformed value {shown:?}")
+        Refusal::Malformed(value.to_string_lossy().chars().take(MAX_ROLE_LEN).collect())
     })?;
     let parent = Pid::from_raw(parent as i32);
     check_channel(fd, parent)?;
@@ -137,7 +174,7 @@ fn accept(value: &OsStr) -> Result<Accepted, String> {
     // the pre-`main` hook). An fd open since exec cannot have been returned by any open or dup
     // in this process, and before `main` nothing else has had a chance to take it.
     let channel =
-        unsafe { sys::adopt_inherited_fd(fd) }.map_err(|e| format!("fd {fd} is unusable: {e}"))?;
+        unsafe { sys::adopt_inherited_fd(fd) }.map_err(|error| Refusal::Unusable { fd, error })?;
     Ok(Accepted {
         role,
         channel,
@@ -148,57 +185,58 @@ fn accept(value: &OsStr) -> Result<Accepted, String> {
 /// `Ok` when fd `fd` is a Unix `SOCK_SEQPACKET` socket whose peer (by `SO_PEERCRED`) is
 /// `parent`, which is this process's parent and runs as this process's effective uid (not
 /// the overflow uid). Only reads the fd's metadata.
-fn check_channel(fd: i32, parent: Pid) -> Result<(), String> {
+fn check_channel(fd: i32, parent: Pid) -> Result<(), Refusal> {
     if getppid() != parent {
-        return Err(format!(
-            "it names pid {parent} as the parent, and this process's parent is {}",
-            getppid()
-        ));
+        return Err(Refusal::NotTheParent {
+            named: parent,
+            actual: getppid(),
+        });
     }
     // SAFETY: F_GETFD on any number only reads the fd table (EBADF for one not open).
     if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-        return Err(format!("fd {fd} is not open"));
+        return Err(Refusal::NotOpen(fd));
     }
     // SAFETY: `fd` is open (just checked) and stays open for this function: nothing in this
     // process closes an fd it does not own, and no code has owned this one yet (see `accept`).
     let socket = unsafe { BorrowedFd::borrow_raw(fd) };
-    let stat = nix::sys::stat::fstat(socket).map_err(|e| format!("fstat(fd {fd}): {e}"))?;
+    let unreadable = |call| move |errno| Refusal::Unreadable { call, fd, errno };
+    let stat = nix::sys::stat::fstat(socket).map_err(unreadable("fstat"))?;
     if stat.st_mode & libc::S_IFMT != libc::S_IFSOCK {
-        return Err(format!("fd {fd} is not a socket"));
+        return Err(Refusal::NotASocket(fd));
     }
-    let domain = socket_option(socket, libc::SO_DOMAIN)?;
-    let kind = socket_option(socket, libc::SO_TYPE)?;
+    let domain = socket_option(socket, libc::SO_DOMAIN).map_err(unreadable("SO_DOMAIN"))?;
+    let kind = socket_option(socket, libc::SO_TYPE).map_err(unreadable("SO_TYPE"))?;
     if domain != libc::AF_UNIX || kind != libc::SOCK_SEQPACKET {
-        return Err(format!("fd {fd} is not a Unix SOCK_SEQPACKET socket"));
+        return Err(Refusal::NotSeqpacket(fd));
     }
-    let peer = getsockopt(&socket, sockopt::PeerCredentials)
-        .map_err(|e| format!("SO_PEERCRED on fd {fd}: {e}"))?;
+    let peer = getsockopt(&socket, sockopt::PeerCredentials).map_err(unreadable("SO_PEERCRED"))?;
     // SAFETY: geteuid has no preconditions and cannot fail.
     let euid = unsafe { libc::geteuid() };
     if peer.pid() != parent.as_raw() {
-        return Err(format!(
-            "fd {fd}'s peer is pid {}, not the parent (pid {parent})",
-            peer.pid()
-        ));
+        return Err(Refusal::PeerNotTheParent {
+            fd,
+            peer: peer.pid(),
+            parent,
+        });
     }
     if peer.uid() != euid {
-        return Err(format!(
-            "fd {fd}'s peer runs as uid {}, and this process as uid {euid}",
-            peer.uid()
-        ));
+        return Err(Refusal::PeerUid {
+            fd,
+            peer: peer.uid(),
+            euid,
+        });
     }
     if maybe_overflow_uid(euid) {
-        return Err(format!(
-            "this process runs as the overflow uid {euid} (its user is not mapped in its user \
-             namespace, or /proc/sys/kernel/overflowuid cannot be read), so its parent cannot be \
-             told apart from other unmapped users"
-        ));
+        return Err(Refusal::OverflowUid(euid));
     }
     Ok(())
 }
 
 /// An `int` socket option of `socket`.
-fn socket_option(socket: BorrowedFd<'_>, option: libc::c_int) -> Result<libc::c_int, String> {
+fn socket_option(
+    socket: BorrowedFd<'_>,
+    option: libc::c_int,
+) -> Result<libc::c_int, nix::errno::Errno> {
     let mut value: libc::c_int = 0;
     let mut len = size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: getsockopt writes at most `len` bytes to `value`, an int that lives across the
@@ -213,10 +251,52 @@ fn socket_option(socket: BorrowedFd<'_>, option: libc::c_int) -> Result<libc::c_
         )
     };
     if rc < 0 {
-        return Err(format!(
-            "getsockopt({option}): {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(nix::errno::Errno::last());
     }
     Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_malformed_value_is_refused_before_anything_is_touched() {
+        // Checked after the secure-exec and main-executable checks, which hold in a test binary.
+        let value = format!("spawn:3:{}", "9".repeat(4 * MAX_ROLE_LEN));
+        match accept(OsStr::new(&value)) {
+            Err(Refusal::Malformed(shown)) => assert_eq!(shown.len(), MAX_ROLE_LEN),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_role_naming_another_parent_is_refused() {
+        // Well formed, but not this process's parent.
+        let value = Role::Spawn.encode(3, getppid().as_raw() as u32 + 1);
+        assert!(matches!(
+            accept(OsStr::new(&value)),
+            Err(Refusal::NotTheParent { .. })
+        ));
+    }
+
+    #[test]
+    fn a_role_naming_an_fd_that_is_not_open_is_refused() {
+        let value = Role::Forkserver.encode(1_000_000, getppid().as_raw() as u32);
+        assert!(matches!(
+            accept(OsStr::new(&value)),
+            Err(Refusal::NotOpen(1_000_000))
+        ));
+    }
+
+    #[test]
+    fn a_role_naming_a_pipe_is_refused() {
+        let (read, _write) = nix::unistd::pipe().unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&read);
+        let value = Role::Warm { devices: vec![0] }.encode(fd, getppid().as_raw() as u32);
+        assert!(matches!(
+            accept(OsStr::new(&value)),
+            Err(Refusal::NotASocket(refused)) if refused == fd
+        ));
+    }
 }
