@@ -329,7 +329,7 @@ mod tests {
             };
             tasks.send(&task).unwrap();
             match ours.recv(Some(WAIT)).unwrap().message {
-                Report::TaskDone(Outcome::NotRun {
+                Report::Finished(Outcome::NotRun {
                     stage: NotRunStage::Entry,
                     ..
                 }) => {}

@@ -194,16 +194,15 @@ pub(crate) enum Report {
     /// The child reached its entry and read its start message (a start message it could not
     /// take is reported next, as `Finished(NotRun)`).
     Started,
-    /// The child's function ended or could not run; the child exits next. A single-use child's
-    /// function returns `()`, so its `Returned` payload is empty.
+    /// A call ended (or could not run): a single-use child's (it exits next; its function
+    /// returns `()`, so a `Returned` payload is empty), or a pool worker's task (with
+    /// `Returned`, the message's fds are the result's; after `Panicked` the worker exits, after
+    /// the others it serves on).
     Finished(Outcome),
     /// The forkserver reaped the child.
     Exited(ExitStatus),
     /// A pool worker is warm and waits for tasks.
     Serving,
-    /// A pool worker's task ended. With `Returned`, the message's fds are the result's; after
-    /// `Panicked` the worker exits, after the others it serves on.
-    TaskDone(Outcome),
     /// The answer to [`Order::Ping`]: this child is alive and still waits for its order.
     Pong,
 }
@@ -261,7 +260,7 @@ mod tests {
         let shown = [
             format!(
                 "{:?}",
-                Report::TaskDone(Outcome::Returned(Payload(secret.clone())))
+                Report::Finished(Outcome::Returned(Payload(secret.clone())))
             ),
             format!(
                 "{:?}",

@@ -73,7 +73,7 @@ fn run_task(channel: &ChildEnd, task: &Call, fds: Vec<OwnedFd>) {
 fn report(channel: &ChildEnd, outcome: Outcome, fds: &[BorrowedFd<'_>]) {
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
-    match channel.send_with(&Report::TaskDone(outcome), fds, None) {
+    match channel.send_with(&Report::Finished(outcome), fds, None) {
         Ok(()) => {}
         Err(Error::Disconnected(_)) => std::process::exit(0),
         Err(error) if !fds.is_empty() => report(channel, Outcome::Unsendable(error), &[]),

@@ -43,7 +43,7 @@ impl Shared {
                     worker.state = WorkerState::Idle;
                     inner.start_failures = 0;
                 }
-                (Report::TaskDone(outcome), WorkerState::Busy(id)) => {
+                (Report::Finished(outcome), WorkerState::Busy(id)) => {
                     worker.in_flight = None;
                     let output = worker.child.output().take();
                     match outcome {
