@@ -7,18 +7,19 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::StartMethod;
+use super::ends::{ParentEnd, Sealed};
 use super::hook::{self, ChildKind};
 use super::launch::{self, Launch};
 use super::output::Output;
 use super::process_handle::Process;
-use super::protocol::{Begin, Call, Start};
+use super::protocol::{Call, Order, Role, Start};
 use super::supervisor::{Child, NewChild};
 use super::timeout::default_timeout;
 use super::tracker::{FateCell, TrackedChild, Tracker};
 use super::warm::WarmPool;
 use super::{forkserver, remote};
 use crate::trace;
-use crate::wire::{self, Channel};
+use crate::wire;
 use crate::{Error, Result};
 
 /// Starts children with one start method.
@@ -129,11 +130,11 @@ impl Context {
         launch::check_env(&self.env)?;
 
         let encoded = wire::encode(&args)?;
-        let start = Begin::Once(Start {
+        let start = Order::Once(Start {
             call: call.with_args(encoded.bytes().to_vec()),
             method: self.method,
         });
-        let start = wire::encode(&start)?;
+        let start = Sealed::new(&start)?;
         let new_child = make(self.method, &self.env, hook::child_args(ChildKind::Test))?;
         let pid = new_child.child.pid();
         trace::record!(span, "pid", pid.as_raw());
@@ -150,7 +151,7 @@ impl Context {
         // one was made: a forkserver fork whose reply could not be read, say) sees its channel
         // close and exits without running `f`. So `Err` from here means `f` never runs.
         let fds: Vec<_> = encoded.fds().collect();
-        match process.send_start(start.bytes(), &fds) {
+        match process.send_start(&start, &fds) {
             // Disconnected: the child is already gone (it died starting, or never reached its
             // entry); it cannot run `f`, and `join` tells its story.
             Ok(()) | Err(Error::Disconnected(_)) => {}
@@ -178,11 +179,10 @@ pub(crate) fn make(
 ) -> Result<NewChild> {
     let child = match method {
         StartMethod::Spawn => {
-            let (ours, theirs) = Channel::pair()?;
+            let (ours, theirs) = ParentEnd::pair()?;
             let output = Output::new()?;
             let pid = launch::launch(Launch {
-                role: "spawn",
-                role_arg: None,
+                role: Role::Spawn,
                 channel: theirs.into_fd(),
                 output: Some(output.child_ends()?),
                 args,
@@ -191,7 +191,7 @@ pub(crate) fn make(
             Child::ours(pid, ours, output)
         }
         StartMethod::Forkserver => {
-            let (ours, theirs) = Channel::pair()?;
+            let (ours, theirs) = ParentEnd::pair()?;
             let output = Output::new()?;
             let (pid, pidfd) = forkserver::fork(&theirs.into_fd(), output.fds(), env)?;
             Child::forked(pid, pidfd, ours, output)

@@ -10,13 +10,14 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::{Pid, getpid};
 
+use super::ends::{Received, RequestEnd};
 use super::hook::{self, ChildKind};
 use super::launch::{Launch, launch};
-use super::protocol::{ForkReply, ForkRequest};
+use super::protocol::{ForkReply, ForkRequest, Role};
 use super::status::ExitStatus;
 use super::supervisor::reap_pid;
 use crate::error::ProtocolRule;
-use crate::wire::{self, Channel};
+use crate::wire;
 use crate::{Error, Result};
 
 /// How long a parent waits for the forkserver to start, or to answer one request.
@@ -24,7 +25,7 @@ const SERVER_TIMEOUT: Duration = Duration::from_secs(30);
 
 struct Server {
     pid: Pid,
-    requests: Channel,
+    requests: RequestEnd,
 }
 
 static SERVER: Mutex<Option<Server>> = Mutex::new(None);
@@ -69,22 +70,24 @@ fn running(slot: &mut Option<Server>) -> Result<&Server> {
 }
 
 fn start() -> Result<Server> {
-    let (requests, theirs) = Channel::pair()?;
+    let (requests, theirs) = RequestEnd::pair()?;
     let pid = launch(Launch {
-        role: "forkserver",
-        role_arg: None,
+        role: Role::Forkserver,
         channel: theirs.into_fd(),
         output: None,
         args: hook::child_args(ChildKind::Test),
         env: Vec::new(),
     })?;
-    match requests.recv_value::<ForkReply>(Some(SERVER_TIMEOUT)) {
-        Ok(ForkReply::Ready { .. }) => Ok(Server { pid, requests }),
+    match requests.recv(Some(SERVER_TIMEOUT)) {
+        Ok(Received {
+            message: ForkReply::Ready { .. },
+            ..
+        }) => Ok(Server { pid, requests }),
         other => {
             let why = end(pid);
             let detail = match other {
                 Err(e) => e.to_string(),
-                Ok(reply) => format!("unexpected first message {reply:?}"),
+                Ok(reply) => format!("unexpected first message {:?}", reply.message),
             };
             Err(Error::Forkserver(format!(
                 "the forkserver (pid {pid}) did not start ({detail}; {why}); an executable that \
@@ -169,9 +172,8 @@ fn request(
         parent: getpid().as_raw(),
         env: env.to_vec(),
     };
-    let encoded = wire::encode(&request)?;
-    server.requests.send_timeout(
-        encoded.bytes(),
+    server.requests.send_with(
+        &request,
         &[channel.as_fd(), stdout, stderr],
         Some(SERVER_TIMEOUT),
     )?;
@@ -191,7 +193,7 @@ fn request(
         }
         Err(e) => return Err(e),
     };
-    match wire::decode::<ForkReply>(&reply.bytes, Vec::new())? {
+    match reply.message {
         ForkReply::Forked { pid } => Ok((Pid::from_raw(pid), reply.fds.into_iter().next())),
         // The server's own error: `Error::Os` for a failed fork (its errno, say EAGAIN at a
         // process limit), `Error::Protocol` for a request it refused.

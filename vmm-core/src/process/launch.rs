@@ -18,18 +18,15 @@ use nix::sys::signal::SigSet;
 use nix::sys::stat::Mode;
 use nix::unistd::{Pid, getpid};
 
-use super::protocol::ROLE_VAR;
+use super::protocol::{ROLE_VAR, Role};
 use crate::error::SpawnRule;
 use crate::{Error, Result};
 
 /// What to start: a child or a forkserver, and what it inherits.
 #[derive(Debug)]
 pub(crate) struct Launch {
-    /// `spawn`, `forkserver` or `warm`.
-    pub role: &'static str,
-    /// What follows the parent's pid in the role variable, if anything (a warm child's
-    /// devices).
-    pub role_arg: Option<String>,
+    /// What the process is to be (the role variable says it, with the channel's fd).
+    pub role: Role,
     /// The child's end of its channel; inherited at the same number.
     pub channel: OwnedFd,
     /// Where the child's stdout and stderr go; `None` inherits the parent's.
@@ -160,16 +157,15 @@ fn spawn_now(launch: Launch) -> Result<Pid> {
     for (key, value) in &launch.env {
         env.push(cstring(format!("{key}={value}").as_bytes())?);
     }
-    let mut role = format!("{ROLE_VAR}={}:{channel}:{}", launch.role, getpid());
-    if let Some(arg) = &launch.role_arg {
-        role.push(':');
-        role.push_str(arg);
-    }
-    env.push(cstring(role.as_bytes())?);
+    let role = launch.role.encode(channel, getpid().as_raw() as u32);
+    env.push(cstring(format!("{ROLE_VAR}={role}").as_bytes())?);
 
     posix_spawn(c"/proc/self/exe", &actions, &attr, &argv, &env).map_err(|e| {
         Error::errno(
-            format!("posix_spawn(/proc/self/exe) for a {} child", launch.role),
+            format!(
+                "posix_spawn(/proc/self/exe) for a {} child",
+                launch.role.name()
+            ),
             e,
         )
     })

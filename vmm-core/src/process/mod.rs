@@ -127,12 +127,18 @@
 // - output: a child's captured stdout and stderr, read from the end up to the output cap
 // - launch: posix_spawn of /proc/self/exe on the launcher thread
 // - hook: the argv a re-executed child needs, from the harness (`testing` installs libtest's)
-// - protocol: the messages; status: a child's outcome, and `ChildError` assembled from it
+// - ends: the typed ends of each socket (a parent's end sends only orders and reads only
+//   reports, and so on), so that no end can send the other direction's messages
+// - protocol: the messages, one type per direction (`Order`, `Report`, `Call`, `ForkRequest`,
+//   `ForkReply`), the one `Outcome` of a call, and the `Role` a started process takes from its
+//   role variable (whose device list is capped by warm/warm_options's plain constants, the one
+//   edge up this list); status: `ChildError` assembled from an outcome and what the parent saw
 //   (`ChildError`, `ExitStatus` and `StartMethod` are plain data in `crate::error`)
 // - timeout: `VMM_CHILD_TIMEOUT`, default_timeout
 // - sys: the thin unsafe layer (fork, fd renumbering, pidfds, code addresses, environment)
 mod child_runtime;
 mod context;
+mod ends;
 mod entries;
 mod entry;
 mod forkserver;

@@ -9,7 +9,8 @@ use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, poll};
 
 use super::StartMethod;
-use super::protocol::Report;
+use super::ends::Sealed;
+use super::protocol::{Order, Report};
 use super::status::{ChildError, ExitStatus, Observed, Outcome};
 use super::supervisor::{Child, Incoming, Reaper, STATUS_REPORT_GRACE, poll_timeout};
 use super::tracker::{Fate, FateCell};
@@ -93,8 +94,8 @@ impl Process {
     }
 
     /// Send the child its start message (see `Context::spawn`: the child waits for it).
-    pub(crate) fn send_start(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
-        self.child.channel().send(bytes, fds)
+    pub(crate) fn send_start(&self, start: &Sealed<Order>, fds: &[BorrowedFd<'_>]) -> Result<()> {
+        self.child.channel().send_sealed(start, fds, None)
     }
 
     /// The child will never get its start message: kill and reap it, as intended (no fate to
@@ -168,7 +169,7 @@ impl Process {
         }
         let status = self.child.status();
         let clean = self.started
-            && matches!(self.outcome, Some(Outcome::Returned))
+            && matches!(self.outcome, Some(Outcome::Returned(_)))
             && status.is_some_and(ExitStatus::success)
             && self.violation.is_none()
             && !timed_out;

@@ -1,5 +1,5 @@
 //! A remote call: a registered function, run in a child on an argument's bytes and fds, and
-//! how it ended. One path for both kinds of child: a single-use child runs one call
+//! how it ended (an [`Outcome`]). One path for both kinds of child: a single-use child runs one call
 //! (`Context::spawn`: an `F: Fn(A)`, whose `()` result is empty), a pool worker one per task
 //! (`Pool::submit`: an `F: Fn(A) -> R`).
 //!
@@ -15,11 +15,11 @@ use serde::de::DeserializeOwned;
 
 use super::child_runtime;
 use super::entries::{self, Entry, register_entry};
-use super::protocol::{Call, Payload};
+use super::protocol::{Call, Outcome, Payload};
 use super::status::NotRunStage;
 use super::sys;
+use crate::Result;
 use crate::wire;
-use crate::{Error, Result};
 
 /// The entry point for `F` (a `fn(A) -> R` item or a closure that captures nothing), placed in
 /// this executable's entry table: what a [`Call`] names, by its offset.
@@ -38,7 +38,7 @@ where
 
 /// What a child runs for `F`: receive the argument, call `F`, serialise the result (and drop
 /// it). `Err`: the argument could not be received (the error its deserialisation raised, an
-/// import's [`Error::InvalidDescriptor`] say, as that variant); `Ok(Err)`: the result could not
+/// import's [`Error::InvalidDescriptor`](crate::Error::InvalidDescriptor) say, as that variant); `Ok(Err)`: the result could not
 /// be serialised. Reached only through the entry table, for an `F` that [`registered`] was
 /// given a value of.
 fn trampoline<F, A, R>(args: &[u8], fds: Vec<OwnedFd>) -> Result<Result<(Vec<u8>, Vec<OwnedFd>)>>
@@ -61,7 +61,7 @@ impl Call {
     ///
     /// A child finds the entry point by its offset from `sys::code_base` in its own copy of the
     /// executable, so both must lie in the main executable's code: otherwise
-    /// [`Error::SpawnRefused`], before anything is started or sent.
+    /// [`Error::SpawnRefused`](crate::Error::SpawnRefused), before anything is started or sent.
     pub(crate) fn to(entry: Entry, what: &str) -> Result<Call> {
         sys::check_main_text(
             sys::code_base as fn() -> usize as usize,
@@ -84,48 +84,35 @@ impl Call {
     }
 }
 
-/// How a call ended, in the child.
-#[derive(Debug)]
-pub(crate) enum Ended {
-    /// The function returned; its result's bytes and fds.
-    Returned(Vec<u8>, Vec<OwnedFd>),
-    /// The function returned, but its result could not be serialised.
-    Unsendable(Error),
-    /// The function did not run: its entry point is not registered here, or its argument could
-    /// not be received.
-    NotRun { stage: NotRunStage, error: Error },
-    /// The function panicked (the message and location the panic hook recorded). The process
-    /// may be in any state: it reports and exits.
-    Panicked {
-        message: String,
-        location: Option<String>,
-    },
-}
-
 /// Run `call` (its argument's fds are `fds`), if its entry point is one this executable
-/// registered: a forged offset is refused here, never jumped to. A panic is caught.
-pub(crate) fn run(call: &Call, fds: Vec<OwnedFd>) -> Ended {
+/// registered: a forged offset is refused here, never jumped to. A panic is caught. Returns how
+/// it ended and, when it returned, its result's fds (which the [`Outcome::Returned`] report
+/// carries beside it); otherwise no fds.
+///
+/// A `Panicked` child may be in any state: it reports and exits.
+pub(crate) fn run(call: &Call, fds: Vec<OwnedFd>) -> (Outcome, Vec<OwnedFd>) {
     let entry = match entries::find(call.layout, call.entry) {
         Ok(entry) => entry,
         Err(error) => {
             let stage = NotRunStage::Entry;
-            return Ended::NotRun { stage, error };
+            return (Outcome::NotRun { stage, error }, Vec::new());
         }
     };
     // A panic an earlier call caught itself must not be taken for this one's.
     let _ = child_runtime::take_recorded_panic();
-    match panic::catch_unwind(AssertUnwindSafe(|| entry(&call.args, fds))) {
-        Ok(Ok(Ok((bytes, fds)))) => Ended::Returned(bytes, fds),
-        Ok(Ok(Err(error))) => Ended::Unsendable(error),
+    let outcome = match panic::catch_unwind(AssertUnwindSafe(|| entry(&call.args, fds))) {
+        Ok(Ok(Ok((bytes, fds)))) => return (Outcome::Returned(Payload(bytes)), fds),
+        Ok(Ok(Err(error))) => Outcome::Unsendable(error),
         Ok(Err(error)) => {
             let stage = NotRunStage::Argument;
-            Ended::NotRun { stage, error }
+            Outcome::NotRun { stage, error }
         }
         Err(payload) => {
             let (message, location) = child_runtime::panic_report(payload.as_ref());
             // The payload may own anything; dropping it could panic again. Leave it.
             std::mem::forget(payload);
-            Ended::Panicked { message, location }
+            Outcome::Panicked { message, location }
         }
-    }
+    };
+    (outcome, Vec::new())
 }

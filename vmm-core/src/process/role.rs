@@ -27,11 +27,10 @@ use nix::unistd::{Pid, getppid};
 
 use super::StartMethod;
 use super::child_runtime;
+use super::ends::{ChildEnd, ServerEnd};
 use super::entry;
-use super::protocol::ROLE_VAR;
-use super::warm::{MAX_DEVICE_ORDINAL, MAX_DEVICES};
+use super::protocol::{MAX_ROLE_LEN, ROLE_VAR, Role};
 use super::{server, sys};
-use crate::wire::Channel;
 use crate::wire::endpoint::maybe_overflow_uid;
 
 /// Set (to anything) to keep the pre-`main` hook from taking a child's role, so that only an
@@ -41,22 +40,14 @@ pub(crate) const NO_AUTO_INIT_VAR: &str = "VMM_IPC_NO_AUTO_INIT";
 
 /// A role the pre-`main` hook accepted but did not take (under [`NO_AUTO_INIT_VAR`]): [`init`]
 /// takes it.
-static PENDING: Mutex<Option<Role>> = Mutex::new(None);
+static PENDING: Mutex<Option<Accepted>> = Mutex::new(None);
 
 /// A role this process accepted: what it is, its channel (adopted), its parent.
 #[derive(Debug)]
-struct Role {
-    kind: Kind,
+struct Accepted {
+    role: Role,
     channel: OwnedFd,
     parent: Pid,
-}
-
-#[derive(Debug)]
-enum Kind {
-    Spawn,
-    Forkserver,
-    /// A warm child, with the CUDA ordinals to initialise while it waits.
-    Warm(Vec<usize>),
 }
 
 /// Runs before `main` in every executable that links vmm-core, so that a child (or the
@@ -75,8 +66,8 @@ extern "C" fn before_main() {
         // before the call returns, so no other thread can read or write the environment.
         unsafe { sys::remove_env_single_threaded(ROLE_VAR) };
     }
-    let role = match accept(&value) {
-        Ok(role) => role,
+    let accepted = match accept(&value) {
+        Ok(accepted) => accepted,
         Err(why) => {
             eprintln!("vmm-ipc: ignoring {ROLE_VAR}: {why}");
             return;
@@ -84,11 +75,11 @@ extern "C" fn before_main() {
     };
     if deferred {
         if let Ok(mut pending) = PENDING.lock() {
-            *pending = Some(role);
+            *pending = Some(accepted);
         }
         return;
     }
-    take(role)
+    take(accepted)
 }
 
 #[used]
@@ -105,137 +96,147 @@ static BEFORE_MAIN: extern "C" fn() = before_main;
 /// takes a role the hook accepted but deferred (`VMM_IPC_NO_AUTO_INIT`).
 pub fn init() {
     let pending = PENDING.lock().ok().and_then(|mut pending| pending.take());
-    if let Some(role) = pending {
-        take(role);
+    if let Some(accepted) = pending {
+        take(accepted);
     }
 }
 
-/// Become what `role` says. Never returns.
-fn take(role: Role) -> ! {
-    let channel = Channel::from_fd(role.channel);
-    child_runtime::die_with(role.parent);
-    match role.kind {
-        Kind::Spawn => entry::run_child(channel, StartMethod::Spawn),
-        Kind::Forkserver => server::serve(channel),
-        Kind::Warm(devices) => entry::run_warm(channel, &devices),
+/// Why the role variable was ignored (one line on stderr says it): see the module docs.
+#[derive(Debug, thiserror::Error)]
+enum Refusal {
+    #[error(
+        "this is a secure-exec process (setuid, setgid or file capabilities), whose environment \
+         is its caller's"
+    )]
+    SecureExec,
+    #[error("vmm-core is not part of the main executable here")]
+    NotInMainExecutable,
+    /// Not a value `Role::encode` writes; shown up to [`MAX_ROLE_LEN`] characters.
+    #[error("malformed value {0:?}")]
+    Malformed(String),
+    #[error("it names pid {named} as the parent, and this process's parent is {actual}")]
+    NotTheParent { named: Pid, actual: Pid },
+    #[error("fd {0} is not open")]
+    NotOpen(i32),
+    #[error("fd {0} is not a socket")]
+    NotASocket(i32),
+    #[error("fd {0} is not a Unix SOCK_SEQPACKET socket")]
+    NotSeqpacket(i32),
+    /// A call that reads the fd's metadata failed.
+    #[error("{call} on fd {fd}: {errno}")]
+    Unreadable {
+        call: &'static str,
+        fd: i32,
+        errno: nix::errno::Errno,
+    },
+    #[error("fd {fd}'s peer is pid {peer}, not the parent (pid {parent})")]
+    PeerNotTheParent { fd: i32, peer: i32, parent: Pid },
+    #[error("fd {fd}'s peer runs as uid {peer}, and this process as uid {euid}")]
+    PeerUid { fd: i32, peer: u32, euid: u32 },
+    #[error(
+        "this process runs as the overflow uid {0} (its user is not mapped in its user \
+         namespace, or /proc/sys/kernel/overflowuid cannot be read), so its parent cannot be \
+         told apart from other unmapped users"
+    )]
+    OverflowUid(u32),
+    #[error("fd {fd} is unusable: {error}")]
+    Unusable { fd: i32, error: crate::Error },
+}
+
+/// Become what `accepted` says. Never returns.
+fn take(accepted: Accepted) -> ! {
+    child_runtime::die_with(accepted.parent);
+    match accepted.role {
+        Role::Spawn => entry::run_child(ChildEnd::from_fd(accepted.channel), StartMethod::Spawn),
+        Role::Forkserver => server::serve(ServerEnd::from_fd(accepted.channel)),
+        Role::Warm { devices } => entry::run_warm(ChildEnd::from_fd(accepted.channel), &devices),
     }
 }
 
 /// Check the role variable's `value` and what it names (see the module docs); adopt its
 /// channel if everything holds. `Err` says why not; nothing is touched then.
-fn accept(value: &OsStr) -> Result<Role, String> {
+fn accept(value: &OsStr) -> Result<Accepted, Refusal> {
     // SAFETY: getauxval reads the auxiliary vector the kernel gave this process; no
     // precondition.
     if unsafe { libc::getauxval(libc::AT_SECURE) } != 0 {
-        return Err(
-            "this is a secure-exec process (setuid, setgid or file capabilities), whose \
-                    environment is its caller's"
-                .to_owned(),
-        );
+        return Err(Refusal::SecureExec);
     }
     if sys::check_main_text(sys::code_base as fn() -> usize as usize, "vmm-core").is_err() {
-        return Err("vmm-core is not part of the main executable here".to_owned());
+        return Err(Refusal::NotInMainExecutable);
     }
-    let (kind, fd, parent) = parse(value.as_bytes())
-        .ok_or_else(|| format!("malformed value {:?}", value.to_string_lossy()))?;
+    let (role, fd, parent) = Role::parse(value.as_bytes()).ok_or_else(|| {
+        Refusal::Malformed(value.to_string_lossy().chars().take(MAX_ROLE_LEN).collect())
+    })?;
+    let parent = Pid::from_raw(parent as i32);
     check_channel(fd, parent)?;
     // SAFETY: `fd` is open (checked), is a Unix socket whose peer is our parent (checked), and
     // was named by the role variable, which only this function reads, once per process (from
     // the pre-`main` hook). An fd open since exec cannot have been returned by any open or dup
     // in this process, and before `main` nothing else has had a chance to take it.
     let channel =
-        unsafe { sys::adopt_inherited_fd(fd) }.map_err(|e| format!("fd {fd} is unusable: {e}"))?;
-    Ok(Role {
-        kind,
+        unsafe { sys::adopt_inherited_fd(fd) }.map_err(|error| Refusal::Unusable { fd, error })?;
+    Ok(Accepted {
+        role,
         channel,
         parent,
     })
 }
 
-/// `kind:fd:parent[:devices]` (see `protocol::ROLE_VAR`).
-fn parse(value: &[u8]) -> Option<(Kind, i32, Pid)> {
-    let value = std::str::from_utf8(value).ok()?;
-    let mut parts = value.splitn(4, ':');
-    let kind = parts.next()?;
-    let fd: i32 = parts.next()?.parse().ok()?;
-    let parent: i32 = parts.next()?.parse().ok()?;
-    let arg = parts.next();
-    let kind = match (kind, arg) {
-        ("spawn", None) => Kind::Spawn,
-        ("forkserver", None) => Kind::Forkserver,
-        ("warm", devices) => Kind::Warm(parse_devices(devices.unwrap_or(""))),
-        _ => return None,
-    };
-    (fd > 2 && parent > 1).then_some((kind, fd, Pid::from_raw(parent)))
-}
-
-/// A warm child's devices, as the role variable lists them (`0,1`; empty for none). Entries
-/// that are not numbers, ordinals above [`MAX_DEVICE_ORDINAL`] and entries past the first
-/// [`MAX_DEVICES`] are ignored: warming up is an optimisation, never a reason to fail, and the
-/// parent never writes more (its `VMM_WARM_DEVICES` is checked against the same maxima), so
-/// a longer list only makes the child try devices no machine has.
-fn parse_devices(list: &str) -> Vec<usize> {
-    list.split(',')
-        .take(MAX_DEVICES)
-        .filter_map(|d| d.trim().parse().ok())
-        .filter(|&d| d <= MAX_DEVICE_ORDINAL)
-        .collect()
-}
-
 /// `Ok` when fd `fd` is a Unix `SOCK_SEQPACKET` socket whose peer (by `SO_PEERCRED`) is
 /// `parent`, which is this process's parent and runs as this process's effective uid (not
 /// the overflow uid). Only reads the fd's metadata.
-fn check_channel(fd: i32, parent: Pid) -> Result<(), String> {
+fn check_channel(fd: i32, parent: Pid) -> Result<(), Refusal> {
     if getppid() != parent {
-        return Err(format!(
-            "it names pid {parent} as the parent, and this process's parent is {}",
-            getppid()
-        ));
+        return Err(Refusal::NotTheParent {
+            named: parent,
+            actual: getppid(),
+        });
     }
     // SAFETY: F_GETFD on any number only reads the fd table (EBADF for one not open).
     if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-        return Err(format!("fd {fd} is not open"));
+        return Err(Refusal::NotOpen(fd));
     }
     // SAFETY: `fd` is open (just checked) and stays open for this function: nothing in this
     // process closes an fd it does not own, and no code has owned this one yet (see `accept`).
     let socket = unsafe { BorrowedFd::borrow_raw(fd) };
-    let stat = nix::sys::stat::fstat(socket).map_err(|e| format!("fstat(fd {fd}): {e}"))?;
+    let unreadable = |call| move |errno| Refusal::Unreadable { call, fd, errno };
+    let stat = nix::sys::stat::fstat(socket).map_err(unreadable("fstat"))?;
     if stat.st_mode & libc::S_IFMT != libc::S_IFSOCK {
-        return Err(format!("fd {fd} is not a socket"));
+        return Err(Refusal::NotASocket(fd));
     }
-    let domain = socket_option(socket, libc::SO_DOMAIN)?;
-    let kind = socket_option(socket, libc::SO_TYPE)?;
+    let domain = socket_option(socket, libc::SO_DOMAIN).map_err(unreadable("SO_DOMAIN"))?;
+    let kind = socket_option(socket, libc::SO_TYPE).map_err(unreadable("SO_TYPE"))?;
     if domain != libc::AF_UNIX || kind != libc::SOCK_SEQPACKET {
-        return Err(format!("fd {fd} is not a Unix SOCK_SEQPACKET socket"));
+        return Err(Refusal::NotSeqpacket(fd));
     }
-    let peer = getsockopt(&socket, sockopt::PeerCredentials)
-        .map_err(|e| format!("SO_PEERCRED on fd {fd}: {e}"))?;
+    let peer = getsockopt(&socket, sockopt::PeerCredentials).map_err(unreadable("SO_PEERCRED"))?;
     // SAFETY: geteuid has no preconditions and cannot fail.
     let euid = unsafe { libc::geteuid() };
     if peer.pid() != parent.as_raw() {
-        return Err(format!(
-            "fd {fd}'s peer is pid {}, not the parent (pid {parent})",
-            peer.pid()
-        ));
+        return Err(Refusal::PeerNotTheParent {
+            fd,
+            peer: peer.pid(),
+            parent,
+        });
     }
     if peer.uid() != euid {
-        return Err(format!(
-            "fd {fd}'s peer runs as uid {}, and this process as uid {euid}",
-            peer.uid()
-        ));
+        return Err(Refusal::PeerUid {
+            fd,
+            peer: peer.uid(),
+            euid,
+        });
     }
     if maybe_overflow_uid(euid) {
-        return Err(format!(
-            "this process runs as the overflow uid {euid} (its user is not mapped in its user \
-             namespace, or /proc/sys/kernel/overflowuid cannot be read), so its parent cannot be \
-             told apart from other unmapped users"
-        ));
+        return Err(Refusal::OverflowUid(euid));
     }
     Ok(())
 }
 
 /// An `int` socket option of `socket`.
-fn socket_option(socket: BorrowedFd<'_>, option: libc::c_int) -> Result<libc::c_int, String> {
+fn socket_option(
+    socket: BorrowedFd<'_>,
+    option: libc::c_int,
+) -> Result<libc::c_int, nix::errno::Errno> {
     let mut value: libc::c_int = 0;
     let mut len = size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: getsockopt writes at most `len` bytes to `value`, an int that lives across the
@@ -250,10 +251,7 @@ fn socket_option(socket: BorrowedFd<'_>, option: libc::c_int) -> Result<libc::c_
         )
     };
     if rc < 0 {
-        return Err(format!(
-            "getsockopt({option}): {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(nix::errno::Errno::last());
     }
     Ok(value)
 }
@@ -263,35 +261,42 @@ mod tests {
     use super::*;
 
     #[test]
-    fn malformed_role_values_are_refused() {
-        for value in [
-            "",
-            "spawn",
-            "spawn:3",
-            "spawn:x:10",
-            "spawn:3:x",
-            "spawn:2:10",
-            "spawn:-1:10",
-            "spawn:3:1",
-            "spawn:3:10:extra",
-            "forkserver:3:10:extra",
-            "other:3:10",
-        ] {
-            assert!(parse(value.as_bytes()).is_none(), "{value:?} was accepted");
+    fn a_malformed_value_is_refused_before_anything_is_touched() {
+        // Checked after the secure-exec and main-executable checks, which hold in a test binary.
+        let value = format!("spawn:3:{}", "9".repeat(4 * MAX_ROLE_LEN));
+        match accept(OsStr::new(&value)) {
+            Err(Refusal::Malformed(shown)) => assert_eq!(shown.len(), MAX_ROLE_LEN),
+            other => panic!("{other:?}"),
         }
-        assert!(matches!(parse(b"spawn:3:10"), Some((Kind::Spawn, 3, _))));
+    }
+
+    #[test]
+    fn a_role_naming_another_parent_is_refused() {
+        // Well formed, but not this process's parent.
+        let value = Role::Spawn.encode(3, getppid().as_raw() as u32 + 1);
         assert!(matches!(
-            parse(b"warm:4:10:0,x,1"),
-            Some((Kind::Warm(devices), 4, _)) if devices == [0, 1]
+            accept(OsStr::new(&value)),
+            Err(Refusal::NotTheParent { .. })
         ));
+    }
+
+    #[test]
+    fn a_role_naming_an_fd_that_is_not_open_is_refused() {
+        let value = Role::Forkserver.encode(1_000_000, getppid().as_raw() as u32);
         assert!(matches!(
-            parse(b"warm:4:10:1,64,18446744073709551615,-1,63"),
-            Some((Kind::Warm(devices), 4, _)) if devices == [1, 63]
+            accept(OsStr::new(&value)),
+            Err(Refusal::NotOpen(1_000_000))
         ));
-        let long = format!("warm:4:10:{}", "0,".repeat(10_000));
+    }
+
+    #[test]
+    fn a_role_naming_a_pipe_is_refused() {
+        let (read, _write) = nix::unistd::pipe().unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&read);
+        let value = Role::Warm { devices: vec![0] }.encode(fd, getppid().as_raw() as u32);
         assert!(matches!(
-            parse(long.as_bytes()),
-            Some((Kind::Warm(devices), 4, _)) if devices.len() == MAX_DEVICES
+            accept(OsStr::new(&value)),
+            Err(Refusal::NotASocket(refused)) if refused == fd
         ));
     }
 }

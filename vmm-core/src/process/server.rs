@@ -18,19 +18,19 @@ use nix::unistd::{ForkResult, Pid, getpid};
 
 use super::StartMethod;
 use super::child_runtime::{self, EXIT_NO_START};
+use super::ends::{ChildEnd, Received, ServerEnd};
 use super::entry;
 use super::protocol::{ForkReply, ForkRequest, Report};
 use super::supervisor::exit_status;
 use super::{launch, sys};
 use crate::Error;
 use crate::error::ProtocolRule;
-use crate::wire::{self, Channel, Message};
 
 /// The forkserver's main loop. Never returns.
 ///
 /// Refuses to serve (exits) unless this process has a single thread: it forks, and only a
 /// single-threaded process may fork and go on running ordinary code in the child.
-pub(crate) fn serve(requests: Channel) -> ! {
+pub(crate) fn serve(requests: ServerEnd) -> ! {
     if !sys::is_single_threaded() {
         eprintln!(
             "vmm-ipc: the forkserver must be single-threaded, and this process has several \
@@ -49,14 +49,14 @@ pub(crate) fn serve(requests: Channel) -> ! {
         std::process::exit(EXIT_NO_START);
     };
     if requests
-        .send_value(&ForkReply::Ready {
+        .send(&ForkReply::Ready {
             pid: getpid().as_raw(),
         })
         .is_err()
     {
         std::process::exit(EXIT_NO_START);
     }
-    let mut children: HashMap<Pid, Channel> = HashMap::new();
+    let mut children: HashMap<Pid, ChildEnd> = HashMap::new();
     loop {
         let (request_ready, child_exited) = {
             let mut fds = [
@@ -77,12 +77,12 @@ pub(crate) fn serve(requests: Channel) -> ! {
         }
         if request_ready {
             match requests.try_recv() {
-                Ok(Some(message)) => fork_one(message, &requests, &mut children, &old_mask),
+                Ok(Some(request)) => fork_one(request, &requests, &mut children, &old_mask),
                 Ok(None) => {}
                 // A request that could not be taken whole (its fds do not fit under this
-                // server's fd limit: MSG_CTRUNC) was consumed: refuse it, and serve on.
+                // server's fd limit: MSG_CTRUNC) or read was consumed: refuse it, and serve on.
                 Err(error @ Error::Protocol { .. }) => {
-                    let _ = requests.send_value(&ForkReply::Failed(error));
+                    let _ = requests.send(&ForkReply::Failed(error));
                 }
                 // The parent is gone: take the children with us.
                 Err(_) => shutdown(&mut children),
@@ -103,29 +103,28 @@ impl Drop for AbortOnUnwind {
 }
 
 fn fork_one(
-    message: Message,
-    requests: &Channel,
-    children: &mut HashMap<Pid, Channel>,
+    received: Received<ForkRequest>,
+    requests: &ServerEnd,
+    children: &mut HashMap<Pid, ChildEnd>,
     old_mask: &SigSet,
 ) {
     let server = getpid();
-    let request = match message.fds.len() {
-        3 => wire::decode::<ForkRequest>(&message.bytes, Vec::new()).ok(),
-        _ => None,
-    };
-    let Some(request) = request else {
+    let Received {
+        message: request,
+        fds,
+    } = received;
+    if fds.len() != 3 {
         let reply = ForkReply::Failed(Error::protocol(
             ProtocolRule::Internal,
             format!(
-                "malformed fork request ({} bytes, {} fds; want a ForkRequest and 3 fds)",
-                message.bytes.len(),
-                message.fds.len()
+                "malformed fork request ({} fds; want 3: the child's channel, stdout, stderr)",
+                fds.len()
             ),
         ));
-        let _ = requests.send_value(&reply);
+        let _ = requests.send(&reply);
         return;
-    };
-    let raw: Vec<_> = message.fds.iter().map(AsRawFd::as_raw_fd).collect();
+    }
+    let raw: Vec<_> = fds.iter().map(AsRawFd::as_raw_fd).collect();
     // SAFETY: `serve` checked that this process had one thread when it started, and the server
     // starts none: it only polls, reads and writes its sockets, forks and reaps (it never
     // initialises CUDA or anything else that could start a thread).
@@ -137,13 +136,13 @@ fn fork_one(
             // signalfd, other children's channels) are never used or dropped again, and the
             // fds below may be renumbered and closed under them.
             let _no_unwind = AbortOnUnwind;
-            // Its fds are renumbered below; the message must never close them.
-            std::mem::forget(message);
+            // Its fds are renumbered below; the request must never close them.
+            std::mem::forget(fds);
             let _ = old_mask.thread_set_mask();
             // Renumber: stdout, stderr, then the channel at 3.
             // SAFETY: 1 and 2 are the standard streams, which std refers to by number and
-            // which are meant to follow redirection; the sources are the message's fds, open
-            // (the message was forgotten, not dropped).
+            // which are meant to follow redirection; the sources are the request's fds, open
+            // (they were forgotten, not dropped).
             let ok =
                 unsafe { sys::dup2_raw(raw[1], 1).is_ok() && sys::dup2_raw(raw[2], 2).is_ok() };
             // SAFETY: any object that owns fd 3 lives in the server's frames, never used or
@@ -154,12 +153,12 @@ fn fork_one(
                 std::process::exit(EXIT_NO_START);
             }
             // Close everything else the server had (its request channel, signalfd, other
-            // children's channels, the message's original fds).
+            // children's channels, the request's original fds).
             // SAFETY: every owner of an fd from 4 up lives in the server's frames, never used
-            // or dropped again (above), or was forgotten (the message).
+            // or dropped again (above), or was forgotten (the request's fds).
             unsafe { sys::close_from(4) };
             // SAFETY: fd 3 is now the child's channel; whatever owned the number before lives in
-            // the server's frames (never used or dropped again) or was forgotten (the message),
+            // the server's frames (never used or dropped again) or was forgotten (the request's),
             // and this is the one adoption of fd 3 in this child.
             let Ok(channel) = (unsafe { sys::adopt_inherited_fd(3) }) else {
                 std::process::exit(EXIT_NO_START);
@@ -175,32 +174,30 @@ fn fork_one(
             // SAFETY: this child of a single-threaded server (see `serve`) has one thread and
             // has started none.
             unsafe { sys::set_env_single_threaded(&env) };
-            entry::run_child(Channel::from_fd(channel), StartMethod::Forkserver)
+            entry::run_child(ChildEnd::from_fd(channel), StartMethod::Forkserver)
         }
         Ok(ForkResult::Parent { child }) => {
-            let mut fds = message.fds.into_iter();
-            let channel = Channel::from_fd(fds.next().expect("three fds checked"));
+            let mut fds = fds.into_iter();
+            let channel = ChildEnd::from_fd(fds.next().expect("three fds checked"));
             drop(fds); // our copies of the child's stdout and stderr
             let pidfd = sys::pidfd_open(child).ok();
             let reply = ForkReply::Forked {
                 pid: child.as_raw(),
             };
-            let sent = wire::encode(&reply).and_then(|e| {
-                let fds: Vec<_> = pidfd.iter().map(AsFd::as_fd).collect();
-                requests.send(e.bytes(), &fds)
-            });
+            let pidfds: Vec<_> = pidfd.iter().map(AsFd::as_fd).collect();
+            let sent = requests.send_with(&reply, &pidfds, None);
             children.insert(child, channel);
             if sent.is_err() {
                 shutdown(children);
             }
         }
         Err(e) => {
-            let _ = requests.send_value(&ForkReply::Failed(e));
+            let _ = requests.send(&ForkReply::Failed(e));
         }
     }
 }
 
-fn reap(children: &mut HashMap<Pid, Channel>) {
+fn reap(children: &mut HashMap<Pid, ChildEnd>) {
     loop {
         let (pid, status) = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
             Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => return,
@@ -212,12 +209,12 @@ fn reap(children: &mut HashMap<Pid, Channel>) {
             Err(_) => return,
         };
         if let Some(channel) = children.remove(&pid) {
-            let _ = channel.send_value(&Report::Exited(status));
+            let _ = channel.send(&Report::Exited(status));
         }
     }
 }
 
-fn shutdown(children: &mut HashMap<Pid, Channel>) -> ! {
+fn shutdown(children: &mut HashMap<Pid, ChildEnd>) -> ! {
     for pid in children.keys() {
         let _ = kill(*pid, Signal::SIGKILL);
     }

@@ -1,13 +1,11 @@
-//! How a child ended, as the parent assembles it: the child's report ([`Outcome`]) and what the
-//! parent saw ([`Observed`]) make a [`ChildError`]. The data types themselves live in
-//! `crate::error` (an [`Error::Child`](crate::Error::Child) carries them).
+//! How a child ended, as the parent assembles it: the child's report (the protocol's
+//! [`Outcome`]) and what the parent saw ([`Observed`]) make a [`ChildError`]. The data types
+//! themselves live in `crate::error` (an [`Error::Child`](crate::Error::Child) carries them).
 
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-
 use super::StartMethod;
-use crate::Error;
+pub(crate) use super::protocol::Outcome;
 pub(crate) use crate::error::NotRunStage;
 pub use crate::error::{ChildError, ExitStatus};
 
@@ -27,20 +25,6 @@ pub(crate) struct Observed {
     pub notes: Vec<String>,
 }
 
-/// How the child's function ended, as the child reports it.
-#[derive(Debug, Serialize, Deserialize)]
-pub(crate) enum Outcome {
-    /// It returned.
-    Returned,
-    /// It panicked.
-    Panicked {
-        message: String,
-        location: Option<String>,
-    },
-    /// The child could not run the function; `error` is the child's own.
-    NotRun { stage: NotRunStage, error: Error },
-}
-
 impl ChildError {
     /// Assemble one; `outcome` (what the child reported, if anything) fills the panic or
     /// not-run fields.
@@ -56,7 +40,12 @@ impl ChildError {
         let (panic_message, panic_location, not_run) = match outcome {
             Some(Outcome::Panicked { message, location }) => (Some(message), location, None),
             Some(Outcome::NotRun { stage, error }) => (None, None, Some((stage, Box::new(error)))),
-            Some(Outcome::Returned) | None => (None, None, None),
+            // A single-use child's `()` cannot fail to serialise; were it to, the function ran
+            // but did not end cleanly, and the parent has no result to receive.
+            Some(Outcome::Unsendable(error)) => {
+                (None, None, Some((NotRunStage::Argument, Box::new(error))))
+            }
+            Some(Outcome::Returned(_)) | None => (None, None, None),
         };
         let (not_run_stage, not_run) = not_run.unzip();
         let mut observed_notes = Vec::new();

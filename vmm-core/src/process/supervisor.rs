@@ -20,11 +20,12 @@ use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 
 use super::StartMethod;
+use super::ends::{ParentEnd, Received};
 use super::output::Output;
 use super::protocol::Report;
 use super::status::ExitStatus;
 use super::sys;
-use crate::wire::{self, Channel};
+use crate::wire;
 use crate::{Error, Result};
 
 /// Once a forkserver child is known to have exited (its pidfd said so), how long the parent
@@ -90,7 +91,7 @@ pub(crate) struct Child {
     /// had (not at the fd limit, say).
     pidfd: Option<Arc<OwnedFd>>,
     /// The parent's end of its channel (shared with whoever polls it without the holder's lock).
-    channel: Arc<Channel>,
+    channel: Arc<ParentEnd>,
     output: Output,
     state: State,
 }
@@ -98,7 +99,7 @@ pub(crate) struct Child {
 impl Child {
     /// A child of ours (spawn, warm), just started: a pidfd is opened for it here (ours until
     /// reaped, so the pid is still it). Without one it is watched by polling `waitpid`.
-    pub(crate) fn ours(pid: Pid, channel: Channel, output: Output) -> Child {
+    pub(crate) fn ours(pid: Pid, channel: ParentEnd, output: Output) -> Child {
         let pidfd = sys::pidfd_open(pid).ok().map(Arc::new);
         Child::new(pid, Reaper::Us, pidfd, channel, output)
     }
@@ -107,7 +108,7 @@ impl Child {
     pub(crate) fn forked(
         pid: Pid,
         pidfd: Option<OwnedFd>,
-        channel: Channel,
+        channel: ParentEnd,
         output: Output,
     ) -> Child {
         Child::new(
@@ -123,7 +124,7 @@ impl Child {
         pid: Pid,
         reaper: Reaper,
         pidfd: Option<Arc<OwnedFd>>,
-        channel: Channel,
+        channel: ParentEnd,
         output: Output,
     ) -> Child {
         Child {
@@ -148,7 +149,7 @@ impl Child {
         self.pidfd.as_ref()
     }
 
-    pub(crate) fn channel(&self) -> &Arc<Channel> {
+    pub(crate) fn channel(&self) -> &Arc<ParentEnd> {
         &self.channel
     }
 
@@ -290,14 +291,14 @@ impl Child {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.channel.recv(Some(left)) {
-                Ok(message) => {
-                    if let Ok(Report::Exited(status)) =
-                        wire::decode::<Report>(&message.bytes, Vec::new())
-                    {
-                        self.state = State::Reaped(status);
-                        return;
-                    }
+                Ok(Received {
+                    message: Report::Exited(status),
+                    ..
+                }) => {
+                    self.state = State::Reaped(status);
+                    return;
                 }
+                Ok(_) | Err(Error::Protocol { .. }) => {}
                 Err(Error::Timeout { .. }) => {
                     self.state = State::Lost(format!(
                         "the forkserver did not report it within {STATUS_REPORT_GRACE:?}"
@@ -314,20 +315,13 @@ impl Child {
 
     /// The next packet on its channel, decoded as a report.
     pub(crate) fn next_report(&self) -> Incoming {
-        let message = match self.channel.try_recv() {
-            Ok(Some(message)) => message,
-            Ok(None) => return Incoming::Empty,
-            Err(Error::Disconnected(_)) => return Incoming::HungUp,
-            // The offending packet was consumed.
-            Err(Error::Protocol { message, .. }) => return Incoming::NotAReport(message),
-            Err(error) => return Incoming::Broken(error),
-        };
-        let fds = message.fds.len();
-        match wire::decode::<Report>(&message.bytes, Vec::new()) {
-            Ok(report) => Incoming::Report(report, message.fds),
-            Err(e) => {
-                Incoming::NotAReport(format!("a packet that is not a report ({fds} fds): {e}"))
-            }
+        match self.channel.try_recv() {
+            Ok(Some(received)) => Incoming::Report(received.message, received.fds),
+            Ok(None) => Incoming::Empty,
+            Err(Error::Disconnected(_)) => Incoming::HungUp,
+            // The offending packet (not a report, say) was consumed.
+            Err(Error::Protocol { message, .. }) => Incoming::NotAReport(message),
+            Err(error) => Incoming::Broken(error),
         }
     }
 

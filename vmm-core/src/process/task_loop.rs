@@ -8,21 +8,20 @@
 //! worker (its state may be broken): it reports the panic and exits, and the parent replaces it.
 
 use std::io::Write;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use super::child_runtime::{self, EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED};
-use super::protocol::{Call, Payload, Report, Serve, TaskOutcome};
-use super::remote::{self, Ended};
+use super::ends::{ChildEnd, Received, TaskReceiver};
+use super::protocol::{Call, Outcome, Report, Serve};
+use super::remote;
 use super::status::NotRunStage;
 use crate::Error;
-use crate::error::ProtocolRule;
-use crate::wire::{self, Channel};
 
 /// Serve tasks until the pool closes its end of the task socket, whose other end came with
 /// `serve` (in `fds`); report each on `channel`. Never returns.
-pub(crate) fn serve(channel: Channel, serve: Serve, fds: Vec<OwnedFd>) -> ! {
+pub(crate) fn serve(channel: ChildEnd, serve: Serve, fds: Vec<OwnedFd>) -> ! {
     let tasks = match <[OwnedFd; 1]>::try_from(fds) {
-        Ok([fd]) => Channel::from_fd(fd),
+        Ok([fd]) => TaskReceiver::from_fd(fd),
         Err(fds) => {
             // The pool reports a worker that dies while it starts, with what it printed.
             eprintln!(
@@ -34,25 +33,19 @@ pub(crate) fn serve(channel: Channel, serve: Serve, fds: Vec<OwnedFd>) -> ! {
     };
     child_runtime::warm_up(&serve.devices);
     child_runtime::record_panics();
-    if channel.send_value(&Report::Serving).is_err() {
+    if channel.send(&Report::Serving).is_err() {
         std::process::exit(EXIT_NO_START);
     }
     loop {
-        let received = match tasks.recv(None) {
+        match tasks.recv(None) {
+            Ok(Received { message: task, fds }) => run_task(&channel, &task, fds),
             // The pool was dropped (or replaced this worker): done.
             Err(Error::Disconnected(_)) => std::process::exit(0),
-            received => received,
-        };
-        let task = received.and_then(|message| {
-            wire::decode::<Call>(&message.bytes, Vec::new()).map(|task| (task, message.fds))
-        });
-        match task {
-            Ok((task, fds)) => run_task(&channel, &task, fds),
             // A task that could not be taken (its fds do not fit under this process's fd limit,
             // say) or read: report it, then go on (the packet was consumed).
             Err(error) => report(
                 &channel,
-                TaskOutcome::NotRun {
+                Outcome::NotRun {
                     stage: NotRunStage::StartMessage,
                     error,
                 },
@@ -63,43 +56,27 @@ pub(crate) fn serve(channel: Channel, serve: Serve, fds: Vec<OwnedFd>) -> ! {
 }
 
 /// Run one task and report how it ended; exit if it panicked.
-fn run_task(channel: &Channel, task: &Call, fds: Vec<OwnedFd>) {
-    match remote::run(task, fds) {
-        Ended::Returned(bytes, fds) => {
-            let fds: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
-            report(channel, TaskOutcome::Returned(Payload(bytes)), &fds);
-        }
-        Ended::Unsendable(error) => report(channel, TaskOutcome::Unsendable(error), &[]),
-        Ended::NotRun { stage, error } => {
-            report(channel, TaskOutcome::NotRun { stage, error }, &[])
-        }
-        Ended::Panicked { message, location } => {
-            report(channel, TaskOutcome::Panicked { message, location }, &[]);
-            std::process::exit(EXIT_PANICKED);
-        }
+fn run_task(channel: &ChildEnd, task: &Call, fds: Vec<OwnedFd>) {
+    let (outcome, fds) = remote::run(task, fds);
+    let panicked = matches!(outcome, Outcome::Panicked { .. });
+    let fds: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
+    report(channel, outcome, &fds);
+    if panicked {
+        std::process::exit(EXIT_PANICKED);
     }
 }
 
 /// Send a task's report (after flushing what the task printed, so that the parent reads it
 /// with the report). A result whose fds cannot be sent (more than a message carries) is
-/// reported as [`TaskOutcome::Unsendable`] instead. A report that cannot be sent at all ends
+/// reported as [`Outcome::Unsendable`] instead. A report that cannot be sent at all ends
 /// the worker: the parent sees it die and fails the task.
-fn report(channel: &Channel, outcome: TaskOutcome, fds: &[std::os::fd::BorrowedFd<'_>]) {
+fn report(channel: &ChildEnd, outcome: Outcome, fds: &[BorrowedFd<'_>]) {
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
-    let sent = wire::encode(&Report::TaskDone(outcome)).and_then(|encoded| {
-        if encoded.fd_count() != 0 {
-            return Err(Error::protocol(
-                ProtocolRule::Fds,
-                "a task report carries fds of its own",
-            ));
-        }
-        channel.send(encoded.bytes(), fds)
-    });
-    match sent {
+    match channel.send_with(&Report::Finished(outcome), fds, None) {
         Ok(()) => {}
         Err(Error::Disconnected(_)) => std::process::exit(0),
-        Err(error) if !fds.is_empty() => report(channel, TaskOutcome::Unsendable(error), &[]),
+        Err(error) if !fds.is_empty() => report(channel, Outcome::Unsendable(error), &[]),
         Err(error) => {
             eprintln!("vmm-ipc: a pool worker could not report its task: {error}");
             std::process::exit(EXIT_NOT_RUN)

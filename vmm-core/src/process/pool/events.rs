@@ -9,11 +9,12 @@ use std::time::{Duration, Instant};
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, poll};
 
+use super::super::ends::ParentEnd;
 use super::super::supervisor::poll_timeout;
 use super::Shared;
 use super::pool_state::{Dispatch, Expired, Finished, PoolState, Progress};
 use crate::error::ProtocolRule;
-use crate::wire::{Channel, spin_window};
+use crate::wire::spin_window;
 use crate::{Error, Result};
 
 impl Shared {
@@ -119,7 +120,7 @@ impl Shared {
         inner: MutexGuard<'a, PoolState>,
         until: Option<Instant>,
     ) -> MutexGuard<'a, PoolState> {
-        let watched: Vec<(Arc<Channel>, Option<Arc<OwnedFd>>)> = inner
+        let watched: Vec<(Arc<ParentEnd>, Option<Arc<OwnedFd>>)> = inner
             .workers()
             .map(|w| (Arc::clone(w.child.channel()), w.child.pidfd().cloned()))
             .collect();

@@ -43,6 +43,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::StartMethod;
+use super::ends::Sealed;
 use super::hook::{self, ChildKind};
 use super::protocol::Call;
 use super::timeout::default_timeout;
@@ -216,7 +217,7 @@ impl Pool {
         let (encoded, fds) = wire::encode(args.borrow())?.into_owned()?;
         drop(args);
         let task = call.with_args(encoded);
-        let bytes = wire::encode(&task)?.bytes().to_vec();
+        let bytes = Sealed::new(&task)?;
         let mut inner = self.shared.lock();
         let Some(id) = inner.submit(bytes, fds) else {
             return Err(Error::Disconnected("Pool::submit: the pool".into()));

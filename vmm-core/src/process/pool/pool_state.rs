@@ -8,6 +8,8 @@ use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
+use super::super::ends::Sealed;
+use super::super::protocol::Call;
 use super::task_message::TaskMessage;
 use super::worker::{Assigned, Worker, WorkerState};
 use crate::error::ProtocolRule;
@@ -189,14 +191,14 @@ impl PoolState {
 
     /// Queue a task (its encoded call and fds) and give it its id; `None` once the pool is
     /// closed (the message is dropped).
-    pub(super) fn submit(&mut self, bytes: Vec<u8>, fds: Vec<OwnedFd>) -> Option<u64> {
+    pub(super) fn submit(&mut self, call: Sealed<Call>, fds: Vec<OwnedFd>) -> Option<u64> {
         if self.closed {
             return None;
         }
         let id = self.next_id;
         self.next_id += 1;
         self.tasks.insert(id, TaskState::Queued);
-        self.queue.push_back(TaskMessage::new(id, bytes, fds));
+        self.queue.push_back(TaskMessage::new(id, call, fds));
         Some(id)
     }
 
@@ -387,6 +389,17 @@ mod tests {
     //! The table's rules, without workers (slots stay empty: no child process is started).
 
     use super::*;
+    use crate::process::protocol::Payload;
+
+    /// A task's call, sealed: what `Pool::submit` queues (its bytes are never sent here).
+    fn call(arg: &[u8]) -> Sealed<Call> {
+        let call = Call {
+            layout: 0,
+            entry: 0,
+            args: Payload(arg.to_vec()),
+        };
+        Sealed::new(&call).expect("a call without fds seals")
+    }
 
     fn done_error(state: &mut PoolState, id: u64) -> Error {
         match state.take_finished(id) {
@@ -399,17 +412,17 @@ mod tests {
     #[test]
     fn a_closed_pool_refuses_tasks() {
         let mut state = PoolState::new(2);
-        assert_eq!(state.submit(Vec::new(), Vec::new()), Some(0));
+        assert_eq!(state.submit(call(&[]), Vec::new()), Some(0));
         assert!(state.close().is_empty());
-        assert_eq!(state.submit(Vec::new(), Vec::new()), None);
+        assert_eq!(state.submit(call(&[]), Vec::new()), None);
         assert!(!state.may_start_worker());
     }
 
     #[test]
     fn tasks_get_distinct_ids_and_wait_without_an_idle_worker() {
         let mut state = PoolState::new(2);
-        let a = state.submit(vec![1], Vec::new()).unwrap();
-        let b = state.submit(vec![2], Vec::new()).unwrap();
+        let a = state.submit(call(&[1]), Vec::new()).unwrap();
+        let b = state.submit(call(&[2]), Vec::new()).unwrap();
         assert_ne!(a, b);
         assert!(matches!(state.dispatch_next(), Dispatch::Nothing));
         assert!(matches!(state.take_finished(a), Progress::Pending));
@@ -421,7 +434,7 @@ mod tests {
     #[test]
     fn a_finished_task_is_taken_once() {
         let mut state = PoolState::new(1);
-        let id = state.submit(Vec::new(), Vec::new()).unwrap();
+        let id = state.submit(call(&[]), Vec::new()).unwrap();
         state.finish(id, Ok((vec![9], Vec::new())), ("out".into(), "err".into()));
         assert_eq!(state.finished_count(), 1);
         assert!(state.task_over(id));
@@ -441,8 +454,8 @@ mod tests {
     #[test]
     fn a_cancelled_task_never_runs_and_its_end_is_not_recorded() {
         let mut state = PoolState::new(1);
-        let cancelled = state.submit(Vec::new(), Vec::new()).unwrap();
-        let kept = state.submit(Vec::new(), Vec::new()).unwrap();
+        let cancelled = state.submit(call(&[]), Vec::new()).unwrap();
+        let kept = state.submit(call(&[]), Vec::new()).unwrap();
         assert!(state.cancel(cancelled).is_none());
         assert!(matches!(state.take_finished(cancelled), Progress::Unknown));
         // Gone from the queue too: failing the queue fails only the other.
@@ -460,7 +473,7 @@ mod tests {
     #[test]
     fn a_queued_task_past_its_deadline_is_dequeued() {
         let mut state = PoolState::new(1);
-        let id = state.submit(Vec::new(), Vec::new()).unwrap();
+        let id = state.submit(call(&[]), Vec::new()).unwrap();
         assert!(matches!(
             state.expire(id, Duration::from_secs(1)),
             Expired::Dequeued
@@ -476,8 +489,8 @@ mod tests {
     #[test]
     fn a_requeued_task_is_queued_again_first() {
         let mut state = PoolState::new(1);
-        let first = state.submit(Vec::new(), Vec::new()).unwrap();
-        let second = state.submit(Vec::new(), Vec::new()).unwrap();
+        let first = state.submit(call(&[]), Vec::new()).unwrap();
+        let second = state.submit(call(&[]), Vec::new()).unwrap();
         // As a dead worker's unreceived task comes back: out of the queue to a worker (as
         // `dispatch_next` does), then requeued.
         let taken = state.queue.pop_front().unwrap();
@@ -500,7 +513,7 @@ mod tests {
     #[test]
     fn a_running_task_whose_waiter_gave_up_is_not_sent_again() {
         let mut state = PoolState::new(1);
-        let id = state.submit(Vec::new(), Vec::new()).unwrap();
+        let id = state.submit(call(&[]), Vec::new()).unwrap();
         state.queue.pop_front().unwrap();
         state.tasks.insert(
             id,
@@ -519,7 +532,7 @@ mod tests {
     #[test]
     fn workers_that_keep_dying_as_they_start_fail_the_queue_with_why() {
         let mut state = PoolState::new(2);
-        let id = state.submit(Vec::new(), Vec::new()).unwrap();
+        let id = state.submit(call(&[]), Vec::new()).unwrap();
         // No failure yet: the queue waits for workers to be started.
         state.fail_queued_if_none_can_run();
         assert!(!state.task_over(id));

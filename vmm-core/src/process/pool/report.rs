@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::super::protocol::{Report, TaskOutcome};
+use super::super::protocol::Report;
 use super::super::status::{ChildError, Observed, Outcome};
 use super::super::supervisor::{Incoming, Reaper};
 use super::Shared;
@@ -43,30 +43,28 @@ impl Shared {
                     worker.serving();
                     inner.worker_started();
                 }
-                (Report::TaskDone(outcome), WorkerState::Busy(id)) => {
+                (Report::Finished(outcome), WorkerState::Busy(id)) => {
                     worker.task_reported();
                     let output = worker.child.output().take();
                     match outcome {
-                        TaskOutcome::Returned(bytes) => {
+                        Outcome::Returned(bytes) => {
                             worker.task_done();
                             inner.finish(id, Ok((bytes.0, fds)), output);
                         }
-                        TaskOutcome::Unsendable(error) => {
+                        Outcome::Unsendable(error) => {
                             worker.task_done();
                             inner.finish(id, Err(error), output);
                         }
-                        TaskOutcome::NotRun { stage, error } => {
+                        outcome @ Outcome::NotRun { .. } => {
                             worker.task_done();
                             let pid = worker.pid();
-                            let outcome = Outcome::NotRun { stage, error };
                             let error =
                                 self.not_run_error(pid, inner.timed_out(id), outcome, output);
                             inner.finish(id, Err(error), Default::default());
                         }
-                        TaskOutcome::Panicked { message, location } => {
+                        outcome @ Outcome::Panicked { .. } => {
                             // It exits next, on its own: fail the task with the panic and how
                             // the worker exited.
-                            let outcome = Outcome::Panicked { message, location };
                             let worker = inner.take_worker(slot).expect("read above");
                             let error = self.failed_task(inner, worker, id, Some(outcome), output);
                             inner.finish(id, Err(error), Default::default());

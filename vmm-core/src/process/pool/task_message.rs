@@ -3,6 +3,9 @@
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
+use super::super::ends::Sealed;
+use super::super::protocol::Call;
+
 /// How many workers a task is sent to at most: one that dies before taking the task off its
 /// channel (killed while idle, say) leaves it to the next, up to this many times.
 pub(super) const DELIVERIES_MAX: u32 = 3;
@@ -11,7 +14,7 @@ pub(super) const DELIVERIES_MAX: u32 = 3;
 /// unanswered, so that it can go to another worker if that one never received it.
 pub(super) struct TaskMessage {
     id: u64,
-    bytes: Vec<u8>,
+    call: Sealed<Call>,
     fds: Vec<OwnedFd>,
     /// How many workers it was sent to.
     deliveries: u32,
@@ -19,10 +22,10 @@ pub(super) struct TaskMessage {
 
 impl TaskMessage {
     /// Task `id`'s encoded call, and the fds of its argument, not yet sent anywhere.
-    pub(super) fn new(id: u64, bytes: Vec<u8>, fds: Vec<OwnedFd>) -> TaskMessage {
+    pub(super) fn new(id: u64, call: Sealed<Call>, fds: Vec<OwnedFd>) -> TaskMessage {
         TaskMessage {
             id,
-            bytes,
+            call,
             fds,
             deliveries: 0,
         }
@@ -32,9 +35,9 @@ impl TaskMessage {
         self.id
     }
 
-    /// What goes on the worker's task socket: the bytes, and the fds out of band.
-    pub(super) fn contents(&self) -> (&[u8], Vec<BorrowedFd<'_>>) {
-        (&self.bytes, self.fds.iter().map(AsFd::as_fd).collect())
+    /// What goes on the worker's task socket: the call, and the fds out of band.
+    pub(super) fn contents(&self) -> (&Sealed<Call>, Vec<BorrowedFd<'_>>) {
+        (&self.call, self.fds.iter().map(AsFd::as_fd).collect())
     }
 
     /// Count one more worker that it was sent to.
@@ -52,12 +55,18 @@ impl TaskMessage {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::process::protocol::Payload;
 
     #[test]
     fn a_task_goes_to_at_most_three_workers() {
-        let mut message = TaskMessage::new(7, vec![1, 2, 3], Vec::new());
+        let call = Call {
+            layout: 0,
+            entry: 0,
+            args: Payload(vec![1, 2, 3]),
+        };
+        let mut message = TaskMessage::new(7, Sealed::new(&call).expect("seals"), Vec::new());
         assert_eq!(message.id(), 7);
-        assert_eq!(message.contents().0, [1, 2, 3]);
+        assert!(message.contents().1.is_empty());
         let mut sends = 0;
         loop {
             message.sent();

@@ -7,12 +7,12 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use nix::sys::socket::MsgFlags;
 
 use super::super::context;
-use super::super::protocol::{Begin, Serve};
+use super::super::ends::TaskSender;
+use super::super::protocol::{Order, Serve};
 use super::super::status::ExitStatus;
 use super::super::supervisor::Child;
 use super::Shared;
 use super::task_message::TaskMessage;
-use crate::wire::{self, Channel};
 use crate::{Error, Result};
 
 /// What a worker is doing.
@@ -32,7 +32,7 @@ pub(super) struct Worker {
     tasks_done: u64,
     /// Our end of its task socket: tasks go here, nothing is read (shut for reading, so the
     /// worker cannot fill it).
-    tasks: Channel,
+    tasks: TaskSender,
     /// Its end of the task socket, which we keep so that a task it never received stays
     /// queued there, for us to see, after it is gone.
     unread: OwnedFd,
@@ -79,8 +79,8 @@ impl Worker {
     /// reports; where it could not be sent, the task comes back with why.
     pub(super) fn assign(&mut self, mut task: TaskMessage) -> Assigned {
         debug_assert_eq!(self.state, WorkerState::Idle);
-        let (bytes, fds) = task.contents();
-        let sent = self.tasks.send(bytes, &fds);
+        let (call, fds) = task.contents();
+        let sent = self.tasks.send_sealed(call, &fds, None);
         drop(fds);
         match sent {
             Ok(()) => {
@@ -152,7 +152,7 @@ pub(super) struct Ended {
 impl Shared {
     /// Start one worker and send it its `Serve`; it is `Starting` until it says `Serving`.
     pub(super) fn start_worker(&self) -> Result<Worker> {
-        let (tasks, unread) = Channel::pair()?;
+        let (tasks, unread) = TaskSender::pair()?;
         nix::sys::socket::shutdown(tasks.as_raw_fd(), nix::sys::socket::Shutdown::Read)
             .map_err(|e| Error::errno("shutdown(SHUT_RD) of a worker's task socket", e))?;
         let unread = unread.into_fd();
@@ -165,14 +165,13 @@ impl Shared {
             unread,
             in_flight: None,
         };
-        let serve = Begin::Serve(Serve {
+        let serve = Order::Serve(Serve {
             devices: self.devices.clone(),
         });
-        let serve = wire::encode(&serve)?;
         match worker
             .child
             .channel()
-            .send(serve.bytes(), &[worker.unread.as_fd()])
+            .send_with(&serve, &[worker.unread.as_fd()], None)
         {
             // Disconnected: it died already; reading its channel says how.
             Ok(()) | Err(Error::Disconnected(_)) => Ok(worker),

@@ -25,13 +25,14 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::StartMethod;
+use super::ends::ParentEnd;
 use super::hook::{self, ChildKind};
 use super::launch::{self, Launch};
 use super::output::Output;
+use super::protocol::Role;
 use super::status::{ChildError, Observed};
 use super::supervisor::{Child, NewChild};
 use super::timeout::default_timeout;
-use crate::wire::Channel;
 use crate::{Error, Result};
 
 use waiting::{Health, WaitingChild};
@@ -106,7 +107,7 @@ struct Refill {
 
 /// The parent's half of a warm child being launched: its fds, until the pid is known.
 struct Pending {
-    channel: Channel,
+    channel: ParentEnd,
     output: Output,
 }
 
@@ -453,17 +454,12 @@ impl State {
 
     /// What to exec for one warm child with `env`, and the parent's fds for it.
     fn prepare(&self, env: &[(String, String)]) -> Result<(Launch, Pending)> {
-        let (ours, theirs) = Channel::pair()?;
+        let (ours, theirs) = ParentEnd::pair()?;
         let output = Output::new()?;
-        let devices: Vec<String> = self
-            .options
-            .devices()
-            .iter()
-            .map(usize::to_string)
-            .collect();
         let launch = Launch {
-            role: "warm",
-            role_arg: Some(devices.join(",")),
+            role: Role::Warm {
+                devices: self.options.devices().to_vec(),
+            },
             channel: theirs.into_fd(),
             output: Some(output.child_ends()?),
             args: self.child_args.clone(),

@@ -3,11 +3,11 @@
 
 use std::time::{Duration, Instant};
 
-use super::super::protocol::{Begin, Report};
+use super::super::ends::Received;
+use super::super::protocol::{Order, Report};
 use super::super::supervisor::{Child, Incoming, NewChild};
-use crate::wire;
 
-/// How long a ready waiting child has to answer a [`Begin::Ping`] before it is taken for dead.
+/// How long a ready waiting child has to answer an [`Order::Ping`] before it is taken for dead.
 /// A live one answers in microseconds; this covers a machine under heavy load.
 const PING_LIMIT: Duration = Duration::from_secs(2);
 
@@ -57,7 +57,7 @@ impl WaitingChild {
     }
 
     /// Hand it out if it is alive: it is not exiting (`/proc`), and, once ready, it answers a
-    /// [`Begin::Ping`] within [`PING_LIMIT`]. Otherwise it is given back, to be dropped.
+    /// [`Order::Ping`] within [`PING_LIMIT`]. Otherwise it is given back, to be dropped.
     ///
     /// A child still warming up is handed out without the ping: waiting for its warm-up here
     /// would hold the caller (a `Pool` replacing a worker inside a `join`) for as long as CUDA
@@ -71,16 +71,15 @@ impl WaitingChild {
             return Ok(self.into_new_child());
         }
         let deadline = Instant::now() + PING_LIMIT;
-        let Ok(ping) = wire::encode(&Begin::Ping) else {
-            return Err(self);
-        };
         let channel = self.child.channel();
-        if channel.send(ping.bytes(), &[]).is_err() {
+        if channel.send(&Order::Ping).is_err() {
             return Err(self);
         }
-        let answer = channel.recv(Some(deadline.saturating_duration_since(Instant::now())));
-        match answer.map(|m| (wire::decode::<Report>(&m.bytes, Vec::new()), m.fds.len())) {
-            Ok((Ok(Report::Pong), 0)) => Ok(self.into_new_child()),
+        match channel.recv(Some(deadline.saturating_duration_since(Instant::now()))) {
+            Ok(Received {
+                message: Report::Pong,
+                fds,
+            }) if fds.is_empty() => Ok(self.into_new_child()),
             // Hung up (dead), silent past the limit (stopped, or stuck), or off the protocol:
             // not handed out.
             _ => Err(self),
