@@ -549,6 +549,9 @@ mod os_error {
 }
 
 #[cfg(test)]
+mod round_trip_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
