@@ -427,9 +427,10 @@ fn a_listener_whose_uid_is_unmapped_refuses_unmapped_peers_unless_named() {
         } else {
             let err = result.unwrap_err();
             assert!(
+                // The listener's words name this process by the uid it reads as there.
                 matches!(&err, Error::PeerRefused {
-                        reason: PeerRefusal::UnexpectedListener { listener, note, .. }, ..
-                    } if listener.uid == overflow && note.contains("overflow uid")),
+                        reason: PeerRefusal::RefusedByListener { said, .. }, ..
+                    } if said.starts_with(&format!("uid {overflow}")) && said.contains("overflow uid")),
                 "{err:?}"
             );
             assert!(text.contains("NO CONNECTION admitted"), "{text}");

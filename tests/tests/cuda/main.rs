@@ -91,6 +91,30 @@ fn invalid<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> String {
     }
 }
 
+/// The text of an [`Error::NotExportable`] for `rule` (any other outcome fails the test).
+#[track_caller]
+fn not_exportable<T: std::fmt::Debug>(
+    result: vmm_core::Result<T>,
+    rule: vmm_core::error::ExportRule,
+) -> String {
+    match result {
+        Err(refusal @ Error::NotExportable { rule: got, .. }) if got == rule => refusal.to_string(),
+        other => panic!("expected NotExportable({rule:?}), got {other:?}"),
+    }
+}
+
+/// The text of an [`Error::GrowRefused`] for `rule` (any other outcome fails the test).
+#[track_caller]
+fn grow_refused<T: std::fmt::Debug>(
+    result: vmm_core::Result<T>,
+    rule: vmm_core::error::GrowRule,
+) -> String {
+    match result {
+        Err(refusal @ Error::GrowRefused { rule: got, .. }) if got == rule => refusal.to_string(),
+        other => panic!("expected GrowRefused({rule:?}), got {other:?}"),
+    }
+}
+
 /// The parts of an `Error::Ipc` (any other outcome fails the test).
 #[track_caller]
 fn ipc<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> (String, String, Error) {

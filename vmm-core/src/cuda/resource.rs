@@ -569,8 +569,11 @@ mod tests {
         assert_eq!(round_up(G + 1, G).unwrap(), 2 * G);
         assert_eq!(round_up(0, G).unwrap(), 0);
         assert!(
-            matches!(round_up(usize::MAX - 5, G), Err(Error::InvalidOption { message: m, .. })
-                if m.contains("overflows when rounded up to the allocation granularity")),
+            matches!(round_up(usize::MAX - 5, G), Err(Error::InvalidOption {
+                rule: OptionRule::Range,
+                option,
+                ..
+            }) if option == "size"),
         );
     }
 
