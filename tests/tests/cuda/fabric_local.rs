@@ -16,8 +16,8 @@ use vmm_core::cuda::{
 use vmm_core::testing::cuda_fabric;
 use vmm_core::wire::{decode, encode};
 
-use super::{alone, invalid, ipc, not_exportable, read};
-use vmm_core::error::ExportRule;
+use super::{alone, descriptor_refused, ipc, not_exportable, read};
+use vmm_core::error::{DescriptorRule, ExportRule};
 
 const G: usize = 2 << 20;
 
@@ -343,9 +343,12 @@ fn fabric_refusals_name_the_rule_and_leave_nothing_behind() {
     drop(imported);
 
     // Layouts from_handles accepts (it knows no granularity) but import refuses.
-    let m = invalid(r.import_fabric(
-        &FabricDescriptor::from_handles(&[handle], &[min / 2], min / 2, uuid).unwrap(),
-    ));
+    let m = descriptor_refused(
+        r.import_fabric(
+            &FabricDescriptor::from_handles(&[handle], &[min / 2], min / 2, uuid).unwrap(),
+        ),
+        DescriptorRule::ChunkSize,
+    );
     assert_eq!(
         m,
         format!(
@@ -371,7 +374,7 @@ fn fabric_refusals_name_the_rule_and_leave_nothing_behind() {
     assert_eq!(a.owner_uuid(), *a.device().uuid());
     // A POSIX-fd descriptor claiming fabric is refused by the fd path.
     let file = std::fs::File::open("/proc/self/stat").unwrap();
-    let m = invalid(
+    let m = descriptor_refused(
         IpcDescriptor::from_fds(
             &[std::os::fd::AsFd::as_fd(&file)],
             &[g],
@@ -379,6 +382,7 @@ fn fabric_refusals_name_the_rule_and_leave_nothing_behind() {
             g,
         )
         .map(drop),
+        DescriptorRule::HandleType,
     );
     assert!(
         m.contains("handle type Fabric: only PosixFd descriptors"),

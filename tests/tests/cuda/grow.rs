@@ -7,8 +7,8 @@ use vmm_core::cuda::{
 use vmm_core::testing::{cuda_devices, cuda_vmm_ipc};
 
 use super::local::{free_range, open_fds, pattern};
-use super::{alone, grow_refused, invalid, not_exportable, read, resource};
-use vmm_core::error::{ExportRule, GrowRule};
+use super::{alone, grow_refused, not_exportable, option_refused, read, resource};
+use vmm_core::error::{ExportRule, GrowRule, OptionRule};
 
 #[test]
 fn grow_in_place_and_by_relocation_are_each_forced() {
@@ -186,7 +186,11 @@ fn grow_with_another_location_is_refused() {
         .handle_type(HandleType::None);
     if !device.supports_host_numa_vmm().unwrap() {
         // No resource can have another location on this device: that is refused up front.
-        let m = invalid(VirtualMemoryResource::new(&device, host_options));
+        let m = option_refused(
+            VirtualMemoryResource::new(&device, host_options),
+            "location",
+            OptionRule::Unsupported,
+        );
         assert_eq!(
             m,
             format!(
