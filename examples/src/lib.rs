@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use vmm_core::cuda::{HandleType, VirtualMemoryBuffer};
+use vmm_core::error::OptionRule;
 use vmm_core::peer::{Descriptor, Session};
 use vmm_core::shm::HostBuffer;
 use vmm_core::wire::endpoint::Listener;
@@ -445,6 +446,7 @@ pub mod daemon {
     pub fn run(args: &[String]) -> Result<()> {
         let usage = |what: &str| Error::InvalidOption {
             option: "command line".into(),
+            rule: OptionRule::Form,
             message: format!("vmm-daemon: {what}"),
         };
         let mut args = args.iter();
@@ -589,6 +591,7 @@ pub mod client {
             // The daemon answers a name it does not serve with text instead of a buffer.
             PeerMessage::Data(reply) => Err(Error::InvalidOption {
                 option: "buffer".into(),
+                rule: OptionRule::Unknown,
                 message: format!("the daemon says: {}", String::from_utf8_lossy(&reply)),
             }),
         }
@@ -614,6 +617,7 @@ pub mod client {
     pub fn run(args: &[String]) -> Result<String> {
         let usage = || Error::InvalidOption {
             option: "command line".into(),
+            rule: OptionRule::Form,
             message: "usage: vmm-client NAME BUFFER [--expect-uid UID] [--check-seed SEED]".into(),
         };
         let (mut positional, mut expect, mut seed) = (Vec::new(), Allow::same_user(), None);
@@ -647,6 +651,7 @@ pub mod client {
         {
             return Err(Error::InvalidOption {
                 option: "--check-seed".into(),
+                rule: OptionRule::Conflict,
                 message: format!(
                     "buffer {buffer}: its contents are not the pattern of seed {seed}"
                 ),

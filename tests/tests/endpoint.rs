@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::{MsgFlags, UnixAddr};
 use vmm_core::Error;
-use vmm_core::error::ProtocolRule;
+use vmm_core::error::{EndpointRule, PeerRefusal, ProtocolRule};
 use vmm_core::peer::Session;
 use vmm_core::shm::HostBuffer;
 use vmm_core::testing::settled_open_fds;
@@ -296,14 +296,15 @@ fn a_squatter_under_another_uid_gets_nothing() {
     // ... and a client expecting our uid refuses the squatter before sending anything.
     let buf = HostBuffer::new(4096).unwrap();
     let err = Session::connect(&name).unwrap_err();
-    let Error::PeerRefused { endpoint, reason } = &err else {
-        panic!("wanted PeerRefused, got {err:?}")
+    let Error::PeerRefused {
+        endpoint,
+        reason: PeerRefusal::UnexpectedListener { listener, .. },
+    } = &err
+    else {
+        panic!("wanted PeerRefused(UnexpectedListener), got {err:?}")
     };
     assert_eq!(endpoint, &name.to_string());
-    assert!(
-        reason.contains("uid 65534") && reason.contains("nothing was sent"),
-        "{reason}"
-    );
+    assert_eq!(listener.uid, NOBODY, "{err}");
     drop(buf);
     let (_, out) = finish(child, Some(stdout), Duration::from_secs(30));
     assert!(out.contains("NOTHING: the client hung up"), "{out}");
@@ -322,9 +323,9 @@ fn a_listener_that_is_not_expected_gets_nothing() {
     let other = Allow::none().uid(me.uid.wrapping_add(1));
     let err = Session::connect_with(&name, &ConnectOptions::default().expect(other)).unwrap_err();
     assert!(
-        matches!(&err, Error::PeerRefused { reason, .. }
-            if reason.contains(&format!("its listener is pid {}", me.pid))
-                && reason.contains("nothing was sent")),
+        matches!(&err, Error::PeerRefused {
+                reason: PeerRefusal::UnexpectedListener { listener, .. }, ..
+            } if *listener == me),
         "{err:?}"
     );
     let conn = accept_raw(&listening, Duration::from_secs(5));
@@ -360,8 +361,9 @@ fn a_listener_refuses_its_own_uid_when_not_allowed() {
     );
     let err = client.join().unwrap().unwrap_err();
     assert!(
-        matches!(&err, Error::PeerRefused { reason, .. }
-            if reason.contains(&format!("refused this process: uid {} (gid {})", me.uid, me.gid))),
+        matches!(&err, Error::PeerRefused {
+                reason: PeerRefusal::RefusedByListener { listener, said }, ..
+            } if *listener == me && said.starts_with(&format!("uid {} (gid {})", me.uid, me.gid))),
         "{err:?}"
     );
     assert_eq!(listener.refused(), vec![me]);
@@ -377,7 +379,7 @@ fn a_path_endpoint_lives_in_an_owner_only_directory() {
     let tmp = TempDir::new("dirs");
     let before = settled_open_fds().unwrap();
     let refused = |dir: &Path| match Listener::bind(&Name::path(dir.join("sock"))) {
-        Err(Error::InvalidEndpoint { message }) => message,
+        Err(Error::InvalidEndpoint { rule, message }) => (rule, message),
         other => panic!(
             "wanted InvalidEndpoint for {}, got {other:?}",
             dir.display()
@@ -386,7 +388,9 @@ fn a_path_endpoint_lives_in_an_owner_only_directory() {
     let open = tmp.0.join("open");
     std::fs::create_dir(&open).unwrap();
     std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let m = refused(&open);
+    let (rule, m) = refused(&open);
+    assert_eq!(rule, EndpointRule::DirectoryMode { mode: 0o755 }, "{m}");
+    // The text as people read it.
     assert!(
         m.contains("has mode 0755: group or others may enter or list it"),
         "{m}"
@@ -394,18 +398,25 @@ fn a_path_endpoint_lives_in_an_owner_only_directory() {
     let sticky = tmp.0.join("sticky");
     std::fs::create_dir(&sticky).unwrap();
     std::fs::set_permissions(&sticky, std::fs::Permissions::from_mode(0o1777)).unwrap();
-    assert!(refused(&sticky).contains("has mode 1777"));
+    assert_eq!(
+        refused(&sticky).0,
+        EndpointRule::DirectoryMode { mode: 0o1777 }
+    );
     let link = tmp.0.join("link");
     std::os::unix::fs::symlink(&tmp.0, &link).unwrap();
-    assert!(refused(&link).contains("is a symbolic link"));
+    assert_eq!(refused(&link).0, EndpointRule::DirectorySymlink);
     if is_root() {
         let theirs = tmp.0.join("theirs");
         std::fs::create_dir(&theirs).unwrap();
         std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o700)).unwrap();
         std::os::unix::fs::chown(&theirs, Some(NOBODY), Some(NOBODY)).unwrap();
-        let m = refused(&theirs);
-        assert!(
-            m.contains("is owned by uid 65534, not by this process's uid 0"),
+        let (rule, m) = refused(&theirs);
+        assert_eq!(
+            rule,
+            EndpointRule::DirectoryOwner {
+                owner: NOBODY,
+                uid: 0
+            },
             "{m}"
         );
         assert!(!theirs.join("sock").exists());
@@ -422,11 +433,16 @@ fn a_path_endpoint_lives_in_an_owner_only_directory() {
     // A file that is not a socket is never replaced.
     let plain = tmp.0.join("plain");
     std::fs::write(&plain, b"keep me").unwrap();
-    let m = match Listener::bind(&Name::path(&plain)) {
-        Err(Error::InvalidEndpoint { message }) => message,
-        other => panic!("{other:?}"),
-    };
-    assert!(m.contains("exists and is not a socket"), "{m}");
+    assert!(
+        matches!(
+            Listener::bind(&Name::path(&plain)),
+            Err(Error::InvalidEndpoint {
+                rule: EndpointRule::NotASocket,
+                ..
+            })
+        ),
+        "a plain file is not replaced"
+    );
     assert_eq!(std::fs::read(&plain).unwrap(), b"keep me");
     assert_eq!(settled_open_fds().unwrap(), before);
 }

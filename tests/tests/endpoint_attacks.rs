@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::MsgFlags;
 use vmm_core::Error;
-use vmm_core::error::ProtocolRule;
+use vmm_core::error::{PeerRefusal, ProtocolRule};
 use vmm_core::peer::Session;
 use vmm_core::wire::endpoint::{Allow, ConnectOptions, LOG_BURST, Listener, ListenerOptions, Name};
 
@@ -427,8 +427,10 @@ fn a_listener_whose_uid_is_unmapped_refuses_unmapped_peers_unless_named() {
         } else {
             let err = result.unwrap_err();
             assert!(
-                matches!(&err, Error::PeerRefused { reason, .. }
-                    if reason.contains(&format!("uid {overflow}")) && reason.contains("overflow uid")),
+                // The listener's words name this process by the uid it reads as there.
+                matches!(&err, Error::PeerRefused {
+                        reason: PeerRefusal::RefusedByListener { said, .. }, ..
+                    } if said.starts_with(&format!("uid {overflow}")) && said.contains("overflow uid")),
                 "{err:?}"
             );
             assert!(text.contains("NO CONNECTION admitted"), "{text}");

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use rstest::rstest;
 use vmm_core::cuda::{FabricDescriptor, FabricHandle};
-use vmm_core::error::{ProtocolRule, TlsReason, TlsStep};
+use vmm_core::error::{OptionRule, ProtocolRule, TlsReason, TlsStep};
 use vmm_core::peer::PeerMessage;
 use vmm_core::peer::stream::{StreamReader, StreamWriter};
 use vmm_core::process::{Context, StartMethod};
@@ -799,11 +799,14 @@ fn a_real_fabric_handle_crosses_mutual_tls_to_a_child(#[case] method: StartMetho
 #[test]
 fn options_no_handshake_could_use_are_refused_up_front() {
     let world = World::new();
-    let refused = |options: TlsOptions| {
+    let refused = |options: TlsOptions, want: OptionRule| {
         let accept = TlsListener::bind("127.0.0.1:0", &options).unwrap_err();
         let connect = TlsConnector::new(&options).unwrap_err();
         for err in [accept, connect] {
-            assert!(matches!(err, Error::InvalidOption { .. }), "{err:?}");
+            assert!(
+                matches!(err, Error::InvalidOption { rule, .. } if rule == want),
+                "{err:?}"
+            );
         }
     };
     // A peer check built by hand: no name, no pin, or a name that is none.
@@ -811,21 +814,30 @@ fn options_no_handshake_could_use_are_refused_up_front() {
         world
             .exporter_options()
             .peer_check(PeerCheck::Names(vec![])),
+        OptionRule::Missing,
     );
     refused(
         world
             .exporter_options()
             .peer_check(PeerCheck::SpkiSha256(vec![])),
+        OptionRule::Missing,
     );
     refused(
         world
             .exporter_options()
             .peer_check(PeerCheck::Names(vec!["not a name!".into()])),
+        OptionRule::Form,
     );
-    refused(world.exporter_options().handshake_timeout(Duration::ZERO));
+    refused(
+        world.exporter_options().handshake_timeout(Duration::ZERO),
+        OptionRule::Range,
+    );
     assert!(matches!(
         PeerCheck::names(Vec::<String>::new()),
-        Err(Error::InvalidOption { .. })
+        Err(Error::InvalidOption {
+            rule: OptionRule::Missing,
+            ..
+        })
     ));
     assert!(matches!(
         TlsOptions::new(
@@ -837,7 +849,10 @@ fn options_no_handshake_could_use_are_refused_up_front() {
             vec![],
             names("importer"),
         ),
-        Err(Error::InvalidOption { .. })
+        Err(Error::InvalidOption {
+            rule: OptionRule::Missing,
+            ..
+        })
     ));
 }
 

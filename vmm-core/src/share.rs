@@ -99,6 +99,7 @@ pub(crate) fn check_range(op: &'static str, offset: usize, len: usize, size: usi
 pub(crate) fn imported_cannot_export(op: &'static str) -> crate::Error {
     crate::Error::NotExportable {
         op: op.into(),
-        reason: IMPORTED_CANNOT_EXPORT.to_owned(),
+        rule: crate::error::ExportRule::Imported,
+        message: IMPORTED_CANNOT_EXPORT.to_owned(),
     }
 }

@@ -16,7 +16,8 @@ use vmm_core::cuda::{
 use vmm_core::testing::cuda_fabric;
 use vmm_core::wire::{decode, encode};
 
-use super::{alone, invalid, ipc, read};
+use super::{alone, descriptor_refused, ipc, not_exportable, read};
+use vmm_core::error::{DescriptorRule, ExportRule};
 
 const G: usize = 2 << 20;
 
@@ -313,25 +314,28 @@ fn fabric_refusals_name_the_rule_and_leave_nothing_behind() {
     let baseline = open_fds();
 
     // Export the wrong way.
-    let m = invalid(a.export());
+    let m = not_exportable(a.export(), ExportRule::HandleType);
     assert!(
         m.contains("handle type Fabric") && m.contains("export_fabric"),
         "{m}"
     );
     let posix = resource(HandleType::PosixFd).allocate(1).unwrap();
-    let m = invalid(posix.export_fabric());
+    let m = not_exportable(posix.export_fabric(), ExportRule::HandleType);
     assert!(
         m.starts_with("export_fabric: the buffer was allocated with handle type PosixFd")
             && m.contains("HandleType::Fabric"),
         "{m}"
     );
     let imported = r.import_fabric(&good).unwrap();
-    let m = invalid(imported.export_fabric());
+    let m = not_exportable(imported.export_fabric(), ExportRule::Imported);
     assert!(
         m.starts_with("export_fabric: an imported buffer cannot be exported again"),
         "{m}"
     );
-    let m = invalid(encode(&imported).map(|e| e.fd_count()));
+    let m = not_exportable(
+        encode(&imported).map(|e| e.fd_count()),
+        ExportRule::Imported,
+    );
     assert!(
         m.contains("an imported buffer cannot be exported again"),
         "{m}"
@@ -339,9 +343,12 @@ fn fabric_refusals_name_the_rule_and_leave_nothing_behind() {
     drop(imported);
 
     // Layouts from_handles accepts (it knows no granularity) but import refuses.
-    let m = invalid(r.import_fabric(
-        &FabricDescriptor::from_handles(&[handle], &[min / 2], min / 2, uuid).unwrap(),
-    ));
+    let m = descriptor_refused(
+        r.import_fabric(
+            &FabricDescriptor::from_handles(&[handle], &[min / 2], min / 2, uuid).unwrap(),
+        ),
+        DescriptorRule::ChunkSize,
+    );
     assert_eq!(
         m,
         format!(
@@ -367,7 +374,7 @@ fn fabric_refusals_name_the_rule_and_leave_nothing_behind() {
     assert_eq!(a.owner_uuid(), *a.device().uuid());
     // A POSIX-fd descriptor claiming fabric is refused by the fd path.
     let file = std::fs::File::open("/proc/self/stat").unwrap();
-    let m = invalid(
+    let m = descriptor_refused(
         IpcDescriptor::from_fds(
             &[std::os::fd::AsFd::as_fd(&file)],
             &[g],
@@ -375,6 +382,7 @@ fn fabric_refusals_name_the_rule_and_leave_nothing_behind() {
             g,
         )
         .map(drop),
+        DescriptorRule::HandleType,
     );
     assert!(
         m.contains("handle type Fabric: only PosixFd descriptors"),

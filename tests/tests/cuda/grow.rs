@@ -7,7 +7,8 @@ use vmm_core::cuda::{
 use vmm_core::testing::{cuda_devices, cuda_vmm_ipc};
 
 use super::local::{free_range, open_fds, pattern};
-use super::{alone, invalid, read, resource};
+use super::{alone, grow_refused, not_exportable, option_refused, read, resource};
+use vmm_core::error::{ExportRule, GrowRule, OptionRule};
 
 #[test]
 fn grow_in_place_and_by_relocation_are_each_forced() {
@@ -103,7 +104,7 @@ fn grow_in_place_and_by_relocation_are_each_forced() {
     assert_eq!(read(&imported, 0, 3 * g), read(&c, 0, 3 * g));
 
     // Grow keeps rules: no shrinking, same handle type, no growing an import.
-    let m = invalid(r.grow(&c, g));
+    let m = grow_refused(r.grow(&c, g), GrowRule::Shrink);
     assert_eq!(
         m,
         format!(
@@ -116,19 +117,19 @@ fn grow_in_place_and_by_relocation_are_each_forced() {
         ResourceOptions::default().handle_type(HandleType::None),
     )
     .unwrap();
-    let m = invalid(none.grow(&c, 4 * g));
+    let m = grow_refused(none.grow(&c, 4 * g), GrowRule::HandleType);
     assert_eq!(
         m,
         "grow: the buffer's handle type is PosixFd, this resource's option `handle_type` is None; \
          the handle type cannot change across a grow"
     );
-    let m = invalid(r.grow(&imported, 4 * g));
+    let m = grow_refused(r.grow(&imported, 4 * g), GrowRule::Imported);
     assert_eq!(
         m,
         "grow: an imported buffer cannot be grown: its chunks belong to the exporter; grow it \
          there and send the new buffer"
     );
-    let m = invalid(none.allocate(1).unwrap().export());
+    let m = not_exportable(none.allocate(1).unwrap().export(), ExportRule::HandleType);
     assert_eq!(
         m,
         "export: the buffer was allocated with handle type None; create its \
@@ -159,7 +160,7 @@ fn two_gpus_grow_onto_another_device_is_refused() {
     let buf = r.allocate(g).unwrap();
     buf.fill(0x3c).unwrap();
     let before = open_fds();
-    let m = invalid(other.grow(&buf, 2 * g));
+    let m = grow_refused(other.grow(&buf, 2 * g), GrowRule::Device);
     assert_eq!(
         m,
         "grow: the buffer is on device 0, this resource allocates on device 1"
@@ -185,7 +186,11 @@ fn grow_with_another_location_is_refused() {
         .handle_type(HandleType::None);
     if !device.supports_host_numa_vmm().unwrap() {
         // No resource can have another location on this device: that is refused up front.
-        let m = invalid(VirtualMemoryResource::new(&device, host_options));
+        let m = option_refused(
+            VirtualMemoryResource::new(&device, host_options),
+            "location",
+            OptionRule::Unsupported,
+        );
         assert_eq!(
             m,
             format!(
@@ -202,7 +207,7 @@ fn grow_with_another_location_is_refused() {
     let host = VirtualMemoryResource::new(&device, host_options).unwrap();
     let buf = r.allocate(g).unwrap();
     let before = open_fds();
-    let m = invalid(host.grow(&buf, 2 * g));
+    let m = grow_refused(host.grow(&buf, 2 * g), GrowRule::Location);
     assert_eq!(
         m,
         "grow: the buffer's location is Device, this resource's option `location` is HostNuma(0)"

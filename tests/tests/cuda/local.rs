@@ -14,7 +14,8 @@ use vmm_core::cuda::{
 };
 use vmm_core::testing::cuda_vmm_ipc;
 
-use super::{alone, invalid, ipc, read, resource};
+use super::{alone, descriptor_refused, ipc, not_exportable, read, resource};
+use vmm_core::error::{DescriptorRule, ExportRule};
 
 pub(super) fn open_fds() -> usize {
     vmm_core::testing::open_fds().unwrap()
@@ -61,13 +62,19 @@ fn allocate_fill_and_copy() {
     assert_eq!(read(&buf, g - 5_000, data.len()), data);
     assert_eq!(read(&buf, g - 5_001, 1), [0xab]);
 
-    let m = invalid(buf.read_at(buf.size() - 1, &mut [0; 2]));
+    let size = buf.size();
+    let err = buf.read_at(size - 1, &mut [0; 2]).unwrap_err();
     assert!(
-        m.starts_with("read_at: 2 bytes at offset") && m.contains("out of bounds"),
-        "{m}"
+        matches!(&err, Error::OutOfBounds { op, offset, len: 2, size: s }
+            if op == "read_at" && *offset == size - 1 && *s == size),
+        "{err:?}"
     );
-    let m = invalid(buf.write_at(usize::MAX, &[1]));
-    assert!(m.starts_with("write_at: 1 bytes at offset"), "{m}");
+    let err = buf.write_at(usize::MAX, &[1]).unwrap_err();
+    assert!(
+        matches!(&err, Error::OutOfBounds { op, offset: usize::MAX, len: 1, .. }
+            if op == "write_at"),
+        "{err:?}"
+    );
 
     let empty = r.allocate(0).unwrap();
     assert_eq!((empty.size(), empty.device_ptr()), (0, 0));
@@ -116,14 +123,18 @@ fn imported_buffer_cannot_be_exported_again() {
     let a = r.allocate(1).unwrap();
     let b = r.import(&a.export().unwrap()).unwrap();
     let fds = open_fds();
-    let m = invalid(b.export());
+    let m = not_exportable(b.export(), ExportRule::Imported);
+    // What to do instead, as people read it.
     assert!(
         m.starts_with("export: an imported buffer cannot be exported again")
             && m.contains("forward the descriptor")
             && m.contains("copy"),
         "{m}"
     );
-    let m = invalid(vmm_core::wire::encode(&b).map(|e| e.fd_count()));
+    let m = not_exportable(
+        vmm_core::wire::encode(&b).map(|e| e.fd_count()),
+        ExportRule::Imported,
+    );
     assert!(
         m.starts_with("vmm_core::cuda::VirtualMemoryBuffer: an imported buffer cannot be")
             && m.contains("forward the descriptor"),
@@ -145,7 +156,7 @@ fn malformed_descriptors_are_refused_and_nothing_stays_mapped() {
     let baseline = open_fds();
 
     let refused = |d: &IpcDescriptor, expect: &str| {
-        let m = invalid(r.import(d));
+        let m = descriptor_refused(r.import(d), DescriptorRule::ChunkSize);
         assert!(
             m.starts_with("invalid IpcDescriptor: ") && m.contains(expect),
             "{m}"
@@ -164,24 +175,23 @@ fn malformed_descriptors_are_refused_and_nothing_stays_mapped() {
         &format!("chunk 2 of 2 has size {}, not a multiple", g / 2),
     );
     // Layouts refused already when the descriptor is built.
-    let m = invalid(IpcDescriptor::from_fds(
-        &[fd],
-        &[g],
-        HandleType::PosixFd,
-        g + 1,
-    ));
+    let m = descriptor_refused(
+        IpcDescriptor::from_fds(&[fd], &[g], HandleType::PosixFd, g + 1),
+        DescriptorRule::Size,
+    );
     assert!(
         m.contains(&format!("size {} exceeds the {g} bytes", g + 1)),
         "{m}"
     );
-    let m = invalid(IpcDescriptor::from_fds(
-        &[fd],
-        &[g, g],
-        HandleType::PosixFd,
-        g,
-    ));
+    let m = descriptor_refused(
+        IpcDescriptor::from_fds(&[fd], &[g, g], HandleType::PosixFd, g),
+        DescriptorRule::Fds,
+    );
     assert!(m.contains("1 fd(s) for 2 chunk(s)"), "{m}");
-    let m = invalid(IpcDescriptor::from_fds(&[fd], &[g], HandleType::None, g));
+    let m = descriptor_refused(
+        IpcDescriptor::from_fds(&[fd], &[g], HandleType::None, g),
+        DescriptorRule::HandleType,
+    );
     assert!(
         m.contains("only PosixFd descriptors can be imported"),
         "{m}"

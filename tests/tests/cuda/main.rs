@@ -81,13 +81,63 @@ fn read(buf: &VirtualMemoryBuffer, offset: usize, len: usize) -> Vec<u8> {
     out
 }
 
-/// The rule text of a refusal made before anything was done ([`Error::is_refusal`]; any other
-/// outcome fails the test).
+// The helpers below take the refusal a test expects (the variant and its rule) and give back
+// its text, for the tests whose point is also what people read. Each one's variant is a
+// refusal (`Error::is_refusal`): refused before anything was done.
+
+/// The text of an [`Error::NotExportable`] for `rule` (any other outcome fails the test).
 #[track_caller]
-fn invalid<T: std::fmt::Debug>(result: vmm_core::Result<T>) -> String {
+fn not_exportable<T: std::fmt::Debug>(
+    result: vmm_core::Result<T>,
+    rule: vmm_core::error::ExportRule,
+) -> String {
     match result {
-        Err(refusal) if refusal.is_refusal() => refusal.to_string(),
-        other => panic!("expected a refusal (refused by validation), got {other:?}"),
+        Err(refusal @ Error::NotExportable { rule: got, .. }) if got == rule => refusal.to_string(),
+        other => panic!("expected NotExportable({rule:?}), got {other:?}"),
+    }
+}
+
+/// The text of an [`Error::InvalidDescriptor`] for `rule` (any other outcome fails the test).
+#[track_caller]
+fn descriptor_refused<T: std::fmt::Debug>(
+    result: vmm_core::Result<T>,
+    rule: vmm_core::error::DescriptorRule,
+) -> String {
+    match result {
+        Err(Error::InvalidDescriptor { rule: got, message }) if got == rule => message,
+        other => panic!("expected InvalidDescriptor({rule:?}), got {other:?}"),
+    }
+}
+
+/// The text of an [`Error::InvalidOption`] of `option` for `rule` (any other outcome fails
+/// the test).
+#[track_caller]
+fn option_refused<T: std::fmt::Debug>(
+    result: vmm_core::Result<T>,
+    option: &str,
+    rule: vmm_core::error::OptionRule,
+) -> String {
+    match result {
+        Err(refusal @ Error::InvalidOption { rule: got, .. }) if got == rule => {
+            let Error::InvalidOption { option: got, .. } = &refusal else {
+                unreachable!()
+            };
+            assert_eq!(got, option, "{refusal}");
+            refusal.to_string()
+        }
+        other => panic!("expected InvalidOption({option}, {rule:?}), got {other:?}"),
+    }
+}
+
+/// The text of an [`Error::GrowRefused`] for `rule` (any other outcome fails the test).
+#[track_caller]
+fn grow_refused<T: std::fmt::Debug>(
+    result: vmm_core::Result<T>,
+    rule: vmm_core::error::GrowRule,
+) -> String {
+    match result {
+        Err(refusal @ Error::GrowRefused { rule: got, .. }) if got == rule => refusal.to_string(),
+        other => panic!("expected GrowRefused({rule:?}), got {other:?}"),
     }
 }
 

@@ -14,6 +14,7 @@ use vmm_core::cuda::{
     Device, Granularity, HandleType, IpcDescriptor, Location, ResourceOptions, VirtualMemoryBuffer,
     VirtualMemoryResource, importer,
 };
+use vmm_core::error::ExportRule;
 use vmm_core::ipc_test;
 use vmm_core::process::ensure_running;
 use vmm_core::process::{Context, Process};
@@ -153,14 +154,24 @@ fn next_or_child_error<T: Serialize + DeserializeOwned>(
 fn try_reexport(args: (VirtualMemoryBuffer, Queue<VirtualMemoryBuffer>, Queue<u8>)) {
     let (buf, queue, ack) = args;
     match buf.export() {
-        Err(refused @ Error::NotExportable { .. }) => {
+        Err(
+            refused @ Error::NotExportable {
+                rule: ExportRule::Imported,
+                ..
+            },
+        ) => {
             assert_eq!(refused.to_string(), format!("export: {REEXPORT_RULE}"))
         }
         other => panic!("re-export must be refused, got {other:?}"),
     }
     // Sending exports on the way, so it is refused the same way (the encode's typed error).
     match queue.put(&buf) {
-        Err(refused @ Error::NotExportable { .. }) => assert_eq!(
+        Err(
+            refused @ Error::NotExportable {
+                rule: ExportRule::Imported,
+                ..
+            },
+        ) => assert_eq!(
             refused.to_string(),
             format!("vmm_core::cuda::VirtualMemoryBuffer: {REEXPORT_RULE}")
         ),
@@ -201,7 +212,12 @@ fn imported_buffer_as_process_argument_is_refused(ctx: &Context) {
     let alias = VirtualMemoryBuffer::import(&buf.export().unwrap()).unwrap();
     let before = settled_open_fds().unwrap();
     match ctx.spawn(read_back_and_reply, (alias.clone(), false)) {
-        Err(refused @ Error::NotExportable { .. }) => assert_eq!(
+        Err(
+            refused @ Error::NotExportable {
+                rule: ExportRule::Imported,
+                ..
+            },
+        ) => assert_eq!(
             refused.to_string(),
             format!("vmm_core::cuda::VirtualMemoryBuffer: {REEXPORT_RULE}")
         ),

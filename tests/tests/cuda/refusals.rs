@@ -21,7 +21,8 @@ use vmm_core::{Error, ipc_test};
 use vmm_tests::turns::shared;
 use vmm_tests::{contents, pattern};
 
-use super::{filled, invalid, ipc, resource};
+use super::{descriptor_refused, filled, ipc, not_exportable, option_refused, resource};
+use vmm_core::error::{DescriptorRule, DeviceWanted, ExportRule, OptionRule};
 
 fn open_fds() -> usize {
     vmm_core::testing::open_fds().unwrap()
@@ -144,7 +145,7 @@ fn refuse_forged_origin(descriptor: IpcDescriptor) {
         before + chunks,
         "the forged descriptor's own fds"
     );
-    let m = invalid(resource.import(&elsewhere));
+    let m = descriptor_refused(resource.import(&elsewhere), DescriptorRule::Location);
     assert_eq!(
         m,
         format!(
@@ -157,7 +158,15 @@ fn refuse_forged_origin(descriptor: IpcDescriptor) {
         )
     );
     // This process's importer looks the device up by UUID, and finds none.
-    let m = invalid(VirtualMemoryBuffer::import(&elsewhere));
+    let m = match VirtualMemoryBuffer::import(&elsewhere) {
+        Err(
+            refusal @ Error::NoSuchDevice {
+                wanted: DeviceWanted::Uuid(wanted),
+                ..
+            },
+        ) if wanted == uuid => refusal.to_string(),
+        other => panic!("expected NoSuchDevice by UUID, got {other:?}"),
+    };
     assert_eq!(
         m,
         format!(
@@ -170,7 +179,7 @@ fn refuse_forged_origin(descriptor: IpcDescriptor) {
     let on_host = forged(&descriptor, |fields| {
         fields.location = Location::HostNuma(0)
     });
-    let m = invalid(resource.import(&on_host));
+    let m = descriptor_refused(resource.import(&on_host), DescriptorRule::Location);
     assert_eq!(
         m,
         "invalid IpcDescriptor: its location is HostNuma(0), this resource's option `location` \
@@ -222,7 +231,7 @@ fn refuse_on_the_other_device(descriptor: IpcDescriptor) {
         step,
         format!("while checking the location of chunk 1 of 2 ({g} bytes)")
     );
-    let m = invalid::<()>(Err(source));
+    let m = descriptor_refused::<()>(Err(source), DescriptorRule::Location);
     assert_eq!(
         m,
         format!(
@@ -262,7 +271,11 @@ fn refuse_unshareable(descriptor: IpcDescriptor) {
     unshareable.fill(0x77).unwrap();
     let before = open_fds();
 
-    let m = invalid(none.import(&descriptor));
+    let m = option_refused(
+        none.import(&descriptor),
+        "handle_type",
+        OptionRule::Conflict,
+    );
     assert_eq!(
         m,
         "import: this resource's option `handle_type` is None, so its buffers are not \
@@ -277,16 +290,26 @@ fn refuse_unshareable(descriptor: IpcDescriptor) {
     )
     .unwrap();
     assert_eq!(
-        invalid(none.import_fabric(&forged)),
+        option_refused(
+            none.import_fabric(&forged),
+            "handle_type",
+            OptionRule::Conflict
+        ),
         "import_fabric: this resource's option `handle_type` is None, so its buffers are not \
          shareable; import with a VirtualMemoryResource created with HandleType::Fabric"
     );
     let rule = "export: the buffer was allocated with handle type None; create its \
                 VirtualMemoryResource with HandleType::PosixFd to share it";
-    assert_eq!(invalid(unshareable.export()), rule);
+    assert_eq!(
+        not_exportable(unshareable.export(), ExportRule::HandleType),
+        rule
+    );
     // Sending exports on the way: refused the same way.
     assert_eq!(
-        invalid(wire::encode(&unshareable).map(|e| e.fd_count())),
+        not_exportable(
+            wire::encode(&unshareable).map(|e| e.fd_count()),
+            ExportRule::HandleType
+        ),
         rule
     );
     assert_eq!(open_fds(), before, "a refusal left fds behind");

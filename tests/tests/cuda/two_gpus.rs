@@ -8,7 +8,7 @@ use vmm_core::cuda::{
     Access, Device, FabricDescriptor, IpcDescriptor, Location, PeerAccess, ResourceOptions,
     VirtualMemoryBuffer, VirtualMemoryResource, importer, set_importer,
 };
-use vmm_core::error::DescriptorRule;
+use vmm_core::error::{DescriptorRule, DeviceWanted};
 use vmm_core::ipc_test;
 use vmm_core::process::Context;
 use vmm_core::testing::open_fds;
@@ -303,12 +303,11 @@ fn import_posix_of_a_hidden_gpu(descriptor: vmm_core::cuda::IpcDescriptor) {
     let resource = VirtualMemoryResource::new(&here, ResourceOptions::default()).unwrap();
     let before = open_fds().unwrap();
     match VirtualMemoryBuffer::import(&descriptor) {
-        Err(error) => assert!(
-            error
-                .to_string()
-                .contains("no CUDA device in this process has UUID"),
-            "{error}"
-        ),
+        Err(Error::NoSuchDevice {
+            wanted: DeviceWanted::Uuid(uuid),
+            ..
+        }) => assert_ne!(&uuid, here.uuid(), "the hidden GPU is the one asked for"),
+        Err(other) => panic!("expected NoSuchDevice by UUID, got {other:?}"),
         Ok(_) => panic!("a POSIX-fd descriptor of a hidden GPU was imported"),
     }
     match resource.import(&descriptor) {

@@ -10,7 +10,7 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::driver::{self, CUdevice_attribute};
-use crate::error::Unavailable;
+use crate::error::{DeviceWanted, Unavailable};
 use crate::{Error, Result};
 
 /// A CUDA device of this process, by ordinal (as numbered under this process's
@@ -60,6 +60,8 @@ impl Device {
         let count = Self::count()?;
         if ordinal >= count {
             return Err(Error::NoSuchDevice {
+                wanted: DeviceWanted::Ordinal(ordinal),
+                visible: count,
                 message: format!(
                     "device ordinal {ordinal} does not exist: this process sees {count} CUDA \
                      device(s)"
@@ -90,13 +92,16 @@ impl Device {
     /// The device whose UUID is `uuid`: how a descriptor from another process (which may number
     /// devices differently) finds its device here.
     pub fn by_uuid(uuid: &[u8; 16]) -> Result<Device> {
-        for ordinal in 0..Self::count()? {
+        let count = Self::count()?;
+        for ordinal in 0..count {
             let device = Self::new(ordinal)?;
             if device.uuid() == uuid {
                 return Ok(device);
             }
         }
         Err(Error::NoSuchDevice {
+            wanted: DeviceWanted::Uuid(*uuid),
+            visible: count,
             message: format!(
                 "no CUDA device in this process has UUID {}; check CUDA_VISIBLE_DEVICES",
                 format_uuid(uuid)
@@ -303,8 +308,14 @@ mod tests {
             Ok(0) => {
                 assert!(matches!(reason, Unavailable::NoDevice), "{reason:?}");
                 assert!(
-                    matches!(Device::new(0), Err(Error::NoSuchDevice { message: m })
-                        if m.contains("device ordinal 0 does not exist")),
+                    matches!(
+                        Device::new(0),
+                        Err(Error::NoSuchDevice {
+                            wanted: DeviceWanted::Ordinal(0),
+                            visible: 0,
+                            ..
+                        })
+                    ),
                     "{reason}"
                 );
             }

@@ -25,7 +25,7 @@ use std::sync::OnceLock;
 use cudarc::driver::sys;
 use nix::errno::Errno;
 
-use crate::error::Unavailable;
+use crate::error::{ContractBreach, CudaCode, Unavailable};
 use crate::{Error, Result};
 
 pub(crate) use sys::{
@@ -57,7 +57,7 @@ fn check(call: &'static str, result: sys::CUresult) -> Result<()> {
         Err(Error::Cuda {
             call: call.into(),
             name: error_name(result),
-            code: result as u32,
+            code: CudaCode(result as u32),
         })
     }
 }
@@ -482,7 +482,7 @@ pub(crate) unsafe fn export_posix_fd(handle: CUmemGenericAllocationHandle) -> Re
     if fd < 0 {
         return Err(Error::CudaContract {
             call: EXPORT_CALL.into(),
-            detail: format!("gave fd {fd}"),
+            breach: ContractBreach::NegativeFd { fd },
         });
     }
     // SAFETY: on success the driver hands the caller a new open fd that nothing else owns.
@@ -543,15 +543,6 @@ pub(crate) fn import_posix_fd(fd: BorrowedFd<'_>) -> Result<CUmemGenericAllocati
 
 /// The size of a fabric handle (`CUmemFabricHandle`).
 pub(crate) const FABRIC_HANDLE_LEN: usize = 64;
-
-/// `CUDA_ERROR_NOT_PERMITTED`: what fabric calls answer in a process without an IMEX channel.
-pub(crate) const ERROR_NOT_PERMITTED: u32 = sys::CUresult::CUDA_ERROR_NOT_PERMITTED as u32;
-
-/// `CUDA_ERROR_NOT_SUPPORTED`.
-pub(crate) const ERROR_NOT_SUPPORTED: u32 = sys::CUresult::CUDA_ERROR_NOT_SUPPORTED as u32;
-
-/// `CUDA_ERROR_INVALID_VALUE`: what a driver answers for an attribute it does not know.
-pub(crate) const ERROR_INVALID_VALUE: u32 = sys::CUresult::CUDA_ERROR_INVALID_VALUE as u32;
 
 /// `cuMemExportToShareableHandle` as a fabric handle: 64 bytes of plain data (no fd, nothing
 /// to close).
@@ -644,6 +635,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn cuda_codes_are_the_drivers() {
+        use sys::CUresult as R;
+        for (code, result) in [
+            (CudaCode::INVALID_VALUE, R::CUDA_ERROR_INVALID_VALUE),
+            (CudaCode::OUT_OF_MEMORY, R::CUDA_ERROR_OUT_OF_MEMORY),
+            (CudaCode::NOT_INITIALIZED, R::CUDA_ERROR_NOT_INITIALIZED),
+            (CudaCode::NO_DEVICE, R::CUDA_ERROR_NO_DEVICE),
+            (CudaCode::INVALID_DEVICE, R::CUDA_ERROR_INVALID_DEVICE),
+            (CudaCode::NOT_PERMITTED, R::CUDA_ERROR_NOT_PERMITTED),
+            (CudaCode::NOT_SUPPORTED, R::CUDA_ERROR_NOT_SUPPORTED),
+        ] {
+            assert_eq!(code, CudaCode(result as u32), "{result:?}");
+        }
+    }
+
+    #[test]
     fn closed_fd_is_not_open() {
         let file = std::fs::File::open("/proc/self/stat").unwrap();
         assert!(fd_flags(file.as_raw_fd()).is_ok());
@@ -662,7 +669,7 @@ mod tests {
         Error::Cuda {
             call: EXPORT_CALL.into(),
             name: "CUDA_ERROR_INVALID_VALUE".to_owned(),
-            code: 1,
+            code: CudaCode::INVALID_VALUE,
         }
     }
 
@@ -695,7 +702,7 @@ mod tests {
     fn other_export_failures_stay_the_drivers() {
         let err = export_failure(refused(), 0, || Ok(10));
         assert!(
-            matches!(&err, Error::Cuda { call, name, code: 1 }
+            matches!(&err, Error::Cuda { call, name, code: CudaCode::INVALID_VALUE }
                 if call == EXPORT_CALL && name == "CUDA_ERROR_INVALID_VALUE"),
             "{err:?}"
         );

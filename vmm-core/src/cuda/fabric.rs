@@ -70,7 +70,7 @@ use crate::{Error, Result};
 pub const MAX_FABRIC_CHUNKS: usize = 65_536;
 
 /// The directory whose device nodes are IMEX channels.
-pub const IMEX_CHANNEL_DIR: &str = "/dev/nvidia-caps-imex-channels";
+pub const IMEX_CHANNEL_DIR: &str = crate::error::IMEX_CHANNEL_DIR;
 
 /// One chunk's fabric handle (`CUmemFabricHandle`): 64 opaque bytes. A bearer token (see the
 /// [module docs](self)): its `Debug` prints no byte of it.

@@ -8,7 +8,7 @@ use super::driver;
 use super::fabric::IMEX_CHANNEL_DIR;
 use super::objects::Allocation;
 use super::resource_options::{HandleType, Location};
-use crate::error::Unavailable;
+use crate::error::{CudaCode, DriverRefusal, FabricEvidence, Unavailable};
 use crate::{Error, Result};
 
 impl Device {
@@ -28,23 +28,18 @@ impl Device {
 
 /// [`Device::check_fabric`]: the attribute, then a trial allocation and export of one chunk.
 pub(crate) fn check(device: &Device) -> Result<()> {
-    let unsupported = |detail: String| Error::FabricUnsupported {
+    let unsupported = |evidence: FabricEvidence| Error::FabricUnsupported {
         device: describe(device),
-        detail,
+        evidence,
     };
     match device.supports_fabric() {
         Ok(true) => {}
         Ok(false) => {
-            return Err(unsupported(
-                "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED = 0".to_owned(),
-            ));
+            return Err(unsupported(FabricEvidence::AttributeZero));
         }
         // Drivers older than CUDA 12.3 do not know the attribute.
-        Err(Error::Cuda { name, code, .. }) if code == driver::ERROR_INVALID_VALUE => {
-            return Err(unsupported(format!(
-                "the driver does not know CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED \
-                 ({name}): it predates fabric handles (CUDA 12.3)"
-            )));
+        Err(Error::Cuda { name, code, .. }) if code == CudaCode::INVALID_VALUE => {
+            return Err(unsupported(FabricEvidence::AttributeUnknown { name, code }));
         }
         Err(e) => return Err(e),
     }
@@ -71,22 +66,20 @@ fn classify(error: Error, device: &Device) -> Error {
     let Error::Cuda { call, name, code } = &error else {
         return error;
     };
-    let detail = format!("{call} with CU_MEM_HANDLE_TYPE_FABRIC returned {name}");
+    let refused = DriverRefusal {
+        call: call.clone(),
+        name: name.clone(),
+        code: *code,
+    };
     match *code {
-        driver::ERROR_NOT_PERMITTED => {
-            let missing = if std::path::Path::new(IMEX_CHANNEL_DIR).exists() {
-                String::new()
-            } else {
-                format!("; {IMEX_CHANNEL_DIR} does not exist")
-            };
-            Error::NoImexChannel {
-                device: describe(device),
-                detail: format!("{detail}{missing}"),
-            }
-        }
-        driver::ERROR_NOT_SUPPORTED => Error::FabricUnsupported {
+        CudaCode::NOT_PERMITTED => Error::NoImexChannel {
             device: describe(device),
-            detail,
+            refused,
+            channel_dir_missing: !std::path::Path::new(IMEX_CHANNEL_DIR).exists(),
+        },
+        CudaCode::NOT_SUPPORTED => Error::FabricUnsupported {
+            device: describe(device),
+            evidence: FabricEvidence::Refused(refused),
         },
         _ => error,
     }
@@ -100,7 +93,7 @@ pub(crate) fn explain_refusal(error: Error, device: &Device) -> Error {
     let refused = matches!(
         &error,
         Error::Cuda { code, .. }
-            if *code == driver::ERROR_NOT_PERMITTED || *code == driver::ERROR_NOT_SUPPORTED
+            if *code == CudaCode::NOT_PERMITTED || *code == CudaCode::NOT_SUPPORTED
     );
     if !refused {
         return error;
@@ -159,15 +152,19 @@ mod tests {
     fn not_permitted_is_no_imex_channel_and_names_the_recipe() {
         let error = Error::NoImexChannel {
             device: "device 0 (NVIDIA H200)".to_owned(),
-            detail: "cuMemCreate with CU_MEM_HANDLE_TYPE_FABRIC returned \
-                     CUDA_ERROR_NOT_PERMITTED"
-                .to_owned(),
+            refused: DriverRefusal {
+                call: "cuMemCreate".into(),
+                name: "CUDA_ERROR_NOT_PERMITTED".to_owned(),
+                code: CudaCode::NOT_PERMITTED,
+            },
+            channel_dir_missing: true,
         };
         let m = error.to_string();
         for needed in [
             "device 0 (NVIDIA H200)",
             "need an IMEX channel",
-            "CUDA_ERROR_NOT_PERMITTED",
+            "(cuMemCreate with CU_MEM_HANDLE_TYPE_FABRIC returned CUDA_ERROR_NOT_PERMITTED; \
+             /dev/nvidia-caps-imex-channels does not exist)",
             "/dev/nvidia-caps-imex-channels",
             "mknod /dev/nvidia-caps-imex-channels/channel0 c \"$maj\" 0",
             "/proc/devices",
@@ -177,7 +174,7 @@ mod tests {
         }
         let m = Error::FabricUnsupported {
             device: "device 1 (X)".to_owned(),
-            detail: "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED = 0".to_owned(),
+            evidence: FabricEvidence::AttributeZero,
         }
         .to_string();
         assert!(
@@ -192,7 +189,7 @@ mod tests {
         let refused = Error::Cuda {
             call: "cuMemSetAccess".into(),
             name: "CUDA_ERROR_INVALID_DEVICE".into(),
-            code: 101,
+            code: CudaCode::INVALID_DEVICE,
         };
         let failed = Error::Ipc {
             op: crate::error::IpcOp::Import,
@@ -224,7 +221,12 @@ mod tests {
         // A refusal that is already explained, and vmm-core's own checks, stay as they are.
         let no_channel = Error::NoImexChannel {
             device: "device 0".into(),
-            detail: "x".into(),
+            refused: DriverRefusal {
+                call: "cuMemCreate".into(),
+                name: "x".into(),
+                code: CudaCode::NOT_PERMITTED,
+            },
+            channel_dir_missing: false,
         };
         assert!(matches!(
             unreachable_from(no_channel, &[0xAB; 16], "device 0"),

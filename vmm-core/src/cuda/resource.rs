@@ -12,7 +12,7 @@ use super::fabric_support;
 use super::ipc_descriptor::{IpcDescriptor, validate_chunks, validate_layout};
 use super::objects::{Allocation, Reservation, Segment};
 use super::resource_options::{Access, Granularity, HandleType, Location, ResourceOptions};
-use crate::error::{Chunk, DescriptorRule, IpcOp, IpcStep};
+use crate::error::{Chunk, DescriptorRule, GrowRule, IpcOp, IpcStep, OptionRule};
 use crate::trace;
 use crate::{Error, Result};
 
@@ -24,6 +24,7 @@ pub(crate) fn round_up(size: usize, granularity: usize) -> Result<usize> {
         .ok_or_else(|| {
             Error::option(
                 "size",
+                OptionRule::Range,
                 format!(
                     "size {size} overflows when rounded up to the allocation granularity \
                      ({granularity})"
@@ -67,6 +68,7 @@ impl VirtualMemoryResource {
         let refuse = |option: &'static str, what: String| {
             Err(Error::option(
                 option,
+                OptionRule::Unsupported,
                 format!(
                     "option `{option}`: {what} on device {} ({})",
                     device.ordinal(),
@@ -219,41 +221,54 @@ impl VirtualMemoryResource {
     /// either way: the chunks are shared. Grow never shrinks, and the handle type cannot change.
     pub fn grow(&self, buf: &VirtualMemoryBuffer, new_size: usize) -> Result<VirtualMemoryBuffer> {
         let inner = &self.inner;
-        let refuse = |reason: String| Err(Error::GrowRefused { reason });
+        let refuse = |rule: GrowRule, message: String| Err(Error::GrowRefused { rule, message });
         if buf.device() != &inner.device {
-            return refuse(format!(
-                "the buffer is on device {}, this resource allocates on device {}",
-                buf.device().ordinal(),
-                inner.device.ordinal()
-            ));
+            return refuse(
+                GrowRule::Device,
+                format!(
+                    "the buffer is on device {}, this resource allocates on device {}",
+                    buf.device().ordinal(),
+                    inner.device.ordinal()
+                ),
+            );
         }
         if buf.location() != inner.options.location {
-            return refuse(format!(
-                "the buffer's location is {:?}, this resource's option `location` is {:?}",
-                buf.location(),
-                inner.options.location
-            ));
+            return refuse(
+                GrowRule::Location,
+                format!(
+                    "the buffer's location is {:?}, this resource's option `location` is {:?}",
+                    buf.location(),
+                    inner.options.location
+                ),
+            );
         }
         if buf.handle_type() != inner.options.handle_type {
-            return refuse(format!(
-                "the buffer's handle type is {:?}, this resource's option `handle_type` is {:?}; \
+            return refuse(
+                GrowRule::HandleType,
+                format!(
+                    "the buffer's handle type is {:?}, this resource's option `handle_type` is {:?}; \
                  the handle type cannot change across a grow",
-                buf.handle_type(),
-                inner.options.handle_type
-            ));
+                    buf.handle_type(),
+                    inner.options.handle_type
+                ),
+            );
         }
         if buf.is_imported() {
             return refuse(
+                GrowRule::Imported,
                 "an imported buffer cannot be grown: its chunks belong to the exporter; grow \
                  it there and send the new buffer"
                     .to_owned(),
             );
         }
         if new_size < buf.size() {
-            return refuse(format!(
-                "new size {new_size} is smaller than the buffer's size {}; grow never shrinks",
-                buf.size()
-            ));
+            return refuse(
+                GrowRule::Shrink,
+                format!(
+                    "new size {new_size} is smaller than the buffer's size {}; grow never shrinks",
+                    buf.size()
+                ),
+            );
         }
         let capacity = buf.capacity();
         if new_size <= capacity {
@@ -266,7 +281,8 @@ impl VirtualMemoryResource {
         capacity
             .checked_add(extra)
             .ok_or_else(|| Error::GrowRefused {
-                reason: format!("new size {new_size} overflows"),
+                rule: GrowRule::Overflow,
+                message: format!("new size {new_size} overflows"),
             })?;
         let chunk = self.new_chunk(extra)?;
         let end = buf.end();
@@ -309,6 +325,7 @@ impl VirtualMemoryResource {
         if self.inner.options.handle_type == HandleType::None {
             return Err(Error::option(
                 "handle_type",
+                OptionRule::Conflict,
                 format!(
                     "import: this resource's option `handle_type` is {:?}, so its buffers are \
                      not shareable; import with a VirtualMemoryResource created with \
@@ -376,6 +393,7 @@ impl VirtualMemoryResource {
         if self.inner.options.handle_type == HandleType::None {
             return Err(Error::option(
                 "handle_type",
+                OptionRule::Conflict,
                 "import_fabric: this resource's option `handle_type` is None, so its buffers \
                  are not shareable; import with a VirtualMemoryResource created with \
                  HandleType::Fabric",
@@ -551,8 +569,11 @@ mod tests {
         assert_eq!(round_up(G + 1, G).unwrap(), 2 * G);
         assert_eq!(round_up(0, G).unwrap(), 0);
         assert!(
-            matches!(round_up(usize::MAX - 5, G), Err(Error::InvalidOption { message: m, .. })
-                if m.contains("overflows when rounded up to the allocation granularity")),
+            matches!(round_up(usize::MAX - 5, G), Err(Error::InvalidOption {
+                rule: OptionRule::Range,
+                option,
+                ..
+            }) if option == "size"),
         );
     }
 

@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::driver::{self, CUmemLocation};
-use crate::error::DescriptorRule;
+use crate::error::{DescriptorRule, OptionRule};
 use crate::{Error, Result};
 
 /// Where the physical memory of a resource's chunks lives.
@@ -198,12 +198,15 @@ impl ResourceOptions {
 
     /// Refuse contradictory options before any driver call; errors name the option.
     pub(crate) fn check(&self, own_device: usize, device_count: usize) -> Result<()> {
-        let bad = |option: &'static str, message: String| Err(Error::option(option, message));
+        let bad = |option: &'static str, rule: OptionRule, message: String| {
+            Err(Error::option(option, rule, message))
+        };
         if let Location::HostNuma(node) = self.location
             && node < 0
         {
             return bad(
                 "location",
+                OptionRule::Range,
                 format!("option `location`: host NUMA node {node} is invalid (must be >= 0)"),
             );
         }
@@ -211,6 +214,7 @@ impl ResourceOptions {
             if peer.device == own_device {
                 return bad(
                     "peers",
+                    OptionRule::Conflict,
                     format!(
                         "option `peers`: device {own_device} is the resource's own device, which \
                      always has read-write access; list only other devices"
@@ -220,6 +224,7 @@ impl ResourceOptions {
             if peer.device >= device_count {
                 return bad(
                     "peers",
+                    OptionRule::Unknown,
                     format!(
                         "option `peers`: device {} does not exist (this process sees {device_count} \
                      device(s))",
@@ -230,6 +235,7 @@ impl ResourceOptions {
             if self.peers[..index].iter().any(|p| p.device == peer.device) {
                 return bad(
                     "peers",
+                    OptionRule::Conflict,
                     format!(
                         "option `peers`: device {} is listed more than once",
                         peer.device
@@ -242,6 +248,7 @@ impl ResourceOptions {
         {
             return bad(
                 "alignment",
+                OptionRule::Alignment,
                 format!("option `alignment`: {alignment} is not a power of two"),
             );
         }
@@ -250,6 +257,7 @@ impl ResourceOptions {
         {
             return bad(
                 "address_hint",
+                OptionRule::Alignment,
                 format!(
                     "option `address_hint`: {hint:#x} is not a multiple of option `alignment` \
                  ({alignment:#x})"
@@ -266,6 +274,7 @@ impl ResourceOptions {
         {
             return Err(Error::option(
                 "address_hint",
+                OptionRule::Alignment,
                 format!(
                     "option `address_hint`: {hint:#x} is not a multiple of the allocation \
                      granularity ({granularity:#x})"
@@ -280,16 +289,20 @@ impl ResourceOptions {
 mod tests {
     use super::*;
 
-    /// The text of an `InvalidOption`, which names its option first (any other outcome fails
-    /// the test).
-    fn message(result: Result<()>) -> String {
+    /// The option, the rule and the text of an `InvalidOption`, whose text names its option
+    /// first (any other outcome fails the test).
+    fn refusal(result: Result<()>) -> (String, OptionRule, String) {
         match result {
-            Err(Error::InvalidOption { option, message }) => {
+            Err(Error::InvalidOption {
+                option,
+                rule,
+                message,
+            }) => {
                 assert!(
                     message.starts_with(&format!("option `{option}`: ")),
                     "{message}"
                 );
-                message
+                (option.into_owned(), rule, message)
             }
             other => panic!("expected InvalidOption, got {other:?}"),
         }
@@ -308,78 +321,77 @@ mod tests {
 
     #[test]
     fn own_device_as_peer_is_refused() {
-        let m = message(ResourceOptions::default().peer(0, Access::Read).check(0, 2));
-        assert!(
-            m.contains("option `peers`") && m.contains("own device"),
-            "{m}"
-        );
+        let (option, rule, m) =
+            refusal(ResourceOptions::default().peer(0, Access::Read).check(0, 2));
+        assert_eq!((option.as_str(), rule), ("peers", OptionRule::Conflict));
+        assert!(m.contains("own device"), "{m}");
     }
 
     #[test]
     fn missing_peer_is_refused() {
-        let m = message(ResourceOptions::default().peer(3, Access::Read).check(0, 2));
-        assert!(
-            m.contains("option `peers`") && m.contains("device 3 does not exist"),
-            "{m}"
-        );
+        let (option, rule, m) =
+            refusal(ResourceOptions::default().peer(3, Access::Read).check(0, 2));
+        assert_eq!((option.as_str(), rule), ("peers", OptionRule::Unknown));
+        assert!(m.contains("device 3 does not exist"), "{m}");
     }
 
     #[test]
     fn duplicate_peer_is_refused() {
-        let m = message(
+        let (option, rule, m) = refusal(
             ResourceOptions::default()
                 .peer(1, Access::Read)
                 .peer(1, Access::ReadWrite)
                 .check(0, 2),
         );
-        assert!(
-            m.contains("option `peers`") && m.contains("more than once"),
-            "{m}"
-        );
+        assert_eq!((option.as_str(), rule), ("peers", OptionRule::Conflict));
+        assert!(m.contains("more than once"), "{m}");
     }
 
     #[test]
     fn alignment_must_be_a_power_of_two() {
-        let m = message(ResourceOptions::default().alignment(3).check(0, 1));
-        assert!(m.contains("option `alignment`"), "{m}");
-        let m = message(ResourceOptions::default().alignment(0).check(0, 1));
+        let (option, rule, _) = refusal(ResourceOptions::default().alignment(3).check(0, 1));
+        assert_eq!(
+            (option.as_str(), rule),
+            ("alignment", OptionRule::Alignment)
+        );
+        // The text as people read it.
+        let (_, _, m) = refusal(ResourceOptions::default().alignment(0).check(0, 1));
         assert_eq!(m, "option `alignment`: 0 is not a power of two");
     }
 
     #[test]
     fn hint_must_match_alignment_and_granularity() {
-        let m = message(
+        let (option, rule, m) = refusal(
             ResourceOptions::default()
                 .alignment(1 << 21)
                 .address_hint(4096)
                 .check(0, 1),
         );
-        assert!(
-            m.contains("option `address_hint`") && m.contains("`alignment`"),
-            "{m}"
+        assert_eq!(
+            (option.as_str(), rule),
+            ("address_hint", OptionRule::Alignment)
         );
-        let m = message(
+        assert!(m.contains("`alignment`"), "{m}");
+        let (option, rule, m) = refusal(
             ResourceOptions::default()
                 .address_hint(4096)
                 .check_granularity(1 << 21),
         );
-        assert!(
-            m.contains("option `address_hint`") && m.contains("granularity"),
-            "{m}"
+        assert_eq!(
+            (option.as_str(), rule),
+            ("address_hint", OptionRule::Alignment)
         );
+        assert!(m.contains("granularity"), "{m}");
     }
 
     #[test]
     fn negative_numa_node_is_refused() {
-        let m = message(
+        let (option, rule, _) = refusal(
             ResourceOptions::default()
                 .location(Location::HostNuma(-1))
                 .check(0, 1),
         );
-        assert!(
-            m.contains("option `location`") && m.contains("NUMA node -1 is invalid"),
-            "{m}"
-        );
+        assert_eq!((option.as_str(), rule), ("location", OptionRule::Range));
     }
 
     #[test]

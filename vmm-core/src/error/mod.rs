@@ -11,16 +11,25 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 mod child_error;
+mod cuda_failure;
 mod env;
+mod forkserver_failure;
+mod peer_refusal;
 mod rules;
 mod tls_error;
 mod unavailable;
 
 pub(crate) use child_error::NotRunStage;
 pub use child_error::{ChildError, ExitStatus, StartMethod};
+pub use cuda_failure::{ContractBreach, CudaCode, DeviceWanted, DriverRefusal, FabricEvidence};
 pub use env::MAX_ENV_LEN;
 pub(crate) use env::{parse_env_uint, shown_env_value};
-pub use rules::{Chunk, DescriptorRule, EnvRule, IpcOp, IpcStep, ProtocolRule, SpawnRule};
+pub use forkserver_failure::ForkserverFailure;
+pub use peer_refusal::{Credentials, PeerRefusal};
+pub use rules::{
+    Chunk, DescriptorRule, EndpointRule, EnvRule, ExportRule, FdlessTransport, GrowRule, IpcOp,
+    IpcStep, OptionRule, ProtocolRule, SerdeStep, SpawnRule,
+};
 pub use tls_error::{TlsReason, TlsStep};
 pub use unavailable::Unavailable;
 
@@ -78,16 +87,28 @@ pub enum Error {
         /// The limit.
         max: usize,
     },
-    /// A value could not be serialised or deserialised (the serde format's own error).
-    #[error("serialisation: {0}")]
-    Serde(String),
+    /// A value could not be serialised or deserialised: `step` says which way, `message` is
+    /// the serde format's own words.
+    #[error("serialisation: {message}")]
+    Serde {
+        /// Serialising or deserialising.
+        step: SerdeStep,
+        /// The format's error, for people.
+        message: String,
+    },
     /// The other end of a channel is gone.
+    ///
+    /// The variant is the whole fact (nothing more to tell apart: the peer closed); the text
+    /// names the channel, for people, and is not a rule to match on.
     #[error("{0}: the other end has closed")]
     Disconnected(Cow<'static, str>),
     /// Waiting for something took longer than allowed.
+    ///
+    /// The variant and `after` are the fact; `what` names what was waited for, for people (a
+    /// caller knows what it waited for: it made the call).
     #[error("{what} timed out after {after:?}")]
     Timeout {
-        /// What was waited for.
+        /// What was waited for, for people.
         what: String,
         /// The limit that passed.
         after: Duration,
@@ -100,7 +121,7 @@ pub enum Error {
         /// The endpoint's name.
         endpoint: String,
         /// Who was refused, by whom, and why.
-        reason: String,
+        reason: PeerRefusal,
     },
     /// A size that another process chose (a host buffer's, say) is larger than the cap this
     /// process set for it; nothing was allocated or mapped. `raise` says how to raise the cap.
@@ -129,6 +150,8 @@ pub enum Error {
     InvalidOption {
         /// The option or argument, e.g. `handle_type`, `size`, `workers`.
         option: Cow<'static, str>,
+        /// The rule it broke.
+        rule: OptionRule,
         /// The rule and the value, for people.
         message: String,
     },
@@ -147,7 +170,11 @@ pub enum Error {
     /// No CUDA device in this process has the ordinal or UUID asked for.
     #[error("{message}")]
     NoSuchDevice {
-        /// Which device was asked for and what this process sees.
+        /// The device asked for.
+        wanted: DeviceWanted,
+        /// How many devices this process sees.
+        visible: usize,
+        /// Which device was asked for and what this process sees, for people.
         message: String,
     },
     /// A read or write of `len` bytes at `offset` reaches past a `size`-byte buffer.
@@ -164,18 +191,22 @@ pub enum Error {
     },
     /// The buffer cannot be exported: it was imported (its memory belongs to its exporter), or
     /// it was allocated without the handle type the export needs.
-    #[error("{op}: {reason}")]
+    #[error("{op}: {message}")]
     NotExportable {
         /// The operation, e.g. `export_fabric`.
         op: Cow<'static, str>,
-        /// Why, and what to do instead.
-        reason: String,
+        /// Why.
+        rule: ExportRule,
+        /// Why, and what to do instead, for people.
+        message: String,
     },
     /// A resource refused to grow a buffer (another device's, an imported one, a smaller size).
-    #[error("grow: {reason}")]
+    #[error("grow: {message}")]
     GrowRefused {
         /// Why.
-        reason: String,
+        rule: GrowRule,
+        /// The values, for people.
+        message: String,
     },
     /// A child was not started because of `rule`; nothing was started.
     #[error("{message}")]
@@ -199,14 +230,18 @@ pub enum Error {
     /// connects to.
     #[error("{message}")]
     InvalidEndpoint {
-        /// The name and the rule it breaks.
+        /// The rule it breaks.
+        rule: EndpointRule,
+        /// The name and the rule it breaks, for people.
         message: String,
     },
     /// A value that carries fds was given to something that cannot move fds: another serde
     /// format, or a named endpoint's plain values.
     #[error("{message}")]
     FdsCannotTravel {
-        /// What carries the fds, and the transport that moves them.
+        /// What could not move them.
+        transport: FdlessTransport,
+        /// What carries the fds, and the transport that moves them, for people.
         message: String,
     },
     /// The thread that keeps exported fabric allocations alive has stopped, so a fabric buffer
@@ -216,9 +251,15 @@ pub enum Error {
     /// A child process failed: it panicked, exited non-zero, was killed or timed out.
     #[error(transparent)]
     Child(Box<ChildError>),
-    /// The forkserver could not be started or reached.
-    #[error("forkserver: {0}")]
-    Forkserver(String),
+    /// The forkserver (or the launcher thread) could not be started or reached: `failure` says
+    /// how.
+    #[error("forkserver: {message}")]
+    Forkserver {
+        /// What went wrong.
+        failure: ForkserverFailure,
+        /// The pid, how it ended, what to do, for people.
+        message: String,
+    },
     /// A CUDA driver call returned an error.
     #[error("{call} failed: {name} ({code})")]
     Cuda {
@@ -226,17 +267,17 @@ pub enum Error {
         call: Cow<'static, str>,
         /// The CUDA error's name (`cuGetErrorName`), e.g. `CUDA_ERROR_INVALID_VALUE`.
         name: String,
-        /// The CUDA error's number.
-        code: u32,
+        /// The CUDA error's code (match on [`CudaCode`]'s constants).
+        code: CudaCode,
     },
     /// A CUDA driver call reported success but gave back something unusable (a negative fd,
     /// say): a driver defect, reported rather than trusted.
-    #[error("{call} reported success but {detail}")]
+    #[error("{call} reported success but {breach}")]
     CudaContract {
         /// The driver call.
         call: Cow<'static, str>,
         /// What was wrong with its result.
-        detail: String,
+        breach: ContractBreach,
     },
     /// CUDA cannot be used in this process (no libcuda, no device, or a missing capability):
     /// the [`Unavailable`] reason says which.
@@ -246,26 +287,31 @@ pub enum Error {
     /// (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED` is 0), or the driver refuses a fabric
     /// allocation as unsupported.
     #[error(
-        "{device} does not support fabric handles ({detail}); share its memory by POSIX fd \
+        "{device} does not support fabric handles ({evidence}); share its memory by POSIX fd \
          (HandleType::PosixFd) instead"
     )]
     FabricUnsupported {
         /// The device, e.g. `device 0 (NVIDIA H200)`.
         device: String,
-        /// What said so (the attribute, or the refused call and its error).
-        detail: String,
+        /// What said so (the attribute, or the refused call and its error code).
+        evidence: FabricEvidence,
     },
     /// The device supports fabric handles, but this process may not use them: it has no IMEX
     /// channel (the driver answers `CUDA_ERROR_NOT_PERMITTED`).
     #[error(
         "fabric handles on {device} need an IMEX channel, and this process has none \
-         ({detail}). {IMEX_HELP}"
+         ({}{}). {IMEX_HELP}",
+        FabricCall(.refused),
+        if *.channel_dir_missing { NO_CHANNEL_DIR } else { "" }
     )]
     NoImexChannel {
         /// The device, e.g. `device 0 (NVIDIA H200)`.
         device: String,
-        /// The refused call and its error.
-        detail: String,
+        /// The refused call and its error code (`CUDA_ERROR_NOT_PERMITTED`).
+        refused: DriverRefusal,
+        /// Whether `/dev/nvidia-caps-imex-channels` (where the driver puts the channels) did not
+        /// exist when the call was refused.
+        channel_dir_missing: bool,
     },
     /// A fabric import of memory that another device owns failed in the driver: most likely
     /// this process's device cannot reach the owner over the fabric.
@@ -309,6 +355,21 @@ pub enum Error {
     },
 }
 
+/// Where the driver puts the IMEX channels a process may use (as device nodes).
+pub(crate) const IMEX_CHANNEL_DIR: &str = "/dev/nvidia-caps-imex-channels";
+
+/// [`Error::NoImexChannel`]'s note when [`IMEX_CHANNEL_DIR`] does not exist.
+const NO_CHANNEL_DIR: &str = "; /dev/nvidia-caps-imex-channels does not exist";
+
+/// A fabric call's refusal as the fabric errors print it.
+struct FabricCall<'a>(&'a DriverRefusal);
+
+impl std::fmt::Display for FabricCall<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        cuda_failure::fabric_call(f, self.0)
+    }
+}
+
 /// How a process gets an IMEX channel, for [`Error::NoImexChannel`].
 const IMEX_HELP: &str = "The driver grants channels as device nodes under \
     /dev/nvidia-caps-imex-channels/ (the node must be readable by this process, and passed into \
@@ -347,10 +408,31 @@ impl Error {
         }
     }
 
-    /// An [`Error::InvalidOption`]: `option`'s value is refused.
-    pub(crate) fn option(option: impl Into<Cow<'static, str>>, message: impl Into<String>) -> Self {
+    /// An [`Error::InvalidOption`]: `option`'s value broke `rule`.
+    pub(crate) fn option(
+        option: impl Into<Cow<'static, str>>,
+        rule: OptionRule,
+        message: impl Into<String>,
+    ) -> Self {
         Error::InvalidOption {
             option: option.into(),
+            rule,
+            message: message.into(),
+        }
+    }
+
+    /// An [`Error::Serde`]: the serde format's error `message`, met at `step`.
+    pub(crate) fn serde(step: SerdeStep, message: impl std::fmt::Display) -> Self {
+        Error::Serde {
+            step,
+            message: message.to_string(),
+        }
+    }
+
+    /// An [`Error::Forkserver`]: `failure`, told in `message`.
+    pub(crate) fn forkserver(failure: ForkserverFailure, message: impl Into<String>) -> Self {
+        Error::Forkserver {
+            failure,
             message: message.into(),
         }
     }
@@ -465,6 +547,9 @@ mod os_error {
         })
     }
 }
+
+#[cfg(test)]
+mod round_trip_tests;
 
 #[cfg(test)]
 mod tests {

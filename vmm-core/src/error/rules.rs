@@ -106,6 +106,122 @@ pub enum ProtocolRule {
     Internal,
 }
 
+/// Which rule an option or argument broke
+/// ([`Error::InvalidOption`](super::Error::InvalidOption)); the error's `option` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum OptionRule {
+    /// Not of the form the option takes: not a certificate, a private key, a CRL, PEM, a DNS
+    /// name or an IP address; a command line not as documented.
+    Form,
+    /// Empty where at least one is needed: no worker, no certificate, no trusted root, no CRL,
+    /// no chunk, no allowed peer.
+    Missing,
+    /// Names something that does not exist: a device this process does not see, a buffer a
+    /// server does not serve.
+    Unknown,
+    /// Outside the option's range: negative, zero where that means nothing, too many, or too
+    /// large to fit (or to round up to the granularity).
+    Range,
+    /// Not a multiple of what it must be: a power of two, the alignment, the granularity.
+    Alignment,
+    /// Contradicts another option or what it is given to: a peer that is the resource's own
+    /// device or is listed twice, a handle type the resource, the transport or the message
+    /// does not carry.
+    Conflict,
+    /// The device or the driver (or the TLS library) cannot honour it.
+    Unsupported,
+}
+
+/// Why a resource refused to grow a buffer
+/// ([`Error::GrowRefused`](super::Error::GrowRefused)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum GrowRule {
+    /// The buffer is on another device than the resource's.
+    Device,
+    /// The buffer's location is not the resource's.
+    Location,
+    /// The buffer's handle type is not the resource's (it cannot change across a grow).
+    HandleType,
+    /// The buffer was imported: its chunks belong to the exporter.
+    Imported,
+    /// The new size is smaller than the buffer's: grow never shrinks.
+    Shrink,
+    /// The new size overflows.
+    Overflow,
+}
+
+/// Why a buffer cannot be exported ([`Error::NotExportable`](super::Error::NotExportable)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum ExportRule {
+    /// It was imported: its memory belongs to its exporter (forward the descriptor, or copy
+    /// the data).
+    Imported,
+    /// It was allocated without the handle type the export needs.
+    HandleType,
+}
+
+/// Which rule a named endpoint's name, directory or socket file broke
+/// ([`Error::InvalidEndpoint`](super::Error::InvalidEndpoint)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum EndpointRule {
+    /// The path is empty.
+    EmptyName,
+    /// The name is longer than a Unix socket name can be.
+    NameTooLong {
+        /// The name's length in bytes.
+        len: usize,
+        /// The most a socket name holds.
+        max: usize,
+    },
+    /// The directory is a symbolic link.
+    DirectorySymlink,
+    /// The directory is not a directory.
+    NotADirectory,
+    /// This process's uid is the overflow uid (or it cannot be read): it cannot tell its own
+    /// directory from other users'.
+    OverflowUid {
+        /// This process's effective uid.
+        uid: u32,
+    },
+    /// The directory is owned by another uid.
+    DirectoryOwner {
+        /// The directory's owner.
+        owner: u32,
+        /// This process's effective uid.
+        uid: u32,
+    },
+    /// Group or others may enter or list the directory.
+    DirectoryMode {
+        /// The directory's mode (the permission bits).
+        mode: u32,
+    },
+    /// The path exists and is not a socket (it is never replaced).
+    NotASocket,
+}
+
+/// What could not move a value's fds ([`Error::FdsCannotTravel`](super::Error::FdsCannotTravel)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum FdlessTransport {
+    /// A serde format other than `vmm_core::wire`'s (whose fds travel out of band).
+    OtherSerdeFormat,
+    /// A named endpoint's `DATA` value: only docs/protocol.md's messages carry fds there.
+    EndpointValue,
+}
+
+/// Which way a value failed to cross serde ([`Error::Serde`](super::Error::Serde)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum SerdeStep {
+    /// Serialising it.
+    Encode,
+    /// Deserialising it.
+    Decode,
+}
+
 /// Which rule an environment variable's value broke
 /// ([`Error::InvalidEnv`](super::Error::InvalidEnv)).
 ///

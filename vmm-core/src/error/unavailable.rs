@@ -7,7 +7,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use super::Error;
+use super::{CudaCode, DriverRefusal, Error, FabricEvidence};
 
 /// Why CUDA VMM sharing (or the part of it asked for) cannot be used in this process.
 ///
@@ -48,16 +48,18 @@ pub enum Unavailable {
     NoFabric {
         /// The device, e.g. `device 0 (NVIDIA H200)`.
         device: String,
-        /// What said so (the attribute, or the refused call and its error).
-        detail: String,
+        /// What said so (the attribute, or the refused call and its error code).
+        evidence: FabricEvidence,
     },
     /// The device supports fabric handles but this process has no IMEX channel (as
     /// [`Error::NoImexChannel`](super::Error::NoImexChannel)).
     NoImexChannel {
         /// The device, e.g. `device 0 (NVIDIA H200)`.
         device: String,
-        /// The refused call and its error.
-        detail: String,
+        /// The refused call and its error code.
+        refused: DriverRefusal,
+        /// Whether the IMEX channel directory did not exist.
+        channel_dir_missing: bool,
     },
     /// A driver call failed while checking (`cuInit`, say), with the driver's error code.
     Driver {
@@ -65,8 +67,8 @@ pub enum Unavailable {
         call: Cow<'static, str>,
         /// The CUDA error's name, e.g. `CUDA_ERROR_NO_DEVICE`.
         name: String,
-        /// The CUDA error's number.
-        code: u32,
+        /// The CUDA error's code.
+        code: CudaCode,
     },
     /// Another error stopped the check (rare: not a driver call's error code).
     Other(Box<Error>),
@@ -81,10 +83,18 @@ impl Unavailable {
         match error {
             Error::CudaUnavailable(reason) => reason,
             Error::Cuda { call, name, code } => Unavailable::Driver { call, name, code },
-            Error::FabricUnsupported { device, detail } => Unavailable::NoFabric { device, detail },
-            Error::NoImexChannel { device, detail } => {
-                Unavailable::NoImexChannel { device, detail }
+            Error::FabricUnsupported { device, evidence } => {
+                Unavailable::NoFabric { device, evidence }
             }
+            Error::NoImexChannel {
+                device,
+                refused,
+                channel_dir_missing,
+            } => Unavailable::NoImexChannel {
+                device,
+                refused,
+                channel_dir_missing,
+            },
             other => Unavailable::Other(Box::new(other)),
         }
     }
@@ -121,14 +131,19 @@ impl fmt::Display for Unavailable {
                 "POSIX file descriptor handles",
                 "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED",
             ),
-            Unavailable::NoFabric { device, detail } => Error::FabricUnsupported {
+            Unavailable::NoFabric { device, evidence } => Error::FabricUnsupported {
                 device: device.clone(),
-                detail: detail.clone(),
+                evidence: evidence.clone(),
             }
             .fmt(f),
-            Unavailable::NoImexChannel { device, detail } => Error::NoImexChannel {
+            Unavailable::NoImexChannel {
+                device,
+                refused,
+                channel_dir_missing,
+            } => Error::NoImexChannel {
                 device: device.clone(),
-                detail: detail.clone(),
+                refused: refused.clone(),
+                channel_dir_missing: *channel_dir_missing,
             }
             .fmt(f),
             Unavailable::Driver { call, name, code } => {
@@ -172,14 +187,14 @@ mod tests {
             Unavailable::Driver {
                 call: "cuInit".into(),
                 name: "CUDA_ERROR_NO_DEVICE".into(),
-                code: 100
+                code: CudaCode::NO_DEVICE
             }
             .to_string(),
             "cuInit failed: CUDA_ERROR_NO_DEVICE (100)"
         );
         let fabric = Unavailable::from_error(Error::FabricUnsupported {
             device: "device 0 (X)".into(),
-            detail: "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED = 0".into(),
+            evidence: FabricEvidence::AttributeZero,
         });
         assert!(
             fabric

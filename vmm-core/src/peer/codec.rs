@@ -12,7 +12,7 @@ use super::{Descriptor, DescriptorRef, PeerMessage};
 use crate::cuda::{
     DeviceIdentity, FabricDescriptor, FabricHandle, HandleType, IpcDescriptor, Location,
 };
-use crate::error::ProtocolRule;
+use crate::error::{OptionRule, ProtocolRule, SerdeStep};
 use crate::shm::HostDescriptor;
 use crate::{Error, Result};
 
@@ -57,6 +57,7 @@ pub fn encode_descriptor<'a>(
             if d.handle_type() != HandleType::PosixFd {
                 return Err(Error::option(
                     "handle_type",
+                    OptionRule::Conflict,
                     format!(
                         "a descriptor of handle type {:?} cannot travel as a CUDA_VMM peer \
                          message: it carries PosixFd descriptors only (fabric handles travel as \
@@ -103,6 +104,7 @@ pub(super) fn fabric_frame(d: &FabricDescriptor) -> Result<Frame> {
     if count == 0 {
         return Err(Error::option(
             "chunk_sizes",
+            OptionRule::Missing,
             "a FabricDescriptor of no chunks cannot travel as a peer message: CUDA_FABRIC \
              carries at least one chunk",
         ));
@@ -239,7 +241,7 @@ fn cuda_descriptor(frame: &Frame, fds: Vec<OwnedFd>) -> Result<IpcDescriptor> {
         location: location(frame.location),
         fds: (0..fds.len() as u32).collect(),
     };
-    let bytes = postcard::to_stdvec(&form).map_err(|e| Error::Serde(e.to_string()))?;
+    let bytes = postcard::to_stdvec(&form).map_err(|e| Error::serde(SerdeStep::Encode, e))?;
     crate::wire::decode::<IpcDescriptor>(&bytes, fds)
 }
 

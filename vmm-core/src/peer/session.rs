@@ -16,7 +16,7 @@ use serde::de::DeserializeOwned;
 use super::codec::from_frame;
 use super::frame::{Frame, Kind, MAX_FRAME};
 use super::{Descriptor, DescriptorRef, PeerMessage, encode_descriptor};
-use crate::error::ProtocolRule;
+use crate::error::{FdlessTransport, PeerRefusal, ProtocolRule};
 use crate::wire::endpoint::{
     ConnectOptions, Connection, Credentials, Greeting, Listener, Name, close_later,
 };
@@ -111,9 +111,7 @@ impl Session {
             Err(Error::Disconnected(_)) => {
                 return Err(Error::PeerRefused {
                     endpoint: name.to_string(),
-                    reason: format!(
-                        "its listener ({server}) closed the connection without admitting it"
-                    ),
+                    reason: PeerRefusal::ListenerClosed { listener: server },
                 });
             }
             Err(e) => return Err(e),
@@ -125,10 +123,10 @@ impl Session {
             Kind::Hello => Ok(Session { connection }),
             Kind::Refused => Err(Error::PeerRefused {
                 endpoint: name.to_string(),
-                reason: format!(
-                    "its listener ({server}) refused this process: {}",
-                    String::from_utf8_lossy(&frame.payload)
-                ),
+                reason: PeerRefusal::RefusedByListener {
+                    listener: server,
+                    said: String::from_utf8_lossy(&frame.payload).into_owned(),
+                },
             }),
             other => Err(Error::protocol(
                 ProtocolRule::UnexpectedKind,
@@ -174,6 +172,7 @@ impl Session {
         let encoded = wire::encode(value)?;
         if encoded.fd_count() != 0 {
             return Err(Error::FdsCannotTravel {
+                transport: FdlessTransport::EndpointValue,
                 message: format!(
                     "endpoint {}: a value with {} fd(s) cannot cross a named endpoint (only the \
                      messages of docs/protocol.md do); send descriptors with send_descriptor",

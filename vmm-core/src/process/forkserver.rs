@@ -16,7 +16,7 @@ use super::launch::{Launch, launch};
 use super::protocol::{ForkReply, ForkRequest, Role};
 use super::status::ExitStatus;
 use super::supervisor::reap_pid;
-use crate::error::ProtocolRule;
+use crate::error::{ForkserverFailure, ProtocolRule};
 use crate::wire;
 use crate::{Error, Result};
 
@@ -89,10 +89,13 @@ fn start() -> Result<Server> {
                 Err(e) => e.to_string(),
                 Ok(reply) => format!("unexpected first message {:?}", reply.message),
             };
-            Err(Error::Forkserver(format!(
-                "the forkserver (pid {pid}) did not start ({detail}; {why}); an executable that \
+            Err(Error::forkserver(
+                ForkserverFailure::DidNotStart,
+                format!(
+                    "the forkserver (pid {pid}) did not start ({detail}; {why}); an executable that \
                  is not a test binary must call vmm_core::process::init() first thing in main"
-            )))
+                ),
+            ))
         }
     }
 }
@@ -136,9 +139,12 @@ pub(crate) fn fork(
                 let pid = server.pid;
                 let why = end(pid);
                 *slot = None;
-                return Err(Error::Forkserver(format!(
-                    "the forkserver (pid {pid}) died while forking a child ({why}), twice in a row"
-                )));
+                return Err(Error::forkserver(
+                    ForkserverFailure::Died,
+                    format!(
+                        "the forkserver (pid {pid}) died while forking a child ({why}), twice in a row"
+                    ),
+                ));
             }
             // A server that does not answer in time is stuck; a late answer would be taken for
             // the next request's. Replace it.
@@ -146,11 +152,14 @@ pub(crate) fn fork(
                 let pid = server.pid;
                 let why = end(pid);
                 *slot = None;
-                return Err(Error::Forkserver(format!(
-                    "the forkserver (pid {pid}) did not answer a fork request ({what} timed out \
+                return Err(Error::forkserver(
+                    ForkserverFailure::Unresponsive,
+                    format!(
+                        "the forkserver (pid {pid}) did not answer a fork request ({what} timed out \
                      after {after:?}); it was killed ({why}) with the children it had forked, and \
                      the next request starts a new one"
-                )));
+                    ),
+                ));
             }
             Err(e) => return Err(e),
         }

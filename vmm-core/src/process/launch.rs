@@ -19,7 +19,7 @@ use nix::sys::stat::Mode;
 use nix::unistd::{Pid, getpid};
 
 use super::protocol::{ROLE_VAR, Role};
-use crate::error::SpawnRule;
+use crate::error::{ForkserverFailure, SpawnRule};
 use crate::{Error, Result};
 
 /// What to start: a child or a forkserver, and what it inherits.
@@ -55,7 +55,7 @@ fn launcher() -> Result<&'static Sender<Job>> {
                 .map_err(|e| format!("could not start the launcher thread: {e}"))
         })
         .as_ref()
-        .map_err(|e| Error::Forkserver(e.clone()))
+        .map_err(|e| Error::forkserver(ForkserverFailure::Launcher, e.clone()))
 }
 
 /// Start `launch` from the launcher thread, then (still on that thread) hand the outcome to
@@ -67,7 +67,7 @@ pub(crate) fn launch_then(
 ) -> Result<()> {
     launcher()?
         .send(Box::new(move || then(spawn_now(launch))))
-        .map_err(|_| Error::Forkserver("the launcher thread is gone".into()))
+        .map_err(|_| Error::forkserver(ForkserverFailure::Launcher, "the launcher thread is gone"))
 }
 
 /// Start `launch` from the launcher thread and return the child's pid.
@@ -76,8 +76,12 @@ pub(crate) fn launch(launch: Launch) -> Result<Pid> {
     launch_then(launch, move |launched| {
         let _ = tx.send(launched);
     })?;
-    rx.recv()
-        .map_err(|_| Error::Forkserver("the launcher thread dropped a request".into()))?
+    rx.recv().map_err(|_| {
+        Error::forkserver(
+            ForkserverFailure::Launcher,
+            "the launcher thread dropped a request",
+        )
+    })?
 }
 
 /// Whether `key=value` can be set in a child's environment: a key that is not empty and has no

@@ -13,8 +13,8 @@ use nix::sys::stat::{Mode, fstat};
 use nix::sys::statfs::{FsType, HUGETLBFS_MAGIC, TMPFS_MAGIC, fstatfs};
 use nix::unistd::ftruncate;
 
-use crate::error::DescriptorRule;
 use crate::error::ProtocolRule;
+use crate::error::{DescriptorRule, OptionRule};
 use crate::trace;
 use crate::{Error, Result};
 
@@ -252,8 +252,8 @@ pub(crate) fn create_sealed(len: usize) -> Result<OwnedFd> {
         MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
     )
     .map_err(|e| Error::errno("memfd_create(host buffer)", e))?;
-    let size =
-        i64::try_from(len).map_err(|_| Error::option("size", format!("size {len} too large")))?;
+    let size = i64::try_from(len)
+        .map_err(|_| Error::option("size", OptionRule::Range, format!("size {len} too large")))?;
     ftruncate(&fd, size).map_err(|e| Error::errno(format!("ftruncate(memfd, {len})"), e))?;
     fcntl(
         &fd,

@@ -36,7 +36,7 @@ use serde::de::{DeserializeOwned, Deserializer, Error as _};
 use serde::ser::{Error as _, Serializer};
 use serde::{Deserialize, Serialize};
 
-use crate::error::ProtocolRule;
+use crate::error::{FdlessTransport, ProtocolRule, SerdeStep};
 use crate::{Error, Result};
 
 /// What keeps a shared fd open: any reference-counted owner of it.
@@ -180,7 +180,7 @@ pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded<'static>> {
             _value: PhantomData,
         }),
         (_, Some(error)) => Err(error),
-        (Err(e), None) => Err(Error::Serde(e.to_string())),
+        (Err(e), None) => Err(Error::serde(SerdeStep::Encode, e)),
     }
 }
 
@@ -200,13 +200,14 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8], fds: Vec<OwnedFd>) -> Result<T>
     match (result, source.error) {
         (Ok(value), None) => Ok(value),
         (_, Some(error)) => Err(error),
-        (Err(e), None) => Err(Error::Serde(e.to_string())),
+        (Err(e), None) => Err(Error::serde(SerdeStep::Decode, e)),
     }
 }
 
 /// The refusal of an fd-backed value outside [`encode`]/[`decode`].
 fn outside_transport(what: &str) -> Error {
     Error::FdsCannotTravel {
+        transport: FdlessTransport::OtherSerdeFormat,
         message: format!(
             "{what} carries a file descriptor and can only be (de)serialised by vmm_core::wire \
              (a Queue, a Process argument or wire::encode/decode), which moves the fd out of \

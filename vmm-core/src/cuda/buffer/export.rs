@@ -15,7 +15,7 @@ use crate::cuda::ipc_descriptor::{DeviceIdentity, IpcDescriptor};
 use crate::cuda::keeper;
 use crate::cuda::objects::Allocation;
 use crate::cuda::resource_options::HandleType;
-use crate::error::{Chunk, IpcOp, IpcStep};
+use crate::error::{Chunk, ExportRule, IpcOp, IpcStep};
 use crate::share::imported_cannot_export;
 use crate::trace;
 use crate::wire::{FdOut, FdOwner, serialize_error};
@@ -48,7 +48,8 @@ impl VirtualMemoryBuffer {
             };
             return Err(Error::NotExportable {
                 op: "export".into(),
-                reason: format!(
+                rule: ExportRule::HandleType,
+                message: format!(
                     "the buffer was allocated with handle type {:?}; create its \
                      VirtualMemoryResource with HandleType::PosixFd to share it{fabric}",
                     self.handle_type()
@@ -114,7 +115,8 @@ impl VirtualMemoryBuffer {
         if !self.handle_type().exports_fabric() {
             return Err(Error::NotExportable {
                 op: "export_fabric".into(),
-                reason: format!(
+                rule: ExportRule::HandleType,
+                message: format!(
                     "the buffer was allocated with handle type {:?}; create its \
                      VirtualMemoryResource with HandleType::Fabric (or PosixFdAndFabric) to \
                      share it by fabric handle",

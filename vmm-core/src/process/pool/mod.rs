@@ -49,6 +49,7 @@ use super::protocol::Call;
 use super::timeout::default_timeout;
 use super::warm::{WarmOptions, WarmPool};
 use super::{remote, sys};
+use crate::error::OptionRule;
 use crate::{Error, Result};
 use crate::{trace, wire};
 
@@ -144,7 +145,11 @@ impl Pool {
         options: &WarmOptions,
     ) -> Result<Pool> {
         if workers == 0 {
-            return Err(Error::option("workers", "a Pool needs at least one worker"));
+            return Err(Error::option(
+                "workers",
+                OptionRule::Missing,
+                "a Pool needs at least one worker",
+            ));
         }
         let pool = Pool {
             shared: Arc::new(Shared {

@@ -11,6 +11,7 @@ use nix::fcntl::{FcntlArg, OFlag, fcntl};
 use super::closer::close_later;
 use super::creds::{Allow, Credentials, overflow_note};
 use super::name::{Name, seqpacket_socket};
+use crate::error::PeerRefusal;
 use crate::wire::Channel;
 use crate::wire::Message;
 use crate::wire::wait::{Deadline, deadline_after};
@@ -151,12 +152,11 @@ impl Connection {
         if !options.expect.admits(&server) {
             return Err(Error::PeerRefused {
                 endpoint: name.to_string(),
-                reason: format!(
-                    "its listener is {server}, not whom this client expects ({}){}: another \
-                     process may have taken the name first; nothing was sent to it",
-                    options.expect,
-                    overflow_note(&server)
-                ),
+                reason: PeerRefusal::UnexpectedListener {
+                    listener: server,
+                    expected: options.expect.to_string(),
+                    note: overflow_note(&server),
+                },
             });
         }
         Ok(Connection::new(

@@ -5,6 +5,7 @@ use std::os::fd::AsFd;
 
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 
+pub use crate::error::Credentials;
 use crate::{Error, Result};
 
 /// This process's effective uid.
@@ -55,21 +56,6 @@ pub(crate) fn overflow_note(peer: &Credentials) -> String {
     }
 }
 
-/// A process's credentials as the kernel recorded them for a Unix socket (`SO_PEERCRED`): for
-/// a client, when it called `connect`; for a listener, when it called `listen`. They are the
-/// effective uid and gid of that moment, translated into this process's user and pid
-/// namespaces (a pid of 0: the peer is in a pid namespace this process cannot see). Nothing the
-/// peer sends can change them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Credentials {
-    /// The process id (at connect or listen time; the process may have exited since).
-    pub pid: i32,
-    /// The effective user id.
-    pub uid: u32,
-    /// The effective (primary) group id.
-    pub gid: u32,
-}
-
 impl Credentials {
     /// This process's own: its pid, effective uid and effective gid.
     pub fn of_this_process() -> Credentials {
@@ -90,12 +76,6 @@ impl Credentials {
             uid: ucred.uid(),
             gid: ucred.gid(),
         })
-    }
-}
-
-impl fmt::Display for Credentials {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "pid {} (uid {}, gid {})", self.pid, self.uid, self.gid)
     }
 }
 

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use nix::errno::Errno;
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
 
+use crate::error::EndpointRule;
 use crate::{Error, Result};
 
 /// Where an endpoint listens.
@@ -51,6 +52,10 @@ impl Name {
     pub(crate) fn addr(&self) -> Result<UnixAddr> {
         let too_long = |len: usize| {
             Err(Error::InvalidEndpoint {
+                rule: EndpointRule::NameTooLong {
+                    len,
+                    max: SUN_PATH_MAX,
+                },
                 message: format!(
                     "endpoint name {self} is {len} bytes; a Unix socket name has at most \
                      {SUN_PATH_MAX}"
@@ -62,6 +67,7 @@ impl Name {
                 let len = path.as_os_str().len();
                 if len == 0 {
                     return Err(Error::InvalidEndpoint {
+                        rule: EndpointRule::EmptyName,
                         message: "endpoint path is empty".into(),
                     });
                 }
@@ -141,8 +147,9 @@ impl Drop for SocketFile {
 
 /// The checks a path endpoint's directory must pass, in the words every refusal uses.
 fn check_directory(dir: &Path) -> Result<()> {
-    let refuse = |why: String| {
+    let refuse = |rule: EndpointRule, why: String| {
         Err(Error::InvalidEndpoint {
+            rule,
             message: format!(
                 "endpoint directory {}: {why}; a path endpoint lives in a directory only its \
                  owner can enter (mode 0700, owned by this process's effective uid), or use an \
@@ -170,32 +177,45 @@ fn check_directory(dir: &Path) -> Result<()> {
     };
     let kind = meta.file_type();
     if kind.is_symlink() {
-        return refuse("is a symbolic link (name the directory itself)".into());
+        return refuse(
+            EndpointRule::DirectorySymlink,
+            "is a symbolic link (name the directory itself)".into(),
+        );
     }
     if !kind.is_dir() {
-        return refuse("is not a directory".into());
+        return refuse(EndpointRule::NotADirectory, "is not a directory".into());
     }
     let euid = super::creds::euid();
     // Files of every user unmapped in this user namespace read as owned by the overflow uid:
     // a process that is that uid cannot tell its own directory from theirs.
     if super::creds::maybe_overflow_uid(euid) {
-        return refuse(format!(
-            "this process's uid {euid} is the overflow uid (or /proc/sys/kernel/overflowuid \
+        return refuse(
+            EndpointRule::OverflowUid { uid: euid },
+            format!(
+                "this process's uid {euid} is the overflow uid (or /proc/sys/kernel/overflowuid \
              cannot be read): the owner of a directory cannot tell it from other users that \
              have no mapping in its user namespace"
-        ));
+            ),
+        );
     }
     if meta.uid() != euid {
-        return refuse(format!(
-            "is owned by uid {}, not by this process's uid {euid}",
-            meta.uid()
-        ));
+        return refuse(
+            EndpointRule::DirectoryOwner {
+                owner: meta.uid(),
+                uid: euid,
+            },
+            format!(
+                "is owned by uid {}, not by this process's uid {euid}",
+                meta.uid()
+            ),
+        );
     }
     let mode = meta.mode() & 0o7777;
     if mode & 0o077 != 0 {
-        return refuse(format!(
-            "has mode {mode:04o}: group or others may enter or list it"
-        ));
+        return refuse(
+            EndpointRule::DirectoryMode { mode },
+            format!("has mode {mode:04o}: group or others may enter or list it"),
+        );
     }
     Ok(())
 }
@@ -228,6 +248,7 @@ pub(crate) fn bind_path(socket: &OwnedFd, name: &Name, path: &Path) -> Result<So
             use std::os::unix::fs::FileTypeExt;
             if !meta.file_type().is_socket() {
                 return Err(Error::InvalidEndpoint {
+                    rule: EndpointRule::NotASocket,
                     message: format!(
                         "endpoint path {}: exists and is not a socket; refusing to replace it",
                         path.display()

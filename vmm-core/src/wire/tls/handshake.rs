@@ -17,7 +17,7 @@ use rustls::{ClientConfig, ClientConnection, Connection, ServerConfig, ServerCon
 use super::tls_options::{PeerCheck, TlsOptions};
 use super::tls_stream::{DeadlineSocket, TlsStream, io_to_error};
 use super::verify::{PeerRole, PeerVerifier};
-use crate::error::TlsStep;
+use crate::error::{OptionRule, TlsStep};
 use crate::{Error, Result};
 
 /// The name a connector asks for (SNI) when its peers are pinned by key, not named: a name that
@@ -29,7 +29,13 @@ fn provider() -> Arc<CryptoProvider> {
 }
 
 fn config_error(what: &'static str) -> impl Fn(rustls::Error) -> Error {
-    move |e| Error::option(what, format!("rustls refused it ({e})"))
+    move |e| {
+        Error::option(
+            what,
+            OptionRule::Unsupported,
+            format!("rustls refused it ({e})"),
+        )
+    }
 }
 
 /// The accepting side's configuration: its certificate, and the client certificates it admits.
@@ -133,6 +139,7 @@ impl TlsConnector {
         let server_name = ServerName::try_from(name.clone()).map_err(|_| {
             Error::option(
                 "tls allowed names",
+                OptionRule::Form,
                 format!("{name:?} is neither a DNS name nor an IP address"),
             )
         })?;

@@ -16,7 +16,7 @@ use rustls::ServerConnection;
 use super::handshake::TlsAcceptor;
 use super::tls_options::TlsOptions;
 use super::tls_stream::{DeadlineSocket, TlsStream, reason};
-use crate::error::TlsReason;
+use crate::error::{OptionRule, TlsReason};
 use crate::trace;
 use crate::wire::endpoint::{LOG_BURST, LOG_INTERVAL};
 use crate::{Error, Result};
@@ -216,8 +216,13 @@ impl TlsListener {
                 continue;
             }
             let _ = tcp.set_nodelay(true);
-            let conn = ServerConnection::new(Arc::clone(&self.acceptor.config))
-                .map_err(|e| Error::option("tls server connection", e.to_string()))?;
+            let conn = ServerConnection::new(Arc::clone(&self.acceptor.config)).map_err(|e| {
+                Error::option(
+                    "tls server connection",
+                    OptionRule::Unsupported,
+                    e.to_string(),
+                )
+            })?;
             if pending.len() >= MAX_HANDSHAKES {
                 let oldest = pending.remove(0);
                 self.refuse(oldest.peer, None);

@@ -10,6 +10,7 @@ use std::time::Duration;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer, ServerName};
 
+use crate::error::OptionRule;
 use crate::{Error, Result};
 
 /// How long a handshake may take, by default: 10 seconds.
@@ -51,6 +52,7 @@ impl TlsIdentity {
         let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| {
             Error::option(
                 "tls identity's key",
+                OptionRule::Form,
                 format!("no usable private key in the PEM given ({e})"),
             )
         })?;
@@ -65,6 +67,7 @@ impl TlsIdentity {
         if chain.is_empty() {
             return Err(Error::option(
                 "tls identity's certificate chain",
+                OptionRule::Missing,
                 "no certificate: a TLS identity needs at least its own certificate",
             ));
         }
@@ -115,6 +118,7 @@ impl PeerCheck {
             ServerName::try_from(name.as_str()).map_err(|_| {
                 Error::option(
                     "tls allowed names",
+                    OptionRule::Form,
                     format!("{name:?} is neither a DNS name nor an IP address"),
                 )
             })?;
@@ -135,6 +139,7 @@ fn check_count(count: usize) -> Result<()> {
     if count == 0 {
         return Err(Error::option(
             "tls peer check",
+            OptionRule::Missing,
             "no allowed name or pin: name the peers that may connect (there is no \"any \
              certificate the CA signed\")",
         ));
@@ -142,6 +147,7 @@ fn check_count(count: usize) -> Result<()> {
     if count > MAX_ALLOWED_PEERS {
         return Err(Error::option(
             "tls peer check",
+            OptionRule::Range,
             format!("{count} allowed names or pins: at most {MAX_ALLOWED_PEERS}"),
         ));
     }
@@ -168,6 +174,7 @@ impl TlsOptions {
         if roots.is_empty() {
             return Err(Error::option(
                 "tls roots",
+                OptionRule::Missing,
                 "no trusted root: a peer's chain must end at a CA this side names",
             ));
         }
@@ -211,13 +218,21 @@ impl TlsOptions {
         let mut found = 0;
         for crl in CertificateRevocationListDer::pem_slice_iter(&bytes) {
             let crl = crl.map_err(|e| {
-                Error::option("tls CRL", format!("unreadable PEM in the CRL file ({e})"))
+                Error::option(
+                    "tls CRL",
+                    OptionRule::Form,
+                    format!("unreadable PEM in the CRL file ({e})"),
+                )
             })?;
             self.crls.push(crl);
             found += 1;
         }
         if found == 0 {
-            return Err(Error::option("tls CRL", "no X509 CRL in the file"));
+            return Err(Error::option(
+                "tls CRL",
+                OptionRule::Missing,
+                "no X509 CRL in the file",
+            ));
         }
         Ok(self)
     }
@@ -261,6 +276,7 @@ impl TlsOptions {
         if self.handshake_timeout.is_zero() || self.message_timeout.is_some_and(|t| t.is_zero()) {
             return Err(Error::option(
                 "tls timeouts",
+                OptionRule::Range,
                 "a zero timeout would refuse every handshake or message; use a positive one",
             ));
         }
@@ -275,9 +291,13 @@ fn read(path: &Path) -> Result<Vec<u8>> {
 fn certificates(pem: &[u8], what: &'static str) -> Result<Vec<CertificateDer<'static>>> {
     let certs = CertificateDer::pem_slice_iter(pem)
         .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| Error::option(what, format!("unreadable PEM ({e})")))?;
+        .map_err(|e| Error::option(what, OptionRule::Form, format!("unreadable PEM ({e})")))?;
     if certs.is_empty() {
-        return Err(Error::option(what, "no CERTIFICATE in the PEM given"));
+        return Err(Error::option(
+            what,
+            OptionRule::Missing,
+            "no CERTIFICATE in the PEM given",
+        ));
     }
     Ok(certs)
 }

@@ -22,6 +22,7 @@ use webpki::{
 };
 
 use super::tls_options::{PeerCheck, TlsOptions};
+use crate::error::OptionRule;
 use crate::{Error, Result};
 
 /// Which side's certificate is checked: it decides the extended key usage required.
@@ -61,6 +62,7 @@ impl PeerVerifier {
             let anchor = webpki::anchor_from_trusted_cert(root).map_err(|e| {
                 Error::option(
                     "tls roots",
+                    OptionRule::Form,
                     format!("a root is not a usable CA certificate ({e})"),
                 )
             })?;
@@ -75,7 +77,13 @@ impl PeerVerifier {
             .map(|der| {
                 OwnedCertRevocationList::from_der(der.as_ref())
                     .map(CertRevocationList::from)
-                    .map_err(|e| Error::option("tls CRL", format!("not a usable CRL ({e})")))
+                    .map_err(|e| {
+                        Error::option(
+                            "tls CRL",
+                            OptionRule::Form,
+                            format!("not a usable CRL ({e})"),
+                        )
+                    })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Arc::new(PeerVerifier {
@@ -143,8 +151,13 @@ impl PeerVerifier {
 /// -outform der | sha256sum` prints).
 pub fn spki_sha256(der: &[u8]) -> Result<[u8; 32]> {
     let der = CertificateDer::from(der);
-    let cert = webpki::EndEntityCert::try_from(&der)
-        .map_err(|e| Error::option("certificate", format!("not a DER X.509 certificate ({e})")))?;
+    let cert = webpki::EndEntityCert::try_from(&der).map_err(|e| {
+        Error::option(
+            "certificate",
+            OptionRule::Form,
+            format!("not a DER X.509 certificate ({e})"),
+        )
+    })?;
     Ok(sha256(cert.subject_public_key_info().as_ref()))
 }
 
