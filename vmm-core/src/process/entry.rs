@@ -5,7 +5,9 @@
 use std::io::Write;
 
 use super::StartMethod;
-use super::child_runtime::{EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED, record_panics, warm_up};
+use super::child_runtime::{
+    EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED, exit_after_report, record_panics, warm_up,
+};
 use super::ends::{ChildEnd, Received};
 use super::protocol::{Order, Outcome, Report};
 use super::remote;
@@ -91,5 +93,5 @@ fn finish(channel: ChildEnd, outcome: Outcome) -> ! {
     };
     let _ = channel.send(&Report::Finished(outcome));
     drop(channel);
-    std::process::exit(code)
+    exit_after_report(code)
 }
