@@ -46,6 +46,24 @@ pub fn filled_in(resource: &VirtualMemoryResource, chunks: usize) -> VirtualMemo
     buf
 }
 
+/// Copy an executable to `to`, to run it from there (as another uid, say). The copy is written
+/// by `cp`, another process: written here, it would be open for writing in this process while
+/// other tests' threads fork, and a forked child that holds that fd until its exec makes
+/// executing the copy fail with ETXTBSY ("Text file busy").
+pub fn copy_executable(from: &std::path::Path, to: &std::path::Path) {
+    let copied = std::process::Command::new("cp")
+        .arg(from)
+        .arg(to)
+        .status()
+        .expect("run cp");
+    assert!(
+        copied.success(),
+        "cp {} {}: {copied}",
+        from.display(),
+        to.display()
+    );
+}
+
 /// Run one test of the current test binary in a subprocess (with `--ignored`, so the
 /// demonstration tests that fail on purpose can be ignored in normal runs), and return its output.
 pub fn run_own_test(name: &str, env: &[(&str, Option<&str>)]) -> Output {

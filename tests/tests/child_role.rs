@@ -279,15 +279,7 @@ fn copy_of_this_exe(mode: u32) -> Copy {
     std::fs::create_dir(&dir).expect("create a directory for the copy");
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod dir");
     let file = dir.join("target");
-    // Copied by another process, `cp`: a copy written here would be open for writing in this
-    // process while other tests' threads fork, and a forked child that holds that fd until its
-    // exec makes executing the copy fail with ETXTBSY ("Text file busy"), a race seen under load.
-    let copied = std::process::Command::new("cp")
-        .arg(this_exe())
-        .arg(&file)
-        .status()
-        .expect("run cp");
-    assert!(copied.success(), "cp of this executable: {copied}");
+    vmm_tests::copy_executable(&this_exe(), &file);
     std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).expect("chmod copy");
     Copy { dir, file }
 }

@@ -164,7 +164,7 @@ fn exe_for_nobody(tmp: &TempDir) -> PathBuf {
     }
     std::fs::set_permissions(&tmp.0, std::fs::Permissions::from_mode(0o755)).unwrap();
     let copy = tmp.0.join("test-exe");
-    std::fs::copy(&exe, &copy).unwrap();
+    vmm_tests::copy_executable(&exe, &copy);
     std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
     copy
 }
