@@ -8,8 +8,14 @@
 //!   and involuntary context switches (`/proc/PID/task/TID/status`), and time on CPU and time
 //!   waiting to run (`/proc/PID/task/TID/schedstat`, ns).
 //!
-//! It uses only the public API, so the same file builds against older commits (for an A/B of
-//! the counters across builds). Run: `cargo run --release -p vmm-bench --example pool_probe --
+//! It uses only the public API, so it builds against older commits for an A/B of the counters
+//! across builds (f475110's `submit` takes a fn pointer and has no `WarmPool::global()`: there,
+//! `run` takes `fn(D)` and `--end-waiting` goes).
+//!
+//! With `--end-waiting`, the warm pool's waiting children (the pool's worker came from the warm
+//! pool, which refills in the background: processes that initialise and hold CUDA contexts on
+//! the same GPU) are ended before the timed tasks, so the tasks run as the raw-socket baseline
+//! does, with no sibling process on the device. Run: `cargo run --release -p vmm-bench --example pool_probe --
 //! [--host] [--method spawn|forkserver|warm] [--tasks N]`.
 
 use std::collections::BTreeMap;
@@ -18,7 +24,7 @@ use std::time::{Duration, Instant};
 use vmm_core::cuda::{
     Device, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource,
 };
-use vmm_core::process::{Pool, StartMethod};
+use vmm_core::process::{Pool, StartMethod, WarmPool};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
 
 const WARM_UP: usize = 200;
@@ -158,6 +164,16 @@ fn main() {
         if host { "host" } else { "GPU" }
     );
     let pool = Pool::new(method, 1).expect("start the pool");
+    if args.iter().any(|a| a == "--end-waiting") {
+        let warm = WarmPool::global();
+        // Let the refill finish, then end every waiting child (it refills on its next use).
+        let _ = warm.fill();
+        warm.set_options(warm.options());
+    }
+    println!(
+        "waiting warm children beside the pool: {:?}",
+        WarmPool::global().pids()
+    );
     if host {
         let buffer = HostBuffer::new(2 << 20).expect("host buffer");
         run(&pool, import_host, &buffer.export().expect("export"), tasks);
