@@ -1,0 +1,35 @@
+//! `vmm-memd`: a memory service on vmm-ipc. Named regions with generations (a writer fills
+//! generation N+1 while N stays served, then commits atomically), leases that end with the
+//! reader's connection or by TTL, ACLs and quotas keyed by the kernel's identity of each
+//! peer, and committed memory sealed read-only by the kernel (host memfd backend).
+//!
+//! - [`Service`] serves on a [`vmm_core::wire::endpoint::Listener`]; [`cli`] is the
+//!   `vmm-memd` program.
+//! - [`Client`] is the Rust client: [`Client::begin`] gives a [`Writer`],
+//!   [`Client::attach`] an [`Attached`].
+//! - [`protocol`] is the request/response protocol (postcard in peer-protocol `DATA`
+//!   messages; descriptors as the peer protocol's own `HOST_MEMFD` messages).
+//!
+//! See `vmm-memd/README.md` for the protocol, the semantics of generations and leases, and
+//! what is not done yet.
+
+#![cfg(target_os = "linux")]
+
+pub mod cli;
+mod client;
+mod error;
+mod generation;
+mod identity;
+mod mapping;
+mod memfd;
+pub mod protocol;
+mod registry;
+mod service;
+
+pub use client::{Attached, BeginOptions, Client, Writer};
+pub use error::{MemdError, Refusal, RequestRule, Result, Right};
+pub use mapping::ReadOnlyChunk;
+pub use service::{
+    DEFAULT_LEASE_TTL, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_UID,
+    DEFAULT_MAX_WAIT, IN_FLIGHT_WAIT, Service, TICK,
+};
