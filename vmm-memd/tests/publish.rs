@@ -173,8 +173,9 @@ fn a_writer_killed_mid_fill_leaves_the_current_generation_and_its_partial_one_is
 #[test]
 fn one_writer_at_a_time_and_waiting_writers_go_first_come_first_served() {
     let service = ServiceProc::start(&[]);
-    let (a, b, c) = (service.connect(), service.connect(), service.connect());
+    let a = service.connect();
     let first = a.begin("w", &[4096], BeginOptions::default()).unwrap();
+    let b = service.connect();
     let err = b
         .begin(
             "w",
@@ -189,30 +190,35 @@ fn one_writer_at_a_time_and_waiting_writers_go_first_come_first_served() {
         matches!(&err, MemdError::Refused(Refusal::WriterBusy { waited_ms, .. }) if *waited_ms >= 100),
         "{err:?}"
     );
-    let wait = BeginOptions {
-        wait: Duration::from_secs(5),
-        ..Default::default()
-    };
-    std::thread::scope(|s| {
-        let second = s.spawn(|| {
-            let w = b.begin("w", &[4096], wait.clone()).unwrap();
-            let at = Instant::now();
-            std::thread::sleep(Duration::from_millis(50));
-            (w.commit().unwrap(), at)
-        });
-        std::thread::sleep(Duration::from_millis(100));
-        let third = s.spawn(|| {
-            let w = c.begin("w", &[4096], wait.clone()).unwrap();
-            (w.commit().unwrap(), Instant::now())
-        });
-        std::thread::sleep(Duration::from_millis(100));
-        assert_eq!(a.status().unwrap().regions[0].waiting_writers, 2);
+    // Eight writers queue up, 20 ms apart; each holds the slot 5 ms once it has it.
+    const WAITERS: usize = 8;
+    let clients: Vec<_> = (0..WAITERS).map(|_| service.connect()).collect();
+    let generations = std::thread::scope(|s| {
+        let handles: Vec<_> = clients
+            .iter()
+            .map(|c| {
+                let handle = s.spawn(move || {
+                    let wait = BeginOptions {
+                        wait: Duration::from_secs(10),
+                        ..Default::default()
+                    };
+                    let w = c.begin("w", &[4096], wait).unwrap();
+                    std::thread::sleep(Duration::from_millis(5));
+                    w.commit().unwrap()
+                });
+                std::thread::sleep(Duration::from_millis(20));
+                handle
+            })
+            .collect();
+        assert_eq!(a.status().unwrap().regions[0].waiting_writers, WAITERS as u32);
         assert_eq!(first.commit().unwrap(), 1);
-        let (g2, at2) = second.join().unwrap();
-        let (g3, at3) = third.join().unwrap();
-        assert_eq!((g2, g3), (2, 3), "the writer that waited longer goes first");
-        assert!(at2 < at3);
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<u64>>()
     });
+    let expected: Vec<u64> = (2..2 + WAITERS as u64).collect();
+    assert_eq!(generations, expected, "writers get the slot in the order they asked");
 }
 
 #[test]
