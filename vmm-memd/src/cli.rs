@@ -83,11 +83,13 @@ pub fn parse(args: &[String]) -> Result<Option<Config>, UsageError> {
             }
             "--allow-uid" => {
                 let uid = number(value("UID")?, "UID")?;
-                allow = allow.uid(u32::try_from(uid).map_err(|_| UsageError::Value(arg.clone(), "UID"))?);
+                allow = allow
+                    .uid(u32::try_from(uid).map_err(|_| UsageError::Value(arg.clone(), "UID"))?);
             }
             "--allow-gid" => {
                 let gid = number(value("GID")?, "GID")?;
-                allow = allow.gid(u32::try_from(gid).map_err(|_| UsageError::Value(arg.clone(), "GID"))?);
+                allow = allow
+                    .gid(u32::try_from(gid).map_err(|_| UsageError::Value(arg.clone(), "GID"))?);
             }
             "--lease-ttl-ms" => ttl = Some(number(value("MS")?, "MS")?),
             "--max-wait-ms" => wait = Some(number(value("MS")?, "MS")?),

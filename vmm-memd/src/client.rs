@@ -168,9 +168,7 @@ impl Client {
         let mut meta = BTreeMap::new();
         for _ in 0..meta_pages {
             match self.reply()? {
-                Response::MetaPage(entries)
-                    if meta.len() + entries.len() <= MAX_META_ENTRIES =>
-                {
+                Response::MetaPage(entries) if meta.len() + entries.len() <= MAX_META_ENTRIES => {
                     meta.extend(entries)
                 }
                 other => return Err(unexpected("MetaPage", &other)),
@@ -322,4 +320,3 @@ impl Attached {
         chunk.get(start..end)
     }
 }
-

@@ -108,7 +108,9 @@ pub enum Refusal {
     /// Commit refused: some process still maps the pending generation writable (the writer
     /// kept a mapping, or handed one on), so it cannot be sealed read-only. Unmap and commit
     /// again.
-    #[error("region {region:?}: generation {generation} is still mapped writable somewhere; unmap it and commit again")]
+    #[error(
+        "region {region:?}: generation {generation} is still mapped writable somewhere; unmap it and commit again"
+    )]
     StillMapped {
         /// The region.
         region: String,

@@ -71,7 +71,9 @@ impl Generation {
             detail,
         };
         if self.meta.len() + entries.len() > MAX_META_ENTRIES {
-            return Err(bad(format!("more than {MAX_META_ENTRIES} metadata entries")));
+            return Err(bad(format!(
+                "more than {MAX_META_ENTRIES} metadata entries"
+            )));
         }
         for (key, meta) in &entries {
             if key.is_empty() || key.len() > MAX_KEY_LEN {
@@ -81,7 +83,11 @@ impl Generation {
                 .chunks
                 .get(meta.chunk as usize)
                 .ok_or_else(|| bad(format!("{key:?}: no chunk {}", meta.chunk)))?;
-            if meta.offset.checked_add(meta.len).is_none_or(|end| end > chunk.len) {
+            if meta
+                .offset
+                .checked_add(meta.len)
+                .is_none_or(|end| end > chunk.len)
+            {
                 return Err(bad(format!(
                     "{key:?}: {} bytes at {} pass the end of chunk {} ({} bytes)",
                     meta.len, meta.offset, meta.chunk, chunk.len

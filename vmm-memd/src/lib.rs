@@ -30,6 +30,6 @@ pub use client::{Attached, BeginOptions, Client, Writer};
 pub use error::{MemdError, Refusal, RequestRule, Result, Right};
 pub use mapping::ReadOnlyChunk;
 pub use service::{
-    DEFAULT_LEASE_TTL, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_UID,
-    DEFAULT_MAX_WAIT, IN_FLIGHT_WAIT, Service, TICK,
+    DEFAULT_LEASE_TTL, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_UID, DEFAULT_MAX_WAIT,
+    IN_FLIGHT_WAIT, Service, TICK,
 };

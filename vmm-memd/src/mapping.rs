@@ -31,13 +31,12 @@ unsafe impl Sync for ReadOnlyChunk {}
 
 impl ReadOnlyChunk {
     /// Map `len` bytes of `fd`, which must be a memfd on tmpfs sealed against writes and
-    /// resizing (all of [`COMMITTED_SEALS`]) and at least `len` bytes long; the fd stays the
+    /// resizing (`F_SEAL_WRITE`, `F_SEAL_SHRINK`, `F_SEAL_GROW`, `F_SEAL_SEAL`) and at least `len` bytes long; the fd stays the
     /// caller's. An empty chunk is refused (the service sends none).
     pub fn map(fd: BorrowedFd<'_>, len: usize) -> Result<ReadOnlyChunk> {
         let raw = fd.as_raw_fd();
-        let seals = memfd::seals(fd).map_err(|e| {
-            MemdError::BadDescriptor(format!("F_GET_SEALS: {e} (not a memfd)"))
-        })?;
+        let seals = memfd::seals(fd)
+            .map_err(|e| MemdError::BadDescriptor(format!("F_GET_SEALS: {e} (not a memfd)")))?;
         if seals & COMMITTED_SEALS != COMMITTED_SEALS {
             return Err(MemdError::BadDescriptor(format!(
                 "the chunk's memfd is not sealed read-only (seals {seals:#x}, want {COMMITTED_SEALS:#x})"

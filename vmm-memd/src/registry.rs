@@ -13,8 +13,8 @@ use crate::generation::{Chunk, Generation, Lease};
 use crate::identity::Identity;
 use crate::memfd;
 use crate::protocol::{
-    Acl, GenerationStatus, MAX_CHUNKS, Principal, RegionStatus, RegionSummary, Status,
-    TensorMeta, check_region_name,
+    Acl, GenerationStatus, MAX_CHUNKS, Principal, RegionStatus, RegionSummary, Status, TensorMeta,
+    check_region_name,
 };
 
 /// The service's limits that the registry applies.
@@ -150,7 +150,10 @@ impl Registry {
                         readers: g.leases.values().map(|l| l.pid).collect(),
                     })
                     .collect(),
-                pending: r.pending.as_ref().map(|(_, pid, g)| (g.number, g.bytes(), *pid)),
+                pending: r
+                    .pending
+                    .as_ref()
+                    .map(|(_, pid, g)| (g.number, g.bytes(), *pid)),
                 waiting_writers: r.waiting.len() as u32,
             })
             .collect();
@@ -194,14 +197,17 @@ impl Registry {
         let started = Instant::now();
         let wait = wait.min(self.policy.max_wait);
         let mut state = self.lock();
-        let r = state.regions.entry(region.to_owned()).or_insert_with(|| Region {
-            owner: who.uid,
-            acl,
-            current: None,
-            generations: BTreeMap::new(),
-            pending: None,
-            waiting: VecDeque::new(),
-        });
+        let r = state
+            .regions
+            .entry(region.to_owned())
+            .or_insert_with(|| Region {
+                owner: who.uid,
+                acl,
+                current: None,
+                generations: BTreeMap::new(),
+                pending: None,
+                waiting: VecDeque::new(),
+            });
         if !r.may(who, Right::Write) {
             let refusal = match r.may(who, Right::Read) {
                 true => Refusal::AccessDenied {
@@ -218,7 +224,10 @@ impl Registry {
         r.waiting.push_back(conn);
         // Wait for the slot: free, and this connection first in line.
         loop {
-            let r = state.regions.get_mut(region).expect("a region with a waiter stays");
+            let r = state
+                .regions
+                .get_mut(region)
+                .expect("a region with a waiter stays");
             if r.pending.is_none() && r.waiting.front() == Some(&conn) {
                 r.waiting.pop_front();
                 break;
@@ -276,7 +285,10 @@ impl Registry {
         let number = generation.number;
         r.pending = Some((conn, who.pid, generation));
         *state.used.entry(who.uid).or_default() += asked;
-        Ok((number, fds.into_iter().zip(chunks.iter().copied()).collect()))
+        Ok((
+            number,
+            fds.into_iter().zip(chunks.iter().copied()).collect(),
+        ))
     }
 
     /// Add metadata to `conn`'s pending generation of `region`.
@@ -371,8 +383,10 @@ impl Registry {
     /// End `conn`'s lease `lease` (a lease of another connection is not found).
     pub(crate) fn detach(&self, conn: u64, lease: u64) -> bool {
         let mut state = self.lock();
-        let found = generations_mut(&mut state)
-            .any(|g| g.leases.get(&lease).is_some_and(|l| l.conn == conn) && g.leases.remove(&lease).is_some());
+        let found = generations_mut(&mut state).any(|g| {
+            g.leases.get(&lease).is_some_and(|l| l.conn == conn)
+                && g.leases.remove(&lease).is_some()
+        });
         prune(&mut state);
         self.changed.notify_all();
         found
@@ -395,9 +409,12 @@ impl Registry {
     /// Delete `region`: its name goes now; its generations go as their leases end.
     pub(crate) fn delete(&self, who: &Identity, region: &str) -> Result<(), Refusal> {
         let mut state = self.lock();
-        let r = state.regions.get(region).ok_or_else(|| Refusal::NoSuchRegion {
-            region: region.to_owned(),
-        })?;
+        let r = state
+            .regions
+            .get(region)
+            .ok_or_else(|| Refusal::NoSuchRegion {
+                region: region.to_owned(),
+            })?;
         if !r.may(who, Right::Delete) {
             return Err(match r.may(who, Right::Read) {
                 true => Refusal::AccessDenied {
@@ -522,7 +539,10 @@ fn prune(state: &mut State) {
 /// Drop a region that a `begin` created but that never committed and has no writer.
 fn drop_if_unused(state: &mut State, region: &str) {
     if state.regions.get(region).is_some_and(|r| {
-        r.current.is_none() && r.generations.is_empty() && r.pending.is_none() && r.waiting.is_empty()
+        r.current.is_none()
+            && r.generations.is_empty()
+            && r.pending.is_none()
+            && r.waiting.is_empty()
     }) {
         state.regions.remove(region);
     }

@@ -97,10 +97,18 @@ impl Service {
                 if stop.load(Ordering::Relaxed) {
                     return Ok(());
                 }
-                let admitted =
-                    Session::accept_admitting(listener, Some(Duration::from_millis(100)), &mut |peer| {
-                        admit(&lock(), peer.uid, self.max_connections, self.max_connections_per_uid)
-                    });
+                let admitted = Session::accept_admitting(
+                    listener,
+                    Some(Duration::from_millis(100)),
+                    &mut |peer| {
+                        admit(
+                            &lock(),
+                            peer.uid,
+                            self.max_connections,
+                            self.max_connections_per_uid,
+                        )
+                    },
+                );
                 let session = match admitted {
                     Ok(session) => session,
                     Err(vmm_core::Error::Timeout { .. }) => continue,
@@ -164,7 +172,9 @@ fn admit(
         return Err(format!("the service holds {all} connections, its cap"));
     }
     if mine >= per_uid {
-        return Err(format!("this uid holds {mine} connections, the cap per uid"));
+        return Err(format!(
+            "this uid holds {mine} connections, the cap per uid"
+        ));
     }
     Ok(())
 }
@@ -258,11 +268,9 @@ impl Connection<'_> {
     }
 
     fn send(&self, response: &Response) -> vmm_core::Result<()> {
-        let bytes = postcard::to_allocvec(response).map_err(|e| {
-            vmm_core::Error::Os {
-                op: "encoding a reply".into(),
-                source: std::io::Error::other(e),
-            }
+        let bytes = postcard::to_allocvec(response).map_err(|e| vmm_core::Error::Os {
+            op: "encoding a reply".into(),
+            source: std::io::Error::other(e),
         })?;
         self.session.send_data(&bytes)
     }

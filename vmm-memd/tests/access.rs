@@ -31,10 +31,23 @@ fn role_entry() {
 
 /// What uid 65534 may and may not do (the parent, root, made the regions).
 fn other_uid(client: &Client) {
-    let names: Vec<String> = client.list().unwrap().into_iter().map(|r| r.region).collect();
-    assert_eq!(names, ["by-group", "public", "shared-write"], "private stays unlisted");
+    let names: Vec<String> = client
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.region)
+        .collect();
+    assert_eq!(
+        names,
+        ["by-group", "public", "shared-write"],
+        "private stays unlisted"
+    );
     let status = client.status().unwrap();
-    assert_eq!((status.uid, status.quota), (NOBODY, MIB), "the kernel's uid");
+    assert_eq!(
+        (status.uid, status.quota),
+        (NOBODY, MIB),
+        "the kernel's uid"
+    );
     assert_eq!(status.regions.len(), 3);
     let denied = |e: MemdError| match e {
         MemdError::Refused(r) => r,
@@ -44,7 +57,11 @@ fn other_uid(client: &Client) {
     assert!(matches!(err, Refusal::NoSuchRegion { .. }), "{err:?}");
     client.attach("public").unwrap();
     client.attach("by-group").unwrap();
-    let err = denied(client.begin("public", &[4096], BeginOptions::default()).unwrap_err());
+    let err = denied(
+        client
+            .begin("public", &[4096], BeginOptions::default())
+            .unwrap_err(),
+    );
     assert_eq!(
         err,
         Refusal::AccessDenied {
@@ -56,13 +73,24 @@ fn other_uid(client: &Client) {
     assert_eq!(publish(client, "shared-write", 1, 4096), 2);
     let err = denied(client.delete("public").unwrap_err());
     assert!(
-        matches!(err, Refusal::AccessDenied { right: Right::Delete, uid: NOBODY, .. }),
+        matches!(
+            err,
+            Refusal::AccessDenied {
+                right: Right::Delete,
+                uid: NOBODY,
+                ..
+            }
+        ),
         "{err:?}"
     );
     let err = denied(client.delete("private").unwrap_err());
     assert!(matches!(err, Refusal::NoSuchRegion { .. }), "{err:?}");
     // Quota: 1 MiB for this uid, 4096 bytes in use.
-    let err = denied(client.begin("mine", &[MIB], BeginOptions::default()).unwrap_err());
+    let err = denied(
+        client
+            .begin("mine", &[MIB], BeginOptions::default())
+            .unwrap_err(),
+    );
     assert_eq!(
         err,
         Refusal::QuotaExceeded {
@@ -73,7 +101,10 @@ fn other_uid(client: &Client) {
         }
     );
     let status = client.status().unwrap();
-    assert_eq!(status.used, 4096, "nothing allocated for the refused generation");
+    assert_eq!(
+        status.used, 4096,
+        "nothing allocated for the refused generation"
+    );
     assert!(status.regions.iter().all(|r| r.region != "mine"));
 }
 
@@ -82,10 +113,18 @@ fn other_uid(client: &Client) {
 fn try_writes(client: &Client, region: &str) {
     let session = client.session();
     session
-        .send_data(&postcard::to_allocvec(&Request::Attach { region: region.into() }).unwrap())
+        .send_data(
+            &postcard::to_allocvec(&Request::Attach {
+                region: region.into(),
+            })
+            .unwrap(),
+        )
         .unwrap();
     let reply: Response = postcard::from_bytes(&session.recv_data().unwrap()).unwrap();
-    let Response::Attached { chunks, meta_pages, .. } = reply else {
+    let Response::Attached {
+        chunks, meta_pages, ..
+    } = reply
+    else {
         panic!("{reply:?}")
     };
     for _ in 0..meta_pages {
@@ -97,26 +136,64 @@ fn try_writes(client: &Client, region: &str) {
     let raw = fd.as_raw_fd();
     let len = chunks[0] as usize;
     let errno = || std::io::Error::last_os_error().raw_os_error().unwrap();
-    // SAFETY (all below): plain system calls on our own fd and mappings, results checked.
+    // SAFETY: plain system calls on our own fd and mappings (all below), results checked.
     unsafe {
         // 1. A writable shared mapping.
-        let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, raw, 0);
-        assert_eq!(p, libc::MAP_FAILED, "mmap(PROT_WRITE, MAP_SHARED) must fail");
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            raw,
+            0,
+        );
+        assert_eq!(
+            p,
+            libc::MAP_FAILED,
+            "mmap(PROT_WRITE, MAP_SHARED) must fail"
+        );
         assert_eq!(errno(), libc::EPERM);
         // 2. write(2) and pwrite(2).
-        assert_eq!(libc::write(raw, b"x".as_ptr().cast(), 1), -1, "write(2) must fail");
+        assert_eq!(
+            libc::write(raw, b"x".as_ptr().cast(), 1),
+            -1,
+            "write(2) must fail"
+        );
         assert_eq!(errno(), libc::EPERM);
-        assert_eq!(libc::pwrite(raw, b"x".as_ptr().cast(), 1, 8), -1, "pwrite must fail");
+        assert_eq!(
+            libc::pwrite(raw, b"x".as_ptr().cast(), 1, 8),
+            -1,
+            "pwrite must fail"
+        );
         assert_eq!(errno(), libc::EPERM);
         // 3. Resizing, and punching a hole (which would zero bytes).
         assert_eq!(libc::ftruncate(raw, 0), -1, "shrinking must fail");
-        assert_eq!(libc::ftruncate(raw, (len * 2) as i64), -1, "growing must fail");
+        assert_eq!(
+            libc::ftruncate(raw, (len * 2) as i64),
+            -1,
+            "growing must fail"
+        );
         let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-        assert_eq!(libc::fallocate(raw, punch, 0, len as i64), -1, "a hole must fail");
+        assert_eq!(
+            libc::fallocate(raw, punch, 0, len as i64),
+            -1,
+            "a hole must fail"
+        );
         // 4. A read-only shared mapping made writable.
-        let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, raw, 0);
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            raw,
+            0,
+        );
         assert_ne!(p, libc::MAP_FAILED);
-        assert_eq!(libc::mprotect(p, len, libc::PROT_READ | libc::PROT_WRITE), -1, "mprotect must fail");
+        assert_eq!(
+            libc::mprotect(p, len, libc::PROT_READ | libc::PROT_WRITE),
+            -1,
+            "mprotect must fail"
+        );
         assert_eq!(errno(), libc::EACCES);
         libc::munmap(p, len);
         // 5. The seals themselves: no more may be added (or the file's state changed).
@@ -126,34 +203,74 @@ fn try_writes(client: &Client, region: &str) {
         let path = std::ffi::CString::new(format!("/proc/self/fd/{raw}")).unwrap();
         let again = libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
         if again >= 0 {
-            assert_eq!(libc::write(again, b"x".as_ptr().cast(), 1), -1, "write through a reopened fd must fail");
+            assert_eq!(
+                libc::write(again, b"x".as_ptr().cast(), 1),
+                -1,
+                "write through a reopened fd must fail"
+            );
             libc::close(again);
         }
         // 7. A private writable mapping is allowed: copy-on-write, invisible to others.
-        let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE, raw, 0);
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE,
+            raw,
+            0,
+        );
         assert_ne!(p, libc::MAP_FAILED);
         std::ptr::write_bytes(p.cast::<u8>(), 0, len);
         libc::munmap(p, len);
     }
     let fresh = client.attach(region).unwrap();
-    assert!(fresh.chunks[0].as_slice().iter().all(|&b| b == common::fill_byte(1)), "contents unchanged");
+    assert!(
+        fresh.chunks[0]
+            .as_slice()
+            .iter()
+            .all(|&b| b == common::fill_byte(1)),
+        "contents unchanged"
+    );
 }
 
 #[test]
 fn another_uid_sees_only_what_acls_give_it_and_its_own_quota() {
     if !is_root() {
-        eprintln!("SKIP another_uid_sees_only_what_acls_give_it_and_its_own_quota: needs root for setpriv");
+        eprintln!(
+            "SKIP another_uid_sees_only_what_acls_give_it_and_its_own_quota: needs root for setpriv"
+        );
         return;
     }
     let quota = format!("{NOBODY}={MIB}");
     let service = ServiceProc::start(&["--quota", &quota]);
     let root = service.connect();
-    let with = |acl: Acl| BeginOptions { acl, ..Default::default() };
+    let with = |acl: Acl| BeginOptions {
+        acl,
+        ..Default::default()
+    };
     for (region, acl) in [
         ("private", Acl::default()),
-        ("public", Acl { read: vec![Principal::Uid(NOBODY)], ..Default::default() }),
-        ("by-group", Acl { read: vec![Principal::Gid(NOBODY)], ..Default::default() }),
-        ("shared-write", Acl { write: vec![Principal::Uid(NOBODY)], ..Default::default() }),
+        (
+            "public",
+            Acl {
+                read: vec![Principal::Uid(NOBODY)],
+                ..Default::default()
+            },
+        ),
+        (
+            "by-group",
+            Acl {
+                read: vec![Principal::Gid(NOBODY)],
+                ..Default::default()
+            },
+        ),
+        (
+            "shared-write",
+            Acl {
+                write: vec![Principal::Uid(NOBODY)],
+                ..Default::default()
+            },
+        ),
     ] {
         let w = root.begin(region, &[4096], with(acl)).unwrap();
         w.chunk(0).fill(common::fill_byte(1)).unwrap();
@@ -175,7 +292,9 @@ fn a_quota_refusal_comes_before_any_allocation() {
     let client = service.connect();
     publish(&client, "a", 1, 512 << 10);
     for chunks in [vec![MIB], vec![u64::MAX, 1], vec![256 << 10; 3]] {
-        let err = client.begin("b", &chunks, BeginOptions::default()).unwrap_err();
+        let err = client
+            .begin("b", &chunks, BeginOptions::default())
+            .unwrap_err();
         assert!(
             matches!(&err, MemdError::Refused(Refusal::QuotaExceeded { used, quota, .. }) if *used == 512 << 10 && *quota == MIB),
             "{chunks:?}: {err:?}"
@@ -197,10 +316,17 @@ fn a_reader_cannot_write_committed_memory_any_way_it_tries() {
     if nobody {
         // The region must be readable by the other uid.
         let w = client
-            .begin("sealed-other", &[64 << 10], BeginOptions {
-                acl: Acl { read: vec![Principal::Uid(NOBODY)], ..Default::default() },
-                ..Default::default()
-            })
+            .begin(
+                "sealed-other",
+                &[64 << 10],
+                BeginOptions {
+                    acl: Acl {
+                        read: vec![Principal::Uid(NOBODY)],
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+            )
             .unwrap();
         w.chunk(0).fill(common::fill_byte(1)).unwrap();
         w.commit().unwrap();
@@ -220,7 +346,10 @@ fn a_request_over_the_cap_is_refused_before_decoding() {
     // A valid request followed by padding: decoded, the padding would be ignored.
     let mut bytes = postcard::to_allocvec(&Request::Status).unwrap();
     bytes.resize(MAX_REQUEST, 0);
-    assert!(matches!(client.request_raw(&bytes).unwrap(), Response::Status(_)));
+    assert!(matches!(
+        client.request_raw(&bytes).unwrap(),
+        Response::Status(_)
+    ));
     bytes.push(0);
     assert_eq!(
         client.request_raw(&bytes).unwrap(),
@@ -231,7 +360,10 @@ fn a_request_over_the_cap_is_refused_before_decoding() {
     );
     // Garbage is a typed refusal too, and the connection goes on.
     let reply = client.request_raw(&[0xFF; 16]).unwrap();
-    assert!(matches!(reply, Response::Refused(Refusal::InvalidRequest { .. })), "{reply:?}");
+    assert!(
+        matches!(reply, Response::Refused(Refusal::InvalidRequest { .. })),
+        "{reply:?}"
+    );
     assert_eq!(client.status().unwrap().refusals, 2);
 }
 

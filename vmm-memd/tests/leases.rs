@@ -102,14 +102,18 @@ fn a_sigstopped_readers_lease_expires_by_ttl_and_its_mapping_stays_valid() {
         .expect("the stopped reader's lease expires");
     let after = attached_at.elapsed();
     eprintln!("lease of a stopped reader gone {after:?} after attach (TTL 300 ms)");
-    assert!(after >= Duration::from_millis(250), "ended by TTL, not early: {gone:?}");
+    assert!(
+        after >= Duration::from_millis(250),
+        "ended by TTL, not early: {gone:?}"
+    );
     let status = client.status().unwrap();
     assert_eq!(status.expired_leases, 1);
     assert_eq!(status.used, 4096, "generation 1 freed");
     // The reader's process is still there (stopped), its connection open.
     let mut st = 0;
     // SAFETY: a non-blocking wait on our own child.
-    assert_eq!(unsafe { libc::waitpid(reader.pid(), &mut st, libc::WNOHANG) }, 0);
+    let reaped = unsafe { libc::waitpid(reader.pid(), &mut st, libc::WNOHANG) };
+    assert_eq!(reaped, 0);
     reader.signal(libc::SIGCONT);
 }
 
@@ -131,5 +135,10 @@ fn renewal_keeps_a_lease_past_its_ttl_and_an_expired_one_is_not_renewed() {
     assert!(readers_of(&writer, 1).is_empty());
     assert_eq!(reader.renew().unwrap(), 0, "an expired lease is gone");
     // Expiry does not touch the mapping: the bytes are the kernel's to keep.
-    assert!(attached.chunks[0].as_slice().iter().all(|&b| b == common::fill_byte(1)));
+    assert!(
+        attached.chunks[0]
+            .as_slice()
+            .iter()
+            .all(|&b| b == common::fill_byte(1))
+    );
 }

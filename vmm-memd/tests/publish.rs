@@ -95,19 +95,32 @@ fn publish_then_attach_round_trip() {
     assert_eq!(g2, 2);
     assert_eq!(attached.tensor("a"), Some(&b"hello"[..]));
     let status = reader.status().unwrap();
-    let gens: Vec<u64> = status.regions[0].generations.iter().map(|g| g.generation).collect();
+    let gens: Vec<u64> = status.regions[0]
+        .generations
+        .iter()
+        .map(|g| g.generation)
+        .collect();
     assert_eq!(gens, [1, 2]);
     assert_eq!(status.used, 14_096 + 4096);
     reader.detach(&attached).unwrap();
     let status = reader.status().unwrap();
-    let gens: Vec<u64> = status.regions[0].generations.iter().map(|g| g.generation).collect();
+    let gens: Vec<u64> = status.regions[0]
+        .generations
+        .iter()
+        .map(|g| g.generation)
+        .collect();
     assert_eq!(gens, [2], "generation 1 is freed with its last reader");
     assert_eq!(status.used, 4096);
     // The mapping outlives the lease.
     assert_eq!(attached.tensor("a"), Some(&b"hello"[..]));
     let again = reader.attach("weights").unwrap();
     assert_eq!(again.generation, 2);
-    assert!(again.chunks[0].as_slice().iter().all(|&b| b == fill_byte(2)));
+    assert!(
+        again.chunks[0]
+            .as_slice()
+            .iter()
+            .all(|&b| b == fill_byte(2))
+    );
 }
 
 #[test]
@@ -154,7 +167,10 @@ fn a_writer_killed_mid_fill_leaves_the_current_generation_and_its_partial_one_is
     let mut writer = Role::spawn("fill-and-hang", &service, &["weights"], false);
     assert_eq!(writer.expect_line(), "BEGAN 2");
     let status = client.status().unwrap();
-    assert_eq!(status.regions[0].pending.map(|p| (p.0, p.1)), Some((2, 16 << 20)));
+    assert_eq!(
+        status.regions[0].pending.map(|p| (p.0, p.1)),
+        Some((2, 16 << 20))
+    );
     assert_eq!(status.used, (1 << 20) + (16 << 20));
     writer.signal(libc::SIGKILL);
     let freed = until(Duration::from_secs(1), || {
@@ -165,7 +181,12 @@ fn a_writer_killed_mid_fill_leaves_the_current_generation_and_its_partial_one_is
     eprintln!("partial generation freed {freed:?} after SIGKILL");
     let attached = client.attach("weights").unwrap();
     assert_eq!(attached.generation, 1);
-    assert!(attached.chunks[0].as_slice().iter().all(|&b| b == fill_byte(1)));
+    assert!(
+        attached.chunks[0]
+            .as_slice()
+            .iter()
+            .all(|&b| b == fill_byte(1))
+    );
     // And the slot is free: the next writer gets generation 2.
     assert_eq!(publish(&client, "weights", 1, 4096), 2);
 }
@@ -210,7 +231,10 @@ fn one_writer_at_a_time_and_waiting_writers_go_first_come_first_served() {
                 handle
             })
             .collect();
-        assert_eq!(a.status().unwrap().regions[0].waiting_writers, WAITERS as u32);
+        assert_eq!(
+            a.status().unwrap().regions[0].waiting_writers,
+            WAITERS as u32
+        );
         assert_eq!(first.commit().unwrap(), 1);
         handles
             .into_iter()
@@ -218,7 +242,10 @@ fn one_writer_at_a_time_and_waiting_writers_go_first_come_first_served() {
             .collect::<Vec<u64>>()
     });
     let expected: Vec<u64> = (2..2 + WAITERS as u64).collect();
-    assert_eq!(generations, expected, "writers get the slot in the order they asked");
+    assert_eq!(
+        generations, expected,
+        "writers get the slot in the order they asked"
+    );
 }
 
 #[test]
@@ -229,7 +256,10 @@ fn commit_is_refused_while_the_writer_still_maps_a_chunk() {
     let kept = writer.chunk(0).clone();
     let err = writer.commit().unwrap_err();
     assert!(
-        matches!(&err, MemdError::Refused(Refusal::StillMapped { generation: 1, .. })),
+        matches!(
+            &err,
+            MemdError::Refused(Refusal::StillMapped { generation: 1, .. })
+        ),
         "{err:?}"
     );
     kept.write_at(0, b"still writable: not committed").unwrap();
@@ -238,7 +268,10 @@ fn commit_is_refused_while_the_writer_still_maps_a_chunk() {
     let reply = client
         .request_raw(&postcard::to_allocvec(&vmm_memd::protocol::Request::Commit).unwrap())
         .unwrap();
-    assert_eq!(reply, vmm_memd::protocol::Response::Committed { generation: 1 });
+    assert_eq!(
+        reply,
+        vmm_memd::protocol::Response::Committed { generation: 1 }
+    );
     let attached = client.attach("w").unwrap();
     assert_eq!(&attached.chunks[0].as_slice()[..7], b"still w");
 }

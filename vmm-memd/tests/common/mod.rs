@@ -70,10 +70,15 @@ impl Drop for ServiceProc {
     }
 }
 
+/// This process's effective uid.
+pub fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() }
+}
+
 /// Whether this process runs as root (so other uids can be tried with setpriv).
 pub fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
+    euid() == 0
 }
 
 /// A role process; its `MEMD ...` stdout lines are read with [`Role::expect_line`].
@@ -101,10 +106,16 @@ impl Role {
             Command::new(&exe)
         };
         let child = command
-            .args(["--exact", "role_entry", "--nocapture", "--test-threads=1", "-q"])
+            .args([
+                "--exact",
+                "role_entry",
+                "--nocapture",
+                "--test-threads=1",
+                "-q",
+            ])
             .env("MEMD_ROLE", role)
             .env("MEMD_SOCKET", &service.socket)
-            .env("MEMD_SERVICE_UID", unsafe { libc::geteuid() }.to_string())
+            .env("MEMD_SERVICE_UID", euid().to_string())
             .env("MEMD_ARGS", args.join(" "))
             .stdout(Stdio::piped())
             .stdin(Stdio::null())
@@ -154,8 +165,11 @@ impl Drop for Role {
 pub fn role_client() -> Client {
     let name = Name::from(std::env::var("MEMD_SOCKET").unwrap().as_str());
     let uid: u32 = std::env::var("MEMD_SERVICE_UID").unwrap().parse().unwrap();
-    Client::connect_with(&name, &ConnectOptions::default().expect(Allow::none().uid(uid)))
-        .expect("the role connects")
+    Client::connect_with(
+        &name,
+        &ConnectOptions::default().expect(Allow::none().uid(uid)),
+    )
+    .expect("the role connects")
 }
 
 /// The role's arguments.
