@@ -133,6 +133,7 @@ impl Service {
                             registry,
                             conn,
                             writing: None,
+                            stop,
                         };
                         if let Err(e) = served.converse(stop) {
                             eprintln!("vmm-memd: connection of {}: {e}", session.peer());
@@ -194,6 +195,8 @@ struct Connection<'a> {
     conn: u64,
     /// The region whose pending generation this connection writes.
     writing: Option<String>,
+    /// The service's stop flag: a wait ends when it is set.
+    stop: &'a AtomicBool,
 }
 
 impl Connection<'_> {
@@ -255,8 +258,11 @@ impl Connection<'_> {
         Woke::Idle
     }
 
-    /// Whether the peer hung up or exited (without waiting).
+    /// Whether the peer hung up or exited, or the service stops (without waiting).
     fn gone(&self) -> bool {
+        if self.stop.load(Ordering::Relaxed) {
+            return true;
+        }
         let mut pfd = libc::pollfd {
             fd: self.session.as_fd().as_raw_fd(),
             events: libc::POLLRDHUP,

@@ -42,6 +42,19 @@ fn sigterm_stops_within_2_s_and_leaves_mapped_memory_intact() {
     let client = service.connect();
     publish(&client, "weights", 1, 1 << 20);
     let attached = client.attach("weights").unwrap();
+    // A writer holds the region and another waits for it, for up to 30 s.
+    let _writer = client
+        .begin("weights", &[4096], Default::default())
+        .unwrap();
+    let waiter = service.connect();
+    let waiting = std::thread::spawn(move || {
+        let wait = vmm_memd::BeginOptions {
+            wait: Duration::from_secs(30),
+            ..Default::default()
+        };
+        waiter.begin("weights", &[4096], wait).map(drop)
+    });
+    std::thread::sleep(Duration::from_millis(100));
     // SAFETY: kill of our own child (not reaped yet).
     let sent = unsafe { libc::kill(service.child.id() as i32, libc::SIGTERM) };
     assert_eq!(sent, 0);
@@ -57,6 +70,10 @@ fn sigterm_stops_within_2_s_and_leaves_mapped_memory_intact() {
         std::thread::sleep(Duration::from_millis(5));
     };
     assert_eq!(status.code(), Some(0));
+    assert!(
+        waiting.join().unwrap().is_err(),
+        "the waiting writer got no slot"
+    );
     assert!(
         attached.chunks[0]
             .as_slice()
