@@ -315,7 +315,37 @@ pub(crate) fn meta_pages(entries: &[(String, TensorMeta)]) -> Vec<Vec<(String, T
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
+
+    proptest! {
+        /// Any bytes: a request or a typed refusal, never a panic, and nothing over the cap
+        /// decoded.
+        #[test]
+        fn any_bytes_decode_to_a_request_or_a_refusal(bytes in proptest::collection::vec(any::<u8>(), 0..MAX_REQUEST + 64)) {
+            match decode_request(&bytes) {
+                Ok(request) => prop_assert!(bytes.len() <= MAX_REQUEST, "{request:?}"),
+                Err(Refusal::TooLarge { size, .. }) => prop_assert_eq!(size as usize, bytes.len()),
+                Err(Refusal::InvalidRequest { rule: RequestRule::Decode, .. }) => {}
+                Err(other) => prop_assert!(false, "{other:?}"),
+            }
+        }
+
+        /// A request with a huge announced length (a varint count) is refused without
+        /// allocating it: postcard checks counts against the bytes left.
+        #[test]
+        fn announced_lengths_past_the_bytes_are_refused(count in 1u32..u32::MAX, tag in 0u8..11) {
+            let mut bytes = vec![tag];
+            let mut n = count;
+            while n >= 0x80 {
+                bytes.push((n as u8) | 0x80);
+                n >>= 7;
+            }
+            bytes.push(n as u8);
+            let _ = decode_request(&bytes);
+        }
+    }
 
     #[test]
     fn an_oversized_request_is_refused_before_decoding() {
