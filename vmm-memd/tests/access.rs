@@ -380,3 +380,100 @@ fn connections_per_uid_are_capped() {
     std::thread::sleep(Duration::from_millis(100));
     service.connect();
 }
+
+#[test]
+fn a_client_that_does_not_read_its_descriptors_gets_no_more() {
+    let service = ServiceProc::start(&[]);
+    let client = service.connect();
+    publish(&client, "w", 4, 4096);
+    let session = client.session();
+    let attach = postcard::to_allocvec(&Request::Attach { region: "w".into() }).unwrap();
+    session.send_data(&attach).unwrap();
+    session.send_data(&attach).unwrap();
+    // The service sent the first reply's 4 descriptors; the second waits for them to be read.
+    std::thread::sleep(vmm_memd::IN_FLIGHT_WAIT + Duration::from_millis(200));
+    let first: Response = postcard::from_bytes(&session.recv_data().unwrap()).unwrap();
+    assert!(
+        matches!(first, Response::Attached { meta_pages: 1, .. }),
+        "{first:?}"
+    );
+    session.recv_data().unwrap();
+    for _ in 0..4 {
+        session.recv_descriptor().unwrap();
+    }
+    let second: Response = postcard::from_bytes(&session.recv_data().unwrap()).unwrap();
+    assert!(
+        matches!(second, Response::Refused(Refusal::FdsInFlight { .. })),
+        "{second:?}"
+    );
+    // Read up: served again.
+    assert_eq!(client.attach("w").unwrap().chunks.len(), 4);
+}
+
+#[test]
+fn metadata_outside_its_chunk_and_requests_out_of_turn_are_refused() {
+    use vmm_memd::RequestRule;
+    use vmm_memd::protocol::{Dtype, TensorMeta};
+    let service = ServiceProc::start(&[]);
+    let client = service.connect();
+    let rule = |e: MemdError| match e {
+        MemdError::Refused(Refusal::InvalidRequest { rule, .. }) => rule,
+        other => panic!("{other:?}"),
+    };
+    let request = |r: &Request| match client.request_raw(&postcard::to_allocvec(r).unwrap()) {
+        Ok(Response::Refused(refusal)) => Err(MemdError::Refused(refusal)),
+        other => other,
+    };
+    assert_eq!(
+        rule(request(&Request::Commit).unwrap_err()),
+        RequestRule::NotWriting
+    );
+    let mut writer = client.begin("w", &[4096], BeginOptions::default()).unwrap();
+    writer.put(
+        "past-the-end",
+        TensorMeta {
+            chunk: 0,
+            offset: 4000,
+            len: 97,
+            dtype: Dtype::U8,
+            shape: vec![97],
+        },
+    );
+    assert_eq!(rule(writer.commit().unwrap_err()), RequestRule::Metadata);
+    let bad_chunk = Request::PutMeta(vec![(
+        "no-chunk".into(),
+        TensorMeta {
+            chunk: 1,
+            offset: 0,
+            len: 1,
+            dtype: Dtype::U8,
+            shape: vec![1],
+        },
+    )]);
+    assert_eq!(
+        rule(request(&bad_chunk).unwrap_err()),
+        RequestRule::Metadata
+    );
+    let again = Request::Begin {
+        region: "x".into(),
+        chunks: vec![1],
+        acl: Acl::default(),
+        wait_ms: 0,
+    };
+    assert_eq!(
+        rule(request(&again).unwrap_err()),
+        RequestRule::AlreadyWriting
+    );
+    for chunks in [vec![], vec![0], vec![1; vmm_memd::protocol::MAX_CHUNKS + 1]] {
+        let other = service.connect();
+        let err = other
+            .begin("y", &chunks, BeginOptions::default())
+            .unwrap_err();
+        assert_eq!(rule(err), RequestRule::Chunks, "{chunks:?}");
+    }
+    assert_eq!(request(&Request::Abort).unwrap(), Response::Done);
+    assert!(
+        client.list().unwrap().is_empty(),
+        "a region never committed is gone with its writer"
+    );
+}
