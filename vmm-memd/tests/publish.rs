@@ -164,8 +164,13 @@ fn a_writer_killed_mid_fill_leaves_the_current_generation_and_its_partial_one_is
     let service = ServiceProc::start(&[]);
     let client = service.connect();
     publish(&client, "weights", 1, 1 << 20);
+    let baseline = service.fd_count();
     let mut writer = Role::spawn("fill-and-hang", &service, &["weights"], false);
     assert_eq!(writer.expect_line(), "BEGAN 2");
+    assert!(
+        service.fd_count() >= baseline + 3,
+        "two memfds and a connection"
+    );
     let status = client.status().unwrap();
     assert_eq!(
         status.regions[0].pending.map(|p| (p.0, p.1)),
@@ -179,6 +184,9 @@ fn a_writer_killed_mid_fill_leaves_the_current_generation_and_its_partial_one_is
     });
     let freed = freed.expect("the partial generation is freed within 1 s");
     eprintln!("partial generation freed {freed:?} after SIGKILL");
+    // Its two memfds are closed (and the writer's connection and pidfd).
+    until(Duration::from_secs(1), || service.fd_count() == baseline)
+        .unwrap_or_else(|| panic!("{} fds, {baseline} before", service.fd_count()));
     let attached = client.attach("weights").unwrap();
     assert_eq!(attached.generation, 1);
     assert!(

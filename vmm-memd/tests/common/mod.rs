@@ -58,6 +58,13 @@ impl ServiceProc {
         Client::connect(&self.name())
     }
 
+    /// How many fds the service process holds now.
+    pub fn fd_count(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
+            .unwrap()
+            .count()
+    }
+
     pub fn connect(&self) -> Client {
         self.try_connect().expect("connect to vmm-memd")
     }
