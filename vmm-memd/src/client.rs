@@ -176,11 +176,23 @@ impl Client {
         }
         let mut mapped = Vec::with_capacity(chunks.len());
         for size in chunks {
-            let descriptor = self.descriptor(size)?;
-            let fd = descriptor
-                .fd()
-                .ok_or_else(|| MemdError::BadReply("an empty chunk".into()))?;
-            mapped.push(ReadOnlyChunk::map(fd, size as usize)?);
+            let chunk = self.descriptor(size).and_then(|descriptor| {
+                let fd = descriptor
+                    .fd()
+                    .ok_or_else(|| MemdError::BadReply("an empty chunk".into()))?;
+                ReadOnlyChunk::map(fd, size as usize)
+            });
+            match chunk {
+                Ok(chunk) => mapped.push(chunk),
+                Err(e) => {
+                    // Best effort: the lease is of no use. (The rest of the reply, if any,
+                    // is not read: the connection is out of step, drop it.)
+                    if matches!(e, MemdError::BadDescriptor(_) | MemdError::Os { .. }) {
+                        let _ = self.request(&Request::Detach { lease });
+                    }
+                    return Err(e);
+                }
+            }
         }
         Ok(Attached {
             lease,
@@ -206,6 +218,20 @@ impl Client {
             Response::Renewed(n) => Ok(n),
             other => Err(unexpected("Renewed", &other)),
         }
+    }
+
+    /// Commit this connection's pending generation again, after a commit refused with
+    /// [`Refusal::StillMapped`](crate::Refusal::StillMapped) (once the stray mapping is gone).
+    pub fn commit_pending(&self) -> Result<u64> {
+        match self.request(&Request::Commit)? {
+            Response::Committed { generation } => Ok(generation),
+            other => Err(unexpected("Committed", &other)),
+        }
+    }
+
+    /// Abort this connection's pending generation (after a refused commit).
+    pub fn abort_pending(&self) -> Result<()> {
+        self.request(&Request::Abort).map(drop)
     }
 
     /// Delete `region` (needs the delete right).
@@ -260,16 +286,22 @@ impl Writer<'_> {
 
     /// Unmap, send the metadata, and commit: the generation becomes current, read-only for
     /// everyone. Returns its number.
+    ///
+    /// Metadata the service refuses aborts the generation (the refusal is returned). A commit
+    /// refused with [`Refusal::StillMapped`](crate::Refusal::StillMapped) leaves it pending:
+    /// drop the stray mapping and [`Client::commit_pending`], or [`Client::abort_pending`].
     pub fn commit(mut self) -> Result<u64> {
         self.finished = true;
         self.chunks.clear();
         for page in meta_pages(&std::mem::take(&mut self.meta)) {
-            self.client.request(&Request::PutMeta(page))?;
+            if let Err(e) = self.client.request(&Request::PutMeta(page)) {
+                if matches!(e, MemdError::Refused(_)) {
+                    let _ = self.client.request(&Request::Abort);
+                }
+                return Err(e);
+            }
         }
-        match self.client.request(&Request::Commit)? {
-            Response::Committed { generation } => Ok(generation),
-            other => Err(unexpected("Committed", &other)),
-        }
+        self.client.commit_pending()
     }
 
     /// Free the generation now.

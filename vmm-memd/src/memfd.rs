@@ -46,6 +46,12 @@ pub(crate) fn create(len: u64) -> Result<OwnedFd, Refusal> {
 /// so no one adds or changes seals after. `Err(())` with `EBUSY`: some process still maps it
 /// writable (nothing was sealed).
 pub(crate) fn seal_writes(fd: BorrowedFd<'_>) -> std::io::Result<()> {
+    // Sealed by an earlier commit that a later chunk's EBUSY refused: nothing more to do (and
+    // F_SEAL_SEAL would refuse any F_ADD_SEALS).
+    let done = libc::F_SEAL_WRITE | libc::F_SEAL_SEAL;
+    if seals(fd)? & done == done {
+        return Ok(());
+    }
     add_seals(fd.as_raw_fd(), libc::F_SEAL_WRITE)?;
     add_seals(
         fd.as_raw_fd(),

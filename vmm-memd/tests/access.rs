@@ -370,15 +370,29 @@ fn a_request_over_the_cap_is_refused_before_decoding() {
 #[test]
 fn connections_per_uid_are_capped() {
     let service = ServiceProc::start(&["--max-connections-per-uid", "2"]);
-    let (_a, _b) = (service.connect(), service.connect());
+    // The start-up probe's connection ends within a poll tick: retry until it has.
+    let connect = || {
+        let started = std::time::Instant::now();
+        loop {
+            match service.try_connect() {
+                Ok(c) => return c,
+                Err(_) if started.elapsed() < Duration::from_secs(2) => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                Err(e) => panic!("{e:?}"),
+            }
+        }
+    };
+    let (_a, _b) = (connect(), connect());
     let err = service.try_connect().unwrap_err();
     assert!(
         matches!(&err, MemdError::Core(vmm_core::Error::PeerRefused { .. })),
         "{err:?}"
     );
     drop(_a);
-    std::thread::sleep(Duration::from_millis(100));
-    service.connect();
+    // Its slot frees once the service sees the hang-up (within a poll tick).
+    common::until(Duration::from_secs(2), || service.try_connect().is_ok())
+        .expect("a slot frees when a connection ends");
 }
 
 #[test]
@@ -440,6 +454,13 @@ fn metadata_outside_its_chunk_and_requests_out_of_turn_are_refused() {
         },
     );
     assert_eq!(rule(writer.commit().unwrap_err()), RequestRule::Metadata);
+    // Refused metadata aborted the generation: the connection writes nothing now.
+    assert_eq!(
+        rule(request(&Request::Commit).unwrap_err()),
+        RequestRule::NotWriting
+    );
+    assert!(client.list().unwrap().is_empty());
+    let writer = client.begin("w", &[4096], BeginOptions::default()).unwrap();
     let bad_chunk = Request::PutMeta(vec![(
         "no-chunk".into(),
         TensorMeta {
@@ -471,7 +492,7 @@ fn metadata_outside_its_chunk_and_requests_out_of_turn_are_refused() {
             .unwrap_err();
         assert_eq!(rule(err), RequestRule::Chunks, "{chunks:?}");
     }
-    assert_eq!(request(&Request::Abort).unwrap(), Response::Done);
+    drop(writer); // aborts
     assert!(
         client.list().unwrap().is_empty(),
         "a region never committed is gone with its writer"

@@ -219,13 +219,14 @@ fn one_writer_at_a_time_and_waiting_writers_go_first_come_first_served() {
         matches!(&err, MemdError::Refused(Refusal::WriterBusy { waited_ms, .. }) if *waited_ms >= 100),
         "{err:?}"
     );
-    // Eight writers queue up, 20 ms apart; each holds the slot 5 ms once it has it.
+    // Eight writers queue up one after the other; each holds the slot 5 ms once it has it.
     const WAITERS: usize = 8;
     let clients: Vec<_> = (0..WAITERS).map(|_| service.connect()).collect();
     let generations = std::thread::scope(|s| {
         let handles: Vec<_> = clients
             .iter()
-            .map(|c| {
+            .enumerate()
+            .map(|(i, c)| {
                 let handle = s.spawn(move || {
                     let wait = BeginOptions {
                         wait: Duration::from_secs(10),
@@ -235,7 +236,11 @@ fn one_writer_at_a_time_and_waiting_writers_go_first_come_first_served() {
                     std::thread::sleep(Duration::from_millis(5));
                     w.commit().unwrap()
                 });
-                std::thread::sleep(Duration::from_millis(20));
+                // The next one asks once this one is in the queue.
+                let queued = until(Duration::from_secs(5), || {
+                    a.status().unwrap().regions[0].waiting_writers == i as u32 + 1
+                });
+                queued.expect("the writer queues");
                 handle
             })
             .collect();
@@ -260,8 +265,11 @@ fn one_writer_at_a_time_and_waiting_writers_go_first_come_first_served() {
 fn commit_is_refused_while_the_writer_still_maps_a_chunk() {
     let service = ServiceProc::start(&[]);
     let client = service.connect();
-    let writer = client.begin("w", &[4096], BeginOptions::default()).unwrap();
-    let kept = writer.chunk(0).clone();
+    let writer = client
+        .begin("w", &[4096, 4096], BeginOptions::default())
+        .unwrap();
+    // The second chunk stays mapped: the first is sealed, the second refuses (EBUSY).
+    let kept = writer.chunk(1).clone();
     let err = writer.commit().unwrap_err();
     assert!(
         matches!(
@@ -273,13 +281,7 @@ fn commit_is_refused_while_the_writer_still_maps_a_chunk() {
     kept.write_at(0, b"still writable: not committed").unwrap();
     drop(kept);
     // Unmapped now: the commit goes through on the same connection.
-    let reply = client
-        .request_raw(&postcard::to_allocvec(&vmm_memd::protocol::Request::Commit).unwrap())
-        .unwrap();
-    assert_eq!(
-        reply,
-        vmm_memd::protocol::Response::Committed { generation: 1 }
-    );
+    assert_eq!(client.commit_pending().unwrap(), 1);
     let attached = client.attach("w").unwrap();
-    assert_eq!(&attached.chunks[0].as_slice()[..7], b"still w");
+    assert_eq!(&attached.chunks[1].as_slice()[..7], b"still w");
 }
