@@ -228,12 +228,14 @@ impl Registry {
                 .regions
                 .get_mut(region)
                 .expect("a region with a waiter stays");
-            if r.pending.is_none() && r.waiting.front() == Some(&conn) {
+            // A writer that hung up (or a service that stops) gets no slot.
+            let gone = gone();
+            if !gone && r.pending.is_none() && r.waiting.front() == Some(&conn) {
                 r.waiting.pop_front();
                 break;
             }
             let waited = started.elapsed();
-            if waited >= wait || gone() {
+            if waited >= wait || gone {
                 r.waiting.retain(|&c| c != conn);
                 drop_if_unused(&mut state, region);
                 self.changed.notify_all();
