@@ -30,7 +30,7 @@ unsafe impl Send for ReadOnlyChunk {}
 unsafe impl Sync for ReadOnlyChunk {}
 
 impl ReadOnlyChunk {
-    /// Map `len` bytes of `fd`, which must be a memfd on tmpfs sealed against writes and
+    /// Map `len` bytes of `fd`, which must be a memfd on tmpfs (checked) sealed against writes and
     /// resizing (`F_SEAL_WRITE`, `F_SEAL_SHRINK`, `F_SEAL_GROW`, `F_SEAL_SEAL`) and at least `len` bytes long; the fd stays the
     /// caller's. An empty chunk is refused (the service sends none).
     pub fn map(fd: BorrowedFd<'_>, len: usize) -> Result<ReadOnlyChunk> {
@@ -40,6 +40,19 @@ impl ReadOnlyChunk {
         if seals & COMMITTED_SEALS != COMMITTED_SEALS {
             return Err(MemdError::BadDescriptor(format!(
                 "the chunk's memfd is not sealed read-only (seals {seals:#x}, want {COMMITTED_SEALS:#x})"
+            )));
+        }
+        // SAFETY: a zeroed statfs filled by fstatfs on a live fd.
+        let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::fstatfs(raw, &mut fs) } != 0 {
+            return Err(MemdError::last_os("fstatfs(chunk)"));
+        }
+        // Only tmpfs memfds: a hugetlbfs one can fault (SIGBUS) on a hole.
+        if fs.f_type != libc::TMPFS_MAGIC {
+            return Err(MemdError::BadDescriptor(format!(
+                "the chunk's fd is not a memfd on tmpfs (f_type {:#x})",
+                fs.f_type
             )));
         }
         // SAFETY: a zeroed stat filled by fstat on a live fd.

@@ -81,6 +81,14 @@ impl Service {
     /// one connection end that connection only (logged on stderr); an accept error other
     /// than running out of fds (which pauses accepting for 50 ms) ends the service.
     pub fn serve(&self, listener: &Listener, stop: &AtomicBool) -> vmm_core::Result<()> {
+        let halt = Halt {
+            outer: stop,
+            inner: AtomicBool::new(false),
+        };
+        self.serve_until(listener, &halt)
+    }
+
+    fn serve_until(&self, listener: &Listener, halt: &Halt<'_>) -> vmm_core::Result<()> {
         let registry = Registry::new(self.policy.clone());
         let held: Mutex<HashMap<u32, usize>> = Mutex::new(HashMap::new());
         let lock = || held.lock().unwrap_or_else(|e| e.into_inner());
@@ -88,13 +96,13 @@ impl Service {
         std::thread::scope(|scope| {
             let registry = &registry;
             scope.spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
+                while !halt.is_set() {
                     registry.expire(Instant::now());
                     std::thread::sleep(TICK);
                 }
             });
             loop {
-                if stop.load(Ordering::Relaxed) {
+                if halt.is_set() {
                     return Ok(());
                 }
                 let admitted = Session::accept_admitting(
@@ -117,7 +125,11 @@ impl Service {
                         std::thread::sleep(Duration::from_millis(50));
                         continue;
                     }
-                    Err(e) => return Err(e),
+                    Err(e) => {
+                        // Every connection thread ends with the scope.
+                        halt.inner.store(true, Ordering::Relaxed);
+                        return Err(e);
+                    }
                 };
                 let uid = session.peer().uid;
                 *lock().entry(uid).or_default() += 1;
@@ -133,9 +145,9 @@ impl Service {
                             registry,
                             conn,
                             writing: None,
-                            stop,
+                            halt,
                         };
-                        if let Err(e) = served.converse(stop) {
+                        if let Err(e) = served.converse() {
                             eprintln!("vmm-memd: connection of {}: {e}", session.peer());
                         }
                         registry.release(conn, served.writing.as_deref());
@@ -157,6 +169,19 @@ impl Service {
                 }
             }
         })
+    }
+}
+
+/// Why serving stops: the caller's flag, or a failure of the accept loop (which must end
+/// every connection thread before `serve` can return it).
+struct Halt<'a> {
+    outer: &'a AtomicBool,
+    inner: AtomicBool,
+}
+
+impl Halt<'_> {
+    fn is_set(&self) -> bool {
+        self.outer.load(Ordering::Relaxed) || self.inner.load(Ordering::Relaxed)
     }
 }
 
@@ -195,16 +220,16 @@ struct Connection<'a> {
     conn: u64,
     /// The region whose pending generation this connection writes.
     writing: Option<String>,
-    /// The service's stop flag: a wait ends when it is set.
-    stop: &'a AtomicBool,
+    /// The service's stop: a wait ends when it is set.
+    halt: &'a Halt<'a>,
 }
 
 impl Connection<'_> {
-    fn converse(&mut self, stop: &AtomicBool) -> vmm_core::Result<()> {
+    fn converse(&mut self) -> vmm_core::Result<()> {
         loop {
             match self.wait(TICK) {
                 Woke::PeerGone => return Ok(()),
-                Woke::Idle if stop.load(Ordering::Relaxed) => return Ok(()),
+                Woke::Idle if self.halt.is_set() => return Ok(()),
                 Woke::Idle => continue,
                 Woke::Request => {}
             }
@@ -260,7 +285,7 @@ impl Connection<'_> {
 
     /// Whether the peer hung up or exited, or the service stops (without waiting).
     fn gone(&self) -> bool {
-        if self.stop.load(Ordering::Relaxed) {
+        if self.halt.is_set() {
             return true;
         }
         let mut pfd = libc::pollfd {
@@ -319,6 +344,7 @@ impl Connection<'_> {
                     }
                     .into());
                 }
+                self.drained()?;
                 let wait = Duration::from_millis(wait_ms);
                 let (generation, fds) =
                     registry.begin(conn, who, &region, &chunks, acl, wait, &|| self.gone())?;

@@ -422,6 +422,33 @@ fn a_client_that_does_not_read_its_descriptors_gets_no_more() {
     );
     // Read up: served again.
     assert_eq!(client.attach("w").unwrap().chunks.len(), 4);
+
+    // The same for a writer that pipelines Begin, Abort, Begin.
+    let begin = postcard::to_allocvec(&Request::Begin {
+        region: "v".into(),
+        chunks: vec![4096; 4],
+        acl: Acl::default(),
+        wait_ms: 0,
+    })
+    .unwrap();
+    session.send_data(&begin).unwrap();
+    session
+        .send_data(&postcard::to_allocvec(&Request::Abort).unwrap())
+        .unwrap();
+    session.send_data(&begin).unwrap();
+    std::thread::sleep(vmm_memd::IN_FLIGHT_WAIT + Duration::from_millis(200));
+    let began: Response = postcard::from_bytes(&session.recv_data().unwrap()).unwrap();
+    assert!(matches!(began, Response::Began { .. }), "{began:?}");
+    for _ in 0..4 {
+        session.recv_descriptor().unwrap();
+    }
+    let aborted: Response = postcard::from_bytes(&session.recv_data().unwrap()).unwrap();
+    assert_eq!(aborted, Response::Done);
+    let third: Response = postcard::from_bytes(&session.recv_data().unwrap()).unwrap();
+    assert!(
+        matches!(third, Response::Refused(Refusal::FdsInFlight { .. })),
+        "{third:?}"
+    );
 }
 
 #[test]
