@@ -21,6 +21,7 @@ Serve named memory regions with generations to local processes (see vmm-memd/REA
   --allow-gid GID          admit this group too (repeatable)
   --lease-ttl-ms MS        a lease's TTL (default 10000)
   --max-wait-ms MS         the longest a writer waits for a region (default 60000)
+  --retain N               keep N retired generations per region without leases (default 0)
   --max-connections N      connections at once (default 256)
   --max-connections-per-uid N   of one uid (default 64)
   -h, --help               this text
@@ -58,7 +59,7 @@ pub fn parse(args: &[String]) -> Result<Option<Config>, UsageError> {
     let mut it = args.iter();
     let (mut socket, mut quota, mut allow) = (None, None, Allow::same_user());
     let (mut quotas, mut ttl, mut wait) = (Vec::new(), None, None);
-    let (mut max, mut per_uid) = (None, None);
+    let (mut max, mut per_uid, mut retain) = (None, None, None);
     while let Some(arg) = it.next() {
         let mut value = |what: &'static str| {
             it.next()
@@ -93,6 +94,7 @@ pub fn parse(args: &[String]) -> Result<Option<Config>, UsageError> {
             }
             "--lease-ttl-ms" => ttl = Some(number(value("MS")?, "MS")?),
             "--max-wait-ms" => wait = Some(number(value("MS")?, "MS")?),
+            "--retain" => retain = Some(number(value("N")?, "N")? as usize),
             "--max-connections" => max = Some(number(value("N")?, "N")? as usize),
             "--max-connections-per-uid" => per_uid = Some(number(value("N")?, "N")? as usize),
             other => return Err(UsageError::Unknown(other.to_owned())),
@@ -104,6 +106,9 @@ pub fn parse(args: &[String]) -> Result<Option<Config>, UsageError> {
     }
     if let Some(ms) = ttl {
         service.set_lease_ttl(Duration::from_millis(ms));
+    }
+    if let Some(n) = retain {
+        service.set_retain(n);
     }
     if let Some(ms) = wait {
         service.set_max_wait(Duration::from_millis(ms));

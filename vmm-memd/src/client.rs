@@ -146,8 +146,15 @@ impl Client {
     /// Attach `region`'s current committed generation: a lease (held by this connection),
     /// its metadata, and its chunks mapped read-only.
     pub fn attach(&self, region: &str) -> Result<Attached> {
+        self.attach_generation(region, None)
+    }
+
+    /// [`attach`](Self::attach) generation `generation` (`None`: the current one), if the
+    /// service still holds it (a lease or the retention setting keeps it).
+    pub fn attach_generation(&self, region: &str, generation: Option<u64>) -> Result<Attached> {
         let reply = self.request(&Request::Attach {
             region: region.to_owned(),
+            generation,
         })?;
         let Response::Attached {
             lease,

@@ -80,6 +80,15 @@ pub enum Refusal {
         /// The name asked for.
         region: String,
     },
+    /// The region exists, but that generation is not held any more (freed, or never
+    /// committed).
+    #[error("region {region:?} holds no generation {generation}")]
+    NoSuchGeneration {
+        /// The region.
+        region: String,
+        /// The generation asked for.
+        generation: u64,
+    },
     /// Another connection writes the region, and the wait for it ran out.
     #[error("region {region:?}: another writer held it for the whole wait ({waited_ms} ms)")]
     WriterBusy {

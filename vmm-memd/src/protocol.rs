@@ -137,12 +137,15 @@ pub enum Request {
     Commit,
     /// Free the pending generation.
     Abort,
-    /// A lease on the current generation of `region`: the reply is [`Response::Attached`],
+    /// A lease on a committed generation of `region`: the reply is [`Response::Attached`],
     /// then `meta_pages` [`Response::MetaPage`]s, then one `HOST_MEMFD` descriptor per chunk,
     /// sealed read-only.
     Attach {
         /// The region.
         region: String,
+        /// A committed generation still held (the current one, one a lease keeps, or one
+        /// the retention setting keeps); `None`: the current one.
+        generation: Option<u64>,
     },
     /// End the lease `lease`.
     Detach {

@@ -24,6 +24,8 @@ pub(crate) struct Policy {
     pub(crate) quota_of: HashMap<u32, u64>,
     pub(crate) lease_ttl: Duration,
     pub(crate) max_wait: Duration,
+    /// Retired generations kept per region without leases (newest first).
+    pub(crate) retain: usize,
 }
 
 impl Policy {
@@ -251,9 +253,11 @@ impl Registry {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
-        // The quota, before anything is allocated.
-        let used = state.used.get(&who.uid).copied().unwrap_or(0);
+        // The quota, before anything is allocated (making room by freeing generations that
+        // only the retention setting keeps, the caller's own, oldest first).
         let quota = self.policy.quota(who.uid);
+        evict_retained(&mut state, who.uid, quota.saturating_sub(asked));
+        let used = state.used.get(&who.uid).copied().unwrap_or(0);
         if used.checked_add(asked).is_none_or(|total| total > quota) {
             drop_if_unused(&mut state, region);
             self.changed.notify_all();
@@ -328,7 +332,7 @@ impl Registry {
         let number = generation.number;
         r.generations.insert(number, generation);
         r.current = Some(number);
-        prune(&mut state);
+        prune(&mut state, self.policy.retain);
         self.changed.notify_all();
         Ok(number)
     }
@@ -348,8 +352,14 @@ impl Registry {
         Ok(())
     }
 
-    /// A lease on `region`'s current generation for `conn`.
-    pub(crate) fn attach(&self, conn: u64, who: &Identity, region: &str) -> Result<Grant, Refusal> {
+    /// A lease on `region`'s generation `generation` (`None`: the current one) for `conn`.
+    pub(crate) fn attach(
+        &self,
+        conn: u64,
+        who: &Identity,
+        region: &str,
+        generation: Option<u64>,
+    ) -> Result<Grant, Refusal> {
         let mut state = self.lock();
         state.next_lease += 1;
         let lease = state.next_lease;
@@ -361,10 +371,19 @@ impl Registry {
         if !r.may(who, Right::Read) {
             return Err(none());
         }
-        let g = r
-            .current
-            .and_then(|n| r.generations.get_mut(&n))
-            .ok_or_else(none)?;
+        let g = match generation {
+            None => r
+                .current
+                .and_then(|n| r.generations.get_mut(&n))
+                .ok_or_else(none)?,
+            Some(n) => r
+                .generations
+                .get_mut(&n)
+                .ok_or_else(|| Refusal::NoSuchGeneration {
+                    region: region.to_owned(),
+                    generation: n,
+                })?,
+        };
         let chunks = g.dup_fds()?.into_iter().zip(g.sizes()).collect();
         g.leases.insert(
             lease,
@@ -389,7 +408,7 @@ impl Registry {
             g.leases.get(&lease).is_some_and(|l| l.conn == conn)
                 && g.leases.remove(&lease).is_some()
         });
-        prune(&mut state);
+        prune(&mut state, self.policy.retain);
         self.changed.notify_all();
         found
     }
@@ -438,7 +457,7 @@ impl Registry {
         let mut r = state.regions.remove(region).expect("found above");
         r.current = None;
         state.deleted.push(r);
-        prune(&mut state);
+        prune(&mut state, self.policy.retain);
         self.changed.notify_all();
         Ok(())
     }
@@ -458,7 +477,7 @@ impl Registry {
             refund(&mut state, &generation);
             drop_if_unused(&mut state, region);
         }
-        prune(&mut state);
+        prune(&mut state, self.policy.retain);
         self.changed.notify_all();
     }
 
@@ -473,7 +492,7 @@ impl Registry {
         }
         if n > 0 {
             state.expired_leases += n as u64;
-            prune(&mut state);
+            prune(&mut state, self.policy.retain);
             self.changed.notify_all();
         }
         n
@@ -520,14 +539,20 @@ fn refund(state: &mut State, generation: &Generation) {
 
 /// Free every committed generation that is not current and has no lease left, and drop
 /// deleted regions with none left.
-fn prune(state: &mut State) {
+fn prune(state: &mut State, retain: usize) {
     let mut freed = Vec::new();
-    for r in state.regions.values_mut().chain(state.deleted.iter_mut()) {
+    let live = state.regions.values_mut().map(|r| (r, retain));
+    let deleted = state.deleted.iter_mut().map(|r| (r, 0));
+    for (r, retain) in live.chain(deleted) {
         let current = r.current;
+        // Retired generations, newest first: the first `retain` stay.
         let gone: Vec<u64> = r
             .generations
             .values()
-            .filter(|g| Some(g.number) != current && g.leases.is_empty())
+            .rev()
+            .filter(|g| Some(g.number) != current)
+            .skip(retain)
+            .filter(|g| g.leases.is_empty())
             .map(|g| g.number)
             .collect();
         freed.extend(gone.iter().filter_map(|n| r.generations.remove(n)));
@@ -536,6 +561,36 @@ fn prune(state: &mut State) {
         refund(state, generation);
     }
     state.deleted.retain(|r| !r.generations.is_empty());
+}
+
+/// Free retired generations charged to `uid` that no lease holds (kept only by the
+/// retention setting), oldest first, until `uid` uses at most `target` bytes.
+fn evict_retained(state: &mut State, uid: u32, target: u64) {
+    let mut candidates: Vec<(u64, String)> = state
+        .regions
+        .iter()
+        .flat_map(|(name, r)| {
+            r.generations
+                .values()
+                .filter(move |g| {
+                    Some(g.number) != r.current && g.leases.is_empty() && g.charged_to == uid
+                })
+                .map(move |g| (g.number, name.clone()))
+        })
+        .collect();
+    candidates.sort();
+    for (number, name) in candidates {
+        if state.used.get(&uid).copied().unwrap_or(0) <= target {
+            break;
+        }
+        if let Some(g) = state
+            .regions
+            .get_mut(&name)
+            .and_then(|r| r.generations.remove(&number))
+        {
+            refund(state, &g);
+        }
+    }
 }
 
 /// Drop a region that a `begin` created but that never committed and has no writer.

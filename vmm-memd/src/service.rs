@@ -49,6 +49,7 @@ impl Service {
                 quota_of: HashMap::new(),
                 lease_ttl: DEFAULT_LEASE_TTL,
                 max_wait: DEFAULT_MAX_WAIT,
+                retain: 0,
             },
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_connections_per_uid: DEFAULT_MAX_CONNECTIONS_PER_UID,
@@ -63,6 +64,14 @@ impl Service {
     /// Set the lease TTL (at least [`TICK`]).
     pub fn set_lease_ttl(&mut self, ttl: Duration) {
         self.policy.lease_ttl = ttl.max(TICK);
+    }
+
+    /// Keep the `retain` newest retired generations of each region even when no lease holds
+    /// them (default 0: a retired generation goes with its last lease). They count against
+    /// the quota of the uid that allocated them, and a `Begin` of that uid that would pass
+    /// its quota frees them first, oldest first.
+    pub fn set_retain(&mut self, retain: usize) {
+        self.policy.retain = retain;
     }
 
     /// Set the longest writer wait.
@@ -370,9 +379,9 @@ impl Connection<'_> {
                 self.writing = None;
                 Response::Done
             }
-            Request::Attach { region } => {
+            Request::Attach { region, generation } => {
                 self.drained()?;
-                let grant = registry.attach(conn, who, &region)?;
+                let grant = registry.attach(conn, who, &region, generation)?;
                 let pages = protocol::meta_pages(&grant.meta);
                 self.send(&Response::Attached {
                     lease: grant.lease,

@@ -116,6 +116,7 @@ fn try_writes(client: &Client, region: &str) {
         .send_data(
             &postcard::to_allocvec(&Request::Attach {
                 region: region.into(),
+                generation: None,
             })
             .unwrap(),
         )
@@ -401,7 +402,11 @@ fn a_client_that_does_not_read_its_descriptors_gets_no_more() {
     let client = service.connect();
     publish(&client, "w", 4, 4096);
     let session = client.session();
-    let attach = postcard::to_allocvec(&Request::Attach { region: "w".into() }).unwrap();
+    let attach = postcard::to_allocvec(&Request::Attach {
+        region: "w".into(),
+        generation: None,
+    })
+    .unwrap();
     session.send_data(&attach).unwrap();
     session.send_data(&attach).unwrap();
     // The service sent the first reply's 4 descriptors; the second waits for them to be read.

@@ -285,3 +285,64 @@ fn commit_is_refused_while_the_writer_still_maps_a_chunk() {
     let attached = client.attach("w").unwrap();
     assert_eq!(&attached.chunks[1].as_slice()[..7], b"still w");
 }
+
+#[test]
+fn retention_keeps_retired_generations_until_the_quota_needs_them() {
+    // Room for three generations of 4 KiB: the current one and two retired.
+    let service = ServiceProc::start(&["--retain", "2", "--quota-bytes", "12288"]);
+    let client = service.connect();
+    for g in 1..=3 {
+        assert_eq!(publish(&client, "r", 1, 4096), g);
+    }
+    let held = |client: &vmm_memd::Client| -> Vec<u64> {
+        client.status().unwrap().regions[0]
+            .generations
+            .iter()
+            .map(|g| g.generation)
+            .collect()
+    };
+    assert_eq!(
+        held(&client),
+        [1, 2, 3],
+        "two retired generations kept without leases"
+    );
+    let old = client.attach_generation("r", Some(1)).unwrap();
+    assert_eq!(old.generation, 1);
+    assert!(old.chunks[0].as_slice().iter().all(|&b| b == fill_byte(1)));
+    client.detach(&old).unwrap();
+    // Generation 4 needs room: the oldest retired one (1) is freed for it, and 2 and 3
+    // stay retained.
+    assert_eq!(publish(&client, "r", 1, 4096), 4);
+    assert_eq!(held(&client), [2, 3, 4]);
+    let err = client.attach_generation("r", Some(1)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            MemdError::Refused(Refusal::NoSuchGeneration { generation: 1, .. })
+        ),
+        "{err:?}"
+    );
+    // Leases keep generations whatever the quota: with 2 leased, generation 5 takes the
+    // room of 3 (retained, unleased)...
+    let leased = client.attach_generation("r", Some(2)).unwrap();
+    let other = service.connect();
+    assert_eq!(publish(&other, "r", 1, 4096), 5);
+    assert_eq!(held(&client), [2, 4, 5]);
+    // ... and with 2 and 4 leased there is no room for 6.
+    let leased_too = client.attach_generation("r", Some(4)).unwrap();
+    let err = other
+        .begin("r", &[4096], BeginOptions::default())
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            MemdError::Refused(Refusal::QuotaExceeded { used: 12288, .. })
+        ),
+        "{err:?}"
+    );
+    assert_eq!(held(&client), [2, 4, 5]);
+    client.detach(&leased).unwrap();
+    client.detach(&leased_too).unwrap();
+    assert_eq!(publish(&other, "r", 1, 4096), 6);
+    assert_eq!(held(&client), [4, 5, 6]);
+}
