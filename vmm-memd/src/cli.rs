@@ -24,6 +24,8 @@ Serve named memory regions with generations to local processes (see vmm-memd/REA
   --retain N               keep N retired generations per region without leases (default 0)
   --max-connections N      connections at once (default 256)
   --max-connections-per-uid N   of one uid (default 64)
+  --max-fds-in-flight N    descriptor fds sent and not read yet, in all (default 4096)
+  --max-fds-in-flight-per-uid N   to one uid (default 1024)
   -h, --help               this text
 
 Exit status: 0 after SIGINT/SIGTERM, 1 when serving fails, 2 on a usage error.
@@ -60,6 +62,7 @@ pub fn parse(args: &[String]) -> Result<Option<Config>, UsageError> {
     let (mut socket, mut quota, mut allow) = (None, None, Allow::same_user());
     let (mut quotas, mut ttl, mut wait) = (Vec::new(), None, None);
     let (mut max, mut per_uid, mut retain) = (None, None, None);
+    let (mut fds_all, mut fds_uid) = (None, None);
     while let Some(arg) = it.next() {
         let mut value = |what: &'static str| {
             it.next()
@@ -94,6 +97,8 @@ pub fn parse(args: &[String]) -> Result<Option<Config>, UsageError> {
             }
             "--lease-ttl-ms" => ttl = Some(number(value("MS")?, "MS")?),
             "--max-wait-ms" => wait = Some(number(value("MS")?, "MS")?),
+            "--max-fds-in-flight" => fds_all = Some(number(value("N")?, "N")? as usize),
+            "--max-fds-in-flight-per-uid" => fds_uid = Some(number(value("N")?, "N")? as usize),
             "--retain" => retain = Some(number(value("N")?, "N")? as usize),
             "--max-connections" => max = Some(number(value("N")?, "N")? as usize),
             "--max-connections-per-uid" => per_uid = Some(number(value("N")?, "N")? as usize),
@@ -106,6 +111,12 @@ pub fn parse(args: &[String]) -> Result<Option<Config>, UsageError> {
     }
     if let Some(ms) = ttl {
         service.set_lease_ttl(Duration::from_millis(ms));
+    }
+    if fds_all.is_some() || fds_uid.is_some() {
+        service.set_max_fds_in_flight(
+            fds_uid.unwrap_or(crate::service::DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID),
+            fds_all.unwrap_or(crate::service::DEFAULT_MAX_FDS_IN_FLIGHT),
+        );
     }
     if let Some(n) = retain {
         service.set_retain(n);

@@ -126,13 +126,18 @@ pub enum Refusal {
         /// The pending generation.
         generation: u64,
     },
-    /// The previous reply's descriptors are still unread after the service's wait: read
-    /// replies before sending more requests. Caps the fds in flight per connection at one
-    /// reply's (at most `MAX_CHUNKS`).
-    #[error("the previous reply's descriptors are still unread ({unread_bytes} bytes queued)")]
+    /// Sending this reply's descriptors would pass a cap on fds in flight (sent, not read yet)
+    /// for the whole of the service's wait ([`IN_FLIGHT_WAIT`](crate::IN_FLIGHT_WAIT)): read
+    /// earlier replies first (scope `Connection`), or let other connections of this uid (or
+    /// all) read theirs. Nothing was sent or kept for the request.
+    #[error("descriptor fds in flight: {in_flight} already, the cap ({scope:?}) is {cap}")]
     FdsInFlight {
-        /// Bytes still queued to the client.
-        unread_bytes: u64,
+        /// Which cap.
+        scope: crate::inflight::InFlightScope,
+        /// Fds in flight in that scope now.
+        in_flight: u64,
+        /// The cap (0 for `Connection`: no more until the earlier reply is read).
+        cap: u64,
     },
     /// The service could not do what was asked for a reason of its own (out of memory or fds);
     /// `errno` is the kernel's.

@@ -20,6 +20,7 @@ mod client;
 mod error;
 mod generation;
 mod identity;
+mod inflight;
 mod mapping;
 mod memfd;
 pub mod protocol;
@@ -28,8 +29,10 @@ mod service;
 
 pub use client::{Attached, BeginOptions, Client, Writer};
 pub use error::{MemdError, Refusal, RequestRule, Result, Right};
+pub use inflight::InFlightScope;
 pub use mapping::ReadOnlyChunk;
 pub use service::{
-    DEFAULT_LEASE_TTL, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_UID, DEFAULT_MAX_WAIT,
-    IN_FLIGHT_WAIT, Service, TICK,
+    DEFAULT_LEASE_TTL, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_UID,
+    DEFAULT_MAX_FDS_IN_FLIGHT, DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID, DEFAULT_MAX_WAIT, IN_FLIGHT_WAIT,
+    Service, TICK,
 };

@@ -14,6 +14,7 @@ use vmm_core::wire::endpoint::Listener;
 
 use crate::error::{Refusal, RequestRule};
 use crate::identity::{self, Identity};
+use crate::inflight::{Charge, FdBudget, InFlightScope};
 use crate::protocol::{self, Request, Response, Status};
 use crate::registry::{Policy, Registry};
 
@@ -23,6 +24,11 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
 pub const DEFAULT_MAX_CONNECTIONS_PER_UID: usize = 64;
 /// A lease's TTL unless told otherwise: 10 s.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
+/// Descriptor fds in flight to one uid's connections unless told otherwise: 1024.
+pub const DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID: usize = 1024;
+/// Descriptor fds in flight in all unless told otherwise: 4096 (and at most half the
+/// service's soft `RLIMIT_NOFILE`).
+pub const DEFAULT_MAX_FDS_IN_FLIGHT: usize = 4096;
 /// The longest a writer waits for a region's writer slot, whatever it asks: 60 s.
 pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(60);
 /// How long the service waits for a client to read a previous reply's descriptors before it
@@ -38,6 +44,7 @@ pub struct Service {
     policy: Policy,
     max_connections: usize,
     max_connections_per_uid: usize,
+    max_fds_in_flight: (usize, usize),
 }
 
 impl Service {
@@ -53,6 +60,7 @@ impl Service {
             },
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_connections_per_uid: DEFAULT_MAX_CONNECTIONS_PER_UID,
+            max_fds_in_flight: (DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID, DEFAULT_MAX_FDS_IN_FLIGHT),
         }
     }
 
@@ -79,6 +87,13 @@ impl Service {
         self.policy.max_wait = wait;
     }
 
+    /// Set the caps on descriptor fds in flight (sent, not read yet): per uid and in all
+    /// (clamped: see [`DEFAULT_MAX_FDS_IN_FLIGHT`]). A connection has at most one reply's in
+    /// flight whatever these are.
+    pub fn set_max_fds_in_flight(&mut self, per_uid: usize, total: usize) {
+        self.max_fds_in_flight = (per_uid, total);
+    }
+
     /// Set the caps on connections: in all, and per uid (each at least 1).
     pub fn set_max_connections(&mut self, total: usize, per_uid: usize) {
         self.max_connections = total.max(1);
@@ -99,11 +114,12 @@ impl Service {
 
     fn serve_until(&self, listener: &Listener, halt: &Halt<'_>) -> vmm_core::Result<()> {
         let registry = Registry::new(self.policy.clone());
+        let budget = FdBudget::new(self.max_fds_in_flight.0, self.max_fds_in_flight.1);
         let held: Mutex<HashMap<u32, usize>> = Mutex::new(HashMap::new());
         let lock = || held.lock().unwrap_or_else(|e| e.into_inner());
         let next_conn = AtomicU64::new(0);
         std::thread::scope(|scope| {
-            let registry = &registry;
+            let (registry, budget) = (&registry, &budget);
             scope.spawn(move || {
                 while !halt.is_set() {
                     registry.expire(Instant::now());
@@ -155,6 +171,7 @@ impl Service {
                             conn,
                             writing: None,
                             halt,
+                            charge: budget.charge(uid),
                         };
                         if let Err(e) = served.converse() {
                             eprintln!("vmm-memd: connection of {}: {e}", session.peer());
@@ -231,11 +248,14 @@ struct Connection<'a> {
     writing: Option<String>,
     /// The service's stop: a wait ends when it is set.
     halt: &'a Halt<'a>,
+    /// Its descriptor fds in flight.
+    charge: Charge<'a>,
 }
 
 impl Connection<'_> {
     fn converse(&mut self) -> vmm_core::Result<()> {
         loop {
+            self.charge.settle(self.session.as_fd());
             match self.wait(TICK) {
                 Woke::PeerGone => return Ok(()),
                 Woke::Idle if self.halt.is_set() => return Ok(()),
@@ -353,7 +373,7 @@ impl Connection<'_> {
                     }
                     .into());
                 }
-                self.drained()?;
+                self.drained(chunks.len())?;
                 let wait = Duration::from_millis(wait_ms);
                 let (generation, fds) =
                     registry.begin(conn, who, &region, &chunks, acl, wait, &|| self.gone())?;
@@ -380,8 +400,11 @@ impl Connection<'_> {
                 Response::Done
             }
             Request::Attach { region, generation } => {
-                self.drained()?;
                 let grant = registry.attach(conn, who, &region, generation)?;
+                if let Err(refusal) = self.drained(grant.chunks.len()) {
+                    registry.detach(conn, grant.lease);
+                    return Err(refusal.into());
+                }
                 let pages = protocol::meta_pages(&grant.meta);
                 self.send(&Response::Attached {
                     lease: grant.lease,
@@ -418,18 +441,25 @@ impl Connection<'_> {
         Ok(self.send(&reply)?)
     }
 
-    /// Wait (at most [`IN_FLIGHT_WAIT`]) until the client has read every earlier reply, so
-    /// that at most one reply's descriptors are in flight on this connection.
-    fn drained(&self) -> Result<(), Refusal> {
+    /// Wait (at most [`IN_FLIGHT_WAIT`]) until the client has read every earlier reply (so
+    /// that at most one reply's descriptors are in flight on this connection) and `fds` more
+    /// fit the budget of this uid and of all; then they are charged.
+    fn drained(&mut self, fds: usize) -> Result<(), Refusal> {
         let deadline = Instant::now() + IN_FLIGHT_WAIT;
         loop {
-            let unread = unread_bytes(self.session);
-            if unread == 0 {
-                return Ok(());
-            }
+            let over = match self.charge.settle(self.session.as_fd()) {
+                false => (InFlightScope::Connection, 0, 0),
+                true => match self.charge.reserve(fds) {
+                    Ok(()) => return Ok(()),
+                    Err(over) => over,
+                },
+            };
             if Instant::now() >= deadline || self.gone() {
+                let (scope, in_flight, cap) = over;
                 return Err(Refusal::FdsInFlight {
-                    unread_bytes: unread as u64,
+                    scope,
+                    in_flight: in_flight as u64,
+                    cap: cap as u64,
                 });
             }
             std::thread::sleep(Duration::from_millis(1));
@@ -453,14 +483,6 @@ impl From<vmm_core::Error> for Handled {
     fn from(e: vmm_core::Error) -> Self {
         Handled::Transport(e)
     }
-}
-
-/// Bytes sent on `session` and not read yet by its peer (`TIOCOUTQ`; unknown counts as 1).
-fn unread_bytes(session: &Session) -> usize {
-    let mut value: libc::c_int = 0;
-    // SAFETY: TIOCOUTQ writes one int, a live local.
-    let rc = unsafe { libc::ioctl(session.as_fd().as_raw_fd(), libc::TIOCOUTQ, &mut value) };
-    if rc < 0 { 1 } else { value.max(0) as usize }
 }
 
 /// A status cut to fit one `DATA` message: at most 64 reader pids per generation, then

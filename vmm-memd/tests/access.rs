@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{NOBODY, Role, ServiceProc, is_root, publish, role_args, role_client, say};
 use vmm_memd::protocol::{Acl, MAX_REQUEST, Principal, Request, Response};
-use vmm_memd::{BeginOptions, Client, MemdError, Refusal, Right};
+use vmm_memd::{BeginOptions, Client, InFlightScope, MemdError, Refusal, Right};
 
 const MIB: u64 = 1 << 20;
 
@@ -422,7 +422,13 @@ fn a_client_that_does_not_read_its_descriptors_gets_no_more() {
     }
     let second: Response = postcard::from_bytes(&session.recv_data().unwrap()).unwrap();
     assert!(
-        matches!(second, Response::Refused(Refusal::FdsInFlight { .. })),
+        matches!(
+            second,
+            Response::Refused(Refusal::FdsInFlight {
+                scope: InFlightScope::Connection,
+                ..
+            })
+        ),
         "{second:?}"
     );
     // Read up: served again.
@@ -451,7 +457,13 @@ fn a_client_that_does_not_read_its_descriptors_gets_no_more() {
     assert_eq!(aborted, Response::Done);
     let third: Response = postcard::from_bytes(&session.recv_data().unwrap()).unwrap();
     assert!(
-        matches!(third, Response::Refused(Refusal::FdsInFlight { .. })),
+        matches!(
+            third,
+            Response::Refused(Refusal::FdsInFlight {
+                scope: InFlightScope::Connection,
+                ..
+            })
+        ),
         "{third:?}"
     );
 }
@@ -529,4 +541,43 @@ fn metadata_outside_its_chunk_and_requests_out_of_turn_are_refused() {
         client.list().unwrap().is_empty(),
         "a region never committed is gone with its writer"
     );
+}
+
+#[test]
+fn fds_in_flight_are_capped_per_uid() {
+    let service = ServiceProc::start(&["--max-fds-in-flight-per-uid", "6"]);
+    let (a, b) = (service.connect(), service.connect());
+    publish(&a, "w", 4, 4096);
+    // `a` asks and does not read: its 4 fds are in flight.
+    let attach = postcard::to_allocvec(&Request::Attach {
+        region: "w".into(),
+        generation: None,
+    })
+    .unwrap();
+    a.session().send_data(&attach).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let err = b.attach("w").unwrap_err();
+    assert!(
+        matches!(
+            err,
+            MemdError::Refused(Refusal::FdsInFlight {
+                scope: InFlightScope::Uid,
+                in_flight: 4,
+                cap: 6
+            })
+        ),
+        "{err:?}"
+    );
+    assert!(
+        b.status().unwrap().regions[0].generations[0].readers.len() == 1,
+        "the refused attach left no lease"
+    );
+    // `a` reads its reply: the budget comes back within a poll tick.
+    let reply: Response = postcard::from_bytes(&a.session().recv_data().unwrap()).unwrap();
+    assert!(matches!(reply, Response::Attached { meta_pages: 1, .. }));
+    a.session().recv_data().unwrap();
+    for _ in 0..4 {
+        a.session().recv_descriptor().unwrap();
+    }
+    assert_eq!(b.attach("w").unwrap().chunks.len(), 4);
 }
