@@ -24,6 +24,15 @@ fn role_entry() {
     match role.as_str() {
         "other-uid" => other_uid(&client),
         "try-writes" => try_writes(&client, &args[0]),
+        "list" => {
+            let names: Vec<String> = client
+                .list()
+                .unwrap()
+                .into_iter()
+                .map(|r| r.region)
+                .collect();
+            say(&format!("LIST {}", names.join(",")));
+        }
         other => panic!("unknown role {other}"),
     }
     say("DONE");
@@ -580,4 +589,35 @@ fn fds_in_flight_are_capped_per_uid() {
         a.session().recv_descriptor().unwrap();
     }
     assert_eq!(b.attach("w").unwrap().chunks.len(), 4);
+}
+
+#[test]
+fn supplementary_groups_come_from_the_kernel() {
+    if !is_root() {
+        eprintln!("SKIP supplementary_groups_come_from_the_kernel: needs root for setpriv");
+        return;
+    }
+    let service = ServiceProc::start(&[]);
+    let root = service.connect();
+    let acl = Acl {
+        read: vec![Principal::Gid(4242)],
+        ..Default::default()
+    };
+    let w = root
+        .begin(
+            "group-4242",
+            &[4096],
+            BeginOptions {
+                acl,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    w.commit().unwrap();
+    let mut member = Role::spawn_as("list", &service, &[], Some("--groups=4242"));
+    assert_eq!(member.expect_line(), "LIST group-4242", "SO_PEERGROUPS");
+    assert_eq!(member.expect_line(), "DONE");
+    let mut outsider = Role::spawn_as("list", &service, &[], Some("--clear-groups"));
+    assert_eq!(outsider.expect_line(), "LIST", "not in group 4242");
+    assert_eq!(outsider.expect_line(), "DONE");
 }

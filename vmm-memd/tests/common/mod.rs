@@ -99,18 +99,31 @@ impl Role {
     /// `args` in `MEMD_ARGS` (space-separated), against `service`; as uid/gid 65534 with no
     /// supplementary groups when `nobody`.
     pub fn spawn(role: &str, service: &ServiceProc, args: &[&str], nobody: bool) -> Role {
+        let groups = nobody.then_some("--clear-groups");
+        Role::spawn_as(role, service, args, groups)
+    }
+
+    /// [`spawn`](Self::spawn) as uid/gid 65534 with `groups` (`--clear-groups` or
+    /// `--groups=GID,...`) when it is `Some`.
+    pub fn spawn_as(
+        role: &str,
+        service: &ServiceProc,
+        args: &[&str],
+        groups: Option<&str>,
+    ) -> Role {
         let exe = std::env::current_exe().unwrap();
-        let mut command = if nobody {
-            let mut c = Command::new("setpriv");
-            c.args([
-                &format!("--reuid={NOBODY}"),
-                &format!("--regid={NOBODY}"),
-                "--clear-groups",
-            ])
-            .arg(&exe);
-            c
-        } else {
-            Command::new(&exe)
+        let mut command = match groups {
+            Some(groups) => {
+                let mut c = Command::new("setpriv");
+                c.args([
+                    &format!("--reuid={NOBODY}"),
+                    &format!("--regid={NOBODY}"),
+                    groups,
+                ])
+                .arg(&exe);
+                c
+            }
+            None => Command::new(&exe),
         };
         let child = command
             .args([
