@@ -10,6 +10,25 @@
 //! - [`protocol`] is the request/response protocol (postcard in peer-protocol `DATA`
 //!   messages; descriptors as the peer protocol's own `HOST_MEMFD` messages).
 //!
+//! ```no_run
+//! use vmm_core::wire::endpoint::Name;
+//! use vmm_memd::protocol::{Dtype, TensorMeta};
+//! use vmm_memd::{BeginOptions, Client};
+//!
+//! let client = Client::connect(&Name::from("@memd"))?;
+//! let mut writer = client.begin("llama-70b", &[1 << 30], BeginOptions::default())?;
+//! writer.chunk(0).write_at(0, &[0u8; 4096])?; // through this process's mapping
+//! let meta = TensorMeta { chunk: 0, offset: 0, len: 4096, dtype: Dtype::BF16, shape: vec![2048] };
+//! writer.put("embed", meta);
+//! let generation = writer.commit()?; // atomic; read-only for everyone from now on
+//!
+//! let reader = Client::connect(&Name::from("@memd"))?; // any process
+//! let attached = reader.attach("llama-70b")?; // a lease, and read-only mappings
+//! let embed: &[u8] = attached.tensor("embed").unwrap(); // zero-copy: it cannot change
+//! assert_eq!((attached.generation, embed.len()), (generation, 4096));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! See `vmm-memd/README.md` for the protocol, the semantics of generations and leases, and
 //! what is not done yet.
 
