@@ -131,8 +131,19 @@ impl Client {
         }
         let mut buffers = Vec::with_capacity(sizes.len());
         for size in sizes {
-            let descriptor = self.descriptor(size)?;
-            buffers.push(HostBuffer::import(&descriptor)?);
+            let buffer = self
+                .descriptor(size)
+                .and_then(|d| HostBuffer::import(&d).map_err(MemdError::from));
+            match buffer {
+                Ok(buffer) => buffers.push(buffer),
+                Err(e) => {
+                    // Best effort: give the generation back (the connection's end would too).
+                    if !matches!(e, MemdError::ServiceGone(_)) {
+                        let _ = self.request(&Request::Abort);
+                    }
+                    return Err(e);
+                }
+            }
         }
         Ok(Writer {
             client: self,
