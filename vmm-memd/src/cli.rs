@@ -1,0 +1,186 @@
+//! The `vmm-memd` program: its command line, signals and exit codes (`src/bin/vmm-memd.rs`
+//! is a thin `main` over [`main`]).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use vmm_core::wire::endpoint::{Allow, Listener, ListenerOptions, Name};
+
+use crate::service::Service;
+
+/// The usage text (`--help`).
+pub const USAGE: &str = "\
+usage: vmm-memd --socket NAME|PATH --quota-bytes BYTES [options]
+
+Serve named memory regions with generations to local processes (see vmm-memd/README.md).
+
+  --socket NAME|PATH       @NAME: abstract socket; otherwise a path (its directory 0700)
+  --quota-bytes BYTES      each uid's quota (bytes of generations it allocated)
+  --quota UID=BYTES        a uid's own quota (repeatable)
+  --allow-uid UID          admit this uid too (repeatable; this process's uid always)
+  --allow-gid GID          admit this group too (repeatable)
+  --lease-ttl-ms MS        a lease's TTL (default 10000)
+  --max-wait-ms MS         the longest a writer waits for a region (default 60000)
+  --retain N               keep N retired generations per region without leases (default 0)
+  --max-connections N      connections at once (default 256)
+  --max-connections-per-uid N   of one uid (default 64)
+  --max-fds-in-flight N    descriptor fds sent and not read yet, in all (default 4096)
+  --max-fds-in-flight-per-uid N   to one uid (default 1024)
+  -h, --help               this text
+
+Exit status: 0 after SIGINT/SIGTERM, 1 when serving fails, 2 on a usage error.
+Logs go to stderr.";
+
+/// A command line `vmm-memd` does not take.
+#[derive(Debug, thiserror::Error)]
+pub enum UsageError {
+    /// An option it does not know.
+    #[error("unknown option {0}")]
+    Unknown(String),
+    /// An option without its value, or with one that does not parse.
+    #[error("{0} needs a value: {1}")]
+    Value(String, &'static str),
+    /// A required option is missing.
+    #[error("{0} is required")]
+    Missing(&'static str),
+}
+
+/// What the command line asks for.
+#[derive(Debug)]
+pub struct Config {
+    /// Where to listen.
+    pub socket: Name,
+    /// Who may connect.
+    pub allow: Allow,
+    /// The service.
+    pub service: Service,
+}
+
+/// Parse the arguments (without the program name). `Ok(None)`: `--help`.
+pub fn parse(args: &[String]) -> Result<Option<Config>, UsageError> {
+    let mut it = args.iter();
+    let (mut socket, mut quota, mut allow) = (None, None, Allow::same_user());
+    let (mut quotas, mut ttl, mut wait) = (Vec::new(), None, None);
+    let (mut max, mut per_uid, mut retain) = (None, None, None);
+    let (mut fds_all, mut fds_uid) = (None, None);
+    while let Some(arg) = it.next() {
+        let mut value = |what: &'static str| {
+            it.next()
+                .cloned()
+                .ok_or_else(|| UsageError::Value(arg.clone(), what))
+        };
+        let number = |text: String, what: &'static str| {
+            text.parse::<u64>()
+                .map_err(|_| UsageError::Value(arg.clone(), what))
+        };
+        match arg.as_str() {
+            "-h" | "--help" => return Ok(None),
+            "--socket" => socket = Some(Name::from(value("NAME|PATH")?.as_str())),
+            "--quota-bytes" => quota = Some(number(value("BYTES")?, "BYTES")?),
+            "--quota" => {
+                let text = value("UID=BYTES")?;
+                let (uid, bytes) = text
+                    .split_once('=')
+                    .and_then(|(u, b)| Some((u.parse::<u32>().ok()?, b.parse::<u64>().ok()?)))
+                    .ok_or_else(|| UsageError::Value(arg.clone(), "UID=BYTES"))?;
+                quotas.push((uid, bytes));
+            }
+            "--allow-uid" => {
+                let uid = number(value("UID")?, "UID")?;
+                allow = allow
+                    .uid(u32::try_from(uid).map_err(|_| UsageError::Value(arg.clone(), "UID"))?);
+            }
+            "--allow-gid" => {
+                let gid = number(value("GID")?, "GID")?;
+                allow = allow
+                    .gid(u32::try_from(gid).map_err(|_| UsageError::Value(arg.clone(), "GID"))?);
+            }
+            "--lease-ttl-ms" => ttl = Some(number(value("MS")?, "MS")?),
+            "--max-wait-ms" => wait = Some(number(value("MS")?, "MS")?),
+            "--max-fds-in-flight" => fds_all = Some(number(value("N")?, "N")? as usize),
+            "--max-fds-in-flight-per-uid" => fds_uid = Some(number(value("N")?, "N")? as usize),
+            "--retain" => retain = Some(number(value("N")?, "N")? as usize),
+            "--max-connections" => max = Some(number(value("N")?, "N")? as usize),
+            "--max-connections-per-uid" => per_uid = Some(number(value("N")?, "N")? as usize),
+            other => return Err(UsageError::Unknown(other.to_owned())),
+        }
+    }
+    let mut service = Service::new(quota.ok_or(UsageError::Missing("--quota-bytes"))?);
+    for (uid, bytes) in quotas {
+        service.set_quota_of(uid, bytes);
+    }
+    if let Some(ms) = ttl {
+        service.set_lease_ttl(Duration::from_millis(ms));
+    }
+    if fds_all.is_some() || fds_uid.is_some() {
+        service.set_max_fds_in_flight(
+            fds_uid.unwrap_or(crate::service::DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID),
+            fds_all.unwrap_or(crate::service::DEFAULT_MAX_FDS_IN_FLIGHT),
+        );
+    }
+    if let Some(n) = retain {
+        service.set_retain(n);
+    }
+    if let Some(ms) = wait {
+        service.set_max_wait(Duration::from_millis(ms));
+    }
+    if max.is_some() || per_uid.is_some() {
+        service.set_max_connections(
+            max.unwrap_or(crate::service::DEFAULT_MAX_CONNECTIONS),
+            per_uid.unwrap_or(crate::service::DEFAULT_MAX_CONNECTIONS_PER_UID),
+        );
+    }
+    Ok(Some(Config {
+        socket: socket.ok_or(UsageError::Missing("--socket"))?,
+        allow,
+        service,
+    }))
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_stop(_: libc::c_int) {
+    // An atomic store is async-signal-safe.
+    STOP.store(true, Ordering::Relaxed);
+}
+
+/// Run the program; the process's exit status.
+pub fn main(args: &[String]) -> i32 {
+    let config = match parse(args) {
+        Ok(Some(config)) => config,
+        Ok(None) => {
+            println!("{USAGE}");
+            return 0;
+        }
+        Err(e) => {
+            eprintln!("vmm-memd: {e}\n{USAGE}");
+            return 2;
+        }
+    };
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, on_stop as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_stop as *const () as libc::sighandler_t);
+    }
+    let listener = match Listener::bind_with(
+        &config.socket,
+        ListenerOptions::default().allow(config.allow),
+    ) {
+        Ok(listener) => listener,
+        Err(e) => {
+            eprintln!("vmm-memd: cannot listen on {}: {e}", config.socket);
+            return 1;
+        }
+    };
+    eprintln!("vmm-memd: serving on {}", config.socket);
+    match config.service.serve(&listener, &STOP) {
+        Ok(()) => {
+            eprintln!("vmm-memd: stopped");
+            0
+        }
+        Err(e) => {
+            eprintln!("vmm-memd: {e}");
+            1
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! Typed errors: what the service refuses ([`Refusal`], which travels in its replies) and what
+//! a client can meet ([`MemdError`]: a refusal, the service gone, or a local failure).
+
+use serde::{Deserialize, Serialize};
+
+/// What the service may do to a region, named in [`Refusal::AccessDenied`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Right {
+    /// Attach the committed generation, see it in `list` and `status`.
+    Read,
+    /// Begin and commit generations.
+    Write,
+    /// Delete the region.
+    Delete,
+}
+
+impl std::fmt::Display for Right {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Right::Read => "read",
+            Right::Write => "write",
+            Right::Delete => "delete",
+        })
+    }
+}
+
+/// Why a request broke the protocol's rules, named in [`Refusal::InvalidRequest`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RequestRule {
+    /// The bytes are not a request (postcard refused them).
+    Decode,
+    /// A region name that is empty, too long, or has a character outside `[A-Za-z0-9._/-]`.
+    RegionName,
+    /// A generation with no chunk, too many chunks, or an empty chunk.
+    Chunks,
+    /// A metadata key too long, too many entries, or an entry outside its chunk.
+    Metadata,
+    /// A request that needs a writer's pending generation on a connection that has none.
+    NotWriting,
+    /// `begin` on a connection that already writes a generation.
+    AlreadyWriting,
+    /// An ACL with too many entries.
+    Acl,
+    /// `Detach` of a lease this connection does not hold (ended, expired, or never its own).
+    NoSuchLease,
+}
+
+/// A refusal by the service: sent as the reply to the request it refuses, so a client matches
+/// the same variants the service chose. Every field is the service's view (the kernel's
+/// identity of the caller, the service's caps), never the client's claim.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum Refusal {
+    /// The generation would take `uid` past its quota; nothing was allocated.
+    #[error("quota exceeded for uid {uid}: {used} bytes in use, {asked} more asked, quota {quota}")]
+    QuotaExceeded {
+        /// The caller's uid (from SO_PEERCRED).
+        uid: u32,
+        /// Bytes its generations hold now.
+        used: u64,
+        /// Bytes the refused generation would have added.
+        asked: u64,
+        /// Its quota.
+        quota: u64,
+    },
+    /// The caller's uid and groups are not in the region's ACL for `right`. A region the
+    /// caller may not read is reported as [`NoSuchRegion`](Refusal::NoSuchRegion) instead, so
+    /// that its name does not leak.
+    #[error("access denied: uid {uid} may not {right} region {region:?}")]
+    AccessDenied {
+        /// The region.
+        region: String,
+        /// What was asked.
+        right: Right,
+        /// The caller's uid.
+        uid: u32,
+    },
+    /// No region of that name (or none the caller may read), or no committed generation yet.
+    #[error("no region {region:?} (or none with a committed generation that you may read)")]
+    NoSuchRegion {
+        /// The name asked for.
+        region: String,
+    },
+    /// The region exists, but that generation is not held any more (freed, or never
+    /// committed).
+    #[error("region {region:?} holds no generation {generation}")]
+    NoSuchGeneration {
+        /// The region.
+        region: String,
+        /// The generation asked for.
+        generation: u64,
+    },
+    /// Another connection writes the region, and the wait for it ran out.
+    #[error("region {region:?}: another writer held it for the whole wait ({waited_ms} ms)")]
+    WriterBusy {
+        /// The region.
+        region: String,
+        /// How long the request waited.
+        waited_ms: u64,
+    },
+    /// A request (or the message carrying it) is larger than the service reads; it was not
+    /// decoded.
+    #[error("request of {size} bytes refused before decoding: the cap is {cap}")]
+    TooLarge {
+        /// Its size in bytes.
+        size: u64,
+        /// The service's cap.
+        cap: u64,
+    },
+    /// The request broke a rule of the protocol.
+    #[error("invalid request ({rule:?}): {detail}")]
+    InvalidRequest {
+        /// The rule.
+        rule: RequestRule,
+        /// What was wrong, in words.
+        detail: String,
+    },
+    /// Commit refused: some process still maps the pending generation writable (the writer
+    /// kept a mapping, or handed one on), so it cannot be sealed read-only. Unmap and commit
+    /// again.
+    #[error(
+        "region {region:?}: generation {generation} is still mapped writable somewhere; unmap it and commit again"
+    )]
+    StillMapped {
+        /// The region.
+        region: String,
+        /// The pending generation.
+        generation: u64,
+    },
+    /// Sending this reply's descriptors would pass a cap on fds in flight (sent, not read yet)
+    /// for the whole of the service's wait ([`IN_FLIGHT_WAIT`](crate::IN_FLIGHT_WAIT)): read
+    /// earlier replies first (scope `Connection`), or let other connections of this uid (or
+    /// all) read theirs. Nothing was sent or kept for the request.
+    #[error("descriptor fds in flight: {in_flight} already, the cap ({scope:?}) is {cap}")]
+    FdsInFlight {
+        /// Which cap.
+        scope: crate::inflight::InFlightScope,
+        /// Fds in flight in that scope now.
+        in_flight: u64,
+        /// The cap (0 for `Connection`: no more until the earlier reply is read).
+        cap: u64,
+    },
+    /// The service could not do what was asked for a reason of its own (out of memory or fds);
+    /// `errno` is the kernel's.
+    #[error("the service failed: {op}: errno {errno}")]
+    ServiceFailed {
+        /// What it was doing.
+        op: String,
+        /// The kernel's errno.
+        errno: i32,
+    },
+}
+
+/// Everything a [`Client`](crate::Client) call can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum MemdError {
+    /// The service refused the request.
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    /// The service's end of the connection is gone (it stopped or died). Memory already
+    /// mapped stays valid; reconnect to go on.
+    #[error("the service is gone: {0}")]
+    ServiceGone(String),
+    /// The service's reply broke the protocol (a reply of the wrong kind, too many entries).
+    #[error("the service's reply broke the protocol: {0}")]
+    BadReply(String),
+    /// A descriptor the service sent could not be mapped as the protocol promises (not a
+    /// memfd, not sealed against writes, shorter than said).
+    #[error("a descriptor from the service is refused: {0}")]
+    BadDescriptor(String),
+    /// A system call of this process failed.
+    #[error("{op} failed: {source}")]
+    Os {
+        /// The call.
+        op: &'static str,
+        /// The kernel's error.
+        source: std::io::Error,
+    },
+    /// The transport (vmm-core) failed: connect, send, receive.
+    #[error(transparent)]
+    Core(vmm_core::Error),
+}
+
+impl From<vmm_core::Error> for MemdError {
+    fn from(e: vmm_core::Error) -> Self {
+        match e {
+            vmm_core::Error::Disconnected(why) => MemdError::ServiceGone(why.into_owned()),
+            e if e.raw_os_error() == Some(libc::ECONNRESET)
+                || e.raw_os_error() == Some(libc::EPIPE) =>
+            {
+                MemdError::ServiceGone(e.to_string())
+            }
+            e => MemdError::Core(e),
+        }
+    }
+}
+
+impl MemdError {
+    /// `op` failed with the calling thread's errno.
+    pub(crate) fn last_os(op: &'static str) -> MemdError {
+        MemdError::Os {
+            op,
+            source: std::io::Error::last_os_error(),
+        }
+    }
+}
+
+/// This crate's result.
+pub type Result<T, E = MemdError> = std::result::Result<T, E>;

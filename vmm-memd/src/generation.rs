@@ -1,0 +1,100 @@
+//! One generation's memory and bookkeeping: its chunks (memfds the service holds but never
+//! maps), its metadata, who allocated it, and its leases.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::Instant;
+
+use crate::error::{Refusal, RequestRule};
+use crate::protocol::{MAX_KEY_LEN, MAX_META_ENTRIES, TensorMeta};
+
+/// One chunk: its memfd and size.
+#[derive(Debug)]
+pub(crate) struct Chunk {
+    pub(crate) fd: OwnedFd,
+    pub(crate) len: u64,
+}
+
+/// A reader's lease on a generation.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lease {
+    /// The connection it comes from: it ends with it.
+    pub(crate) conn: u64,
+    /// The reader's pid (SO_PEERCRED), for status.
+    pub(crate) pid: i32,
+    /// When it ends unless renewed.
+    pub(crate) expires: Instant,
+}
+
+/// A generation, pending or committed.
+#[derive(Debug)]
+pub(crate) struct Generation {
+    pub(crate) number: u64,
+    pub(crate) chunks: Vec<Chunk>,
+    pub(crate) meta: Vec<(String, TensorMeta)>,
+    /// The uid whose quota it is charged to.
+    pub(crate) charged_to: u32,
+    pub(crate) leases: HashMap<u64, Lease>,
+}
+
+impl Generation {
+    /// Its bytes.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.chunks.iter().map(|c| c.len).sum()
+    }
+
+    /// Its chunk sizes.
+    pub(crate) fn sizes(&self) -> Vec<u64> {
+        self.chunks.iter().map(|c| c.len).collect()
+    }
+
+    /// Duplicates of its chunks' fds, to send.
+    pub(crate) fn dup_fds(&self) -> Result<Vec<OwnedFd>, Refusal> {
+        self.chunks
+            .iter()
+            .map(|c| {
+                c.fd.as_fd()
+                    .try_clone_to_owned()
+                    .map_err(|e| Refusal::ServiceFailed {
+                        op: "dup(chunk memfd)".into(),
+                        errno: e.raw_os_error().unwrap_or(0),
+                    })
+            })
+            .collect()
+    }
+
+    /// Add metadata entries, each checked: a key of at most [`MAX_KEY_LEN`] bytes, at most
+    /// [`MAX_META_ENTRIES`] in all, and a tensor inside its chunk.
+    pub(crate) fn put_meta(&mut self, entries: Vec<(String, TensorMeta)>) -> Result<(), Refusal> {
+        let bad = |detail: String| Refusal::InvalidRequest {
+            rule: RequestRule::Metadata,
+            detail,
+        };
+        if self.meta.len() + entries.len() > MAX_META_ENTRIES {
+            return Err(bad(format!(
+                "more than {MAX_META_ENTRIES} metadata entries"
+            )));
+        }
+        for (key, meta) in &entries {
+            if key.is_empty() || key.len() > MAX_KEY_LEN {
+                return Err(bad(format!("a key is 1 to {MAX_KEY_LEN} bytes")));
+            }
+            let chunk = self
+                .chunks
+                .get(meta.chunk as usize)
+                .ok_or_else(|| bad(format!("{key:?}: no chunk {}", meta.chunk)))?;
+            if meta
+                .offset
+                .checked_add(meta.len)
+                .is_none_or(|end| end > chunk.len)
+            {
+                return Err(bad(format!(
+                    "{key:?}: {} bytes at {} pass the end of chunk {} ({} bytes)",
+                    meta.len, meta.offset, meta.chunk, chunk.len
+                )));
+            }
+        }
+        self.meta.extend(entries);
+        Ok(())
+    }
+}

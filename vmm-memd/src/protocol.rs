@@ -1,0 +1,407 @@
+//! The request/response protocol: typed enums, postcard-encoded, one per `DATA` message of
+//! the peer protocol (docs/protocol.md); descriptors travel as the peer protocol's own
+//! `HOST_MEMFD` messages after the reply that announces them. See `vmm-memd/README.md`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Refusal, RequestRule, Right};
+
+/// The largest request the service decodes: 8 KiB. Longer `DATA` messages are refused with
+/// [`Refusal::TooLarge`] before a byte of them is decoded.
+pub const MAX_REQUEST: usize = 8 * 1024;
+
+/// The most chunks one generation has (one fd each).
+pub const MAX_CHUNKS: usize = 64;
+
+/// The most metadata entries one generation has.
+pub const MAX_META_ENTRIES: usize = 65_536;
+
+/// The longest metadata key, in bytes.
+pub const MAX_KEY_LEN: usize = 256;
+
+/// The longest region name, in bytes.
+pub const MAX_REGION_NAME: usize = 128;
+
+/// The most uid or gid entries in one ACL list.
+pub const MAX_ACL_ENTRIES: usize = 64;
+
+/// A reply's metadata page is cut once its encoding passes this many bytes (below the peer
+/// protocol's `MAX_DATA`, 16 KiB, with room for one more entry).
+pub(crate) const META_PAGE_BYTES: usize = 12 * 1024;
+
+/// The element type of a tensor in a region's metadata.
+#[allow(missing_docs)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Dtype {
+    U8,
+    I8,
+    U16,
+    I16,
+    U32,
+    I32,
+    U64,
+    I64,
+    F16,
+    BF16,
+    F32,
+    F64,
+    Bool,
+}
+
+/// Where one named tensor lies in a generation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorMeta {
+    /// Which chunk.
+    pub chunk: u32,
+    /// Byte offset in the chunk.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<u64>,
+}
+
+/// Who an ACL entry names: a uid, or a gid (primary or supplementary, as the kernel reports
+/// them for the connection: `SO_PEERCRED`, `SO_PEERGROUPS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Principal {
+    /// A user id.
+    Uid(u32),
+    /// A group id.
+    Gid(u32),
+}
+
+/// Who may read, write and delete a region, besides its owner (the uid that created it, which
+/// may do all three). Set by the owner when it creates the region.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Acl {
+    /// May attach and list.
+    pub read: Vec<Principal>,
+    /// May publish generations (and read).
+    pub write: Vec<Principal>,
+    /// May delete the region.
+    pub delete: Vec<Principal>,
+}
+
+impl Acl {
+    /// The entries for `right`.
+    pub fn entries(&self, right: Right) -> &[Principal] {
+        match right {
+            Right::Read => &self.read,
+            Right::Write => &self.write,
+            Right::Delete => &self.delete,
+        }
+    }
+
+    pub(crate) fn check(&self) -> Result<(), Refusal> {
+        if [&self.read, &self.write, &self.delete]
+            .iter()
+            .any(|l| l.len() > MAX_ACL_ENTRIES)
+        {
+            return Err(Refusal::InvalidRequest {
+                rule: RequestRule::Acl,
+                detail: format!("an ACL list has more than {MAX_ACL_ENTRIES} entries"),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A request. Each gets exactly one [`Response`] (a refusal included), then, for `Begin` and
+/// `Attach`, what the response announces.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// Regions the caller may read.
+    List,
+    /// Per region the caller may read: generations, readers, leases; and the caller's quota.
+    Status,
+    /// Start generation N+1 of `region` (creating the region, owned by the caller, with `acl`,
+    /// if it does not exist): wait at most `wait_ms` (capped by the service) for the region's
+    /// writer slot, check the quota, allocate `chunks`. The reply is [`Response::Began`],
+    /// then one `HOST_MEMFD` descriptor per chunk, writable until commit.
+    Begin {
+        /// The region.
+        region: String,
+        /// The chunk sizes in bytes.
+        chunks: Vec<u64>,
+        /// The ACL of a region this creates (ignored for an existing one).
+        acl: Acl,
+        /// How long to wait for the writer slot, in ms.
+        wait_ms: u64,
+    },
+    /// Add metadata entries to the pending generation.
+    PutMeta(Vec<(String, TensorMeta)>),
+    /// Seal the pending generation against writes and make it the current one.
+    Commit,
+    /// Free the pending generation.
+    Abort,
+    /// A lease on a committed generation of `region`: the reply is [`Response::Attached`],
+    /// then `meta_pages` [`Response::MetaPage`]s, then one `HOST_MEMFD` descriptor per chunk,
+    /// sealed read-only.
+    Attach {
+        /// The region.
+        region: String,
+        /// A committed generation still held (the current one, one a lease keeps, or one
+        /// the retention setting keeps); `None`: the current one.
+        generation: Option<u64>,
+    },
+    /// End the lease `lease`.
+    Detach {
+        /// The lease, as `Attached` named it.
+        lease: u64,
+    },
+    /// Renew every lease of this connection for another TTL.
+    Renew,
+    /// Delete the region: its name goes at once; its generations are freed as their leases
+    /// end.
+    Delete {
+        /// The region.
+        region: String,
+    },
+}
+
+/// One generation's view in [`Status`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GenerationStatus {
+    /// Its number.
+    pub generation: u64,
+    /// Its bytes.
+    pub bytes: u64,
+    /// Whether it is the current one.
+    pub current: bool,
+    /// The pids (from SO_PEERCRED) that hold a lease on it, one per lease.
+    pub readers: Vec<i32>,
+}
+
+/// One region's view in [`Status`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionStatus {
+    /// Its name.
+    pub region: String,
+    /// Its owner.
+    pub owner: u32,
+    /// The committed generations still held (the current one and retired ones with leases).
+    pub generations: Vec<GenerationStatus>,
+    /// The writer's pending generation (number, bytes, writer pid), if any.
+    pub pending: Option<(u64, u64, i32)>,
+    /// How many writers wait for the writer slot.
+    pub waiting_writers: u32,
+}
+
+/// The reply to [`Request::Status`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    /// The caller's uid, as the kernel reported it.
+    pub uid: u32,
+    /// Bytes the caller's uid holds (pending and committed generations it allocated).
+    pub used: u64,
+    /// The caller's quota.
+    pub quota: u64,
+    /// Regions the caller may read.
+    pub regions: Vec<RegionStatus>,
+    /// Requests refused since the service started (all callers).
+    pub refusals: u64,
+    /// Leases that ended by TTL since the service started.
+    pub expired_leases: u64,
+    /// Whether regions (or reader pids, past 64 per generation) were left out to fit one
+    /// message.
+    pub truncated: bool,
+}
+
+/// One line of [`Response::List`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionSummary {
+    /// Its name.
+    pub region: String,
+    /// The current generation (0: none committed yet).
+    pub generation: u64,
+    /// The current generation's bytes.
+    pub bytes: u64,
+}
+
+/// A reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Response {
+    /// The request was refused.
+    Refused(Refusal),
+    /// Regions the caller may read.
+    List(Vec<RegionSummary>),
+    /// See [`Status`].
+    Status(Status),
+    /// The pending generation's number; its chunks' descriptors follow, in order.
+    Began {
+        /// The generation.
+        generation: u64,
+        /// Chunk sizes.
+        chunks: Vec<u64>,
+    },
+    /// Done (`PutMeta`, `Abort`, `Detach`, `Delete`).
+    Done,
+    /// The generation is committed (now current).
+    Committed {
+        /// The generation.
+        generation: u64,
+    },
+    /// A lease; metadata pages and descriptors follow.
+    Attached {
+        /// The lease, for `Detach`.
+        lease: u64,
+        /// The generation.
+        generation: u64,
+        /// Chunk sizes.
+        chunks: Vec<u64>,
+        /// How many `MetaPage`s follow.
+        meta_pages: u32,
+        /// The lease's TTL in ms (renew before it runs out).
+        ttl_ms: u64,
+    },
+    /// Metadata entries (a page of an `Attached` reply).
+    MetaPage(Vec<(String, TensorMeta)>),
+    /// How many leases `Renew` renewed.
+    Renewed(u32),
+}
+
+/// Decode a request, refusing one longer than [`MAX_REQUEST`] before reading a byte of it.
+pub fn decode_request(bytes: &[u8]) -> Result<Request, Refusal> {
+    if bytes.len() > MAX_REQUEST {
+        return Err(Refusal::TooLarge {
+            size: bytes.len() as u64,
+            cap: MAX_REQUEST as u64,
+        });
+    }
+    postcard::from_bytes(bytes).map_err(|e| Refusal::InvalidRequest {
+        rule: RequestRule::Decode,
+        detail: e.to_string(),
+    })
+}
+
+/// Check a region name: 1 to [`MAX_REGION_NAME`] bytes of `[A-Za-z0-9._/-]`.
+pub fn check_region_name(name: &str) -> Result<(), Refusal> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_REGION_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._/-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(Refusal::InvalidRequest {
+            rule: RequestRule::RegionName,
+            detail: format!(
+                "a region name is 1 to {MAX_REGION_NAME} bytes of [A-Za-z0-9._/-], not {:?}",
+                name.chars().take(MAX_REGION_NAME + 1).collect::<String>()
+            ),
+        })
+    }
+}
+
+/// Metadata entries cut into pages that each fit one `DATA` message.
+pub(crate) fn meta_pages(entries: &[(String, TensorMeta)]) -> Vec<Vec<(String, TensorMeta)>> {
+    let mut pages = Vec::new();
+    let (mut page, mut bytes) = (Vec::new(), 0usize);
+    for entry in entries {
+        // key + shape dominate; 48 bytes covers the varints and the enum.
+        bytes += entry.0.len() + 10 * entry.1.shape.len() + 48;
+        page.push(entry.clone());
+        if bytes >= META_PAGE_BYTES {
+            pages.push(std::mem::take(&mut page));
+            bytes = 0;
+        }
+    }
+    if !page.is_empty() {
+        pages.push(page);
+    }
+    pages
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Any bytes: a request or a typed refusal, never a panic, and nothing over the cap
+        /// decoded.
+        #[test]
+        fn any_bytes_decode_to_a_request_or_a_refusal(bytes in proptest::collection::vec(any::<u8>(), 0..MAX_REQUEST + 64)) {
+            match decode_request(&bytes) {
+                Ok(request) => prop_assert!(bytes.len() <= MAX_REQUEST, "{request:?}"),
+                Err(Refusal::TooLarge { size, .. }) => prop_assert_eq!(size as usize, bytes.len()),
+                Err(Refusal::InvalidRequest { rule: RequestRule::Decode, .. }) => {}
+                Err(other) => prop_assert!(false, "{other:?}"),
+            }
+        }
+
+        /// A request with a huge announced length (a varint count) is refused without
+        /// allocating it: postcard checks counts against the bytes left.
+        #[test]
+        fn announced_lengths_past_the_bytes_are_refused(count in 1u32..u32::MAX, tag in 0u8..11) {
+            let mut bytes = vec![tag];
+            let mut n = count;
+            while n >= 0x80 {
+                bytes.push((n as u8) | 0x80);
+                n >>= 7;
+            }
+            bytes.push(n as u8);
+            let _ = decode_request(&bytes);
+        }
+    }
+
+    #[test]
+    fn an_oversized_request_is_refused_before_decoding() {
+        let mut bytes = postcard::to_allocvec(&Request::Status).unwrap();
+        assert_eq!(decode_request(&bytes), Ok(Request::Status));
+        bytes.resize(MAX_REQUEST + 1, 0);
+        assert_eq!(
+            decode_request(&bytes),
+            Err(Refusal::TooLarge {
+                size: MAX_REQUEST as u64 + 1,
+                cap: MAX_REQUEST as u64
+            })
+        );
+    }
+
+    #[test]
+    fn region_names_are_checked() {
+        assert!(check_region_name("llama/70b-v1.2_x").is_ok());
+        for bad in ["", "a b", "é", &"x".repeat(MAX_REGION_NAME + 1)] {
+            assert!(
+                matches!(
+                    check_region_name(bad),
+                    Err(Refusal::InvalidRequest {
+                        rule: RequestRule::RegionName,
+                        ..
+                    })
+                ),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn meta_pages_fit_a_data_message() {
+        let entries: Vec<_> = (0..2000)
+            .map(|i| {
+                (
+                    format!("layer.{i}.{}", "k".repeat(200)),
+                    TensorMeta {
+                        chunk: 0,
+                        offset: i,
+                        len: 1,
+                        dtype: Dtype::BF16,
+                        shape: vec![u64::MAX; 8],
+                    },
+                )
+            })
+            .collect();
+        let pages = meta_pages(&entries);
+        assert_eq!(pages.iter().map(Vec::len).sum::<usize>(), 2000);
+        for page in pages {
+            let bytes = postcard::to_allocvec(&Response::MetaPage(page)).unwrap();
+            assert!(bytes.len() <= vmm_core::peer::MAX_DATA, "{}", bytes.len());
+        }
+    }
+}

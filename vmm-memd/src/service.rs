@@ -1,0 +1,506 @@
+//! [`Service`]: the registry served on a [`Listener`], one thread per connection (the shape of
+//! the example daemon), within caps on connections in all and per uid, with one reaper thread
+//! that ends leases past their TTL.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, AsRawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use vmm_core::peer::{MAX_DATA, PeerMessage, Session};
+use vmm_core::shm::HostDescriptor;
+use vmm_core::wire::endpoint::Listener;
+
+use crate::error::{Refusal, RequestRule};
+use crate::identity::{self, Identity};
+use crate::inflight::{Charge, FdBudget, InFlightScope};
+use crate::protocol::{self, Request, Response, Status};
+use crate::registry::{Policy, Registry};
+
+/// Connections served at once unless told otherwise: 256.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+/// Connections one uid may hold at once unless told otherwise: 64.
+pub const DEFAULT_MAX_CONNECTIONS_PER_UID: usize = 64;
+/// A lease's TTL unless told otherwise: 10 s.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
+/// Descriptor fds in flight to one uid's connections unless told otherwise: 1024.
+pub const DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID: usize = 1024;
+/// Descriptor fds in flight in all unless told otherwise: 4096 (and at most half the
+/// service's soft `RLIMIT_NOFILE`).
+pub const DEFAULT_MAX_FDS_IN_FLIGHT: usize = 4096;
+/// The longest a writer waits for a region's writer slot, whatever it asks: 60 s.
+pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(60);
+/// How long the service waits for a client to read a previous reply's descriptors before it
+/// refuses to send more ([`Refusal::FdsInFlight`]): 1 s.
+pub const IN_FLIGHT_WAIT: Duration = Duration::from_secs(1);
+/// How often connection threads look at their peer's pidfd and the stop flag, and the reaper
+/// at leases: every 10 ms (so a lease ends within that of its TTL or its process's exit).
+pub const TICK: Duration = Duration::from_millis(10);
+
+/// The memory service. Configure, then [`serve`](Self::serve).
+#[derive(Debug)]
+pub struct Service {
+    policy: Policy,
+    max_connections: usize,
+    max_connections_per_uid: usize,
+    max_fds_in_flight: (usize, usize),
+}
+
+impl Service {
+    /// A service that gives every uid a quota of `quota_bytes`.
+    pub fn new(quota_bytes: u64) -> Service {
+        Service {
+            policy: Policy {
+                quota: quota_bytes,
+                quota_of: HashMap::new(),
+                lease_ttl: DEFAULT_LEASE_TTL,
+                max_wait: DEFAULT_MAX_WAIT,
+                retain: 0,
+            },
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_uid: DEFAULT_MAX_CONNECTIONS_PER_UID,
+            max_fds_in_flight: (DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID, DEFAULT_MAX_FDS_IN_FLIGHT),
+        }
+    }
+
+    /// Give `uid` a quota of its own.
+    pub fn set_quota_of(&mut self, uid: u32, bytes: u64) {
+        self.policy.quota_of.insert(uid, bytes);
+    }
+
+    /// Set the lease TTL (at least [`TICK`]).
+    pub fn set_lease_ttl(&mut self, ttl: Duration) {
+        self.policy.lease_ttl = ttl.max(TICK);
+    }
+
+    /// Keep the `retain` newest retired generations of each region even when no lease holds
+    /// them (default 0: a retired generation goes with its last lease). They count against
+    /// the quota of the uid that allocated them, and a `Begin` of that uid that would pass
+    /// its quota frees them first, oldest first.
+    pub fn set_retain(&mut self, retain: usize) {
+        self.policy.retain = retain;
+    }
+
+    /// Set the longest writer wait.
+    pub fn set_max_wait(&mut self, wait: Duration) {
+        self.policy.max_wait = wait;
+    }
+
+    /// Set the caps on descriptor fds in flight (sent, not read yet): per uid and in all
+    /// (clamped: see [`DEFAULT_MAX_FDS_IN_FLIGHT`]). A connection has at most one reply's in
+    /// flight whatever these are.
+    pub fn set_max_fds_in_flight(&mut self, per_uid: usize, total: usize) {
+        self.max_fds_in_flight = (per_uid, total);
+    }
+
+    /// Set the caps on connections: in all, and per uid (each at least 1).
+    pub fn set_max_connections(&mut self, total: usize, per_uid: usize) {
+        self.max_connections = total.max(1);
+        self.max_connections_per_uid = per_uid.clamp(1, self.max_connections);
+    }
+
+    /// Accept and serve connections until `stop` is set (looked at every [`TICK`]); then
+    /// every connection ends (memory clients mapped stays theirs) and it returns. Errors of
+    /// one connection end that connection only (logged on stderr); an accept error other
+    /// than running out of fds (which pauses accepting for 50 ms) ends the service.
+    pub fn serve(&self, listener: &Listener, stop: &AtomicBool) -> vmm_core::Result<()> {
+        let halt = Halt {
+            outer: stop,
+            inner: AtomicBool::new(false),
+        };
+        self.serve_until(listener, &halt)
+    }
+
+    fn serve_until(&self, listener: &Listener, halt: &Halt<'_>) -> vmm_core::Result<()> {
+        let registry = Registry::new(self.policy.clone());
+        let budget = FdBudget::new(self.max_fds_in_flight.0, self.max_fds_in_flight.1);
+        let held: Mutex<HashMap<u32, usize>> = Mutex::new(HashMap::new());
+        let lock = || held.lock().unwrap_or_else(|e| e.into_inner());
+        let next_conn = AtomicU64::new(0);
+        std::thread::scope(|scope| {
+            let (registry, budget) = (&registry, &budget);
+            scope.spawn(move || {
+                while !halt.is_set() {
+                    registry.expire(Instant::now());
+                    std::thread::sleep(TICK);
+                }
+            });
+            loop {
+                if halt.is_set() {
+                    return Ok(());
+                }
+                let admitted = Session::accept_admitting(
+                    listener,
+                    Some(Duration::from_millis(100)),
+                    &mut |peer| {
+                        admit(
+                            &lock(),
+                            peer.uid,
+                            self.max_connections,
+                            self.max_connections_per_uid,
+                        )
+                    },
+                );
+                let session = match admitted {
+                    Ok(session) => session,
+                    Err(vmm_core::Error::Timeout { .. }) => continue,
+                    Err(e @ vmm_core::Error::FdLimit { .. }) => {
+                        eprintln!("vmm-memd: {e}; pausing accepts");
+                        std::thread::sleep(Duration::from_millis(50));
+                        continue;
+                    }
+                    Err(e) => {
+                        // Every connection thread ends with the scope.
+                        halt.inner.store(true, Ordering::Relaxed);
+                        return Err(e);
+                    }
+                };
+                let uid = session.peer().uid;
+                *lock().entry(uid).or_default() += 1;
+                let conn = next_conn.fetch_add(1, Ordering::Relaxed);
+                let lock = &lock;
+                let started = std::thread::Builder::new()
+                    .name("vmm-memd-conn".into())
+                    .spawn_scoped(scope, move || {
+                        let identity = Identity::of(session.as_fd(), session.peer());
+                        let mut served = Connection {
+                            session: &session,
+                            identity: &identity,
+                            registry,
+                            conn,
+                            writing: None,
+                            halt,
+                            charge: budget.charge(uid),
+                        };
+                        if let Err(e) = served.converse() {
+                            eprintln!("vmm-memd: connection of {}: {e}", session.peer());
+                        }
+                        registry.release(conn, served.writing.as_deref());
+                        let mut held = lock();
+                        if let Some(n) = held.get_mut(&uid) {
+                            *n -= 1;
+                            if *n == 0 {
+                                held.remove(&uid);
+                            }
+                        }
+                    });
+                if let Err(e) = started {
+                    eprintln!("vmm-memd: cannot start a connection thread: {e}");
+                    let mut held = lock();
+                    if let Some(n) = held.get_mut(&uid) {
+                        *n -= 1;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        })
+    }
+}
+
+/// Why serving stops: the caller's flag, or a failure of the accept loop (which must end
+/// every connection thread before `serve` can return it).
+struct Halt<'a> {
+    outer: &'a AtomicBool,
+    inner: AtomicBool,
+}
+
+impl Halt<'_> {
+    fn is_set(&self) -> bool {
+        self.outer.load(Ordering::Relaxed) || self.inner.load(Ordering::Relaxed)
+    }
+}
+
+/// The connection caps, checked on the accepting thread before `HELLO`.
+fn admit(
+    held: &MutexGuard<'_, HashMap<u32, usize>>,
+    uid: u32,
+    total: usize,
+    per_uid: usize,
+) -> Result<(), String> {
+    let all: usize = held.values().sum();
+    let mine = held.get(&uid).copied().unwrap_or(0);
+    if all >= total {
+        return Err(format!("the service holds {all} connections, its cap"));
+    }
+    if mine >= per_uid {
+        return Err(format!(
+            "this uid holds {mine} connections, the cap per uid"
+        ));
+    }
+    Ok(())
+}
+
+/// What the next wait on a connection found.
+enum Woke {
+    Request,
+    Idle,
+    PeerGone,
+}
+
+/// One connection being served.
+struct Connection<'a> {
+    session: &'a Session,
+    identity: &'a Identity,
+    registry: &'a Registry,
+    conn: u64,
+    /// The region whose pending generation this connection writes.
+    writing: Option<String>,
+    /// The service's stop: a wait ends when it is set.
+    halt: &'a Halt<'a>,
+    /// Its descriptor fds in flight.
+    charge: Charge<'a>,
+}
+
+impl Connection<'_> {
+    fn converse(&mut self) -> vmm_core::Result<()> {
+        loop {
+            self.charge.settle(self.session.as_fd());
+            match self.wait(TICK) {
+                Woke::PeerGone => return Ok(()),
+                Woke::Idle if self.halt.is_set() => return Ok(()),
+                Woke::Idle => continue,
+                Woke::Request => {}
+            }
+            let bytes = match self.session.recv_message() {
+                Ok(PeerMessage::Data(bytes)) => bytes,
+                Ok(PeerMessage::Descriptor(_)) => {
+                    // Dropping it closes its fds; a client never sends descriptors.
+                    self.refuse(Refusal::InvalidRequest {
+                        rule: RequestRule::Decode,
+                        detail: "clients send DATA requests only, not descriptors".into(),
+                    })?;
+                    continue;
+                }
+                Err(vmm_core::Error::Disconnected(_)) => return Ok(()),
+                Err(e) => return Err(e),
+            };
+            match protocol::decode_request(&bytes) {
+                Ok(request) => self.answer(request)?,
+                Err(refusal) => self.refuse(refusal)?,
+            }
+        }
+    }
+
+    /// Wait up to `tick` for a request, the connection's end, or the peer process's exit.
+    fn wait(&self, tick: Duration) -> Woke {
+        let mut fds = [
+            libc::pollfd {
+                fd: self.session.as_fd().as_raw_fd(),
+                events: libc::POLLIN | libc::POLLRDHUP,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.identity.pidfd.as_ref().map_or(-1, |p| p.as_raw_fd()),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two pollfds, live locals (a negative fd is ignored by poll).
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, tick.as_millis() as libc::c_int) };
+        if n <= 0 {
+            return Woke::Idle;
+        }
+        if fds[0].revents & libc::POLLIN != 0 {
+            return Woke::Request;
+        }
+        if fds[0].revents & (libc::POLLHUP | libc::POLLRDHUP | libc::POLLERR) != 0
+            || fds[1].revents != 0
+        {
+            return Woke::PeerGone;
+        }
+        Woke::Idle
+    }
+
+    /// Whether the peer hung up or exited, or the service stops (without waiting).
+    fn gone(&self) -> bool {
+        if self.halt.is_set() {
+            return true;
+        }
+        let mut pfd = libc::pollfd {
+            fd: self.session.as_fd().as_raw_fd(),
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, a live local; no wait.
+        let hung_up = unsafe { libc::poll(&mut pfd, 1, 0) } > 0;
+        hung_up || identity::exited(self.identity.pidfd.as_ref())
+    }
+
+    fn send(&self, response: &Response) -> vmm_core::Result<()> {
+        let bytes = postcard::to_allocvec(response).map_err(|e| vmm_core::Error::Os {
+            op: "encoding a reply".into(),
+            source: std::io::Error::other(e),
+        })?;
+        self.session.send_data(&bytes)
+    }
+
+    fn refuse(&self, refusal: Refusal) -> vmm_core::Result<()> {
+        self.registry.refused();
+        self.send(&Response::Refused(refusal))
+    }
+
+    fn answer(&mut self, request: Request) -> vmm_core::Result<()> {
+        match self.handle(request) {
+            Ok(()) => Ok(()),
+            Err(Handled::Refused(refusal)) => self.refuse(refusal),
+            Err(Handled::Transport(e)) => Err(e),
+        }
+    }
+
+    fn handle(&mut self, request: Request) -> Result<(), Handled> {
+        let (registry, conn, who) = (self.registry, self.conn, self.identity);
+        let writing = || {
+            self.writing.clone().ok_or(Refusal::InvalidRequest {
+                rule: RequestRule::NotWriting,
+                detail: "this connection has begun no generation".into(),
+            })
+        };
+        let reply = match request {
+            Request::List => Response::List(registry.list(who)),
+            Request::Status => Response::Status(fit(registry.status(who))),
+            Request::Begin {
+                region,
+                chunks,
+                acl,
+                wait_ms,
+            } => {
+                if self.writing.is_some() {
+                    return Err(Refusal::InvalidRequest {
+                        rule: RequestRule::AlreadyWriting,
+                        detail: "commit or abort the generation this connection writes first"
+                            .into(),
+                    }
+                    .into());
+                }
+                self.drained(chunks.len())?;
+                let wait = Duration::from_millis(wait_ms);
+                let (generation, fds) =
+                    registry.begin(conn, who, &region, &chunks, acl, wait, &|| self.gone())?;
+                self.writing = Some(region);
+                self.send(&Response::Began { generation, chunks })?;
+                for (fd, len) in &fds {
+                    let descriptor = HostDescriptor::from_fd(fd.as_fd(), *len as usize)?;
+                    self.session.send_descriptor(&descriptor)?;
+                }
+                return Ok(());
+            }
+            Request::PutMeta(entries) => {
+                registry.put_meta(conn, &writing()?, entries)?;
+                Response::Done
+            }
+            Request::Commit => {
+                let generation = registry.commit(conn, &writing()?)?;
+                self.writing = None;
+                Response::Committed { generation }
+            }
+            Request::Abort => {
+                registry.abort(conn, &writing()?)?;
+                self.writing = None;
+                Response::Done
+            }
+            Request::Attach { region, generation } => {
+                let grant = registry.attach(conn, who, &region, generation)?;
+                if let Err(refusal) = self.drained(grant.chunks.len()) {
+                    registry.detach(conn, grant.lease);
+                    return Err(refusal.into());
+                }
+                let pages = protocol::meta_pages(&grant.meta);
+                self.send(&Response::Attached {
+                    lease: grant.lease,
+                    generation: grant.generation,
+                    chunks: grant.chunks.iter().map(|(_, len)| *len).collect(),
+                    meta_pages: pages.len() as u32,
+                    ttl_ms: registry.policy().lease_ttl.as_millis() as u64,
+                })?;
+                for page in pages {
+                    self.send(&Response::MetaPage(page))?;
+                }
+                for (fd, len) in &grant.chunks {
+                    let descriptor = HostDescriptor::from_fd(fd.as_fd(), *len as usize)?;
+                    self.session.send_descriptor(&descriptor)?;
+                }
+                return Ok(());
+            }
+            Request::Detach { lease } => {
+                if !registry.detach(conn, lease) {
+                    return Err(Refusal::InvalidRequest {
+                        rule: RequestRule::NoSuchLease,
+                        detail: format!("this connection holds no lease {lease}"),
+                    }
+                    .into());
+                }
+                Response::Done
+            }
+            Request::Renew => Response::Renewed(registry.renew(conn)),
+            Request::Delete { region } => {
+                registry.delete(who, &region)?;
+                Response::Done
+            }
+        };
+        Ok(self.send(&reply)?)
+    }
+
+    /// Wait (at most [`IN_FLIGHT_WAIT`]) until the client has read every earlier reply (so
+    /// that at most one reply's descriptors are in flight on this connection) and `fds` more
+    /// fit the budget of this uid and of all; then they are charged.
+    fn drained(&mut self, fds: usize) -> Result<(), Refusal> {
+        let deadline = Instant::now() + IN_FLIGHT_WAIT;
+        loop {
+            let over = match self.charge.settle(self.session.as_fd()) {
+                false => (InFlightScope::Connection, 0, 0),
+                true => match self.charge.reserve(fds) {
+                    Ok(()) => return Ok(()),
+                    Err(over) => over,
+                },
+            };
+            if Instant::now() >= deadline || self.gone() {
+                let (scope, in_flight, cap) = over;
+                return Err(Refusal::FdsInFlight {
+                    scope,
+                    in_flight: in_flight as u64,
+                    cap: cap as u64,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// A request's end other than its reply.
+enum Handled {
+    Refused(Refusal),
+    Transport(vmm_core::Error),
+}
+
+impl From<Refusal> for Handled {
+    fn from(r: Refusal) -> Self {
+        Handled::Refused(r)
+    }
+}
+
+impl From<vmm_core::Error> for Handled {
+    fn from(e: vmm_core::Error) -> Self {
+        Handled::Transport(e)
+    }
+}
+
+/// A status cut to fit one `DATA` message: at most 64 reader pids per generation, then
+/// regions dropped from the end until it fits.
+fn fit(mut status: Status) -> Status {
+    for r in &mut status.regions {
+        for g in &mut r.generations {
+            if g.readers.len() > 64 {
+                g.readers.truncate(64);
+                status.truncated = true;
+            }
+        }
+    }
+    while postcard::to_allocvec(&Response::Status(status.clone()))
+        .map_or(true, |b| b.len() > MAX_DATA)
+        && status.regions.pop().is_some()
+    {
+        status.truncated = true;
+    }
+    status
+}

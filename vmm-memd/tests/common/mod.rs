@@ -1,0 +1,255 @@
+//! Test harness: the `vmm-memd` binary as a real service process, and roles run in real child
+//! processes (fresh execs of the test binary, optionally as uid/gid 65534 through `setpriv`).
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use vmm_core::wire::endpoint::{Allow, ConnectOptions, Name};
+use vmm_memd::{Client, MemdError};
+
+/// The uid and gid the "other user" runs as.
+pub const NOBODY: u32 = 65534;
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// A running `vmm-memd`, SIGKILLed and reaped on drop.
+pub struct ServiceProc {
+    pub child: Child,
+    pub socket: String,
+}
+
+impl ServiceProc {
+    /// Start `vmm-memd` on a fresh abstract socket with a quota of 1 GiB and `extra` options,
+    /// admitting uid 65534 too; wait until it answers.
+    pub fn start(extra: &[&str]) -> ServiceProc {
+        let socket = format!(
+            "@vmm-memd-test-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let child = Command::new(env!("CARGO_BIN_EXE_vmm-memd"))
+            .args(["--socket", &socket, "--quota-bytes", "1073741824"])
+            .args(["--allow-uid", &NOBODY.to_string()])
+            .args(extra)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("start vmm-memd");
+        let service = ServiceProc { child, socket };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match service.try_connect() {
+                Ok(_) => return service,
+                Err(MemdError::ServiceGone(_)) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                Err(e) => panic!("vmm-memd did not come up: {e:?}"),
+            }
+        }
+    }
+
+    pub fn name(&self) -> Name {
+        Name::from(self.socket.as_str())
+    }
+
+    pub fn try_connect(&self) -> Result<Client, MemdError> {
+        Client::connect(&self.name())
+    }
+
+    /// How many fds the service process holds now.
+    pub fn fd_count(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
+            .unwrap()
+            .count()
+    }
+
+    pub fn connect(&self) -> Client {
+        self.try_connect().expect("connect to vmm-memd")
+    }
+}
+
+impl Drop for ServiceProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// This process's effective uid.
+pub fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() }
+}
+
+/// Whether this process runs as root (so other uids can be tried with setpriv).
+pub fn is_root() -> bool {
+    euid() == 0
+}
+
+/// A role process; its `MEMD ...` stdout lines are read with [`Role::expect_line`].
+pub struct Role {
+    pub child: Child,
+    lines: BufReader<ChildStdout>,
+}
+
+impl Role {
+    /// Run `role` in a fresh exec of this test binary (through the `role_entry` test), with
+    /// `args` in `MEMD_ARGS` (space-separated), against `service`; as uid/gid 65534 with no
+    /// supplementary groups when `nobody`.
+    pub fn spawn(role: &str, service: &ServiceProc, args: &[&str], nobody: bool) -> Role {
+        let groups = nobody.then_some("--clear-groups");
+        Role::spawn_as(role, service, args, groups)
+    }
+
+    /// [`spawn`](Self::spawn) as uid/gid 65534 with `groups` (`--clear-groups` or
+    /// `--groups=GID,...`) when it is `Some`.
+    pub fn spawn_as(
+        role: &str,
+        service: &ServiceProc,
+        args: &[&str],
+        groups: Option<&str>,
+    ) -> Role {
+        let exe = std::env::current_exe().unwrap();
+        let mut command = match groups {
+            Some(groups) => {
+                let mut c = Command::new("setpriv");
+                c.args([
+                    &format!("--reuid={NOBODY}"),
+                    &format!("--regid={NOBODY}"),
+                    groups,
+                ])
+                .arg(&exe);
+                c
+            }
+            None => Command::new(&exe),
+        };
+        let child = command
+            .args([
+                "--exact",
+                "role_entry",
+                "--nocapture",
+                "--test-threads=1",
+                "-q",
+            ])
+            .env("MEMD_ROLE", role)
+            .env("MEMD_SOCKET", &service.socket)
+            .env("MEMD_SERVICE_UID", euid().to_string())
+            .env("MEMD_ARGS", args.join(" "))
+            .stdout(Stdio::piped())
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn a role");
+        let mut child = child;
+        let lines = BufReader::new(child.stdout.take().unwrap());
+        Role { child, lines }
+    }
+
+    /// The next `MEMD ` line (without the prefix), or a panic if the role ends first.
+    pub fn expect_line(&mut self) -> String {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = self.lines.read_line(&mut line).unwrap();
+            assert!(n > 0, "the role ended before saying anything more");
+            if let Some(rest) = line.trim_end().strip_prefix("MEMD ") {
+                return rest.to_owned();
+            }
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn signal(&self, signal: libc::c_int) {
+        // SAFETY: kill of our own child's pid (not reaped yet).
+        assert_eq!(unsafe { libc::kill(self.pid(), signal) }, 0);
+    }
+
+    /// Wait for the role to exit; its success.
+    pub fn wait_success(mut self) -> bool {
+        self.child.wait().unwrap().success()
+    }
+}
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The role's side: the client connected as this process (expecting the service's uid).
+pub fn role_client() -> Client {
+    let name = Name::from(std::env::var("MEMD_SOCKET").unwrap().as_str());
+    let uid: u32 = std::env::var("MEMD_SERVICE_UID").unwrap().parse().unwrap();
+    Client::connect_with(
+        &name,
+        &ConnectOptions::default().expect(Allow::none().uid(uid)),
+    )
+    .expect("the role connects")
+}
+
+/// The role's arguments.
+pub fn role_args() -> Vec<String> {
+    std::env::var("MEMD_ARGS")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Say a line to the parent.
+pub fn say(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "MEMD {line}").unwrap();
+    out.flush().unwrap();
+}
+
+/// The byte every chunk of generation `g` is filled with in these tests.
+pub fn fill_byte(generation: u64) -> u8 {
+    (generation % 251) as u8 + 1
+}
+
+/// Publish one generation of `region`: `chunks` chunks of `size` bytes, each filled with
+/// [`fill_byte`] of its generation, with one tensor per chunk. Returns the generation.
+pub fn publish(client: &Client, region: &str, chunks: usize, size: u64) -> u64 {
+    let mut writer = client
+        .begin(region, &vec![size; chunks], Default::default())
+        .expect("begin");
+    let byte = fill_byte(writer.generation());
+    for (i, chunk) in writer.chunks().iter().enumerate() {
+        chunk.fill(byte).unwrap();
+        let _ = i;
+    }
+    for i in 0..chunks {
+        writer.put(
+            &format!("t{i}"),
+            vmm_memd::protocol::TensorMeta {
+                chunk: i as u32,
+                offset: 0,
+                len: size,
+                dtype: vmm_memd::protocol::Dtype::U8,
+                shape: vec![size],
+            },
+        );
+    }
+    writer.commit().expect("commit")
+}
+
+/// Poll `f` every 1 ms until it is true or `limit` passes; how long it took.
+pub fn until(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
+    let started = Instant::now();
+    loop {
+        if f() {
+            return Some(started.elapsed());
+        }
+        if started.elapsed() > limit {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
