@@ -60,9 +60,10 @@
 //! waits for it, acknowledges, runs `f(arg)` and reports how it ended. A child whose start
 //! message never comes (because `spawn` failed after it was made) exits without running `f`,
 //! so a `spawn` that returns `Err` never runs `f`. A child dies with its parent
-//! (`PR_SET_PDEATHSIG`), and a dropped, unjoined [`Process`] kills and reaps it; the parent
-//! watches the child process itself, so no use of its channel can keep a join from its
-//! deadline or leave a zombie.
+//! (`PR_SET_PDEATHSIG`), and a dropped, unjoined [`Process`] kills it without waiting (one
+//! supervisor reaps every dropped child in the background, as soon as the kernel has ended it);
+//! the parent watches the child process itself, so no use of its channel can keep a join from
+//! its deadline or leave a zombie.
 //!
 //! # Threat model
 //!
@@ -99,7 +100,8 @@
 
 // Inside, each file one job; dependencies point down this list, never back up:
 // - pool/: `Pool` (mod), `TaskHandle` (task_handle), the task table and redelivery (tasks), the
-//   waiters' event loop (events), a worker's reports (report), a worker's start and end (worker)
+//   waiters' event loop (events), a worker's reports (report), a worker's start and end, the
+//   dying included (worker)
 // - context: `Context` (what the parent does to start a child), `make` (a child of any
 //   method, waiting for its first message)
 // - process_handle: `Process` (a single-use child's reports; join, kill)
@@ -117,10 +119,14 @@
 // - tracker: a child's fate, and the `Tracker` a `Context` tells of each child it starts
 //   (`testing` keeps `#[ipc_test]`'s registry behind it)
 // - supervisor: `Child`, the one held child (pid, pidfd, channel, output, what is known of
-//   its end; kill, reap, waits by deadline). One noun for it: every holder keeps a `Child` and
-//   is named for what it is to it: `Process` (the user's handle, public), `NewChild` (just
-//   made, not yet handed over), `WaitingChild` (in the warm pool), a pool's `Worker` (a child
-//   plus its task socket); `TrackedChild` is a tracker's view of one, from outside
+//   its end), and everything done to one: who reaps it, the one loop that reads its reports
+//   (`read_reports`), kill, reap, ending it with or without waiting (`end`, `Ending`), and the
+//   orphan queue that kills and reaps a dropped child in the background (a drop never waits).
+//   One noun for it: every holder keeps a `Child` and is named for what it is to it: `Process`
+//   (the user's handle, public), `NewChild` (just made, not yet handed over), `WaitingChild`
+//   (in the warm pool), a pool's `Worker` (a child plus its task socket) and `Dying` worker;
+//   `TrackedChild` is a tracker's view of one, from outside. Its unit tests, on real child
+//   processes, are supervisor/supervisor_tests
 // - output: a child's captured stdout and stderr, read from the end up to the output cap
 // - launch: posix_spawn of /proc/self/exe on the launcher thread
 // - hook: the argv a re-executed child needs, from the harness (`testing` installs libtest's)
@@ -149,6 +155,8 @@ mod task_loop;
 mod timeout;
 pub(crate) mod tracker;
 mod warm;
+
+pub(crate) use supervisor::settle_orphans;
 
 pub use crate::error::StartMethod;
 pub use context::Context;

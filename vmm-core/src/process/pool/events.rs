@@ -9,9 +9,10 @@ use std::time::{Duration, Instant};
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, poll};
 
-use super::super::supervisor::poll_timeout;
+use super::super::supervisor::{Watch, poll_timeout};
 use super::Shared;
 use super::tasks::{Finished, Inner, TaskState, task_over};
+use super::worker::Dying;
 use crate::error::ProtocolRule;
 use crate::wire::{Channel, spin_window};
 use crate::{Error, Result};
@@ -123,8 +124,8 @@ impl Shared {
         result
     }
 
-    /// Release the lock and sleep until a worker says something, dies, the wake fd is written,
-    /// or `until` passes; then lock again.
+    /// Release the lock and sleep until a worker says something, dies, a dying worker may have
+    /// ended, the wake fd is written, or `until` passes; then lock again.
     pub(super) fn sleep_on_workers<'a>(
         &'a self,
         inner: MutexGuard<'a, Inner>,
@@ -136,13 +137,18 @@ impl Shared {
             .flatten()
             .map(|w| (Arc::clone(w.child.channel()), w.child.pidfd().cloned()))
             .collect();
+        let dying: Vec<Watch> = inner.dying.iter().map(Dying::watch).collect();
         drop(inner);
+        let until = dying.iter().filter_map(Watch::until).chain(until).min();
         let mut fds: Vec<PollFd<'_>> = vec![PollFd::new(self.wake.as_fd(), PollFlags::POLLIN)];
         for (channel, pidfd) in &watched {
             fds.push(PollFd::new(channel.as_fd(), PollFlags::POLLIN));
             if let Some(pidfd) = pidfd {
                 fds.push(PollFd::new(pidfd.as_fd(), PollFlags::POLLIN));
             }
+        }
+        for fd in dying.iter().flat_map(Watch::fds) {
+            fds.push(PollFd::new(fd, PollFlags::POLLIN));
         }
         match poll(&mut fds, poll_timeout(until)) {
             Ok(_) | Err(Errno::EINTR) => {}
@@ -155,14 +161,14 @@ impl Shared {
         self.lock()
     }
 
-    /// Read every report the workers have sent, note deaths, replace dead workers and hand
-    /// queued tasks to idle ones. Never blocks for long (reaping a dead forkserver worker waits
-    /// for the server's report).
+    /// Read every report the workers have sent, note deaths, advance the dying, replace dead
+    /// workers and hand queued tasks to idle ones. Never waits for a child.
     pub(super) fn drive(&self, inner: &mut Inner) {
         let finished = inner.finished;
         for slot in 0..inner.slots.len() {
             self.read_worker(inner, slot);
         }
+        self.settle_dying(inner);
         self.replace_dead(inner);
         self.dispatch(inner);
         if inner.finished != finished {

@@ -87,8 +87,10 @@ use worker::{Worker, WorkerState};
 ///   twice. A task that is still waiting for a worker at
 ///   the deadline is [`Error::Timeout`]; a running one is killed with its worker
 ///   ([`ChildError::timed_out`](super::ChildError::timed_out)).
-/// - Dropping the pool kills and reaps every worker (tasks that had not finished fail with
-///   [`Error::Disconnected`]).
+/// - Dropping the pool kills every worker (tasks that had not finished fail with
+///   [`Error::Disconnected`]) without waiting for them: they are reaped in the background, as
+///   soon as the kernel has ended them. (A worker that panicked and is exiting still gives its
+///   exit status to its task's error, for a handle joined later.)
 ///
 /// The parent holds one fd for the pool and six per worker (channel, pidfd, stdout, stderr,
 /// and both ends of its task socket); they stay the same across tasks and replacements.
@@ -257,23 +259,23 @@ impl Pool {
     }
 }
 
+/// Never waits: the workers are killed under the lock and reaped in the background.
 impl Drop for Pool {
     fn drop(&mut self) {
         let mut inner = self.shared.lock();
         inner.closed = true;
-        // Kill them all first, then reap: they die in parallel.
-        for worker in inner.slots.iter().flatten() {
-            let _ = worker.child.kill();
-        }
         for slot in 0..inner.slots.len() {
             if let Some(worker) = inner.slots[slot].take() {
+                let _ = worker.child.kill();
                 let task = match worker.state {
                     WorkerState::Busy(id) => Some(id),
                     _ => None,
                 };
-                let ended = self.shared.end_worker(worker, false);
+                let output = worker.child.output().take();
+                // Reaped in the background.
+                drop(worker);
                 if let Some(id) = task {
-                    let (stdout, stderr) = ended.output;
+                    let (stdout, stderr) = output;
                     inner.finish(
                         id,
                         Err(Error::Disconnected(

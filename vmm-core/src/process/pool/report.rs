@@ -1,92 +1,104 @@
 //! Reading a worker's reports: a task's result or failure, a worker that serves, dies or
 //! breaks the protocol, and the errors a task fails with.
 
+use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use super::super::protocol::{Report, TaskOutcome};
 use super::super::status::{ChildError, Observed, Outcome};
-use super::super::supervisor::{Incoming, Reaper};
+use super::super::supervisor::{Flow, Packet, Read};
 use super::Shared;
 use super::tasks::{Inner, TaskState};
-use super::worker::{Worker, WorkerState};
+use super::worker::WorkerState;
 use crate::Error;
 
+/// A task's end, as its worker reported it (applied once the worker's reports are read).
+struct TaskDone {
+    id: u64,
+    outcome: TaskOutcome,
+    /// The fds its report carried (a result's).
+    fds: Vec<OwnedFd>,
+}
+
 impl Shared {
-    /// Take what worker `slot` sent; end it if it died or broke the protocol.
+    /// Take what worker `slot` sent; end it if it died or broke the protocol. Never waits: a
+    /// worker whose exit status a task's error needs is ended in the background
+    /// (`Shared::settle_dying`).
     pub(super) fn read_worker(&self, inner: &mut Inner, slot: usize) {
-        let mut gone = false;
+        let Some(worker) = inner.slots[slot].as_mut() else {
+            return;
+        };
         let mut violation = None;
-        loop {
-            let Some(worker) = inner.slots[slot].as_mut() else {
-                return;
-            };
-            let (report, fds) = match worker.child.next_report() {
-                Incoming::Report(report, fds) => (report, fds),
-                Incoming::Empty => break,
-                Incoming::HungUp => {
-                    gone = true;
-                    break;
-                }
-                Incoming::NotAReport(why) => {
+        let mut serving = false;
+        let mut done = Vec::new();
+        let mut panicked = None;
+        let state = &mut worker.state;
+        let (in_flight, tasks_done) = (&mut worker.in_flight, &mut worker.tasks_done);
+        let read = worker.child.read_reports(None, |packet| {
+            let (report, fds) = match packet {
+                Packet::Report(report, fds) => (report, fds),
+                Packet::NotAReport(why) => {
                     violation = Some(why);
-                    break;
-                }
-                Incoming::Broken(error) => {
-                    violation = Some(format!("reading its channel failed: {error}"));
-                    break;
+                    return Flow::Stop;
                 }
             };
-            match (report, worker.state) {
+            match (report, *state) {
                 // A warm child's own `Ready`, from before it became a worker.
                 (Report::Ready, WorkerState::Starting) => {}
                 (Report::Serving, WorkerState::Starting) => {
-                    worker.state = WorkerState::Idle;
-                    inner.start_failures = 0;
+                    *state = WorkerState::Idle;
+                    serving = true;
                 }
                 (Report::TaskDone(outcome), WorkerState::Busy(id)) => {
-                    worker.in_flight = None;
-                    let output = worker.child.output().take();
-                    match outcome {
-                        TaskOutcome::Returned(bytes) => {
-                            worker.state = WorkerState::Idle;
-                            worker.tasks_done += 1;
-                            inner.finish(id, Ok((bytes.0, fds)), output);
-                        }
-                        TaskOutcome::Unsendable(error) => {
-                            worker.state = WorkerState::Idle;
-                            worker.tasks_done += 1;
-                            inner.finish(id, Err(error), output);
-                        }
-                        TaskOutcome::NotRun { stage, error } => {
-                            worker.state = WorkerState::Idle;
-                            worker.tasks_done += 1;
-                            let pid = worker.pid();
-                            let outcome = Outcome::NotRun { stage, error };
-                            let error =
-                                self.not_run_error(pid, inner.timed_out(id), outcome, output);
-                            inner.finish(id, Err(error), Default::default());
-                        }
-                        TaskOutcome::Panicked { message, location } => {
-                            // It exits next, on its own: fail the task with the panic and how
-                            // the worker exited.
-                            let outcome = Outcome::Panicked { message, location };
-                            let worker = inner.slots[slot].take().expect("read above");
-                            let error = self.failed_task(inner, worker, id, Some(outcome), output);
-                            inner.finish(id, Err(error), Default::default());
-                            return;
-                        }
+                    *in_flight = None;
+                    if let TaskOutcome::Panicked { message, location } = outcome {
+                        // It exits next, on its own: fail the task with the panic and how the
+                        // worker exited.
+                        panicked = Some((id, Outcome::Panicked { message, location }));
+                        return Flow::Stop;
                     }
-                }
-                (Report::Exited(status), _) if worker.child.reaper() == Reaper::Forkserver => {
-                    worker.child.set_reaped(status);
-                    gone = true;
-                    break;
+                    *state = WorkerState::Idle;
+                    *tasks_done += 1;
+                    done.push(TaskDone { id, outcome, fds });
                 }
                 (report, state) => {
                     violation = Some(format!("a report out of turn ({report:?} while {state:?})"));
-                    break;
+                    return Flow::Stop;
                 }
             }
+            Flow::Continue
+        });
+        let gone = match read {
+            Read::HungUp | Read::Exited => true,
+            Read::Broken(error) => {
+                violation = Some(format!("reading its channel failed: {error}"));
+                false
+            }
+            Read::Drained | Read::Stopped => false,
+        };
+        if serving {
+            inner.start_failures = 0;
+        }
+        for TaskDone { id, outcome, fds } in done {
+            let worker = inner.slots[slot].as_ref().expect("read above");
+            let output = worker.child.output().take();
+            match outcome {
+                TaskOutcome::Returned(bytes) => inner.finish(id, Ok((bytes.0, fds)), output),
+                TaskOutcome::Unsendable(error) => inner.finish(id, Err(error), output),
+                TaskOutcome::NotRun { stage, error } => {
+                    let pid = worker.pid();
+                    let outcome = Outcome::NotRun { stage, error };
+                    let error = self.not_run_error(pid, inner.timed_out(id), outcome, output);
+                    inner.finish(id, Err(error), Default::default());
+                }
+                TaskOutcome::Panicked { .. } => unreachable!("a panic stops the reading"),
+            }
+        }
+        if let Some((id, outcome)) = panicked {
+            let worker = inner.slots[slot].take().expect("read above");
+            let output = worker.child.output().take();
+            self.fail_task(inner, worker, id, Some(outcome), output, None);
+            return;
         }
         let Some(worker) = inner.slots[slot].as_mut() else {
             return;
@@ -100,74 +112,21 @@ impl Shared {
         match worker.state {
             WorkerState::Busy(id) if self.never_taken(inner, &worker, id, violation.is_some()) => {
                 // It died before taking the task off its channel (killed while idle, say): the
-                // task never ran; the next worker gets it.
+                // task never ran; the next worker gets it. Nothing waits for its status: it is
+                // reaped in the background.
                 let mut worker = worker;
                 let task = worker.in_flight.take().expect("checked by never_taken");
-                self.end_worker(worker, false);
+                drop(worker);
                 inner.tasks.insert(id, TaskState::Queued);
                 inner.queue.push_front(task);
             }
             WorkerState::Busy(id) => {
-                let mut error = self.failed_task(inner, worker, id, None, Default::default());
-                if let (Some(violation), Error::Child(child)) = (&violation, &mut error) {
-                    child.protocol_violation = Some(violation.clone());
-                }
-                inner.finish(id, Err(error), Default::default());
+                self.fail_task(inner, worker, id, None, Default::default(), violation)
             }
-            WorkerState::Starting => {
-                let pid = worker.pid();
-                let ended = self.end_worker(worker, false);
-                inner.start_failures += 1;
-                inner.start_error = Some(Error::Child(Box::new(ChildError::new(
-                    (self.method, pid),
-                    (ended.status, false),
-                    None,
-                    None,
-                    Observed {
-                        protocol_violation: violation,
-                        status_unknown: ended.status_unknown,
-                        notes: vec!["a Pool worker, which died while it started".to_owned()],
-                        ..Observed::default()
-                    },
-                    ended.output,
-                ))));
-            }
-            WorkerState::Idle => {
-                self.end_worker(worker, false);
-            }
+            WorkerState::Starting => self.start_failed(inner, worker, violation),
+            // Reaped in the background.
+            WorkerState::Idle => drop(worker),
         }
-    }
-
-    /// End `worker`, which was running task `id`, and make the task's error from what is known
-    /// (`outcome`: what it reported; `output`: what it printed before that). A worker that
-    /// reported (a panic) is let exit by itself, for its true exit status.
-    fn failed_task(
-        &self,
-        inner: &Inner,
-        worker: Worker,
-        id: u64,
-        outcome: Option<Outcome>,
-        (stdout, stderr): (String, String),
-    ) -> Error {
-        let pid = worker.pid();
-        let done = worker.tasks_done;
-        let ended = self.end_worker(worker, outcome.is_some());
-        let timed_out = inner.timed_out(id);
-        Error::Child(Box::new(ChildError::new(
-            (self.method, pid),
-            (ended.status, true),
-            outcome,
-            timed_out,
-            Observed {
-                status_unknown: ended.status_unknown,
-                notes: vec![format!(
-                    "a Pool worker, running its task {} (it has been replaced)",
-                    done + 1
-                )],
-                ..Observed::default()
-            },
-            (stdout + &ended.output.0, stderr + &ended.output.1),
-        )))
     }
 
     /// The error of a task that could not run on a worker that lives on (its argument could

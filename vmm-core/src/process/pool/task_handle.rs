@@ -86,11 +86,13 @@ impl<R> Drop for TaskHandle<R> {
         match inner.tasks.remove(&self.id) {
             Some(TaskState::Queued) => inner.queue.retain(|q| q.id != self.id),
             Some(TaskState::Running { slot, .. }) => {
-                if let Some(worker) = inner.slots[slot].take() {
-                    self.shared.end_worker(worker, false);
-                }
+                // Killed, and reaped in the background: the lock is never held while a child
+                // dies.
+                drop(inner.slots[slot].take());
                 self.shared.replace_dead(&mut inner);
             }
+            // Its worker is dying already: nobody waits for its status now.
+            Some(TaskState::Failing) => inner.dying.retain(|dying| !dying.fails(self.id)),
             Some(TaskState::Done(_)) | None => {}
         }
         self.shared.wake_driver(&inner);

@@ -8,7 +8,7 @@ use std::time::Duration;
 use nix::sys::socket::MsgFlags;
 
 use super::Shared;
-use super::worker::{Worker, WorkerState};
+use super::worker::{Dying, Worker, WorkerState};
 use crate::error::ProtocolRule;
 use crate::{Error, Result};
 
@@ -20,6 +20,8 @@ const DELIVERIES_MAX: u32 = 3;
 pub(super) struct Inner {
     /// One per worker position; `None` while a dead worker awaits its replacement.
     pub(super) slots: Vec<Option<Worker>>,
+    /// Workers out of their slots whose exit status is still to come (see `worker`).
+    pub(super) dying: Vec<Dying>,
     pub(super) queue: VecDeque<Queued>,
     pub(super) tasks: HashMap<u64, TaskState>,
     pub(super) next_id: u64,
@@ -40,6 +42,9 @@ pub(super) enum TaskState {
         slot: usize,
         timed_out: Option<Duration>,
     },
+    /// Its worker died (or broke the protocol, or panicked in it); its error waits for the
+    /// worker's exit status (a `Dying` worker's).
+    Failing,
     Done(Finished),
 }
 
@@ -145,9 +150,9 @@ impl Shared {
                     inner.queue.push_front(task);
                     self.read_worker(inner, slot);
                     if inner.slots[slot].is_some() {
-                        // Not seen dead yet: end it now rather than offer it again.
-                        let worker = inner.slots[slot].take().expect("checked");
-                        self.end_worker(worker, false);
+                        // Not seen dead yet: end it now rather than offer it again (killed,
+                        // and reaped in the background).
+                        drop(inner.slots[slot].take());
                     }
                     self.replace_dead(inner);
                 }
