@@ -9,6 +9,7 @@
 
 #![cfg(target_os = "linux")]
 
+pub mod child_drop;
 pub mod driver;
 pub mod endpoint;
 pub mod fabric;
@@ -240,6 +241,7 @@ pub fn run(c: &mut Criterion, gpu: &Result<(), Unavailable>) {
     pool::host_pool(c);
     endpoint::host(c);
     start::child_start(c);
+    child_drop::host_drop(c);
     tls::host_tls(c);
     if gpu.is_ok() {
         let cuda = raw::RawCuda::init().unwrap_or_else(|e| {

@@ -255,7 +255,7 @@ impl<S: Side> End<S> {
 
     /// The untyped channel: a test writes what no end sends.
     #[cfg(test)]
-    fn channel(&self) -> &Channel {
+    pub(crate) fn channel(&self) -> &Channel {
         &self.channel
     }
 }

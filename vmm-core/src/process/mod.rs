@@ -60,9 +60,10 @@
 //! waits for it, acknowledges, runs `f(arg)` and reports how it ended. A child whose start
 //! message never comes (because `spawn` failed after it was made) exits without running `f`,
 //! so a `spawn` that returns `Err` never runs `f`. A child dies with its parent
-//! (`PR_SET_PDEATHSIG`), and a dropped, unjoined [`Process`] kills and reaps it; the parent
-//! watches the child process itself, so no use of its channel can keep a join from its
-//! deadline or leave a zombie.
+//! (`PR_SET_PDEATHSIG`), and a dropped, unjoined [`Process`] kills it without waiting (one
+//! supervisor reaps every dropped child in the background, as soon as the kernel has ended it);
+//! the parent watches the child process itself, so no use of its channel can keep a join from
+//! its deadline or leave a zombie.
 //!
 //! # Threat model
 //!
@@ -101,7 +102,8 @@
 // - pool/: `Pool` (mod), `TaskHandle` (task_handle), the waiters' event loop, dispatch and
 //   replacement of the dead (events), a worker's reports (report); below them `PoolState`
 //   (pool_state: the one owner of the workers' slots, the task table and queue), then `Worker`
-//   (worker: one worker's state, start and end), then `TaskMessage` (task_message: a task on its
+//   (worker: one worker's state, start and end, and the dying: a worker whose exit status a
+//   task's error awaits, ended without waiting), then `TaskMessage` (task_message: a task on its
 //   way to a worker, and the redelivery cap)
 // - context: `Context` (what the parent does to start a child), `make` (a child of any
 //   method, waiting for its first message)
@@ -121,10 +123,17 @@
 // - tracker: a child's fate, and the `Tracker` a `Context` tells of each child it starts
 //   (`testing` keeps `#[ipc_test]`'s registry behind it)
 // - supervisor: `Child`, the one held child (pid, pidfd, channel, output, what is known of
-//   its end; kill, reap, waits by deadline). One noun for it: every holder keeps a `Child` and
-//   is named for what it is to it: `Process` (the user's handle, public), `NewChild` (just
-//   made, not yet handed over), `WaitingChild` (in the warm pool), a pool's `Worker` (a child
-//   plus its task socket); `TrackedChild` is a tracker's view of one, from outside
+//   its end), and everything done to one: who reaps it, the one loop that reads its reports
+//   (`read_reports`), kill, reap, ending it with or without waiting (`end`, `Ending`), and the
+//   orphan queue that kills and reaps a dropped child in the background (a drop never waits).
+//   One noun for it: every holder keeps a `Child` and is named for what it is to it: `Process`
+//   (the user's handle, public), `NewChild` (just made, not yet handed over), `WaitingChild`
+//   (in the warm pool), a pool's `Worker` (a child plus its task socket) and `Dying` worker;
+//   `TrackedChild` is a tracker's view of one, from outside. Inside supervisor/, bottom up:
+//   child_proc (what is known of a child's end; kill, reap, wait by deadline), report_reader
+//   (the one read loop), ending (ending without waiting, and what to poll), orphans (the
+//   orphan queue and its reaper thread); its unit tests, on real child processes, are
+//   supervisor_tests
 // - output: a child's captured stdout and stderr, read from the end up to the output cap
 // - launch: posix_spawn of /proc/self/exe on the launcher thread
 // - hook: the argv a re-executed child needs, from the harness (`testing` installs libtest's)
@@ -159,6 +168,8 @@ mod task_loop;
 mod timeout;
 pub(crate) mod tracker;
 mod warm;
+
+pub(crate) use supervisor::settle_orphans;
 
 pub use crate::error::StartMethod;
 pub use context::Context;

@@ -12,37 +12,23 @@ use super::StartMethod;
 use super::ends::Sealed;
 use super::protocol::{Order, Report};
 use super::status::{ChildError, ExitStatus, Observed, Outcome};
-use super::supervisor::{Child, Incoming, Reaper, STATUS_REPORT_GRACE, poll_timeout};
+use super::supervisor::{ChannelEnd, Child, Flow, Packet, REAP_POLL, Read, Reaper, poll_timeout};
 use super::tracker::{Fate, FateCell};
 use crate::error::ProtocolRule;
 use crate::trace;
 use crate::{Error, Result};
 
-/// While a spawned child cannot be watched through a pidfd (none could be opened, at the fd
-/// limit say), how often `waitpid` is asked whether it has exited.
-const REAP_POLL: Duration = Duration::from_millis(10);
-
-/// The most packets read from a channel in one go, so that a flood from whatever holds the
-/// child's end (a process it forked) cannot keep a wait from ending.
-const DRAIN_MAX: usize = 1024;
-
-/// What is known of the parent's end of the child's channel.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum ChannelState {
-    /// Something may still write to it.
-    Open,
-    /// Every other end is closed: only what is queued remains.
-    HungUp,
-    /// Reading it failed in a way that may repeat; it is no longer read.
-    Broken,
-}
+/// Why a child's status is unknown when the test's registry took it over.
+const REGISTRY_REAPED: &str =
+    "the test's registry killed and reaped it, its Process having outlived the test";
 
 /// A running child process.
 ///
-/// Dropping a `Process` that was not joined kills and reaps the child, so a child never
-/// outlives the code that started it. Its stdout and stderr are captured; on a clean exit
-/// [`join`](Self::join) replays them into this process's (test-captured) stdout and stderr,
-/// on failure they are part of the [`ChildError`].
+/// Dropping a `Process` that was not joined kills the child, so a child never outlives the
+/// code that started it; the drop never waits for it (the child is reaped in the background,
+/// as soon as the kernel has ended it, so it leaves no zombie). Its stdout and stderr are
+/// captured; on a clean exit [`join`](Self::join) replays them into this process's
+/// (test-captured) stdout and stderr, on failure they are part of the [`ChildError`].
 ///
 /// The parent watches the child process itself (through a pidfd, or `waitpid`), not only its
 /// channel: whatever the child does to its channel (writes packets that are not reports, closes
@@ -55,13 +41,9 @@ pub struct Process {
     /// Shared with the registry of the `#[ipc_test]` that started it, if any.
     fate: Arc<FateCell>,
     default_timeout: Duration,
-    started: bool,
-    /// A warm child's `Ready` report was seen (it may come before `Started`, once).
-    ready_seen: bool,
-    outcome: Option<Outcome>,
-    channel_state: ChannelState,
-    /// The first way the child broke the protocol on its channel, and how many more followed.
-    violation: Option<(String, usize)>,
+    /// What its reports said.
+    heard: Heard,
+    channel_state: ChannelEnd,
     /// The child closed its channel while still running, before reporting how its function
     /// ended.
     channel_closed_early: bool,
@@ -83,11 +65,13 @@ impl Process {
             method,
             fate,
             default_timeout,
-            started: false,
-            ready_seen: ready || method != StartMethod::Warm,
-            outcome: None,
-            channel_state: ChannelState::Open,
-            violation: None,
+            heard: Heard {
+                started: false,
+                ready_seen: ready || method != StartMethod::Warm,
+                outcome: None,
+                violation: None,
+            },
+            channel_state: ChannelEnd::Open,
             channel_closed_early: false,
             exec_program: None,
         }
@@ -98,8 +82,8 @@ impl Process {
         self.child.channel().send_sealed(start, fds, None)
     }
 
-    /// The child will never get its start message: kill and reap it, as intended (no fate to
-    /// report).
+    /// The child will never get its start message: kill it (reaped in the background), as
+    /// intended (no fate to report).
     pub(crate) fn abandon(self) {
         self.fate.set(Fate::Killed);
         drop(self);
@@ -120,7 +104,8 @@ impl Process {
         self.method
     }
 
-    /// Kill the child (SIGKILL). It is reaped by [`join`](Self::join) or on drop.
+    /// Kill the child (SIGKILL). It is reaped by [`join`](Self::join), or in the background
+    /// once dropped.
     pub fn kill(&self) -> Result<()> {
         if self.child.ended() {
             return Ok(());
@@ -168,10 +153,10 @@ impl Process {
             self.fate.set(Fate::Finished);
         }
         let status = self.child.status();
-        let clean = self.started
-            && matches!(self.outcome, Some(Outcome::Returned(_)))
+        let clean = self.heard.started
+            && matches!(self.heard.outcome, Some(Outcome::Returned(_)))
             && status.is_some_and(ExitStatus::success)
-            && self.violation.is_none()
+            && self.heard.violation.is_none()
             && !timed_out;
         let (stdout, stderr) = self.child.output().read();
         if clean {
@@ -180,7 +165,7 @@ impl Process {
             return Ok(ExitStatus::Exited(0));
         }
         let observed = Observed {
-            protocol_violation: self.violation.take().map(|(first, more)| match more {
+            protocol_violation: self.heard.violation.take().map(|(first, more)| match more {
                 0 => first,
                 n => format!("{first} (and {n} more such packets)"),
             }),
@@ -191,8 +176,8 @@ impl Process {
         };
         Err(Error::Child(Box::new(ChildError::new(
             (self.method, self.pid()),
-            (status, self.started),
-            self.outcome.take(),
+            (status, self.heard.started),
+            self.heard.outcome.take(),
             timed_out.then_some(timeout),
             observed,
             (stdout, stderr),
@@ -213,7 +198,7 @@ impl Process {
                 Ok(true) => {}
                 Ok(false) => {
                     timed_out = true;
-                    if self.channel_state != ChannelState::Open && self.outcome.is_none() {
+                    if self.channel_state != ChannelEnd::Open && self.heard.outcome.is_none() {
                         self.channel_closed_early = true;
                     }
                     self.note_exec();
@@ -230,65 +215,38 @@ impl Process {
         }
     }
 
-    /// Whether the child's end is known from the outside: a spawned child has been reaped; a
-    /// forkserver child's status will never come. Records what it learns.
+    /// Whether the child's end is known from the outside (the supervisor's
+    /// [`Child::conclude`]: a spawned child has been reaped; a forkserver child's status will
+    /// never come). Records what it learns.
     fn end_known(&mut self) -> bool {
-        match self.child.reaper() {
-            Reaper::Us => {
-                if self.fate.get() == Fate::Reaped {
-                    self.child.set_lost(
-                        "the test's registry killed and reaped it, its Process having outlived \
-                         the test"
-                            .into(),
-                    );
-                    return true;
-                }
-                if !self.child.try_reap() {
-                    if self.channel_state == ChannelState::HungUp && self.outcome.is_none() {
-                        // Its channel closed while it runs: it may have exec'd.
-                        self.note_exec();
-                    }
-                    return false;
-                }
-                // Everything it wrote before it exited is queued by now.
-                self.drain();
-                true
-            }
-            Reaper::Forkserver => {
-                let why = if self.channel_state == ChannelState::HungUp {
-                    "the forkserver died before reporting it".to_owned()
-                } else if self
-                    .child
-                    .exited_at()
-                    .is_some_and(|at| at.elapsed() >= STATUS_REPORT_GRACE)
-                {
-                    format!(
-                        "the forkserver did not report it within {STATUS_REPORT_GRACE:?} of the \
-                         child's death"
-                    )
-                } else if self.channel_state == ChannelState::Broken && self.pidfd().is_none() {
-                    "its channel could not be read, and there is no pidfd to watch it by".into()
-                } else {
-                    return false;
-                };
-                self.child.set_lost(why);
-                true
-            }
+        let ours = self.child.reaper() == Reaper::Us;
+        if ours && self.fate.get() == Fate::Reaped {
+            self.child.set_lost(REGISTRY_REAPED.into());
+            return true;
         }
+        if !self.child.conclude(self.channel_state) {
+            if ours && self.channel_state == ChannelEnd::HungUp && self.heard.outcome.is_none() {
+                // Its channel closed while it runs: it may have exec'd.
+                self.note_exec();
+            }
+            return false;
+        }
+        if ours {
+            // Reaped: everything it wrote before it exited is queued by now.
+            self.drain();
+        }
+        true
     }
 
     /// Sleep until the channel has something (or hangs up), the child exits, or `deadline`
     /// passes. `Ok(false)` only when `deadline` passed.
     fn wait_event(&mut self, deadline: Option<Instant>) -> Result<bool> {
         let exited_at = self.child.exited_at();
-        let watch_channel = self.channel_state == ChannelState::Open;
+        let watch_channel = self.channel_state == ChannelEnd::Open;
         let pidfd = self.child.pidfd().filter(|_| exited_at.is_none());
         let mut until = deadline;
-        if self.child.reaper() == Reaper::Forkserver
-            && let Some(at) = exited_at
-        {
-            let grace_end = at + STATUS_REPORT_GRACE;
-            until = Some(until.map_or(grace_end, |d| d.min(grace_end)));
+        if let Some(due) = self.child.report_due() {
+            until = Some(until.map_or(due, |d| d.min(due)));
         }
         let tick = (self.child.reaper() == Reaper::Us && pidfd.is_none()).then_some(REAP_POLL);
         let mut fds = Vec::with_capacity(2);
@@ -327,58 +285,25 @@ impl Process {
         Ok(woke || deadline.is_none_or(|d| Instant::now() < d))
     }
 
-    /// Read every queued packet (at most [`DRAIN_MAX`]), taking reports and recording
+    /// Read every queued packet (at most `READ_MAX`), taking reports and recording
     /// violations; notes a hang-up.
     fn drain(&mut self) {
-        let mut hang_ups = 0;
-        for _ in 0..DRAIN_MAX {
-            if self.channel_state == ChannelState::Broken {
-                return;
-            }
-            match self.child.next_report() {
-                Incoming::Report(report, fds) if fds.is_empty() => self.take(report),
-                // Closes the fds it carried.
-                Incoming::Report(report, fds) => {
-                    self.violate(format!("a report carrying {} fds ({report:?})", fds.len()))
-                }
-                Incoming::Empty => return,
-                Incoming::HungUp => {
-                    self.channel_state = ChannelState::HungUp;
-                    // An empty packet from a peer that closed right after reads like the
-                    // hang-up itself: one more read tells them apart.
-                    hang_ups += 1;
-                    if hang_ups > 1 {
-                        return;
-                    }
-                }
-                // The offending packet was consumed: keep reading.
-                Incoming::NotAReport(why) => self.violate(why),
-                Incoming::Broken(e) => {
-                    self.violate(format!("reading its channel failed: {e}"));
-                    self.channel_state = ChannelState::Broken;
-                }
-            }
+        if self.channel_state == ChannelEnd::Broken {
+            return;
         }
-    }
-
-    fn take(&mut self, report: Report) {
-        match report {
-            Report::Ready if !self.ready_seen && !self.started => self.ready_seen = true,
-            Report::Started if !self.started => self.started = true,
-            Report::Finished(outcome) if self.outcome.is_none() => self.outcome = Some(outcome),
-            Report::Exited(status)
-                if self.child.reaper() == Reaper::Forkserver && !self.child.ended() =>
-            {
-                self.child.set_reaped(status)
+        let heard = &mut self.heard;
+        let read = self.child.read_reports(None, |packet| {
+            heard.take(packet);
+            Flow::Continue
+        });
+        match read {
+            Read::HungUp => self.channel_state = ChannelEnd::HungUp,
+            Read::Broken(e) => {
+                self.heard
+                    .violate(format!("reading its channel failed: {e}"));
+                self.channel_state = ChannelEnd::Broken;
             }
-            other => self.violate(format!("a report out of turn ({other:?})")),
-        }
-    }
-
-    fn violate(&mut self, why: String) {
-        match &mut self.violation {
-            Some((_, more)) => *more += 1,
-            None => self.violation = Some((why, 0)),
+            Read::Drained | Read::Stopped | Read::Exited => {}
         }
     }
 
@@ -404,16 +329,64 @@ impl Process {
     }
 }
 
+/// Never waits: the child is killed and reaped in the background (see the supervisor).
 impl Drop for Process {
     fn drop(&mut self) {
-        if !self.child.ended() {
+        if self.child.ended() {
             if self.fate.get() == Fate::Running {
-                self.fate.set(Fate::DroppedRunning);
+                self.fate.set(Fate::Finished);
             }
-            let _ = self.signal_kill();
-            self.wait_until(None);
-        } else if self.fate.get() == Fate::Running {
-            self.fate.set(Fate::Finished);
+            return;
+        }
+        if self.fate.get() == Fate::Reaped {
+            // Its pid is no longer this child's: the child must not go to the orphan queue.
+            self.child.set_lost(REGISTRY_REAPED.into());
+            return;
+        }
+        if self.fate.get() == Fate::Running {
+            self.fate.set(Fate::DroppedRunning);
+        }
+        // Dropping the child kills it (and hands it to the orphan queue).
+    }
+}
+
+/// What reports a child sent (see [`Child::read_reports`]).
+#[derive(Debug)]
+struct Heard {
+    started: bool,
+    /// A warm child's `Ready` report was seen (it may come before `Started`, once).
+    ready_seen: bool,
+    outcome: Option<Outcome>,
+    /// The first way the child broke the protocol on its channel, and how many more followed.
+    violation: Option<(String, usize)>,
+}
+
+impl Heard {
+    fn take(&mut self, packet: Packet) {
+        match packet {
+            Packet::Report(report, fds) if fds.is_empty() => self.report(report),
+            // Closes the fds it carried.
+            Packet::Report(report, fds) => {
+                self.violate(format!("a report carrying {} fds ({report:?})", fds.len()))
+            }
+            Packet::NotAReport(why) => self.violate(why),
+        }
+    }
+
+    fn report(&mut self, report: Report) {
+        match report {
+            Report::Ready if !self.ready_seen && !self.started => self.ready_seen = true,
+            Report::Started if !self.started => self.started = true,
+            Report::Finished(outcome) if self.outcome.is_none() => self.outcome = Some(outcome),
+            // The forkserver's own `Exited` is the supervisor's (it never comes here).
+            other => self.violate(format!("a report out of turn ({other:?})")),
+        }
+    }
+
+    fn violate(&mut self, why: String) {
+        match &mut self.violation {
+            Some((_, more)) => *more += 1,
+            None => self.violation = Some((why, 0)),
         }
     }
 }

@@ -1,99 +1,90 @@
-//! One supervised child, as its parent sees it: its pid (and pidfd), its channel, its captured
-//! output ([`Output`], read under the output cap), and what is known of its end. Every holder of a child (a [`Process`](super::Process),
-//! a child waiting in the warm pool, a pool worker) keeps it as a [`Child`], and the
-//! registry of an `#[ipc_test]` uses the same kill and reap, so that killing, reaping, waiting
-//! by a deadline and reading output are written once.
+//! The one supervisor of every child this process starts: how a child is watched, killed and
+//! reaped, how its reports are read, and what becomes of one that nobody waits for.
 //!
-//! A spawned or warm child is ours: we reap it, and until then its pid cannot be reused, so it
-//! may be signalled by pid when no pidfd could be had. A forkserver child is the server's: the
-//! server reaps it and reports its status on the child's channel ([`Report::Exited`]), so here
-//! it is only ever signalled through its pidfd (or while that report has not come).
+//! Every holder of a child (a [`Process`](super::Process), a child waiting in the warm pool, a
+//! pool worker) keeps it as a [`Child`]: its pid (and pidfd), its channel, its captured output
+//! ([`Output`], read under the output cap) and what is known of its end; the registry of an
+//! `#[ipc_test]` uses the same kill and reap. What follows is written once, here.
+//!
+//! - **Who reaps.** A spawned or warm child is ours ([`Reaper::Us`]): we reap it with
+//!   `waitpid`, and until then its pid cannot be reused, so it may be signalled by pid when no
+//!   pidfd could be had. A forkserver child is the server's ([`Reaper::Forkserver`]): the
+//!   server reaps it and reports its status on the child's channel ([`Report::Exited`]), so
+//!   here it is only ever signalled through its pidfd (or by pid while that report has not
+//!   come). [`Child::conclude`] is the one place that decides, without waiting, whether a
+//!   child's end is known (reaped; reported; or its status lost), for `join` and for every
+//!   [`Ending`] alike.
+//! - **Reading reports.** [`Child::read_reports`] is the one loop over a child's channel, for
+//!   `Process`, a pool worker, a warm child and a forkserver child's end alike: it hands each
+//!   packet (a report and its fds, or a packet that is not a report) to the caller's closure,
+//!   which says whether to go on; it reads at most [`READ_MAX`] packets, waits up to a deadline
+//!   where asked, tells a hang-up from an empty packet, and takes the forkserver's `Exited`
+//!   itself (it is the child's status, not the caller's business).
+//! - **Ending.** [`Child::end`] kills the child (or, asked to, lets it exit by itself for up to
+//!   [`STATUS_REPORT_GRACE`] first) and waits for its status: for the callers that want the
+//!   status (`join`'s paths, the warm pool's story of a child that keeps dying). The same steps
+//!   without waiting are an [`Ending`]: a pool's driver advances one for a worker whose status
+//!   its task's error needs, polling what [`Child::ending_watch`] names, and never holds the
+//!   pool's lock while it waits.
+//! - **Dropping.** Dropping a `Child` whose end is not known never waits. The child is
+//!   SIGKILLed (through its pidfd where there is one), reaped at once if it is a zombie
+//!   already, and otherwise handed to the process-wide orphan queue with its pidfd (and, for a
+//!   forkserver child, its channel, on which the server's report will come); its output files
+//!   are closed at once, as nobody will read them. The queue is swept (without waiting) on
+//!   every drop and every new child, as tokio's orphan queue is, and by one background thread,
+//!   started when the queue gains an orphan and gone once it has been empty for half a second,
+//!   that sleeps in `poll` on the orphans' pidfds and channels and on an eventfd that brings it
+//!   new ones. No SIGCHLD handler: a pidfd says that a child has exited without taking a
+//!   signal that the program may own. An orphan of ours is reaped as soon as its pidfd says it
+//!   has exited, so none stays a zombie (where no thread can be started, the sweeps reap it at
+//!   the next drop or child); a forkserver orphan's report is awaited at most
+//!   [`STATUS_REPORT_GRACE`] after the kill. The queue's fds (its orphans' pidfds and channels, the thread's eventfd)
+//!   are closed once it is empty: [`settle_orphans`] waits for that (fd accounting calls it).
+//!
+//! What a drop costs the code that drops (vmm-bench's `host-drop` group; medians of a few runs
+//! on a loaded 2-core VM, indicative only): dropping a `Process` whose child runs took 10 to
+//! 40 us (the SIGKILL through the pidfd, a `waitpid` that finds the child still alive, the
+//! queue's lock; a drop that finds the reaper gone pays its thread's start, about 25 us more).
+//! Killing and joining the same child, the blocking kill + reap that a drop did before the
+//! orphan queue, took 100 to 200 us (for a forkserver child, until the server's report came),
+//! and killing a bare `std::process::Child` of `sleep` and waiting for it 65 to 95 us. The
+//! blocking drop's worst case was not its typical one: up to [`STATUS_REPORT_GRACE`] for a
+//! forkserver child whose server did not report, and as long as the kernel took to end the
+//! child (a CUDA context's teardown: hundreds of milliseconds), sometimes under a `Pool`'s lock.
 
-use std::os::fd::{AsFd, OwnedFd};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-use nix::errno::Errno;
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-use nix::sys::signal::{Signal, kill};
-use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
-use nix::unistd::Pid;
-
-use super::StartMethod;
-use super::ends::{ParentEnd, Received};
+use super::ends::ParentEnd;
 use super::output::Output;
-use super::protocol::Report;
 use super::status::ExitStatus;
 use super::sys;
-use crate::wire;
-use crate::{Error, Result};
+use crate::Result;
+use nix::unistd::Pid;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::Instant;
 
-/// Once a forkserver child is known to have exited (its pidfd said so), how long the parent
-/// waits for the server's report of its exit status before calling the status lost. Only a
-/// dead or stuck server needs it: a live one reports within milliseconds.
-pub(crate) const STATUS_REPORT_GRACE: Duration = Duration::from_secs(5);
+mod child_proc;
+mod ending;
+mod orphans;
+mod report_reader;
 
-/// Who reaps a child, and so where its exit status comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Reaper {
-    /// This process (spawn, warm): `waitpid`.
-    Us,
-    /// The forkserver: its [`Report::Exited`] on the child's channel.
-    Forkserver,
-}
-
-impl Reaper {
-    /// Who reaps a child started with `method`.
-    pub(crate) fn of(method: StartMethod) -> Reaper {
-        if method.is_direct_child() {
-            Reaper::Us
-        } else {
-            Reaper::Forkserver
-        }
-    }
-}
-
-/// What is known of a child's end.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum State {
-    /// Alive, as far as anything has told.
-    Running,
-    /// Its pidfd said it has exited, at this instant; its status is not known yet (a forkserver
-    /// child's is on its way in the server's report; one of ours is about to be reaped).
-    Exited(Instant),
-    /// Reaped (here, or by the forkserver, which reported it), with its exit status.
-    Reaped(ExitStatus),
-    /// Its exit status will never be known, and why.
-    Lost(String),
-}
-
-/// What the next packet on a child's channel is.
-#[derive(Debug)]
-pub(crate) enum Incoming {
-    /// A report, with the fds its packet carried.
-    Report(Report, Vec<OwnedFd>),
-    /// Nothing queued.
-    Empty,
-    /// Every other end is closed: nothing more will come.
-    HungUp,
-    /// A packet that is not a report (it was consumed: reading may go on).
-    NotAReport(String),
-    /// Reading failed in a way that may repeat.
-    Broken(Error),
-}
+pub(crate) use child_proc::{
+    ChannelEnd, REAP_POLL, Reaper, exit_status, kill_child, pidfd_exits_within, poll_timeout,
+    reap_pid, reap_within,
+};
+use child_proc::{Proc, State, proc_stat};
+pub(crate) use ending::{Ending, Watch};
+use orphans::adopt;
+pub(crate) use orphans::{reap_orphans, settle_orphans};
+use report_reader::read_channel;
+pub(crate) use report_reader::{Flow, Packet, Read};
 
 /// A child of this process's making: see the module docs.
 #[derive(Debug)]
 pub(crate) struct Child {
-    pid: Pid,
-    reaper: Reaper,
-    /// Watched for its exit, and used to signal it (never a recycled pid), where one could be
-    /// had (not at the fd limit, say).
-    pidfd: Option<Arc<OwnedFd>>,
+    proc: Proc,
     /// The parent's end of its channel (shared with whoever polls it without the holder's lock).
     channel: Arc<ParentEnd>,
     output: Output,
-    state: State,
 }
 
 impl Child {
@@ -127,26 +118,30 @@ impl Child {
         channel: ParentEnd,
         output: Output,
     ) -> Child {
+        // A new child is a moment to reap the orphans that have exited since the last one.
+        reap_orphans();
         Child {
-            pid,
-            reaper,
-            pidfd,
+            proc: Proc {
+                pid,
+                reaper,
+                pidfd,
+                state: State::Running,
+            },
             channel: Arc::new(channel),
             output,
-            state: State::Running,
         }
     }
 
     pub(crate) fn pid(&self) -> Pid {
-        self.pid
+        self.proc.pid
     }
 
     pub(crate) fn reaper(&self) -> Reaper {
-        self.reaper
+        self.proc.reaper
     }
 
     pub(crate) fn pidfd(&self) -> Option<&Arc<OwnedFd>> {
-        self.pidfd.as_ref()
+        self.proc.pidfd.as_ref()
     }
 
     pub(crate) fn channel(&self) -> &Arc<ParentEnd> {
@@ -159,7 +154,7 @@ impl Child {
 
     /// Its exit status, once known.
     pub(crate) fn status(&self) -> Option<ExitStatus> {
-        match self.state {
+        match self.proc.state {
             State::Reaped(status) => Some(status),
             _ => None,
         }
@@ -167,7 +162,7 @@ impl Child {
 
     /// Why its exit status will never be known, once that is certain.
     pub(crate) fn lost(&self) -> Option<&str> {
-        match &self.state {
+        match &self.proc.state {
             State::Lost(why) => Some(why),
             _ => None,
         }
@@ -175,153 +170,110 @@ impl Child {
 
     /// Whether its end is known: its status, or that it never will be.
     pub(crate) fn ended(&self) -> bool {
-        matches!(self.state, State::Reaped(_) | State::Lost(_))
+        self.proc.ended()
     }
 
     /// When it was seen to exit, while its status is not known yet.
     pub(crate) fn exited_at(&self) -> Option<Instant> {
-        match self.state {
-            State::Exited(at) => Some(at),
-            _ => None,
-        }
-    }
-
-    /// The forkserver reported its status.
-    pub(crate) fn set_reaped(&mut self, status: ExitStatus) {
-        self.state = State::Reaped(status);
+        self.proc.exited_at()
     }
 
     /// Its status will never be known.
     pub(crate) fn set_lost(&mut self, why: String) {
-        self.state = State::Lost(why);
+        self.proc.state = State::Lost(why);
     }
 
     /// SIGKILL it, unless its end is known already (then its pid may be another process's).
     pub(crate) fn kill(&self) -> Result<()> {
-        if self.ended() {
-            return Ok(());
-        }
-        kill_child(self.pid, self.pidfd.as_deref(), self.reaper)
+        self.proc.kill()
     }
 
     /// Whether its pidfd says it has exited (without waiting); records when.
     pub(crate) fn poll_exited(&mut self) -> bool {
-        if self.exited_at().is_some() {
-            return true;
-        }
-        let Some(pidfd) = &self.pidfd else {
-            return false;
-        };
-        if pidfd_exits_within(pidfd, Duration::ZERO) == Some(true) {
-            self.note_exited();
-            return true;
-        }
-        false
+        self.proc.poll_exited()
     }
 
     /// Its pidfd became readable: it has exited.
     pub(crate) fn note_exited(&mut self) {
-        if self.state == State::Running {
-            self.state = State::Exited(Instant::now());
-        }
+        self.proc.note_exited();
     }
 
-    /// Reap a child of ours if it has exited, without waiting. `true` once its end is known
-    /// (reaped, or `waitpid` failed: then its status is lost).
-    pub(crate) fn try_reap(&mut self) -> bool {
-        debug_assert_eq!(self.reaper, Reaper::Us);
-        match waitpid(self.pid, Some(WaitPidFlag::WNOHANG)) {
-            Ok(status) => match exit_status(status) {
-                Some(status) => self.state = State::Reaped(status),
-                None => return false,
-            },
-            Err(Errno::EINTR) => return false,
-            Err(e) => self.state = State::Lost(format!("waitpid({}) failed: {e}", self.pid)),
-        }
-        true
+    /// Learn, without waiting, whether its end is known now: the one place that says how a
+    /// child's end becomes known. A child of ours is reaped if it has exited. A forkserver
+    /// child's status is the server's `Exited` report, which reading its channel takes
+    /// ([`read_reports`](Self::read_reports)); it is lost once the server has hung up
+    /// (`channel` says what reading found), [`STATUS_REPORT_GRACE`] after the child was seen to
+    /// exit ([`report_due`](Self::report_due)), or when its channel cannot be read and there is
+    /// no pidfd to see it exit by. `true` once its end is known.
+    pub(crate) fn conclude(&mut self, channel: ChannelEnd) -> bool {
+        self.proc.conclude(channel)
+    }
+
+    /// When a forkserver child's status report stops being awaited, once it was seen to exit.
+    pub(crate) fn report_due(&self) -> Option<Instant> {
+        self.proc.report_due()
     }
 
     /// Reap a child of ours, waiting for it to exit (kill it first, unless it is meant to exit
     /// by itself).
     pub(crate) fn reap(&mut self) {
-        debug_assert_eq!(self.reaper, Reaper::Us);
+        debug_assert_eq!(self.proc.reaper, Reaper::Us);
         if self.ended() {
             return;
         }
-        self.state = match reap_pid(self.pid) {
+        self.proc.state = match reap_pid(self.proc.pid) {
             Ok(status) => State::Reaped(status),
             Err(e) => State::Lost(e.to_string()),
         };
     }
 
-    /// Whether it exits within `limit`: its pidfd becomes readable; without one, its channel
-    /// hangs up (which for a forkserver child never happens while the server holds its copy).
-    pub(crate) fn exits_within(&self, limit: Duration) -> bool {
-        if self.ended() || self.exited_at().is_some() {
-            return true;
-        }
-        match &self.pidfd {
-            Some(pidfd) => pidfd_exits_within(pidfd, limit) == Some(true),
-            None => wire::wait_hangup(self.channel.as_fd(), Some(Instant::now() + limit))
-                .unwrap_or(false),
-        }
+    /// Read what its channel holds, handing each packet to `each` until it says
+    /// [`Flow::Stop`]: at most [`READ_MAX`] packets, and, with `until`, waiting for packets
+    /// until then (without it, only what is queued now). The forkserver's [`Report::Exited`]
+    /// for a forkserver child (without fds, before its end is known) is not handed over: it
+    /// is the child's status, recorded here, and reading stops ([`Read::Exited`]). Any other
+    /// report, a forged `Exited` included, is `each`'s to judge.
+    ///
+    /// A hang-up reads like an empty packet from a peer that closed right after: one more
+    /// read tells them apart, so a hang-up is reported only after what was queued before it.
+    pub(crate) fn read_reports(
+        &mut self,
+        until: Option<Instant>,
+        each: impl FnMut(Packet) -> Flow,
+    ) -> Read {
+        read_channel(&self.channel, &mut self.proc, until, each)
     }
 
-    /// End it for good: kill it (with `let_exit`, only if it does not exit by itself within
-    /// [`STATUS_REPORT_GRACE`], so that its own exit status is what is known) and learn its
-    /// status: reaped here, or a forkserver child's from the server's report, at most
-    /// [`STATUS_REPORT_GRACE`] after the kill. Afterwards its end is known.
+    /// Start ending it without waiting: kill it now, or with `let_exit` give it
+    /// [`STATUS_REPORT_GRACE`] to exit by itself first (so that its own exit status is what is
+    /// known). Then [`advance_ending`](Self::advance_ending) until it says the end is known.
+    pub(crate) fn start_ending(&mut self, let_exit: bool) -> Ending {
+        Ending::start(&mut self.proc, let_exit)
+    }
+
+    /// Take the next steps of `ending` that need no waiting (reap, read the forkserver's
+    /// report, kill once its time to exit by itself is up, give up on a report that is
+    /// overdue). `true` once its end is known ([`status`](Self::status) or
+    /// [`lost`](Self::lost)).
+    pub(crate) fn advance_ending(&mut self, ending: &mut Ending) -> bool {
+        let channel = Arc::clone(&self.channel);
+        ending.advance(&mut self.proc, Some(&channel))
+    }
+
+    /// What to poll, and until when at the latest, before advancing `ending` again.
+    pub(crate) fn ending_watch(&self, ending: &Ending) -> Watch {
+        ending.watch(&self.proc, Some(&self.channel))
+    }
+
+    /// End it for good and learn its status, waiting: kill it (with `let_exit`, only if it does
+    /// not exit by itself within [`STATUS_REPORT_GRACE`], so that its own exit status is what is
+    /// known), then reap it here, or take a forkserver child's status from the server's report,
+    /// at most [`STATUS_REPORT_GRACE`] after the kill. Afterwards its end is known. For callers
+    /// that want the status; a drop never waits (module docs).
     pub(crate) fn end(&mut self, let_exit: bool) {
-        if self.ended() {
-            return;
-        }
-        if !let_exit || !self.exits_within(STATUS_REPORT_GRACE) {
-            let _ = self.kill();
-        }
-        match self.reaper {
-            Reaper::Us => self.reap(),
-            Reaper::Forkserver => self.await_report(),
-        }
-    }
-
-    /// Read the channel until the forkserver's [`Report::Exited`], for at most
-    /// [`STATUS_REPORT_GRACE`]; anything else on it is dropped.
-    fn await_report(&mut self) {
-        let deadline = Instant::now() + STATUS_REPORT_GRACE;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.channel.recv(Some(left)) {
-                Ok(Received {
-                    message: Report::Exited(status),
-                    ..
-                }) => {
-                    self.state = State::Reaped(status);
-                    return;
-                }
-                Ok(_) | Err(Error::Protocol { .. }) => {}
-                Err(Error::Timeout { .. }) => {
-                    self.state = State::Lost(format!(
-                        "the forkserver did not report it within {STATUS_REPORT_GRACE:?}"
-                    ));
-                    return;
-                }
-                Err(_) => {
-                    self.state = State::Lost("the forkserver died before reporting it".to_owned());
-                    return;
-                }
-            }
-        }
-    }
-
-    /// The next packet on its channel, decoded as a report.
-    pub(crate) fn next_report(&self) -> Incoming {
-        match self.channel.try_recv() {
-            Ok(Some(received)) => Incoming::Report(received.message, received.fds),
-            Ok(None) => Incoming::Empty,
-            Err(Error::Disconnected(_)) => Incoming::HungUp,
-            // The offending packet (not a report, say) was consumed.
-            Err(Error::Protocol { message, .. }) => Incoming::NotAReport(message),
-            Err(error) => Incoming::Broken(error),
+        let mut ending = self.start_ending(let_exit);
+        while !self.advance_ending(&mut ending) {
+            self.ending_watch(&ending).wait();
         }
     }
 
@@ -332,37 +284,39 @@ impl Child {
     pub(crate) fn exiting(&self) -> bool {
         const PF_EXITING: u64 = 0x4;
         // Without /proc nothing is known here.
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)) else {
+        let Some((state, flags)) = proc_stat(self.proc.pid) else {
             return false;
         };
-        // After the command name (which may hold spaces and parentheses): state, ppid, pgrp,
-        // session, tty_nr, tpgid, flags.
-        let Some((_, fields)) = stat.rsplit_once(')') else {
-            return false;
-        };
-        let mut fields = fields.split_ascii_whitespace();
-        let state = fields.next().unwrap_or("");
-        let flags = fields
-            .nth(5)
-            .and_then(|f| f.parse::<u64>().ok())
-            .unwrap_or(0);
-        matches!(state, "Z" | "X" | "x") || flags & PF_EXITING != 0
+        matches!(state, 'Z' | 'X' | 'x') || flags & PF_EXITING != 0
     }
 
     /// The program it runs, if it is not this executable (it exec'd). Only meaningful while
     /// it is known not to have been reaped, so that its pid is still it.
     pub(crate) fn foreign_program(&self) -> Option<String> {
         let ours = std::fs::read_link("/proc/self/exe").ok()?;
-        let theirs = std::fs::read_link(format!("/proc/{}/exe", self.pid)).ok()?;
+        let theirs = std::fs::read_link(format!("/proc/{}/exe", self.proc.pid)).ok()?;
         (ours != theirs).then(|| theirs.display().to_string())
     }
 }
 
-/// A child nobody ended is killed and reaped (a forkserver child: its status awaited), so that
-/// none outlives its holder.
+/// A child whose end nobody learned never outlives its holder, and its drop never waits: it is
+/// killed and, unless it can be reaped at once, handed to the orphan queue (module docs).
 impl Drop for Child {
     fn drop(&mut self) {
-        self.end(false);
+        if self.ended() {
+            return;
+        }
+        let (pid, reaper) = (self.proc.pid, self.proc.reaper);
+        let handed_over = Proc {
+            pid,
+            reaper,
+            pidfd: None,
+            state: State::Lost("handed to the orphan queue".into()),
+        };
+        let proc = std::mem::replace(&mut self.proc, handed_over);
+        // The server's report comes on the channel: it goes along. Ours needs none.
+        let channel = (proc.reaper == Reaper::Forkserver).then(|| Arc::clone(&self.channel));
+        adopt(proc, channel);
     }
 }
 
@@ -374,79 +328,5 @@ pub(crate) struct NewChild {
     pub ready: bool,
 }
 
-/// SIGKILL a child: through its pidfd where there is one; else by pid, which for a child of
-/// ours (not yet reaped) is still it, and for a forkserver child is only signalled while its
-/// status has not been reported (the caller's check).
-pub(crate) fn kill_child(pid: Pid, pidfd: Option<&OwnedFd>, reaper: Reaper) -> Result<()> {
-    match (pidfd, reaper) {
-        (Some(pidfd), _) => sys::pidfd_kill(pidfd),
-        (None, Reaper::Us) => match kill(pid, Signal::SIGKILL) {
-            Ok(()) | Err(Errno::ESRCH) => Ok(()),
-            Err(e) => Err(Error::errno(format!("kill({pid}, SIGKILL)"), e)),
-        },
-        (None, Reaper::Forkserver) => kill(pid, Signal::SIGKILL).or(Ok(())),
-    }
-}
-
-/// How a `waitpid` status ended a process, if it did.
-pub(crate) fn exit_status(status: WaitStatus) -> Option<ExitStatus> {
-    match status {
-        WaitStatus::Exited(_, code) => Some(ExitStatus::Exited(code)),
-        WaitStatus::Signaled(_, signal, _) => Some(ExitStatus::Signaled(signal as i32)),
-        _ => None,
-    }
-}
-
-/// Wait for a child of ours to exit and reap it.
-pub(crate) fn reap_pid(pid: Pid) -> Result<ExitStatus> {
-    loop {
-        match waitpid(pid, None) {
-            Ok(status) => {
-                if let Some(status) = exit_status(status) {
-                    return Ok(status);
-                }
-            }
-            Err(Errno::EINTR) => {}
-            Err(e) => return Err(Error::errno(format!("waitpid({pid})"), e)),
-        }
-    }
-}
-
-/// Reap `pid` (a child of ours) within `limit`, polling: `true` once reaped (or already gone).
-pub(crate) fn reap_within(pid: Pid, limit: Duration) -> bool {
-    let deadline = Instant::now() + limit;
-    loop {
-        match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::StillAlive) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(1))
-            }
-            Ok(WaitStatus::StillAlive) => return false,
-            _ => return true,
-        }
-    }
-}
-
-/// Whether the process behind `pidfd` exits within `limit` (its pidfd becomes readable);
-/// `None` when it cannot be watched.
-pub(crate) fn pidfd_exits_within(pidfd: &OwnedFd, limit: Duration) -> Option<bool> {
-    let deadline = Instant::now() + limit;
-    let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
-    loop {
-        match poll(&mut fds, poll_timeout(Some(deadline))) {
-            Ok(n) => return Some(n > 0),
-            Err(Errno::EINTR) => continue,
-            Err(_) => return None,
-        }
-    }
-}
-
-/// The `poll` timeout that lasts until `deadline` (`None`: forever), rounded up so that a
-/// wait never ends before its deadline.
-pub(crate) fn poll_timeout(deadline: Option<Instant>) -> PollTimeout {
-    match deadline.map(|d| d.saturating_duration_since(Instant::now())) {
-        None => PollTimeout::NONE,
-        Some(left) => {
-            PollTimeout::try_from(left.as_nanos().div_ceil(1_000_000)).unwrap_or(PollTimeout::MAX)
-        }
-    }
-}
+#[cfg(test)]
+mod supervisor_tests;

@@ -11,13 +11,15 @@ pub fn open_fds() -> Result<usize> {
 }
 
 /// [`open_fds`] once it has stopped changing: after the [warm pool](crate::process::WarmPool)'s
-/// replacements in flight have been launched (each adds the fds of the child it replaces) and
+/// replacements in flight have been launched (each adds the fds of the child it replaces), the
+/// dropped children's pidfds and channels have been let go (the supervisor's orphan queue has
+/// reaped them all and its reaper thread, with its eventfd, has ended; at most ten seconds) and
 /// the fds a peer sent that endpoints refused have been closed (on a background thread; at most
 /// five seconds are given to a close that blocks), the same count three times in a row, a
-/// millisecond apart (other threads may be closing fds, for example a child's reaper), or the
-/// last count after one second.
+/// millisecond apart (other threads may be closing fds), or the last count after one second.
 pub fn settled_open_fds() -> Result<usize> {
     crate::process::WarmPool::global().quiesce();
+    crate::process::settle_orphans(Duration::from_secs(10));
     let closing = Instant::now() + Duration::from_secs(5);
     while crate::wire::endpoint::closing_fds() > 0 && Instant::now() < closing {
         std::thread::sleep(Duration::from_millis(1));

@@ -10,7 +10,7 @@ use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, poll};
 
 use super::super::ends::ParentEnd;
-use super::super::supervisor::poll_timeout;
+use super::super::supervisor::{Watch, poll_timeout};
 use super::Shared;
 use super::pool_state::{Dispatch, Expired, Finished, PoolState, Progress};
 use crate::error::ProtocolRule;
@@ -113,8 +113,8 @@ impl Shared {
         result
     }
 
-    /// Release the lock and sleep until a worker says something, dies, the wake fd is written,
-    /// or `until` passes; then lock again.
+    /// Release the lock and sleep until a worker says something, dies, a dying worker may have
+    /// ended, the wake fd is written, or `until` passes; then lock again.
     pub(super) fn sleep_on_workers<'a>(
         &'a self,
         inner: MutexGuard<'a, PoolState>,
@@ -124,13 +124,18 @@ impl Shared {
             .workers()
             .map(|w| (Arc::clone(w.child.channel()), w.child.pidfd().cloned()))
             .collect();
+        let dying = inner.dying_watches();
         drop(inner);
+        let until = dying.iter().filter_map(Watch::until).chain(until).min();
         let mut fds: Vec<PollFd<'_>> = vec![PollFd::new(self.wake.as_fd(), PollFlags::POLLIN)];
         for (channel, pidfd) in &watched {
             fds.push(PollFd::new(channel.as_fd(), PollFlags::POLLIN));
             if let Some(pidfd) = pidfd {
                 fds.push(PollFd::new(pidfd.as_fd(), PollFlags::POLLIN));
             }
+        }
+        for fd in dying.iter().flat_map(Watch::fds) {
+            fds.push(PollFd::new(fd, PollFlags::POLLIN));
         }
         match poll(&mut fds, poll_timeout(until)) {
             Ok(_) | Err(Errno::EINTR) => {}
@@ -143,14 +148,14 @@ impl Shared {
         self.lock()
     }
 
-    /// Read every report the workers have sent, note deaths, replace dead workers and hand
-    /// queued tasks to idle ones. Never blocks for long (reaping a dead forkserver worker waits
-    /// for the server's report).
+    /// Read every report the workers have sent, note deaths, advance the dying, replace dead
+    /// workers and hand queued tasks to idle ones. Never waits for a child.
     pub(super) fn drive(&self, inner: &mut PoolState) {
         let finished = inner.finished_count();
         for slot in 0..inner.slot_count() {
             self.read_worker(inner, slot);
         }
+        self.settle_dying(inner);
         self.replace_dead(inner);
         self.dispatch(inner);
         if inner.finished_count() != finished {
@@ -167,10 +172,9 @@ impl Shared {
                 Dispatch::Sent | Dispatch::Unsendable => {}
                 Dispatch::WorkerGone(slot) => {
                     self.read_worker(inner, slot);
-                    if let Some(worker) = inner.take_worker(slot) {
-                        // Not seen dead yet: end it now rather than offer it again.
-                        self.end_worker(worker, false);
-                    }
+                    // Not seen dead yet: end it now rather than offer it again (killed, and
+                    // reaped in the background).
+                    drop(inner.take_worker(slot));
                     self.replace_dead(inner);
                 }
             }

@@ -250,19 +250,17 @@ impl Pool {
     }
 }
 
+/// Never waits: the workers are killed under the lock and reaped in the background.
 impl Drop for Pool {
     fn drop(&mut self) {
         let mut inner = self.shared.lock();
-        let workers = inner.close();
-        // Kill them all first, then reap: they die in parallel.
-        for worker in &workers {
+        for worker in inner.close() {
             worker.kill();
-        }
-        for worker in workers {
             let task = worker.busy_with();
-            let ended = self.shared.end_worker(worker, false);
+            let output = worker.child.output().take();
+            // Reaped in the background.
+            drop(worker);
             if let Some(id) = task {
-                let (stdout, stderr) = ended.output;
                 inner.finish(
                     id,
                     Err(Error::Disconnected(
@@ -270,7 +268,7 @@ impl Drop for Pool {
                          killed)"
                             .into(),
                     )),
-                    (stdout, stderr),
+                    output,
                 );
             }
         }

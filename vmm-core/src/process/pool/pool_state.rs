@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use super::super::ends::Sealed;
 use super::super::protocol::Call;
+use super::super::supervisor::Watch;
 use super::task_message::TaskMessage;
-use super::worker::{Assigned, Worker, WorkerState};
+use super::worker::{Assigned, Dying, Worker, WorkerState};
 use crate::error::ProtocolRule;
 use crate::{Error, Result};
 
@@ -23,6 +24,9 @@ const START_FAILURES_MAX: usize = 3;
 pub(super) struct PoolState {
     /// One per worker position; `None` while a dead worker awaits its replacement.
     slots: Vec<Option<Worker>>,
+    /// Workers out of their slots whose exit status is still to come, for a task's error or
+    /// the pool's start error (see `worker`).
+    dying: Vec<Dying>,
     /// Tasks waiting for an idle worker, in the order they go out.
     queue: VecDeque<TaskMessage>,
     /// Every task not yet joined or cancelled.
@@ -49,6 +53,9 @@ enum TaskState {
         /// Its waiter gave up after this long (its worker was killed).
         timed_out: Option<Duration>,
     },
+    /// Its worker died (or broke the protocol, or panicked in it); its error waits for the
+    /// worker's exit status (a `Dying` worker's).
+    Failing,
     Done(Finished),
 }
 
@@ -97,6 +104,7 @@ impl PoolState {
     pub(super) fn new(workers: usize) -> PoolState {
         PoolState {
             slots: (0..workers).map(|_| None).collect(),
+            dying: Vec::new(),
             queue: VecDeque::new(),
             tasks: HashMap::new(),
             next_id: 0,
@@ -168,6 +176,18 @@ impl PoolState {
         self.start_error = Some(error);
     }
 
+    /// A worker died while it started: count it; `dying` gives the start error once its status
+    /// is known ([`set_start_error`](Self::set_start_error)).
+    pub(super) fn died_starting(&mut self, dying: Dying) {
+        self.start_failures += 1;
+        self.dying.push(dying);
+    }
+
+    /// Why the last worker died starting, now that its status is known.
+    pub(super) fn set_start_error(&mut self, error: Error) {
+        self.start_error = Some(error);
+    }
+
     /// Why the last worker could not start, if one could not (once).
     pub(super) fn take_start_error(&mut self) -> Option<Error> {
         self.start_error.take()
@@ -176,7 +196,13 @@ impl PoolState {
     /// When no worker is alive and starting them failed, nothing can run the queued tasks:
     /// fail them with why (a copy of the last start error each).
     pub(super) fn fail_queued_if_none_can_run(&mut self) {
-        if self.closed || self.start_failures == 0 || self.slots.iter().any(Option::is_some) {
+        // A worker that died starting tells why once its status is known: wait for that.
+        let why_pending = self.dying.iter().any(Dying::failed_start);
+        if self.closed
+            || self.start_failures == 0
+            || why_pending
+            || self.slots.iter().any(Option::is_some)
+        {
             return;
         }
         let why = self.start_error.as_ref().map(clone_error);
@@ -247,6 +273,35 @@ impl PoolState {
         debug_assert!(self.awaits_result(task.id()), "requeued a task not running");
         self.tasks.insert(task.id(), TaskState::Queued);
         self.queue.push_front(task);
+    }
+
+    /// Task `id`'s worker is `dying`: the task fails once the worker's status is known.
+    pub(super) fn fail_later(&mut self, dying: Dying) {
+        if let Some(id) = dying.task()
+            && let Some(state) = self.tasks.get_mut(&id)
+        {
+            *state = TaskState::Failing;
+        }
+        self.dying.push(dying);
+    }
+
+    /// What the dying workers wait on, to sleep on it.
+    pub(super) fn dying_watches(&self) -> Vec<Watch> {
+        self.dying.iter().map(Dying::watch).collect()
+    }
+
+    /// Advance every dying worker without waiting; take out those whose end is known now.
+    pub(super) fn take_settled(&mut self) -> Vec<Dying> {
+        let mut settled = Vec::new();
+        let mut i = 0;
+        while i < self.dying.len() {
+            if self.dying[i].advance() {
+                settled.push(self.dying.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        settled
     }
 
     /// Record task `id`'s end (unless it was cancelled meanwhile).
@@ -327,7 +382,8 @@ impl PoolState {
                 }
                 Expired::WorkerKilled
             }
-            Some(TaskState::Done(_)) | None => Expired::Over,
+            // Its worker is dying already.
+            Some(TaskState::Failing | TaskState::Done(_)) | None => Expired::Over,
         }
     }
 
@@ -340,6 +396,12 @@ impl PoolState {
                 None
             }
             Some(TaskState::Running { slot, .. }) => self.slots[slot].take(),
+            // Its worker is dying already: nobody waits for its status now (dropped, it is
+            // reaped in the background).
+            Some(TaskState::Failing) => {
+                self.dying.retain(|dying| dying.task() != Some(id));
+                None
+            }
             Some(TaskState::Done(_)) | None => None,
         }
     }

@@ -82,9 +82,10 @@ impl<R> Drop for TaskHandle<R> {
             return;
         }
         let mut inner = self.shared.lock();
-        // A running task's worker is killed with it, and replaced.
+        // A running task's worker is killed with it (and reaped in the background: the lock is
+        // never held while a child dies), and replaced.
         if let Some(worker) = inner.cancel(self.id) {
-            self.shared.end_worker(worker, false);
+            drop(worker);
             self.shared.replace_dead(&mut inner);
         }
         self.shared.wake_driver(&inner);

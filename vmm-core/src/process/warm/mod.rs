@@ -49,7 +49,7 @@ const QUIESCE_LIMIT: Duration = Duration::from_secs(10);
 /// `StartMethod::Warm` uses the process-wide pool, [`WarmPool::global`], configured by the
 /// environment ([`WarmOptions::from_env`]) or by [`set_options`](Self::set_options). It starts
 /// on first use, or with [`fill`](Self::fill), which waits until it is full. Dropping a pool
-/// kills and reaps the children waiting in it.
+/// kills the children waiting in it (they are reaped in the background: a drop never waits).
 ///
 /// ```no_run
 /// use vmm_core::process::{WarmOptions, WarmPool};
@@ -152,7 +152,8 @@ impl WarmPool {
     }
 
     /// Keep the pool by `options` from now on: children waiting under other options are
-    /// killed and reaped, and the pool refills (on next use, or [`fill`](Self::fill)) with these.
+    /// killed (and reaped in the background), and the pool refills (on next use, or
+    /// [`fill`](Self::fill)) with these.
     pub fn set_options(&self, options: WarmOptions) {
         let discarded: Vec<WaitingChild> = {
             let mut state = self.shared.lock();

@@ -3,15 +3,15 @@
 
 use std::time::{Duration, Instant};
 
-use super::super::ends::Received;
 use super::super::protocol::{Order, Report};
-use super::super::supervisor::{Child, Incoming, NewChild};
+use super::super::supervisor::{Child, Flow, NewChild, Packet, Read};
 
 /// How long a ready waiting child has to answer an [`Order::Ping`] before it is taken for dead.
 /// A live one answers in microseconds; this covers a machine under heavy load.
 const PING_LIMIT: Duration = Duration::from_secs(2);
 
-/// A waiting child. Dropping it kills and reaps the child (it never ran anything).
+/// A waiting child. Dropping it kills the child (it never ran anything), without waiting: it
+/// is reaped in the background.
 #[derive(Debug)]
 pub(super) struct WaitingChild {
     pub(super) child: Child,
@@ -44,15 +44,19 @@ impl WaitingChild {
         if self.child.poll_exited() {
             return Health::Dead;
         }
-        loop {
-            match self.child.next_report() {
-                Incoming::Empty => return Health::Alive,
-                Incoming::Report(Report::Ready, fds) if !self.ready && fds.is_empty() => {
-                    self.ready = true
-                }
-                // Anything else breaks the protocol (or says it is gone): it is not handed out.
-                _ => return Health::Dead,
+        let ready = &mut self.ready;
+        let read = self.child.read_reports(None, |packet| match packet {
+            Packet::Report(Report::Ready, fds) if !*ready && fds.is_empty() => {
+                *ready = true;
+                Flow::Continue
             }
+            // Anything else breaks the protocol: it is not handed out.
+            _ => Flow::Stop,
+        });
+        match read {
+            Read::Drained => Health::Alive,
+            // Off the protocol, gone, or unreadable.
+            Read::Stopped | Read::HungUp | Read::Broken(_) | Read::Exited => Health::Dead,
         }
     }
 
@@ -71,18 +75,21 @@ impl WaitingChild {
             return Ok(self.into_new_child());
         }
         let deadline = Instant::now() + PING_LIMIT;
-        let channel = self.child.channel();
-        if channel.send(&Order::Ping).is_err() {
+        if self.child.channel().send(&Order::Ping).is_err() {
             return Err(self);
         }
-        match channel.recv(Some(deadline.saturating_duration_since(Instant::now()))) {
-            Ok(Received {
-                message: Report::Pong,
-                fds,
-            }) if fds.is_empty() => Ok(self.into_new_child()),
+        let mut pong = false;
+        // The first packet is the answer.
+        self.child.read_reports(Some(deadline), |packet| {
+            pong = matches!(packet, Packet::Report(Report::Pong, fds) if fds.is_empty());
+            Flow::Stop
+        });
+        if pong {
+            Ok(self.into_new_child())
+        } else {
             // Hung up (dead), silent past the limit (stopped, or stuck), or off the protocol:
             // not handed out.
-            _ => Err(self),
+            Err(self)
         }
     }
 
