@@ -11,7 +11,7 @@
 //!
 //! - [`header`]: rules 1 to 4 of docs/protocol.md ("Limits and checks on receipt"), on the
 //!   header's bytes alone;
-//! - [`rules`]: rule 5, each kind's own rules;
+//! - [`kind_rules`]: rule 5, each kind's own rules;
 //! - this file: [`Frame`], its encoding, and the order in which a decode applies the rules.
 //!
 //! Each message carries the version that defines its kind ([`Kind::version`]): the five kinds

@@ -1,23 +1,25 @@
 //! What is known of a child's end ([`Proc`]: its pid, pidfd, reaper and state), and the plain
 //! calls on a child: kill it, reap it, wait for its exit, by deadline.
 
-use super::super::StartMethod;
-use super::super::status::ExitStatus;
-use super::super::sys;
-use crate::{Error, Result};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
-use std::os::fd::{AsFd, OwnedFd};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+
+use super::super::StartMethod;
+use super::super::status::ExitStatus;
+use super::super::sys;
+use crate::{Error, Result};
 
 /// Once a forkserver child is known to have exited (its pidfd said so) or was killed, how long
 /// the parent waits for the server's report of its exit status before calling the status lost.
 /// Only a dead or stuck server needs it: a live one reports within milliseconds. Also how long
-/// a child asked to exit by itself ([`Child::end`] with `let_exit`) is given before it is killed.
+/// a child asked to exit by itself ([`Child::end`](super::Child::end) with `let_exit`) is given before it is killed.
 pub(crate) const STATUS_REPORT_GRACE: Duration = Duration::from_secs(5);
 
 /// While a child of ours cannot be watched through a pidfd (none could be opened, at the fd
@@ -29,7 +31,7 @@ pub(crate) const REAP_POLL: Duration = Duration::from_millis(10);
 pub(crate) enum Reaper {
     /// This process (spawn, warm): `waitpid`.
     Us,
-    /// The forkserver: its [`Report::Exited`] on the child's channel.
+    /// The forkserver: its [`Report::Exited`](super::super::protocol::Report::Exited) on the child's channel.
     Forkserver,
 }
 
@@ -58,7 +60,7 @@ pub(super) enum State {
     Lost(String),
 }
 
-/// What reading a child's channel has found, for [`Child::conclude`].
+/// What reading a child's channel has found, for [`Child::conclude`](super::Child::conclude).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ChannelEnd {
     /// Something may still write to it.
@@ -70,7 +72,7 @@ pub(crate) enum ChannelEnd {
 }
 
 /// The process side of a child: pid, pidfd, who reaps it, what is known of its end. All a
-/// child's killing and reaping is done here, for a held [`Child`] and an orphan alike.
+/// child's killing and reaping is done here, for a held [`Child`](super::Child) and an orphan alike.
 #[derive(Debug)]
 pub(super) struct Proc {
     pub(super) pid: Pid,

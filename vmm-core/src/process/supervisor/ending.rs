@@ -1,22 +1,26 @@
 //! Ending a child without waiting ([`Ending`]): the steps that need no wait, and what to poll
 //! before the next ([`Watch`]).
 
-use super::super::ends::ParentEnd;
-use super::child_proc::*;
-use super::report_reader::*;
-use nix::errno::Errno;
-use nix::poll::{PollFd, PollFlags, poll};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// A child being ended without waiting: see [`Child::start_ending`].
+use nix::errno::Errno;
+use nix::poll::{PollFd, PollFlags, poll};
+
+use super::super::ends::ParentEnd;
+use super::child_proc::{
+    ChannelEnd, Proc, REAP_POLL, Reaper, STATUS_REPORT_GRACE, State, poll_timeout,
+};
+use super::report_reader::{Flow, Read, read_channel};
+
+/// A child being ended without waiting: see [`Child::start_ending`](super::Child::start_ending).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Ending {
     /// Not killed yet: it may exit by itself until then (then it is killed). `None`: killed.
     pub(super) kill_at: Option<Instant>,
     /// A forkserver child's: when its status report stops being awaited, counted from the
-    /// kill (from its exit, where that is seen, [`Child::conclude`] counts too).
+    /// kill (from its exit, where that is seen, [`Child::conclude`](super::Child::conclude) counts too).
     pub(super) report_by: Option<Instant>,
 }
 
@@ -44,7 +48,7 @@ impl Ending {
         }
     }
 
-    /// See [`Child::advance_ending`]; `channel` carries a forkserver child's report.
+    /// See [`Child::advance_ending`](super::Child::advance_ending); `channel` carries a forkserver child's report.
     pub(super) fn advance(&mut self, proc: &mut Proc, channel: Option<&ParentEnd>) -> bool {
         if proc.ended() {
             return true;

@@ -1,14 +1,15 @@
 //! The orphan queue: dropped children whose end was not known, killed, reaped (or their
 //! report awaited) in the background, by sweeps and by one reaper thread.
 
-use super::super::ends::ParentEnd;
-use super::super::sys;
-use super::child_proc::*;
-use super::ending::*;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use super::super::ends::ParentEnd;
+use super::super::sys;
+use super::child_proc::{Proc, REAP_POLL};
+use super::ending::{Ending, Watch, wait_any};
 
 /// A dropped child whose end was not known yet: killed, to be reaped (or its report awaited).
 #[derive(Debug)]

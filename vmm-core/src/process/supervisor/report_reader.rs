@@ -1,18 +1,19 @@
 //! The one loop that reads a child's channel ([`read_channel`]): each packet to the caller's
 //! closure, the forkserver's `Exited` taken as the child's status.
 
-use super::super::ends::{ParentEnd, Received};
-use super::super::protocol::Report;
-use super::child_proc::*;
-use crate::Error;
 use std::os::fd::OwnedFd;
 use std::time::Instant;
 
-/// The most packets [`Child::read_reports`] reads in one call, so that a flood from whatever
+use super::super::ends::{ParentEnd, Received};
+use super::super::protocol::Report;
+use super::child_proc::{Proc, Reaper, State};
+use crate::Error;
+
+/// The most packets [`Child::read_reports`](super::Child::read_reports) reads in one call, so that a flood from whatever
 /// holds the child's end (a process it forked) cannot keep a reader from its other work.
 pub(crate) const READ_MAX: usize = 1024;
 
-/// One packet from a child's channel, as [`Child::read_reports`] hands it over.
+/// One packet from a child's channel, as [`Child::read_reports`](super::Child::read_reports) hands it over.
 #[derive(Debug)]
 pub(crate) enum Packet {
     /// A report, with the fds its packet carried.
@@ -21,14 +22,14 @@ pub(crate) enum Packet {
     NotAReport(String),
 }
 
-/// What a [`Child::read_reports`] closure says after a packet.
+/// What a [`Child::read_reports`](super::Child::read_reports) closure says after a packet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Flow {
     Continue,
     Stop,
 }
 
-/// Why [`Child::read_reports`] returned.
+/// Why [`Child::read_reports`](super::Child::read_reports) returned.
 #[derive(Debug)]
 pub(crate) enum Read {
     /// The closure said [`Flow::Stop`].
@@ -36,7 +37,7 @@ pub(crate) enum Read {
     /// Nothing more is queued (by the deadline, where one was given), or [`READ_MAX`] packets
     /// were read: reading may go on later.
     Drained,
-    /// The forkserver reported the child's exit status (now known: [`Child::status`]).
+    /// The forkserver reported the child's exit status (now known: [`Child::status`](super::Child::status)).
     Exited,
     /// Every other end is closed: nothing more will come.
     HungUp,
@@ -44,7 +45,7 @@ pub(crate) enum Read {
     Broken(Error),
 }
 
-/// The one loop that reads a child's channel: see [`Child::read_reports`].
+/// The one loop that reads a child's channel: see [`Child::read_reports`](super::Child::read_reports).
 pub(super) fn read_channel(
     channel: &ParentEnd,
     proc: &mut Proc,
