@@ -9,7 +9,7 @@
 //! - **Who reaps.** A spawned or warm child is ours ([`Reaper::Us`]): we reap it with
 //!   `waitpid`, and until then its pid cannot be reused, so it may be signalled by pid when no
 //!   pidfd could be had. A forkserver child is the server's ([`Reaper::Forkserver`]): the
-//!   server reaps it and reports its status on the child's channel ([`Report::Exited`]), so
+//!   server reaps it and reports its status on the child's channel ([`Report::Exited`](super::protocol::Report::Exited)), so
 //!   here it is only ever signalled through its pidfd (or by pid while that report has not
 //!   come). [`Child::conclude`] is the one place that decides, without waiting, whether a
 //!   child's end is known (reaped; reported; or its status lost), for `join` and for every
@@ -17,11 +17,11 @@
 //! - **Reading reports.** [`Child::read_reports`] is the one loop over a child's channel, for
 //!   `Process`, a pool worker, a warm child and a forkserver child's end alike: it hands each
 //!   packet (a report and its fds, or a packet that is not a report) to the caller's closure,
-//!   which says whether to go on; it reads at most [`READ_MAX`] packets, waits up to a deadline
+//!   which says whether to go on; it reads at most [`READ_MAX`](report_reader::READ_MAX) packets, waits up to a deadline
 //!   where asked, tells a hang-up from an empty packet, and takes the forkserver's `Exited`
 //!   itself (it is the child's status, not the caller's business).
 //! - **Ending.** [`Child::end`] kills the child (or, asked to, lets it exit by itself for up to
-//!   [`STATUS_REPORT_GRACE`] first) and waits for its status: for the callers that want the
+//!   [`STATUS_REPORT_GRACE`](child_proc::STATUS_REPORT_GRACE) first) and waits for its status: for the callers that want the
 //!   status (`join`'s paths, the warm pool's story of a child that keeps dying). The same steps
 //!   without waiting are an [`Ending`]: a pool's driver advances one for a worker whose status
 //!   its task's error needs, polling what [`Child::ending_watch`] names, and never holds the
@@ -38,7 +38,7 @@
 //!   signal that the program may own. An orphan of ours is reaped as soon as its pidfd says it
 //!   has exited, so none stays a zombie (where no thread can be started, the sweeps reap it at
 //!   the next drop or child); a forkserver orphan's report is awaited at most
-//!   [`STATUS_REPORT_GRACE`] after the kill. The queue's fds (its orphans' pidfds and channels, the thread's eventfd)
+//!   [`STATUS_REPORT_GRACE`](child_proc::STATUS_REPORT_GRACE) after the kill. The queue's fds (its orphans' pidfds and channels, the thread's eventfd)
 //!   are closed once it is empty: [`settle_orphans`] waits for that (fd accounting calls it).
 //!
 //! What a drop costs the code that drops (vmm-bench's `host-drop` group; medians of a few runs
@@ -48,7 +48,7 @@
 //! Killing and joining the same child, the blocking kill + reap that a drop did before the
 //! orphan queue, took 100 to 200 us (for a forkserver child, until the server's report came),
 //! and killing a bare `std::process::Child` of `sleep` and waiting for it 65 to 95 us. The
-//! blocking drop's worst case was not its typical one: up to [`STATUS_REPORT_GRACE`] for a
+//! blocking drop's worst case was not its typical one: up to [`STATUS_REPORT_GRACE`](child_proc::STATUS_REPORT_GRACE) for a
 //! forkserver child whose server did not report, and as long as the kernel took to end the
 //! child (a CUDA context's teardown: hundreds of milliseconds), sometimes under a `Pool`'s lock.
 
@@ -202,7 +202,7 @@ impl Child {
     /// child's end becomes known. A child of ours is reaped if it has exited. A forkserver
     /// child's status is the server's `Exited` report, which reading its channel takes
     /// ([`read_reports`](Self::read_reports)); it is lost once the server has hung up
-    /// (`channel` says what reading found), [`STATUS_REPORT_GRACE`] after the child was seen to
+    /// (`channel` says what reading found), [`STATUS_REPORT_GRACE`](child_proc::STATUS_REPORT_GRACE) after the child was seen to
     /// exit ([`report_due`](Self::report_due)), or when its channel cannot be read and there is
     /// no pidfd to see it exit by. `true` once its end is known.
     pub(crate) fn conclude(&mut self, channel: ChannelEnd) -> bool {
@@ -228,8 +228,8 @@ impl Child {
     }
 
     /// Read what its channel holds, handing each packet to `each` until it says
-    /// [`Flow::Stop`]: at most [`READ_MAX`] packets, and, with `until`, waiting for packets
-    /// until then (without it, only what is queued now). The forkserver's [`Report::Exited`]
+    /// [`Flow::Stop`]: at most [`READ_MAX`](report_reader::READ_MAX) packets, and, with `until`, waiting for packets
+    /// until then (without it, only what is queued now). The forkserver's [`Report::Exited`](super::protocol::Report::Exited)
     /// for a forkserver child (without fds, before its end is known) is not handed over: it
     /// is the child's status, recorded here, and reading stops ([`Read::Exited`]). Any other
     /// report, a forged `Exited` included, is `each`'s to judge.
@@ -245,7 +245,7 @@ impl Child {
     }
 
     /// Start ending it without waiting: kill it now, or with `let_exit` give it
-    /// [`STATUS_REPORT_GRACE`] to exit by itself first (so that its own exit status is what is
+    /// [`STATUS_REPORT_GRACE`](child_proc::STATUS_REPORT_GRACE) to exit by itself first (so that its own exit status is what is
     /// known). Then [`advance_ending`](Self::advance_ending) until it says the end is known.
     pub(crate) fn start_ending(&mut self, let_exit: bool) -> Ending {
         Ending::start(&mut self.proc, let_exit)
@@ -266,9 +266,9 @@ impl Child {
     }
 
     /// End it for good and learn its status, waiting: kill it (with `let_exit`, only if it does
-    /// not exit by itself within [`STATUS_REPORT_GRACE`], so that its own exit status is what is
+    /// not exit by itself within [`STATUS_REPORT_GRACE`](child_proc::STATUS_REPORT_GRACE), so that its own exit status is what is
     /// known), then reap it here, or take a forkserver child's status from the server's report,
-    /// at most [`STATUS_REPORT_GRACE`] after the kill. Afterwards its end is known. For callers
+    /// at most [`STATUS_REPORT_GRACE`](child_proc::STATUS_REPORT_GRACE) after the kill. Afterwards its end is known. For callers
     /// that want the status; a drop never waits (module docs).
     pub(crate) fn end(&mut self, let_exit: bool) {
         let mut ending = self.start_ending(let_exit);
