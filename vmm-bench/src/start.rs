@@ -29,6 +29,7 @@ use vmm_core::process::{Context, StartMethod, WarmPool, ensure_running};
 use vmm_core::wire::Queue;
 
 use crate::report::{Target, row};
+use crate::role_check::ForeignSocket;
 use crate::{BASELINE_VAR, CHILD_WAIT, Group, Kind, Settings, key, record};
 
 /// The no-op child-start group.
@@ -140,29 +141,56 @@ where
 /// No-op child start + join.
 pub fn child_start(c: &mut Criterion) {
     let base = key(GROUP, "fork-exec-true");
+    let noop_exec = key(GROUP, "exec-self-noop");
     // A spawned child must exec this executable: its floor is exec'ing it, not /bin/true.
-    row(
-        &key(GROUP, "spawn"),
-        &key(GROUP, "exec-self-noop"),
-        Target::RatioAtMost(1.1),
-    );
+    row(&key(GROUP, "spawn"), &noop_exec, Target::RatioAtMost(1.1));
     row(&key(GROUP, "spawn"), &base, Target::None);
+    // What the pre-main role check costs (see role_check).
+    row(
+        &key(GROUP, "exec-self-role-refused"),
+        &noop_exec,
+        Target::None,
+    );
     row(&key(GROUP, "forkserver"), &base, Target::Under(1e6));
     row(&key(GROUP, "warm"), &key(GROUP, "spawn"), Target::None);
 
-    let mut group = Group::new(c, GROUP, Kind::Processes);
-    group.bench("spawn", || start_join(StartMethod::Spawn, noop, ()));
-    // The server is started once per parent, outside any figure.
+    // The server is started once per parent, outside any figure (and before the role check's
+    // socket exists, which it must not inherit).
     ensure_running().expect("start the forkserver");
-    group.bench("forkserver", || {
-        start_join(StartMethod::Forkserver, noop, ())
-    });
-    let truth = true_program();
-    group.bench("fork-exec-true", || run_to_exit(&mut Command::new(truth)));
     let exe = this_exe();
-    group.bench("exec-self-noop", || {
-        run_to_exit(Command::new(&exe).env(BASELINE_VAR, "noop"))
-    });
+    let foreign = ForeignSocket::new(&exe);
+    foreign.assert_refused_at_peer_check(&exe);
+
+    let mut group = Group::new(c, GROUP, Kind::Processes);
+    // Each process is reaped before the next starts, so these start figures alternate, one
+    // iteration each in turn: the machine's drift falls on all of them alike.
+    group.bench_interleaved(
+        "spawn-vs-exec-self",
+        &mut [
+            ("spawn", &mut || start_join(StartMethod::Spawn, noop, ())),
+            ("exec-self-noop", &mut || {
+                run_to_exit(
+                    Command::new(&exe)
+                        .env(BASELINE_VAR, "noop")
+                        .stderr(Stdio::null()),
+                )
+            }),
+            ("exec-self-role-refused", &mut || {
+                foreign.inherited(|| run_to_exit(&mut foreign.refused_command(&exe)))
+            }),
+        ],
+    );
+    drop(foreign);
+    let truth = true_program();
+    group.bench_pair(
+        "forkserver-vs-fork-exec-true",
+        ("forkserver", || {
+            start_join(StartMethod::Forkserver, noop, ())
+        }),
+        ("fork-exec-true", || run_to_exit(&mut Command::new(truth))),
+    );
+    // Not interleaved: taking a warm child makes the pool start its replacement in the
+    // background, which would run beside the next baseline iteration.
     // The host path even on a GPU machine: these warm children initialise no CUDA device.
     let options = WarmPool::global().options();
     WarmPool::global().set_options(options.clone().with_devices([]));
@@ -213,13 +241,23 @@ pub fn gpu_child(c: &mut Criterion) {
 
     ensure_running().expect("start the forkserver");
     let mut group = Group::new(c, GPU_GROUP, Kind::Processes);
-    for method in COLD {
-        group.bench(method.name(), || start_join(method, gpu_work, own()));
-    }
     let exe = this_exe();
-    group.bench("cuda-init-process", || {
-        run_to_exit(Command::new(&exe).env(BASELINE_VAR, "cuda-init"))
-    });
+    // Each child is reaped before the next starts: the cold starts and their baseline
+    // alternate, one iteration each in turn.
+    group.bench_interleaved(
+        "cold-vs-cuda-init",
+        &mut [
+            ("spawn", &mut || {
+                start_join(StartMethod::Spawn, gpu_work, own())
+            }),
+            ("forkserver", &mut || {
+                start_join(StartMethod::Forkserver, gpu_work, own())
+            }),
+            ("cuda-init-process", &mut || {
+                run_to_exit(Command::new(&exe).env(BASELINE_VAR, "cuda-init"))
+            }),
+        ],
+    );
     group.bench("cuda-exit-process", || cuda_process_exit(&exe));
     let (warm_up, measure) = warm_times();
     group.times(warm_up, measure);
