@@ -107,17 +107,7 @@ pub fn measure_interleaved(ops: &mut [Interleaved<'_>], iters: u64) -> Duration 
             times[which].push(t.as_nanos() as u64);
         }
     }
-    {
-        let mut partners = PARTNERS.lock().unwrap_or_else(|e| e.into_inner());
-        for (key, _) in ops.iter() {
-            let others = ops
-                .iter()
-                .map(|(other, _)| (*other).to_owned())
-                .filter(|other| other != key)
-                .collect();
-            partners.insert((*key).to_owned(), others);
-        }
-    }
+    note_interleaved(&ops.iter().map(|(key, _)| *key).collect::<Vec<_>>());
     let mut all = samples();
     for ((key, _), times) in ops.iter().zip(times) {
         let entry = all.entry((*key).to_owned()).or_default();
@@ -126,6 +116,24 @@ pub fn measure_interleaved(ops: &mut [Interleaved<'_>], iters: u64) -> Duration 
         }
     }
     total
+}
+
+/// Remember that `keys` are measured in one interleaved set: for figures an interleaved
+/// operation records besides its own (a split of its time, say).
+pub fn note_interleaved(keys: &[&str]) {
+    let mut partners = PARTNERS.lock().unwrap_or_else(|e| e.into_inner());
+    for key in keys {
+        let others = keys
+            .iter()
+            .filter(|other| *other != key)
+            .map(|other| (*other).to_owned());
+        let entry = partners.entry((*key).to_owned()).or_default();
+        for other in others {
+            if !entry.contains(&other) {
+                entry.push(other);
+            }
+        }
+    }
 }
 
 /// Whether figures `a` and `b` were measured in one interleaved set.
