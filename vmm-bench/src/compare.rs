@@ -1,6 +1,8 @@
 //! A rerun's check: this run's medians next to an earlier run's (its `vmm-bench-report.json`),
-//! with the change and whether it is within [`AGREE`]. Two runs of one build whose medians
-//! agree within that are what a figure needs before its ratio is worth quoting.
+//! with the change and whether it is within [`AGREE`]; then the same for each row's ratio
+//! (figure / baseline). Two runs of one build whose figures agree within that are what a
+//! figure needs before its ratio is worth quoting. Where the machine's load moves between runs,
+//! interleaved figures move together and their ratios still agree.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -37,10 +39,39 @@ pub enum CompareError {
 #[derive(Debug, Deserialize)]
 struct EarlierReport {
     medians_ns: BTreeMap<String, f64>,
+    #[serde(default)]
+    rows: Vec<EarlierRow>,
 }
 
-/// The medians of the report at `path`, by figure key.
-pub fn load(path: &Path) -> Result<BTreeMap<String, f64>, CompareError> {
+#[derive(Debug, Deserialize)]
+struct EarlierRow {
+    figure: String,
+    baseline: String,
+    ratio: Option<f64>,
+}
+
+/// One row's ratio: figure / baseline (of the medians).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ratio {
+    /// The figure's key.
+    pub figure: String,
+    /// The baseline's key.
+    pub baseline: String,
+    /// figure / baseline.
+    pub ratio: f64,
+}
+
+/// What an earlier report says: its medians by figure key, and its rows' ratios.
+#[derive(Debug, Clone, Default)]
+pub struct Earlier {
+    /// Medians in nanoseconds, by figure key.
+    pub medians_ns: BTreeMap<String, f64>,
+    /// Each row's ratio (rows without one are left out).
+    pub ratios: Vec<Ratio>,
+}
+
+/// The medians and ratios of the report at `path`.
+pub fn load(path: &Path) -> Result<Earlier, CompareError> {
     let text = std::fs::read_to_string(path).map_err(|source| CompareError::Read {
         path: path.to_owned(),
         source,
@@ -50,7 +81,21 @@ pub fn load(path: &Path) -> Result<BTreeMap<String, f64>, CompareError> {
             path: path.to_owned(),
             source,
         })?;
-    Ok(report.medians_ns)
+    let ratios = report
+        .rows
+        .into_iter()
+        .filter_map(|row| {
+            Some(Ratio {
+                ratio: row.ratio?,
+                figure: row.figure,
+                baseline: row.baseline,
+            })
+        })
+        .collect();
+    Ok(Earlier {
+        medians_ns: report.medians_ns,
+        ratios,
+    })
 }
 
 /// `now / before - 1`, or `None` where `before` is not positive.
@@ -61,6 +106,16 @@ pub fn change(before: f64, now: f64) -> Option<f64> {
 /// Whether two medians agree within [`AGREE`] (of the earlier one).
 pub fn agrees(before: f64, now: f64) -> bool {
     before > 0.0 && (now - before).abs() <= AGREE * before
+}
+
+/// The Markdown tables of every median, then every ratio, of this run that `before` has too,
+/// each with a count line.
+pub fn tables(before: &Earlier, medians: &[(String, f64)], ratios: &[Ratio]) -> String {
+    format!(
+        "{}\n{}",
+        table(&before.medians_ns, medians),
+        ratio_table(&before.ratios, ratios)
+    )
 }
 
 /// The Markdown table of every figure of `now` that `before` has too, and a count line.
@@ -88,6 +143,41 @@ pub fn table(before: &BTreeMap<String, f64>, now: &[(String, f64)]) -> String {
     }
     out.push_str(&format!(
         "\n{agreeing} of {compared} figures agree with the earlier run within 15%.\n"
+    ));
+    out
+}
+
+/// The Markdown table of every ratio of `now` whose row `before` has too, and a count line.
+pub fn ratio_table(before: &[Ratio], now: &[Ratio]) -> String {
+    let mut out = String::from(
+        "## ratios compared with the earlier run\n\n\
+         | figure | baseline | earlier ratio | this ratio | change | within 15% |\n\
+         |---|---|---:|---:|---:|---|\n",
+    );
+    let (mut compared, mut agreeing) = (0, 0);
+    for r in now {
+        let Some(earlier) = before
+            .iter()
+            .find(|b| b.figure == r.figure && b.baseline == r.baseline)
+        else {
+            continue;
+        };
+        compared += 1;
+        let agree = agrees(earlier.ratio, r.ratio);
+        agreeing += usize::from(agree);
+        out.push_str(&format!(
+            "| {} | {} | {:.3}x | {:.3}x | {} | {} |\n",
+            r.figure,
+            r.baseline,
+            earlier.ratio,
+            r.ratio,
+            change(earlier.ratio, r.ratio)
+                .map_or("-".to_owned(), |c| format!("{:+.1}%", c * 100.0)),
+            if agree { "yes" } else { "no" }
+        ));
+    }
+    out.push_str(&format!(
+        "\n{agreeing} of {compared} ratios agree with the earlier run within 15%.\n"
     ));
     out
 }
@@ -127,6 +217,28 @@ mod tests {
     }
 
     #[test]
+    fn ratios_are_compared_row_by_row() {
+        let ratio = |figure: &str, ratio| Ratio {
+            figure: figure.to_owned(),
+            baseline: "g/base".to_owned(),
+            ratio,
+        };
+        let before = [ratio("g/a", 1.0), ratio("g/b", 2.0)];
+        let now = [ratio("g/a", 1.1), ratio("g/b", 1.0), ratio("g/c", 3.0)];
+        let table = ratio_table(&before, &now);
+        assert!(
+            table.contains("| g/a | g/base | 1.000x | 1.100x | +10.0% | yes |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| g/b | g/base | 2.000x | 1.000x | -50.0% | no |"),
+            "{table}"
+        );
+        assert!(!table.contains("g/c"), "{table}");
+        assert!(table.contains("1 of 2 ratios agree"), "{table}");
+    }
+
+    #[test]
     fn a_missing_or_foreign_file_is_a_typed_error() {
         let dir = std::env::temp_dir().join(format!("vmm-bench-compare-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -138,8 +250,23 @@ mod tests {
         std::fs::write(&foreign, "{\"rows\": []}").unwrap();
         assert!(matches!(load(&foreign), Err(CompareError::Parse { .. })));
         let good = dir.join("good.json");
-        std::fs::write(&good, "{\"medians_ns\": {\"g/a\": 12.5}, \"rows\": []}").unwrap();
-        assert_eq!(load(&good).unwrap()["g/a"], 12.5);
+        std::fs::write(
+            &good,
+            "{\"medians_ns\": {\"g/a\": 12.5}, \"rows\": [{\"figure\": \"g/a\", \
+             \"baseline\": \"g/b\", \"ratio\": 1.5}, {\"figure\": \"g/a\", \"baseline\": \
+             \"g/c\", \"ratio\": null}]}",
+        )
+        .unwrap();
+        let earlier = load(&good).unwrap();
+        assert_eq!(earlier.medians_ns["g/a"], 12.5);
+        assert_eq!(
+            earlier.ratios,
+            [Ratio {
+                figure: "g/a".into(),
+                baseline: "g/b".into(),
+                ratio: 1.5
+            }]
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

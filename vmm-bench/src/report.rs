@@ -4,8 +4,8 @@
 //! whether figure and baseline ran interleaved.
 //!
 //! With [`COMPARE_VAR`] naming an earlier run's JSON, the summary also compares every median
-//! with that run's (see [`crate::compare`]): the check that a rerun of one build confirms a
-//! figure.
+//! and every ratio with that run's (see [`crate::compare`]): the check that a rerun of one
+//! build confirms a figure.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -279,7 +279,19 @@ pub fn finish(quick: bool, gpu: Result<(), Unavailable>, write_json: bool) {
             .map(|(k, s)| (k.clone(), s.median_ns))
             .collect();
         match compare::load(Path::new(&path)) {
-            Ok(before) => print!("\n{}", compare::table(&before, &now)),
+            Ok(before) => {
+                let ratios: Vec<compare::Ratio> = rows
+                    .iter()
+                    .filter_map(|r| {
+                        Some(compare::Ratio {
+                            figure: r.figure.clone(),
+                            baseline: r.baseline.clone(),
+                            ratio: r.ratio?,
+                        })
+                    })
+                    .collect();
+                print!("\n{}", compare::tables(&before, &now, &ratios));
+            }
             Err(e) => eprintln!("vmm-bench: {COMPARE_VAR}: {e}"),
         }
     }
