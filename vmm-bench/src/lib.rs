@@ -10,6 +10,7 @@
 #![cfg(target_os = "linux")]
 
 pub mod child_drop;
+pub mod compare;
 pub mod driver;
 pub mod endpoint;
 pub mod fabric;
@@ -19,8 +20,10 @@ pub mod pool;
 pub mod raw;
 pub mod record;
 pub mod report;
+pub mod role_check;
 pub mod start;
 pub mod tls;
+pub mod units;
 
 use std::time::Duration;
 
@@ -29,7 +32,8 @@ use criterion::{BenchmarkGroup, Criterion, SamplingMode};
 use vmm_core::cuda::Unavailable;
 
 /// Set in a baseline process the bench starts from its own executable: `cuda-init` runs
-/// `cuInit` + primary context and exits, `noop` exits at once. Checked by
+/// `cuInit` + primary context and exits, `noop` exits at once, `peer-socket` sends a socket
+/// over stdout (see [`role_check`]). Checked by
 /// [`baseline_child_main`] right after `init()`.
 pub const BASELINE_VAR: &str = "VMM_BENCH_BASELINE";
 
@@ -38,6 +42,14 @@ pub const QUICK_VAR: &str = "VMM_BENCH_QUICK";
 
 /// Set to `1` (the GPU runs do) to make a missing GPU an error instead of a skip.
 pub const REQUIRE_GPU_VAR: &str = "VMM_REQUIRE_GPU";
+
+/// Warm-up of a figure that spans processes, outside quick runs (see
+/// [`Settings::process_times`]).
+pub const PROCESS_WARM_UP: Duration = Duration::from_millis(500);
+
+/// Measurement of a figure that spans processes, outside quick runs (see
+/// [`Settings::process_times`]).
+pub const PROCESS_MEASUREMENT: Duration = Duration::from_secs(5);
 
 /// How long a hand-off child or a join may wait before the bench calls it hung.
 pub const CHILD_WAIT: Duration = Duration::from_secs(120);
@@ -73,6 +85,7 @@ pub fn baseline_child_main() {
                 3
             }
         },
+        role_check::PEER_SOCKET => role_check::peer_socket_main(),
         other => {
             eprintln!("vmm-bench: unknown {BASELINE_VAR}={other:?}");
             2
@@ -86,14 +99,28 @@ pub fn baseline_child_main() {
 pub struct Settings {
     /// [`QUICK_VAR`] is `1`.
     pub quick: bool,
+    /// The command line sets criterion's warm-up or measurement time (`--warm-up-time`,
+    /// `--measurement-time`): then no group sets its own.
+    pub times_from_args: bool,
 }
 
 impl Settings {
-    /// From the environment.
+    /// From the environment and the command line.
     pub fn from_env() -> Settings {
         Settings {
             quick: std::env::var(QUICK_VAR).is_ok_and(|v| v == "1"),
+            times_from_args: std::env::args()
+                .any(|a| a.starts_with("--warm-up-time") || a.starts_with("--measurement-time")),
         }
+    }
+
+    /// Warm-up and measurement of a [`Kind::Processes`] group, `None` where the run's own
+    /// apply (a quick run, or times given on the command line). Long enough that two runs of
+    /// one build agree on each median within 15%: a process start (about 2 ms) gets a few
+    /// thousand iterations, a hand-off (tens of microseconds) hundreds of thousands, and a
+    /// slow drift of the machine's load is averaged over seconds, not caught in one burst.
+    pub fn process_times(&self) -> Option<(Duration, Duration)> {
+        (!self.quick && !self.times_from_args).then_some((PROCESS_WARM_UP, PROCESS_MEASUREMENT))
     }
 
     /// A `Criterion` with this run's times, then the command line's criterion options (which
@@ -119,7 +146,8 @@ impl Settings {
 pub enum Kind {
     /// Microseconds each: 20 samples, criterion's automatic sampling.
     InProcess,
-    /// A process start or a round trip to a child: 10 samples, flat sampling.
+    /// A process start or a round trip to a child: 10 samples, flat sampling, and the longer
+    /// times of [`Settings::process_times`].
     Processes,
 }
 
@@ -136,6 +164,9 @@ impl<'a> Group<'a> {
         let mut inner = c.benchmark_group(name);
         if kind == Kind::Processes {
             inner.sample_size(10).sampling_mode(SamplingMode::Flat);
+            if let Some((warm_up, measure)) = Settings::from_env().process_times() {
+                inner.warm_up_time(warm_up).measurement_time(measure);
+            }
         }
         Group { inner, name }
     }
@@ -165,6 +196,26 @@ impl<'a> Group<'a> {
         self.inner.bench_function(id, |b| {
             b.iter_custom(|iters| {
                 record::measure_pair((&key_a, &mut op_a), (&key_b, &mut op_b), iters)
+            })
+        });
+    }
+
+    /// Bench a figure and its baselines interleaved (see [`record::measure_interleaved`]), as
+    /// one criterion benchmark `id`; `ops` are (figure id, operation) pairs.
+    pub fn bench_interleaved(
+        &mut self,
+        id: &str,
+        ops: &mut [(&str, &mut dyn FnMut() -> Duration)],
+    ) {
+        let keys: Vec<String> = ops.iter().map(|(figure, _)| self.key(figure)).collect();
+        self.inner.bench_function(id, |b| {
+            b.iter_custom(|iters| {
+                let mut set: Vec<record::Interleaved<'_>> = keys
+                    .iter()
+                    .zip(ops.iter_mut())
+                    .map(|(key, (_, op))| (key.as_str(), &mut **op as &mut dyn FnMut() -> Duration))
+                    .collect();
+                record::measure_interleaved(&mut set, iters)
             })
         });
     }

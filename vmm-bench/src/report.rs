@@ -1,5 +1,11 @@
 //! The summary: each figure's median next to its baseline's, the ratio and the target, as a
-//! Markdown table on stdout and the same rows as JSON under the target directory.
+//! Markdown table on stdout and the same rows as JSON under the target directory. Each median
+//! comes with its 10th and 90th percentiles and its count of iterations, and each row says
+//! whether figure and baseline ran interleaved.
+//!
+//! With [`COMPARE_VAR`] naming an earlier run's JSON, the summary also compares every median
+//! and every ratio with that run's (see [`crate::compare`]): the check that a rerun of one
+//! build confirms a figure.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -7,7 +13,11 @@ use std::sync::Mutex;
 use serde::Serialize;
 use vmm_core::cuda::Unavailable;
 
-use crate::record;
+pub use crate::units::format_ns;
+use crate::{compare, record};
+
+/// Set to the path of an earlier run's [`REPORT_FILE`] to compare this run's medians with it.
+pub const COMPARE_VAR: &str = "VMM_BENCH_COMPARE";
 
 /// What a figure is held to.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -104,6 +114,26 @@ struct JsonRow {
     ratio: Option<f64>,
     target: String,
     pass: Option<bool>,
+    // Added after the fields above (which older tooling reads):
+    p10_ns: f64,
+    p90_ns: f64,
+    /// Iterations the median and percentiles come from (at most `record::KEEP`).
+    kept: usize,
+    baseline_p10_ns: Option<f64>,
+    baseline_p90_ns: Option<f64>,
+    baseline_kept: Option<usize>,
+    /// Figure and baseline ran interleaved, iteration by iteration.
+    interleaved: bool,
+}
+
+/// One figure's numbers, in the report's `figures` map.
+#[derive(Debug, Serialize)]
+struct JsonFigure {
+    median_ns: f64,
+    p10_ns: f64,
+    p90_ns: f64,
+    iterations: u64,
+    kept: usize,
 }
 
 #[derive(Debug, Serialize)]
@@ -117,19 +147,9 @@ struct JsonReport {
     note: &'static str,
     rows: Vec<JsonRow>,
     medians_ns: std::collections::BTreeMap<String, f64>,
-}
-
-/// `1.23 ms`, `45.6 us`, `789 ns`.
-pub fn format_ns(ns: f64) -> String {
-    if ns >= 1e9 {
-        format!("{:.3} s", ns / 1e9)
-    } else if ns >= 1e6 {
-        format!("{:.3} ms", ns / 1e6)
-    } else if ns >= 1e3 {
-        format!("{:.2} us", ns / 1e3)
-    } else {
-        format!("{ns:.0} ns")
-    }
+    /// Every figure that ran, with its spread and iterations (rows name only those with a
+    /// baseline).
+    figures: std::collections::BTreeMap<String, JsonFigure>,
 }
 
 fn collect() -> Vec<JsonRow> {
@@ -146,6 +166,7 @@ fn collect() -> Vec<JsonRow> {
                     .target
                     .verdict(figure.median_ns, baseline.map(|b| b.median_ns)),
                 target: row.target.describe(),
+                interleaved: record::interleaved_with(&row.figure, &row.baseline),
                 figure: row.figure,
                 median_ns: figure.median_ns,
                 iterations: figure.iterations,
@@ -153,24 +174,46 @@ fn collect() -> Vec<JsonRow> {
                 baseline_median_ns: baseline.map(|b| b.median_ns),
                 baseline_iterations: baseline.map(|b| b.iterations),
                 ratio,
+                p10_ns: figure.p10_ns,
+                p90_ns: figure.p90_ns,
+                kept: figure.kept,
+                baseline_p10_ns: baseline.map(|b| b.p10_ns),
+                baseline_p90_ns: baseline.map(|b| b.p90_ns),
+                baseline_kept: baseline.map(|b| b.kept),
             })
         })
         .collect()
 }
 
+/// `p10 - p90` of a figure, as the table shows it.
+fn spread(p10_ns: f64, p90_ns: f64) -> String {
+    format!("{} - {}", format_ns(p10_ns), format_ns(p90_ns))
+}
+
 /// The Markdown table of every row whose figure ran.
 fn table(rows: &[JsonRow]) -> String {
     let mut out = String::from(
-        "| figure | median | baseline | baseline median | ratio | target | result |\n\
-         |---|---:|---|---:|---:|---|---|\n",
+        "| figure | median | p10 - p90 | iterations | baseline | baseline median | \
+         baseline p10 - p90 | baseline iterations | interleaved | ratio | target | result |\n\
+         |---|---:|---:|---:|---|---:|---:|---:|---|---:|---|---|\n",
     );
     for r in rows {
+        let baseline_spread = match (r.baseline_p10_ns, r.baseline_p90_ns) {
+            (Some(p10), Some(p90)) => spread(p10, p90),
+            _ => "-".to_owned(),
+        };
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r.figure,
             format_ns(r.median_ns),
+            spread(r.p10_ns, r.p90_ns),
+            r.iterations,
             r.baseline,
             r.baseline_median_ns.map_or("-".to_owned(), format_ns),
+            baseline_spread,
+            r.baseline_iterations
+                .map_or("-".to_owned(), |n| n.to_string()),
+            if r.interleaved { "yes" } else { "no" },
             r.ratio.map_or("-".to_owned(), |x| format!("{x:.3}x")),
             r.target,
             match r.pass {
@@ -214,7 +257,10 @@ pub fn finish(quick: bool, gpu: Result<(), Unavailable>, write_json: bool) {
     if rows.is_empty() {
         return;
     }
-    println!("\n## vmm-bench summary (medians of per-iteration times, one run)\n");
+    println!(
+        "\n## vmm-bench summary (medians of per-iteration times, one run; p10 - p90 and \
+         iterations beside each)\n"
+    );
     print!("{}", table(&rows));
     if let Err(reason) = &gpu {
         println!("\nGPU figures skipped: {reason}");
@@ -223,23 +269,65 @@ pub fn finish(quick: bool, gpu: Result<(), Unavailable>, write_json: bool) {
     if let Some(reason) = &fabric_skipped {
         println!("\nFabric figures (gpu-fabric, gpu-fabric-handoff) skipped: {reason}");
     }
+    let summaries: Vec<(String, record::Summary)> = record::keys()
+        .into_iter()
+        .filter_map(|k| record::summary(&k).map(|s| (k, s)))
+        .collect();
+    if let Some(path) = std::env::var_os(COMPARE_VAR).filter(|p| !p.is_empty()) {
+        let now: Vec<(String, f64)> = summaries
+            .iter()
+            .map(|(k, s)| (k.clone(), s.median_ns))
+            .collect();
+        match compare::load(Path::new(&path)) {
+            Ok(before) => {
+                let ratios: Vec<compare::Ratio> = rows
+                    .iter()
+                    .filter_map(|r| {
+                        Some(compare::Ratio {
+                            figure: r.figure.clone(),
+                            baseline: r.baseline.clone(),
+                            ratio: r.ratio?,
+                        })
+                    })
+                    .collect();
+                print!("\n{}", compare::tables(&before, &now, &ratios));
+            }
+            Err(e) => eprintln!("vmm-bench: {COMPARE_VAR}: {e}"),
+        }
+    }
     println!();
     if !write_json {
         return;
     }
-    let medians_ns = record::keys()
+    let medians_ns = summaries
+        .iter()
+        .map(|(k, s)| (k.clone(), s.median_ns))
+        .collect();
+    let figures = summaries
         .into_iter()
-        .filter_map(|k| record::summary(&k).map(|s| (k, s.median_ns)))
+        .map(|(k, s)| {
+            let figure = JsonFigure {
+                median_ns: s.median_ns,
+                p10_ns: s.p10_ns,
+                p90_ns: s.p90_ns,
+                iterations: s.iterations,
+                kept: s.kept,
+            };
+            (k, figure)
+        })
         .collect();
     let report = JsonReport {
         bench: "vmm-bench",
         quick,
         gpu_skipped: gpu.err().map(|reason| reason.to_string()),
         fabric_skipped,
-        note: "medians over every timed iteration (warm-up included) of one run; ratio = \
-               figure / baseline",
+        note: "medians, p10 and p90 over the kept timed iterations (warm-up included, at most \
+               100000 by reservoir sampling: `kept`) of one run; `iterations` counts every \
+               timed iteration; ratio = figure / baseline; `interleaved`: figure and baseline \
+               ran in one loop, iteration by iteration",
         rows,
         medians_ns,
+        figures,
     };
     let json = match serde_json::to_string_pretty(&report) {
         Ok(json) => json + "\n",
@@ -295,12 +383,5 @@ mod tests {
         );
         assert_eq!(added.verdict(445.0, None), None);
         assert_eq!(added.describe(), "<= +150 ns/chunk");
-    }
-
-    #[test]
-    fn formats() {
-        assert_eq!(format_ns(12.0), "12 ns");
-        assert_eq!(format_ns(1500.0), "1.50 us");
-        assert_eq!(format_ns(2.5e6), "2.500 ms");
     }
 }

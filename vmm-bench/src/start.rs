@@ -1,11 +1,17 @@
 //! Child start + join, and a GPU child, next to bare process starts.
 //!
-//! - child-start: `Context::spawn` of a no-op `fn` + `join`, under spawn and forkserver, next to
-//!   `std::process::Command` of `/bin/true` until reaped (the target baseline: fork+exec of a
-//!   tiny program, init_cost.c's `noop`) and, for information, of this bench executable with
-//!   `VMM_BENCH_BASELINE=noop` (which exits right after `init()`: the cost of exec'ing a large
-//!   Rust binary, without vmm-core's protocol). `warm`: the same from a warm pool that is full
-//!   and ready when the clock starts (`WarmPool::global().fill()` untimed before each), next to spawn.
+//! - child-start: `Context::spawn` of a no-op `fn` + `join`, under spawn and forkserver. Spawn
+//!   is next to this bench executable re-run with `VMM_BENCH_BASELINE=noop` (which exits right
+//!   after `init()`: the cost of exec'ing a large Rust binary without vmm-core's protocol, the
+//!   target baseline) and, for information, `std::process::Command` of `/bin/true` until reaped
+//!   (fork+exec of a tiny program, init_cost.c's `noop`), which is forkserver's baseline.
+//!   `exec-self-role-refused`: `exec-self-noop` with a role variable that the pre-`main` hook
+//!   checks through and refuses at its peer check (see [`crate::role_check`]): the checks' cost.
+//!   `spawn`, `exec-self-noop` and `exec-self-role-refused` run interleaved, as do `forkserver`
+//!   and `fork-exec-true`: each process is reaped before the next starts. `warm`: the same from
+//!   a warm pool that is full and ready when the clock starts (`WarmPool::global().fill()`
+//!   untimed before each), next to spawn; not interleaved (taking a warm child starts its
+//!   replacement in the background, beside whatever runs next).
 //! - gpu-child: a child that initialises CUDA by importing a descriptor, drops it and exits,
 //!   and join, next to this executable re-run with `VMM_BENCH_BASELINE=cuda-init` (`cuInit` +
 //!   primary context, then exit: init_cost.c's `cuda` child). `warm`: the same child taken
@@ -15,7 +21,8 @@
 //!   message, the import, the ack) and `warm-exit` (from then until `join` returned: the
 //!   report, the exit with a live CUDA context, the reap), the latter next to
 //!   `cuda-exit-process`: a bare process that initialised CUDA, timed from its cue to exit
-//!   until it is reaped (the kernel's teardown of a CUDA context).
+//!   until it is reaped (the kernel's teardown of a CUDA context). The cold starts and
+//!   `cuda-init-process` run interleaved; the warm figures do not (as in child-start).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -29,6 +36,7 @@ use vmm_core::process::{Context, StartMethod, WarmPool, ensure_running};
 use vmm_core::wire::Queue;
 
 use crate::report::{Target, row};
+use crate::role_check::ForeignSocket;
 use crate::{BASELINE_VAR, CHILD_WAIT, Group, Kind, Settings, key, record};
 
 /// The no-op child-start group.
@@ -122,6 +130,40 @@ fn cuda_process_exit(exe: &Path) -> Duration {
     elapsed
 }
 
+/// Run `command` (stdin from /dev/null) until reaped, check it succeeded; record the time
+/// until `spawn` returned under `started` and from then until reaped under `reaped`; return
+/// the whole.
+fn run_to_exit_split(command: &mut Command, (started, reaped): (&str, &str)) -> Duration {
+    let t = Instant::now();
+    let mut child = command
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("start baseline");
+    let until_started = t.elapsed();
+    let status = child.wait().expect("reap baseline");
+    let total = t.elapsed();
+    assert!(status.success(), "baseline process failed: {status}");
+    record::measure(started, 1, || until_started);
+    record::measure(reaped, 1, || total - until_started);
+    total
+}
+
+/// A spawn child's no-op start + join, split as [`run_to_exit_split`] splits its baseline: the
+/// time until `Context::spawn` returned under `started`, from then until `join` returned under
+/// `joined`; returns the whole.
+fn spawn_join_split((started, joined): (&str, &str)) -> Duration {
+    let t = Instant::now();
+    let child = Context::new(StartMethod::Spawn)
+        .spawn(noop, ())
+        .expect("start child");
+    let until_started = t.elapsed();
+    child.join(CHILD_WAIT).expect("join child");
+    let total = t.elapsed();
+    record::measure(started, 1, || until_started);
+    record::measure(joined, 1, || total - until_started);
+    total
+}
+
 /// Start + join of a child with `method` running `f(args)`.
 fn start_join<F, A>(method: StartMethod, f: F, args: A) -> Duration
 where
@@ -140,29 +182,73 @@ where
 /// No-op child start + join.
 pub fn child_start(c: &mut Criterion) {
     let base = key(GROUP, "fork-exec-true");
+    let noop_exec = key(GROUP, "exec-self-noop");
     // A spawned child must exec this executable: its floor is exec'ing it, not /bin/true.
-    row(
-        &key(GROUP, "spawn"),
-        &key(GROUP, "exec-self-noop"),
-        Target::RatioAtMost(1.1),
-    );
+    row(&key(GROUP, "spawn"), &noop_exec, Target::RatioAtMost(1.1));
     row(&key(GROUP, "spawn"), &base, Target::None);
+    // What the pre-main role check costs (see role_check).
+    row(
+        &key(GROUP, "exec-self-role-refused"),
+        &noop_exec,
+        Target::None,
+    );
+    // Where spawn's time goes, next to the same split of exec'ing this executable: until the
+    // start call returned (posix_spawn; for spawn also its launcher thread, the channel and the
+    // output files), and from then until reaped (the child's whole run, its exit, the reap).
+    let split = |figure: &str| {
+        (
+            key(GROUP, &format!("{figure}-started")),
+            key(GROUP, &format!("{figure}-reaped")),
+        )
+    };
+    let (spawn_started, spawn_joined) = split("spawn");
+    let (noop_started, noop_reaped) = split("exec-self-noop");
+    row(&spawn_started, &noop_started, Target::None);
+    row(&spawn_joined, &noop_reaped, Target::None);
+    record::note_interleaved(&[&spawn_started, &spawn_joined, &noop_started, &noop_reaped]);
     row(&key(GROUP, "forkserver"), &base, Target::Under(1e6));
     row(&key(GROUP, "warm"), &key(GROUP, "spawn"), Target::None);
 
-    let mut group = Group::new(c, GROUP, Kind::Processes);
-    group.bench("spawn", || start_join(StartMethod::Spawn, noop, ()));
-    // The server is started once per parent, outside any figure.
+    // The server is started once per parent, outside any figure (and before the role check's
+    // socket exists, which it must not inherit).
     ensure_running().expect("start the forkserver");
-    group.bench("forkserver", || {
-        start_join(StartMethod::Forkserver, noop, ())
-    });
-    let truth = true_program();
-    group.bench("fork-exec-true", || run_to_exit(&mut Command::new(truth)));
     let exe = this_exe();
-    group.bench("exec-self-noop", || {
-        run_to_exit(Command::new(&exe).env(BASELINE_VAR, "noop"))
-    });
+    let foreign = ForeignSocket::new(&exe);
+    foreign.assert_refused_at_peer_check(&exe);
+
+    let mut group = Group::new(c, GROUP, Kind::Processes);
+    // Each process is reaped before the next starts, so these start figures alternate, one
+    // iteration each in turn: the machine's drift falls on all of them alike.
+    group.bench_interleaved(
+        "spawn-vs-exec-self",
+        &mut [
+            ("spawn", &mut || {
+                spawn_join_split((&spawn_started, &spawn_joined))
+            }),
+            ("exec-self-noop", &mut || {
+                run_to_exit_split(
+                    Command::new(&exe)
+                        .env(BASELINE_VAR, "noop")
+                        .stderr(Stdio::null()),
+                    (&noop_started, &noop_reaped),
+                )
+            }),
+            ("exec-self-role-refused", &mut || {
+                foreign.inherited(|| run_to_exit(&mut foreign.refused_command(&exe)))
+            }),
+        ],
+    );
+    drop(foreign);
+    let truth = true_program();
+    group.bench_pair(
+        "forkserver-vs-fork-exec-true",
+        ("forkserver", || {
+            start_join(StartMethod::Forkserver, noop, ())
+        }),
+        ("fork-exec-true", || run_to_exit(&mut Command::new(truth))),
+    );
+    // Not interleaved: taking a warm child makes the pool start its replacement in the
+    // background, which would run beside the next baseline iteration.
     // The host path even on a GPU machine: these warm children initialise no CUDA device.
     let options = WarmPool::global().options();
     WarmPool::global().set_options(options.clone().with_devices([]));
@@ -213,13 +299,23 @@ pub fn gpu_child(c: &mut Criterion) {
 
     ensure_running().expect("start the forkserver");
     let mut group = Group::new(c, GPU_GROUP, Kind::Processes);
-    for method in COLD {
-        group.bench(method.name(), || start_join(method, gpu_work, own()));
-    }
     let exe = this_exe();
-    group.bench("cuda-init-process", || {
-        run_to_exit(Command::new(&exe).env(BASELINE_VAR, "cuda-init"))
-    });
+    // Each child is reaped before the next starts: the cold starts and their baseline
+    // alternate, one iteration each in turn.
+    group.bench_interleaved(
+        "cold-vs-cuda-init",
+        &mut [
+            ("spawn", &mut || {
+                start_join(StartMethod::Spawn, gpu_work, own())
+            }),
+            ("forkserver", &mut || {
+                start_join(StartMethod::Forkserver, gpu_work, own())
+            }),
+            ("cuda-init-process", &mut || {
+                run_to_exit(Command::new(&exe).env(BASELINE_VAR, "cuda-init"))
+            }),
+        ],
+    );
     group.bench("cuda-exit-process", || cuda_process_exit(&exe));
     let (warm_up, measure) = warm_times();
     group.times(warm_up, measure);
