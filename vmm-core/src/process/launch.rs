@@ -1,10 +1,14 @@
 //! fork+exec of the current executable, through `posix_spawn` on one long-lived thread.
 //!
 //! `posix_spawn` (vfork-style in glibc) never copies the parent's address space, so a parent
-//! that has initialised CUDA is never forked. All launches happen on one launcher thread that
-//! lives as long as the process, because `PR_SET_PDEATHSIG` fires when the *thread* that
-//! started a child exits: a child started from a short-lived test thread would otherwise be
-//! killed when that thread ends.
+//! that has initialised CUDA is never forked. Launches from any thread but the main one happen
+//! on one launcher thread that lives as long as the process, because `PR_SET_PDEATHSIG` fires
+//! when the *thread* that started a child exits: a child started from a short-lived test thread
+//! would otherwise be killed when that thread ends. The main thread launches by itself: its end
+//! is the process's (returning from `main` exits), and the hop to the launcher thread and back
+//! cost about 100 us a child (two thread wake-ups; measured by vmm-bench's `spawn-started`
+//! split), at worst until the child had run, when the launcher got the CPU back only then. (A C
+//! `main` that calls `pthread_exit` while other threads run would take its children with it.)
 
 use std::ffi::{CString, OsString};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -70,8 +74,12 @@ pub(crate) fn launch_then(
         .map_err(|_| Error::forkserver(ForkserverFailure::Launcher, "the launcher thread is gone"))
 }
 
-/// Start `launch` from the launcher thread and return the child's pid.
+/// Start `launch` (from the launcher thread, unless this is the main thread: module docs) and
+/// return the child's pid.
 pub(crate) fn launch(launch: Launch) -> Result<Pid> {
+    if nix::unistd::gettid() == getpid() {
+        return spawn_now(launch);
+    }
     let (tx, rx) = mpsc::sync_channel(1);
     launch_then(launch, move |launched| {
         let _ = tx.send(launched);

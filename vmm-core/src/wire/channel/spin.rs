@@ -23,8 +23,18 @@ pub const MAX_SPIN_US: u64 = 10_000;
 /// The window when [`SPIN_VAR`] is not set (or unusable): 20 us on a machine with more than
 /// one CPU, else zero (on one CPU the sender cannot run while we spin).
 fn default_micros() -> u64 {
-    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-    if cpus > 1 { 20 } else { 0 }
+    if cpus_allowed() > 1 { 20 } else { 0 }
+}
+
+/// How many CPUs this process may run on (its affinity mask; 1 if it cannot be read). Not
+/// `std::thread::available_parallelism`, which also reads cgroup files: 21-27 us against
+/// 0.3 us for the mask alone, paid by every child on its first receive.
+fn cpus_allowed() -> usize {
+    nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).map_or(1, |set| {
+        (0..nix::sched::CpuSet::count())
+            .filter(|&cpu| set.is_set(cpu).unwrap_or(false))
+            .count()
+    })
 }
 
 /// [`SPIN_VAR`], read once: the window, after the one warning line a value that had to be

@@ -14,40 +14,38 @@ pub(crate) fn euid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
-/// The kernel's overflow uid and gid (`/proc/sys/kernel/overflowuid`, `overflowgid`; 65534
-/// unless changed): what `SO_PEERCRED` and `stat` report for an id that has no mapping in this
-/// process's user namespace. One such id stands for every unmapped user at once, so it is
-/// never taken as anyone's identity unless an allow-list names it. `None` when either cannot
-/// be read: then every id is treated as possibly the overflow id (fail closed).
-pub(crate) fn overflow_ids() -> Option<(u32, u32)> {
-    static IDS: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
-    if let Some(ids) = IDS.get() {
-        return Some(*ids);
+/// The kernel's overflow uid (`/proc/sys/kernel/overflowuid`; 65534 unless changed): what
+/// `SO_PEERCRED` and `stat` report for a uid that has no mapping in this process's user
+/// namespace. One such uid stands for every unmapped user at once, so it is never taken as
+/// anyone's identity unless an allow-list names it. `None` when it cannot be read: then every
+/// uid is treated as possibly the overflow uid (fail closed). (Only uids decide who a peer is,
+/// so the overflow gid is not read: every child's role check pays for each file read.)
+pub(crate) fn overflow_uid() -> Option<u32> {
+    static UID: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    if let Some(uid) = UID.get() {
+        return Some(*uid);
     }
-    let read = |file: &str| -> Option<u32> {
-        std::fs::read_to_string(format!("/proc/sys/kernel/{file}"))
-            .ok()?
-            .trim()
-            .parse()
-            .ok()
-    };
-    let ids = (read("overflowuid")?, read("overflowgid")?);
-    Some(*IDS.get_or_init(|| ids))
+    let uid = std::fs::read_to_string("/proc/sys/kernel/overflowuid")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(*UID.get_or_init(|| uid))
 }
 
 /// Whether `uid` may be the overflow uid (it is, or the overflow uid cannot be read).
 pub(crate) fn maybe_overflow_uid(uid: u32) -> bool {
-    overflow_ids().is_none_or(|(overflow, _)| overflow == uid)
+    overflow_uid().is_none_or(|overflow| overflow == uid)
 }
 
 /// Why the kernel's word for `peer` may name no one in particular: a note for refusals, empty
 /// when its uid and gid are ordinary ids.
 pub(crate) fn overflow_note(peer: &Credentials) -> String {
-    match overflow_ids() {
+    match overflow_uid() {
         None => " (the overflow uid cannot be read from /proc/sys/kernel/overflowuid, so an id \
                   is admitted only when the allow-list names it)"
             .into(),
-        Some((uid, _)) if peer.uid == uid => format!(
+        Some(uid) if peer.uid == uid => format!(
             " (uid {uid} is the overflow uid: the process's uid has no mapping in this user \
              namespace, and it stands for every such user; admitted only when the allow-list \
              names it)"
