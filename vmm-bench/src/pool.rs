@@ -39,7 +39,8 @@ fn import_host(descriptor: HostDescriptor) {
     drop(HostBuffer::import(&descriptor).expect("pool task: import"));
 }
 
-/// A warm pool of one worker that has made one import already (untimed).
+/// A warm pool of one worker that has made one import already (untimed), with no waiting warm
+/// child beside it.
 fn warm_pool_of_one<F, D>(task: F, first: &D) -> Pool
 where
     F: Fn(D) + Copy,
@@ -50,6 +51,13 @@ where
         .expect("submit")
         .join(CHILD_WAIT)
         .expect("first task");
+    // The worker came from the warm pool, which refills in the background: processes that
+    // initialise CUDA and hold a context on the same GPU beside the timed tasks, which the
+    // raw-socket baseline never has beside it. End them (once the refill is done) so that the
+    // figure and its baseline run alike: one child on the device (issue 25).
+    let warm = WarmPool::global();
+    let _ = warm.fill();
+    warm.set_options(warm.options());
     pool
 }
 
