@@ -1,5 +1,5 @@
 """The Python client of vmm-daemon (examples/src/bin/vmm-daemon.rs), on the standard-library
-peer (python/vmm_ipc_peer.py; put that directory on PYTHONPATH).
+peer (the package python/vmm_ipc_peer; put python/ on PYTHONPATH).
 
     python3 daemon_client.py NAME BUFFER [--expect-uid UID] [--check-seed SEED] [--fabric]
 

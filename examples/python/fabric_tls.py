@@ -1,5 +1,5 @@
 """The Python side of vmm-core's `fabric_tcp` example: a fabric descriptor over TCP with mutual
-TLS (python/vmm_ipc_peer.py's TLS, on the standard library's ``ssl``), imported or exported with
+TLS (python/vmm_ipc_peer's TLS, on the standard library's ``ssl``), imported or exported with
 cuda.bindings (python/vmm_ipc_cuda.py). Put ``python/`` on PYTHONPATH.
 
     python3 fabric_tls.py import HOST:PORT CERTDIR EXPORTER_NAME IMPORTER_NAME

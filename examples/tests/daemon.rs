@@ -20,7 +20,8 @@ use vmm_core::testing::{cuda_vmm_ipc, settled_open_fds, skip_unless};
 use vmm_core::wire::endpoint::{Listener, ListenerOptions, Name};
 use vmm_examples::{Daemon, Served, pattern};
 
-const PEER: &str = include_str!("../../python/vmm_ipc_peer.py");
+/// The `vmm_ipc_peer` package, module by module (`python/vmm_ipc_peer_files.rs`).
+const PEER: [(&str, &str); 14] = include!("../../python/vmm_ipc_peer_files.rs");
 const CUDA: &str = include_str!("../../python/vmm_ipc_cuda.py");
 const CLIENT: &str = include_str!("../python/daemon_client.py");
 const ARGS_VAR: &str = "VMM_EXAMPLE_CLIENT_ARGS";
@@ -57,12 +58,11 @@ fn python_dir() -> PythonDir {
     let dir = std::env::temp_dir().join(format!("vmm-examples-python-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    for (file, text) in [
-        ("vmm_ipc_peer.py", PEER),
-        ("vmm_ipc_cuda.py", CUDA),
-        ("daemon_client.py", CLIENT),
-    ] {
-        std::fs::write(dir.join(file), text).unwrap();
+    let scripts = [("vmm_ipc_cuda.py", CUDA), ("daemon_client.py", CLIENT)];
+    for (file, text) in PEER.into_iter().chain(scripts) {
+        let path = dir.join(file);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
     }
     PythonDir(dir)
 }

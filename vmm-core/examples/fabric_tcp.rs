@@ -33,7 +33,7 @@
 //! `--exporter-name` and `--importer-name` change the names expected.
 //!
 //! The Python side (`examples/python/fabric_tls.py`, found from the current directory, or
-//! `--python-script PATH`) uses `python/vmm_ipc_peer.py`'s TLS (the standard library's `ssl`)
+//! `--python-script PATH`) uses `python/vmm_ipc_peer/`'s TLS (the standard library's `ssl`)
 //! and `python/vmm_ipc_cuda.py` (cuda.bindings).
 //!
 //! Needs a GPU with fabric support and an IMEX channel; without them it prints one

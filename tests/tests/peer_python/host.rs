@@ -20,7 +20,8 @@ fn python_unit_tests() {
     if !skip_unless(python3()) {
         return;
     }
-    // The protocol peer's tests, and vmm_ipc_cuda's logic against a fake cuda.bindings.
+    // The protocol peer's tests (codec and endpoints, attacks, availability), and vmm_ipc_cuda's
+    // logic against a fake cuda.bindings.
     let py = python_dir();
     let output = python(
         &py,
@@ -29,6 +30,8 @@ fn python_unit_tests() {
             "unittest",
             "-v",
             "test_vmm_ipc_peer",
+            "test_vmm_ipc_attacks",
+            "test_vmm_ipc_availability",
             "test_vmm_ipc_cuda",
             "test_vmm_ipc_fabric",
         ],
@@ -41,6 +44,8 @@ fn python_unit_tests() {
     assert!(
         out.contains("test_a_two_chunk_export_is_imported_over_an_endpoint")
             && out.contains("test_a_memfd_travels_both_ways_and_nothing_leaks")
+            && out.contains("test_a_hostile_fd_whose_close_blocks_does_not_hold_up_a_receive")
+            && out.contains("test_a_drain_tells_an_empty_packet_from_the_end")
             && out.contains("test_every_receipt_check_of_cuda_fabric")
             && out.contains("test_a_fabric_export_is_imported_over_tcp"),
         "{out}"

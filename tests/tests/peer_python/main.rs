@@ -1,4 +1,4 @@
-//! Rust and the standard-library Python peer (`python/vmm_ipc_peer.py`) speaking
+//! Rust and the standard-library Python peer (the `python/vmm_ipc_peer` package) speaking
 //! docs/protocol.md, as processes that did not start each other.
 //!
 //! - `host` (runs everywhere, CI included): a Rust listener serves a memfd buffer to the Python
@@ -40,10 +40,14 @@ mod tls_interop;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
-const PEER: &str = include_str!("../../../python/vmm_ipc_peer.py");
+/// The `vmm_ipc_peer` package, module by module (`python/vmm_ipc_peer_files.rs`).
+const PEER: [(&str, &str); 14] = include!("../../../python/vmm_ipc_peer_files.rs");
 const CUDA: &str = include_str!("../../../python/vmm_ipc_cuda.py");
 const ROLES: &str = include_str!("../../../python/tests/peer_roles.py");
+const FIXTURES: &str = include_str!("../../../python/tests/peer_fixtures.py");
 const UNIT: &str = include_str!("../../../python/tests/test_vmm_ipc_peer.py");
+const UNIT_ATTACKS: &str = include_str!("../../../python/tests/test_vmm_ipc_attacks.py");
+const UNIT_AVAILABILITY: &str = include_str!("../../../python/tests/test_vmm_ipc_availability.py");
 const UNIT_CUDA: &str = include_str!("../../../python/tests/test_vmm_ipc_cuda.py");
 const UNIT_FABRIC: &str = include_str!("../../../python/tests/test_vmm_ipc_fabric.py");
 const UNIT_TLS: &str = include_str!("../../../python/tests/test_vmm_ipc_tls.py");
@@ -130,15 +134,20 @@ mod v2 {
 /// The Python files, in a fresh directory for one test.
 fn python_dir() -> PythonDir {
     let files = [
-        ("vmm_ipc_peer.py", PEER),
         ("vmm_ipc_cuda.py", CUDA),
         ("peer_roles.py", ROLES),
+        ("peer_fixtures.py", FIXTURES),
         ("test_vmm_ipc_peer.py", UNIT),
+        ("test_vmm_ipc_attacks.py", UNIT_ATTACKS),
+        ("test_vmm_ipc_availability.py", UNIT_AVAILABILITY),
         ("test_vmm_ipc_cuda.py", UNIT_CUDA),
         ("test_vmm_ipc_fabric.py", UNIT_FABRIC),
         ("test_vmm_ipc_tls.py", UNIT_TLS),
     ];
-    PythonDir::new("peer-python", files.into_iter().chain(FAKE_CUDA))
+    PythonDir::new(
+        "peer-python",
+        PEER.into_iter().chain(files).chain(FAKE_CUDA),
+    )
 }
 
 /// `python3` can run here (3.9+, for socket.send_fds).

@@ -1,5 +1,5 @@
 //! Mutual TLS in the Python peer (`tls_listen`, `tls_connect`, `TlsConfig` in
-//! `python/vmm_ipc_peer.py`): the certificates are made here with [`vmm_tests::pki`] (a CA,
+//! `python/vmm_ipc_peer/`): the certificates are made here with [`vmm_tests::pki`] (a CA,
 //! valid leaves, expired, not yet valid, server-only, revoked by a CRL, of another name, of a
 //! foreign CA, self-signed) into a temporary directory, and `python/tests/test_vmm_ipc_tls.py`
 //! runs against them (the directory in `VMM_TLS_CERTS`): a valid pair delivers a fabric

@@ -5,7 +5,7 @@
 //! One message is a small self-describing header (magic `VMMI`, version, kind, handle type,
 //! chunk count and sizes, size, device UUID, location), then a payload, and for `CUDA_VMM` and
 //! `HOST_MEMFD` one fd per chunk in `SCM_RIGHTS`; `docs/protocol.md` in the repository is the
-//! specification, and `python/vmm_ipc_peer.py` a standard-library Python peer. This module
+//! specification, and `python/vmm_ipc_peer/` a standard-library Python peer. This module
 //! turns those messages into [`IpcDescriptor`](crate::cuda::IpcDescriptor)s, [`FabricDescriptor`](crate::cuda::FabricDescriptor)s and [`HostDescriptor`](crate::shm::HostDescriptor)s
 //! and back. [`Session`] speaks the protocol on a named endpoint's authenticated connection
 //! ([`wire::endpoint::Connection`](crate::wire::endpoint::Connection)): the handshake, then

@@ -43,7 +43,7 @@ impl Greeting for Handshake {
 /// [`send_data`](Self::send_data), serde values as `DATA` with
 /// [`send_value`](Self::send_value), descriptors with
 /// [`send_descriptor`](Self::send_descriptor). A Python process speaks to it with the standard
-/// library alone (`python/vmm_ipc_peer.py`).
+/// library alone (`python/vmm_ipc_peer/`).
 ///
 /// Every send and receive is bounded by the connection's [`timeout`](Self::timeout); what a
 /// receive refuses, and why, is [`Connection`]'s (the packet) and then the protocol's codec's

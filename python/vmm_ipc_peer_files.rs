@@ -1,0 +1,63 @@
+// The modules of the `vmm_ipc_peer` package (python/vmm_ipc_peer/), embedded: each as its
+// path under a PYTHONPATH directory and its text. The Rust suites that run the Python peer
+// (tests/tests/peer_python, examples/tests/daemon.rs) `include!` this one list and write the
+// files out, since a test executable may not read the build machine's paths; a module missing
+// here fails their first `import vmm_ipc_peer` (the package's __init__ imports every module).
+[
+    (
+        "vmm_ipc_peer/__init__.py",
+        include_str!("vmm_ipc_peer/__init__.py"),
+    ),
+    (
+        "vmm_ipc_peer/accepting.py",
+        include_str!("vmm_ipc_peer/accepting.py"),
+    ),
+    (
+        "vmm_ipc_peer/constants.py",
+        include_str!("vmm_ipc_peer/constants.py"),
+    ),
+    (
+        "vmm_ipc_peer/credentials.py",
+        include_str!("vmm_ipc_peer/credentials.py"),
+    ),
+    (
+        "vmm_ipc_peer/decoding.py",
+        include_str!("vmm_ipc_peer/decoding.py"),
+    ),
+    (
+        "vmm_ipc_peer/descriptors.py",
+        include_str!("vmm_ipc_peer/descriptors.py"),
+    ),
+    (
+        "vmm_ipc_peer/endpoint.py",
+        include_str!("vmm_ipc_peer/endpoint.py"),
+    ),
+    (
+        "vmm_ipc_peer/errors.py",
+        include_str!("vmm_ipc_peer/errors.py"),
+    ),
+    (
+        "vmm_ipc_peer/framing.py",
+        include_str!("vmm_ipc_peer/framing.py"),
+    ),
+    (
+        "vmm_ipc_peer/hostile_fds.py",
+        include_str!("vmm_ipc_peer/hostile_fds.py"),
+    ),
+    (
+        "vmm_ipc_peer/memfd.py",
+        include_str!("vmm_ipc_peer/memfd.py"),
+    ),
+    (
+        "vmm_ipc_peer/stream.py",
+        include_str!("vmm_ipc_peer/stream.py"),
+    ),
+    (
+        "vmm_ipc_peer/tls.py",
+        include_str!("vmm_ipc_peer/tls.py"),
+    ),
+    (
+        "vmm_ipc_peer/tls_config.py",
+        include_str!("vmm_ipc_peer/tls_config.py"),
+    ),
+]
