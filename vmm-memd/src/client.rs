@@ -54,6 +54,22 @@ impl Client {
         Ok(Client { session })
     }
 
+    /// Connect with `options`, trying again every 10 ms for up to `within` while no service
+    /// listens ([`MemdError::ServiceGone`]): what a client does after its service died and
+    /// is being restarted (its mappings stay valid meanwhile; its leases are gone, attach
+    /// again). The last `ServiceGone` when `within` passes.
+    pub fn reconnect(name: &Name, options: &ConnectOptions, within: Duration) -> Result<Client> {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            match Client::connect_with(name, options) {
+                Err(MemdError::ServiceGone(_)) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// The session, for what this API does not cover.
     pub fn session(&self) -> &Session {
         &self.session
