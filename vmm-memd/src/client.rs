@@ -124,6 +124,14 @@ impl Client {
         }
     }
 
+    /// The service's metrics in the Prometheus text format, as this uid may see them.
+    pub fn metrics(&self) -> Result<String> {
+        match self.request(&Request::Metrics)? {
+            Response::Metrics(text) => Ok(text),
+            other => Err(unexpected("Metrics", &other)),
+        }
+    }
+
     /// Begin the next generation of `region` with chunks of these sizes: see
     /// [`Writer`].
     pub fn begin(&self, region: &str, chunks: &[u64], options: BeginOptions) -> Result<Writer<'_>> {

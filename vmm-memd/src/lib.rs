@@ -36,6 +36,7 @@
 
 pub mod cli;
 mod client;
+pub mod ctl;
 mod error;
 mod generation;
 mod identity;
@@ -45,6 +46,7 @@ mod keeper_link;
 pub mod keeper_wire;
 mod mapping;
 mod memfd;
+mod metrics;
 pub mod protocol;
 mod registry;
 mod service;

@@ -412,6 +412,9 @@ impl Connection<'_> {
         let reply = match request {
             Request::List => Response::List(registry.list(who)),
             Request::Status => Response::Status(fit(registry.status(who))),
+            Request::Metrics => {
+                Response::Metrics(crate::metrics::render(&registry.status(who), MAX_DATA - 64))
+            }
             Request::Begin {
                 region,
                 chunks,
