@@ -20,7 +20,10 @@ use crate::protocol::{Acl, TensorMeta};
 const MAX_RECORD: u64 = 64 << 20;
 
 /// How long a keeper just started has to listen.
-const KEEPER_START: Duration = Duration::from_secs(2);
+const KEEPER_START: Duration = Duration::from_secs(5);
+
+/// How long a keeper told to quit has to exit before it is killed.
+const KEEPER_QUIT: Duration = Duration::from_millis(500);
 
 /// What the keeper holds of one committed generation besides its chunks.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -212,8 +215,27 @@ impl KeeperLink {
     }
 
     /// The service stops for good: the keeper lets everything go and exits.
+    /// A keeper that has not exited after [`KEEPER_QUIT`] is SIGKILLed (through its pidfd,
+    /// so the signal cannot reach a process that reused its pid).
     pub(crate) fn quit(mut self) {
         let _ = keeper_wire::send(self.socket.as_fd(), &KeeperMsg::Quit, &[]);
+        let deadline = Instant::now() + KEEPER_QUIT;
+        while !crate::identity::exited(Some(&self.pidfd)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if !crate::identity::exited(Some(&self.pidfd)) {
+            eprintln!("vmm-memd: the keeper did not quit; killing it");
+            // SAFETY: pidfd_send_signal on a pidfd this link owns; no siginfo.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    std::os::fd::AsRawFd::as_raw_fd(&self.pidfd),
+                    libc::SIGKILL,
+                    std::ptr::null::<libc::siginfo_t>(),
+                    0,
+                )
+            };
+        }
         if let Some(mut child) = self.child.take() {
             let _ = child.wait();
         }
