@@ -307,6 +307,11 @@ impl Keeper {
     /// none listens, start one (a fresh process of this executable, `--keeper NAME`) that
     /// lets everything go once no service has been connected for `linger` (`None`: never).
     /// [`KeeperError::Impostor`]: another process holds the keeper's name.
+    ///
+    /// The running executable must be one that runs the keeper when its first argument is
+    /// `--keeper` (the `vmm-memd` program does: [`crate::cli::main`]; another program
+    /// serving with [`Service::serve_kept`](crate::Service::serve_kept) calls
+    /// [`crate::keeper::run`] then).
     pub fn establish(service: &Name, linger: Option<Duration>) -> Result<Keeper, KeeperError> {
         let (link, restored) = KeeperLink::establish(service, linger)?;
         Ok(Keeper { link, restored })

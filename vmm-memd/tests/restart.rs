@@ -105,6 +105,17 @@ fn role_entry() {
                 }
             }
         }
+        // Connect to the keeper of service ARGS[0] and ask it for everything.
+        "steal" => {
+            let keeper = keeper_wire::keeper_name(&Name::from(args[0].as_str()));
+            let socket = keeper_wire::connect(&keeper).unwrap().expect("it listens");
+            let fd = std::os::fd::AsFd::as_fd(&socket);
+            let _ = keeper_wire::send(fd, &KeeperMsg::Hand, &[]);
+            match keeper_wire::recv(fd) {
+                Err(KeeperError::Gone | KeeperError::Os { .. }) => say("REFUSED"),
+                other => say(&format!("GOT {other:?}")),
+            }
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -291,6 +302,13 @@ fn the_keeper_hands_nothing_to_a_process_that_is_not_the_service() {
         Err(KeeperError::Gone | KeeperError::Os { .. }) => {}
         other => panic!("the keeper answered an impostor: {other:?}"),
     }
+    // Nor to another uid.
+    if is_root() {
+        let mut thief = Role::spawn("steal", &service, &[&service.socket], true);
+        assert_eq!(thief.expect_line(), "REFUSED");
+    } else {
+        println!("SKIP the other-uid thief: needs root for setpriv");
+    }
     // The service still has its keeper: it survives a crash.
     let mut service = service;
     sigkill_and_reap(&mut service);
@@ -338,7 +356,9 @@ fn a_keepers_death_is_survived_by_starting_another_and_telling_it_everything() {
 #[test]
 fn a_graceful_stop_lets_the_keeper_go() {
     let mut service = ServiceProc::start(&[]);
-    publish(&service.connect(), "weights", 1, 4096);
+    let client = service.connect();
+    publish(&client, "weights", 1, 4096);
+    let attached = client.attach("weights").unwrap();
     let keeper = service.keeper_pid().expect("a keeper runs");
     service.signal(libc::SIGTERM);
     let stopped = until(Duration::from_secs(2), || {
@@ -350,6 +370,13 @@ fn a_graceful_stop_lets_the_keeper_go() {
         std::fs::metadata(format!("/proc/{keeper}")).is_err() || service.keeper_pid().is_none()
     });
     assert!(gone.is_some(), "the keeper lingers after a graceful stop");
+    // Service and keeper gone, the reader's mapping is intact.
+    assert!(
+        attached.chunks[0]
+            .as_slice()
+            .iter()
+            .all(|&b| b == fill_byte(1))
+    );
     service.restart();
     assert!(service.connect().list().unwrap().is_empty());
 }
