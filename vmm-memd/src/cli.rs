@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use vmm_core::wire::endpoint::{Allow, Listener, ListenerOptions, Name};
 
+use crate::keeper_link::Keeper;
 use crate::service::Service;
 
 /// The usage text (`--help`).
@@ -26,7 +27,13 @@ Serve named memory regions with generations to local processes (see vmm-memd/REA
   --max-connections-per-uid N   of one uid (default 64)
   --max-fds-in-flight N    descriptor fds sent and not read yet, in all (default 4096)
   --max-fds-in-flight-per-uid N   to one uid (default 1024)
+  --no-keeper              no keeper process: a crash of the service loses every region
+  --keeper-linger-ms MS    a keeper lets everything go once no service has been connected
+                           for MS (default: it waits for a restart for ever)
   -h, --help               this text
+
+A keeper process (this program, `vmm-memd --keeper NAME`) holds every committed generation so
+that the service, restarted after a crash, serves them again; SIGINT/SIGTERM let it go.
 
 Exit status: 0 after SIGINT/SIGTERM, 1 when serving fails, 2 on a usage error.
 Logs go to stderr.";
@@ -54,6 +61,10 @@ pub struct Config {
     pub allow: Allow,
     /// The service.
     pub service: Service,
+    /// Whether a keeper holds committed generations across a crash of the service.
+    pub keeper: bool,
+    /// How long the keeper waits for a service (`None`: for ever).
+    pub keeper_linger: Option<Duration>,
 }
 
 /// Parse the arguments (without the program name). `Ok(None)`: `--help`.
@@ -63,6 +74,7 @@ pub fn parse(args: &[String]) -> Result<Option<Config>, UsageError> {
     let (mut quotas, mut ttl, mut wait) = (Vec::new(), None, None);
     let (mut max, mut per_uid, mut retain) = (None, None, None);
     let (mut fds_all, mut fds_uid) = (None, None);
+    let (mut keeper, mut keeper_linger) = (true, None);
     while let Some(arg) = it.next() {
         let mut value = |what: &'static str| {
             it.next()
@@ -99,6 +111,10 @@ pub fn parse(args: &[String]) -> Result<Option<Config>, UsageError> {
             "--max-wait-ms" => wait = Some(number(value("MS")?, "MS")?),
             "--max-fds-in-flight" => fds_all = Some(number(value("N")?, "N")? as usize),
             "--max-fds-in-flight-per-uid" => fds_uid = Some(number(value("N")?, "N")? as usize),
+            "--no-keeper" => keeper = false,
+            "--keeper-linger-ms" => {
+                keeper_linger = Some(Duration::from_millis(number(value("MS")?, "MS")?))
+            }
             "--retain" => retain = Some(number(value("N")?, "N")? as usize),
             "--max-connections" => max = Some(number(value("N")?, "N")? as usize),
             "--max-connections-per-uid" => per_uid = Some(number(value("N")?, "N")? as usize),
@@ -134,6 +150,8 @@ pub fn parse(args: &[String]) -> Result<Option<Config>, UsageError> {
         socket: socket.ok_or(UsageError::Missing("--socket"))?,
         allow,
         service,
+        keeper,
+        keeper_linger,
     }))
 }
 
@@ -146,6 +164,9 @@ extern "C" fn on_stop(_: libc::c_int) {
 
 /// Run the program; the process's exit status.
 pub fn main(args: &[String]) -> i32 {
+    if args.first().map(String::as_str) == Some("--keeper") {
+        return keeper_main(&args[1..]);
+    }
     let config = match parse(args) {
         Ok(Some(config)) => config,
         Ok(None) => {
@@ -172,8 +193,25 @@ pub fn main(args: &[String]) -> i32 {
             return 1;
         }
     };
-    eprintln!("vmm-memd: serving on {}", config.socket);
-    match config.service.serve(&listener, &STOP) {
+    // The keeper after the listener: a second service on the same name fails to bind before
+    // it could take the keeper from the first.
+    let served = match config.keeper {
+        false => {
+            eprintln!("vmm-memd: serving on {} (no keeper)", config.socket);
+            config.service.serve(&listener, &STOP)
+        }
+        true => match Keeper::establish(&config.socket, config.keeper_linger) {
+            Ok(keeper) => {
+                eprintln!("vmm-memd: serving on {}", config.socket);
+                config.service.serve_kept(&listener, &STOP, keeper)
+            }
+            Err(e) => {
+                eprintln!("vmm-memd: no keeper: {e}");
+                return 1;
+            }
+        },
+    };
+    match served {
         Ok(()) => {
             eprintln!("vmm-memd: stopped");
             0
@@ -183,4 +221,20 @@ pub fn main(args: &[String]) -> i32 {
             1
         }
     }
+}
+
+/// `vmm-memd --keeper NAME [--linger-ms MS]`: the keeper process (see [`crate::keeper`]).
+fn keeper_main(args: &[String]) -> i32 {
+    let (name, linger) = match args {
+        [name] => (name, None),
+        [name, flag, ms] if flag == "--linger-ms" => match ms.parse::<u64>() {
+            Ok(ms) => (name, Some(Duration::from_millis(ms))),
+            Err(_) => return 2,
+        },
+        _ => {
+            eprintln!("vmm-memd: usage: vmm-memd --keeper NAME [--linger-ms MS]");
+            return 2;
+        }
+    };
+    crate::keeper::run(&Name::from(name.as_str()), linger)
 }

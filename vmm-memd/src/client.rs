@@ -14,6 +14,7 @@ use crate::protocol::{
     Acl, MAX_CHUNKS, MAX_META_ENTRIES, RegionSummary, Request, Response, Status, TensorMeta,
     meta_pages,
 };
+use crate::sleep::{Placement, layout_hash};
 
 /// A connection to the service.
 #[derive(Debug)]
@@ -52,6 +53,22 @@ impl Client {
             e => e.into(),
         })?;
         Ok(Client { session })
+    }
+
+    /// Connect with `options`, trying again every 10 ms for up to `within` while no service
+    /// listens ([`MemdError::ServiceGone`]): what a client does after its service died and
+    /// is being restarted (its mappings stay valid meanwhile; its leases are gone, attach
+    /// again). The last `ServiceGone` when `within` passes.
+    pub fn reconnect(name: &Name, options: &ConnectOptions, within: Duration) -> Result<Client> {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            match Client::connect_with(name, options) {
+                Err(MemdError::ServiceGone(_)) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                other => return other,
+            }
+        }
     }
 
     /// The session, for what this API does not cover.
@@ -105,6 +122,14 @@ impl Client {
         match self.request(&Request::Status)? {
             Response::Status(status) => Ok(status),
             other => Err(unexpected("Status", &other)),
+        }
+    }
+
+    /// The service's metrics in the Prometheus text format, as this uid may see them.
+    pub fn metrics(&self) -> Result<String> {
+        match self.request(&Request::Metrics)? {
+            Response::Metrics(text) => Ok(text),
+            other => Err(unexpected("Metrics", &other)),
         }
     }
 
@@ -163,6 +188,17 @@ impl Client {
     /// [`attach`](Self::attach) generation `generation` (`None`: the current one), if the
     /// service still holds it (a lease or the retention setting keeps it).
     pub fn attach_generation(&self, region: &str, generation: Option<u64>) -> Result<Attached> {
+        self.attach_placed(region, generation, &mut None)
+    }
+
+    /// Attach; with `place`, only a generation of its layout, mapped at its reservations
+    /// (which come back in `place` when it fails, and are used up when it succeeds).
+    pub(crate) fn attach_placed(
+        &self,
+        region: &str,
+        generation: Option<u64>,
+        place: &mut Option<Placement>,
+    ) -> Result<Attached> {
         let reply = self.request(&Request::Attach {
             region: region.to_owned(),
             generation,
@@ -192,17 +228,59 @@ impl Client {
                 other => return Err(unexpected("MetaPage", &other)),
             }
         }
+        if let Some(p) = place.as_ref() {
+            let found = layout_hash(&chunks, &meta);
+            if found != p.layout {
+                // Read the descriptors (closing them) to stay in step, and give the lease up.
+                for &size in &chunks {
+                    self.descriptor(size)?;
+                }
+                let _ = self.request(&Request::Detach { lease });
+                return Err(MemdError::StaleLayout {
+                    region: region.to_owned(),
+                    generation,
+                    expected: p.layout,
+                    found,
+                });
+            }
+        }
         let mut mapped = Vec::with_capacity(chunks.len());
-        for size in chunks {
+        let mut spare = place
+            .as_mut()
+            .map(|p| std::mem::take(&mut p.reservations).into_iter());
+        for (i, &size) in chunks.iter().enumerate() {
             let chunk = self.descriptor(size).and_then(|descriptor| {
                 let fd = descriptor
                     .fd()
                     .ok_or_else(|| MemdError::BadReply("an empty chunk".into()))?;
-                ReadOnlyChunk::map(fd, size as usize)
+                match spare.as_mut().map(|s| s.next()) {
+                    None => ReadOnlyChunk::map(fd, size as usize),
+                    Some(Some(r)) => {
+                        ReadOnlyChunk::map_into(fd, size as usize, r).map_err(|(e, r)| {
+                            // Back where it was, for the rest to follow it.
+                            if let Some(p) = place.as_mut() {
+                                p.reservations.push(r);
+                            }
+                            e
+                        })
+                    }
+                    Some(None) => Err(MemdError::BadReply(format!("no reservation for chunk {i}"))),
+                }
             });
             match chunk {
                 Ok(chunk) => mapped.push(chunk),
                 Err(e) => {
+                    if let (Some(p), Some(rest)) = (place.as_mut(), spare.take()) {
+                        // The reservations in order: the mapped ones given up again, the
+                        // failed one (pushed above), the rest.
+                        let failed = std::mem::take(&mut p.reservations);
+                        p.reservations = mapped
+                            .drain(..)
+                            .filter_map(|c: ReadOnlyChunk| c.into_reservation().ok())
+                            .chain(failed)
+                            .chain(rest)
+                            .collect();
+                    }
                     // Best effort: the lease is of no use. (The rest of the reply, if any,
                     // is not read: the connection is out of step, drop it.)
                     if matches!(e, MemdError::BadDescriptor(_) | MemdError::Os { .. }) {
@@ -213,6 +291,7 @@ impl Client {
             }
         }
         Ok(Attached {
+            region: region.to_owned(),
             lease,
             generation,
             chunks: mapped,
@@ -223,10 +302,11 @@ impl Client {
 
     /// End the lease of `attached` (its mapping stays valid: see [`Attached`]).
     pub fn detach(&self, attached: &Attached) -> Result<()> {
-        self.request(&Request::Detach {
-            lease: attached.lease,
-        })
-        .map(drop)
+        self.detach_lease(attached.lease)
+    }
+
+    pub(crate) fn detach_lease(&self, lease: u64) -> Result<()> {
+        self.request(&Request::Detach { lease }).map(drop)
     }
 
     /// Renew every lease of this connection for another TTL; how many it renewed (leases
@@ -348,6 +428,8 @@ impl Drop for Writer<'_> {
 /// stays valid and unchanged, because the kernel keeps the pages while any mapping holds them.
 #[derive(Debug)]
 pub struct Attached {
+    /// The region.
+    pub region: String,
     /// The lease number.
     pub lease: u64,
     /// The generation.

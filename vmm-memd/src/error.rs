@@ -178,6 +178,21 @@ pub enum MemdError {
     /// The transport (vmm-core) failed: connect, send, receive.
     #[error(transparent)]
     Core(vmm_core::Error),
+    /// A wake found the region's current generation laid out otherwise than the one that
+    /// slept (other chunk sizes or metadata): it is not mapped at the slept addresses.
+    #[error(
+        "region {region:?} generation {generation} has layout {found:#018x}, the sleeper {expected:#018x}"
+    )]
+    StaleLayout {
+        /// The region.
+        region: String,
+        /// The generation the wake found.
+        generation: u64,
+        /// The layout hash of what slept.
+        expected: u64,
+        /// The layout hash of what the wake found.
+        found: u64,
+    },
 }
 
 impl From<vmm_core::Error> for MemdError {

@@ -63,7 +63,7 @@ fn peer_groups(socket: BorrowedFd<'_>) -> Vec<u32> {
     groups
 }
 
-fn peer_pidfd(socket: BorrowedFd<'_>, pid: i32) -> Option<OwnedFd> {
+pub(crate) fn peer_pidfd(socket: BorrowedFd<'_>, pid: i32) -> Option<OwnedFd> {
     let mut fd: libc::c_int = -1;
     let mut len = size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: an int and its length, on a live socket.

@@ -36,22 +36,31 @@
 
 pub mod cli;
 mod client;
+pub mod ctl;
 mod error;
 mod generation;
 mod identity;
 mod inflight;
+pub mod keeper;
+mod keeper_link;
+pub mod keeper_wire;
 mod mapping;
 mod memfd;
+mod metrics;
 pub mod protocol;
 mod registry;
 mod service;
+mod sleep;
 
 pub use client::{Attached, BeginOptions, Client, Writer};
 pub use error::{MemdError, Refusal, RequestRule, Result, Right};
 pub use inflight::InFlightScope;
-pub use mapping::ReadOnlyChunk;
+pub use keeper_link::Keeper;
+pub use keeper_wire::{ImpostorCheck, KeeperError};
+pub use mapping::{ReadOnlyChunk, Reservation};
 pub use service::{
     DEFAULT_LEASE_TTL, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_UID,
     DEFAULT_MAX_FDS_IN_FLIGHT, DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID, DEFAULT_MAX_WAIT, IN_FLIGHT_WAIT,
-    Service, TICK,
+    KEEPER_TICK, Service, TICK,
 };
+pub use sleep::{Sleeping, WakeFailed, layout_hash};

@@ -160,6 +160,9 @@ pub enum Request {
         /// The region.
         region: String,
     },
+    /// The service's metrics in the Prometheus text format, as the caller may see them
+    /// (regions it may read; its quota; the service's counters). Changes nothing.
+    Metrics,
 }
 
 /// One generation's view in [`Status`].
@@ -261,6 +264,8 @@ pub enum Response {
     MetaPage(Vec<(String, TensorMeta)>),
     /// How many leases `Renew` renewed.
     Renewed(u32),
+    /// The reply to [`Request::Metrics`]: Prometheus text (cut to fit one message).
+    Metrics(String),
 }
 
 /// Decode a request, refusing one longer than [`MAX_REQUEST`] before reading a byte of it.
@@ -338,7 +343,7 @@ mod tests {
         /// A request with a huge announced length (a varint count) is refused without
         /// allocating it: postcard checks counts against the bytes left.
         #[test]
-        fn announced_lengths_past_the_bytes_are_refused(count in 1u32..u32::MAX, tag in 0u8..11) {
+        fn announced_lengths_past_the_bytes_are_refused(count in 1u32..u32::MAX, tag in 0u8..12) {
             let mut bytes = vec![tag];
             let mut n = count;
             while n >= 0x80 {

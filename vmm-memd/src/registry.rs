@@ -4,13 +4,14 @@
 //! identity of its peer; nothing here reads a socket.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::error::{Refusal, RequestRule, Right};
 use crate::generation::{Chunk, Generation, Lease};
 use crate::identity::Identity;
+use crate::keeper_link::{GenerationRecord, KeeperLink, Restored};
 use crate::memfd;
 use crate::protocol::{
     Acl, GenerationStatus, MAX_CHUNKS, Principal, RegionStatus, RegionSummary, Status, TensorMeta,
@@ -73,6 +74,8 @@ struct State {
     next_lease: u64,
     refusals: u64,
     expired_leases: u64,
+    /// The keeper that holds every committed generation across a restart of the service.
+    keeper: Option<KeeperLink>,
 }
 
 /// A lease, as [`Registry::attach`] grants it.
@@ -107,6 +110,97 @@ impl Registry {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Take `keeper` on, with what it held when this service started: those generations are
+    /// this registry's again (their regions, owners, ACLs and charges as committed; the
+    /// newest of each region current), and every later commit and free is told to it. A
+    /// restored chunk must still be a write-sealed memfd of its recorded size, else that
+    /// generation is let go (logged).
+    pub(crate) fn adopt_keeper(&self, mut keeper: KeeperLink, restored: Vec<Restored>) -> usize {
+        let mut state = self.lock();
+        let mut adopted = 0;
+        for Restored { record, chunks } in restored {
+            let sound = chunks.iter().zip(&record.chunks).all(|(fd, &len)| {
+                let sealed = memfd::seals(fd.as_fd()).is_ok_and(|s| s & libc::F_SEAL_WRITE != 0);
+                let file = fd.try_clone().map(std::fs::File::from);
+                sealed
+                    && file
+                        .and_then(|f| f.metadata())
+                        .is_ok_and(|m| m.len() == len)
+            });
+            if !sound || check_region_name(&record.region).is_err() {
+                eprintln!(
+                    "vmm-memd: the keeper's {:?} generation {} is not sound; letting it go",
+                    record.region, record.generation
+                );
+                keeper.forget(&record.region, record.generation);
+                continue;
+            }
+            let r = state
+                .regions
+                .entry(record.region.clone())
+                .or_insert_with(|| Region {
+                    owner: record.owner,
+                    acl: record.acl.clone(),
+                    current: None,
+                    generations: BTreeMap::new(),
+                    pending: None,
+                    waiting: VecDeque::new(),
+                });
+            let generation = Generation {
+                number: record.generation,
+                chunks: chunks
+                    .into_iter()
+                    .zip(&record.chunks)
+                    .map(|(fd, &len)| Chunk { fd, len })
+                    .collect(),
+                meta: record.meta,
+                charged_to: record.charged_to,
+                leases: HashMap::new(),
+            };
+            let bytes = generation.bytes();
+            r.current = r.current.max(Some(record.generation));
+            r.generations.insert(record.generation, generation);
+            *state.used.entry(record.charged_to).or_default() += bytes;
+            adopted += 1;
+        }
+        state.keeper = Some(keeper);
+        prune(&mut state, self.policy.retain);
+        adopted
+    }
+
+    /// Replace a lost keeper (exited, or a send to it failed) and send the new one every
+    /// committed generation held. `false`: no keeper could be started (tried again later).
+    pub(crate) fn tend_keeper(&self) -> bool {
+        let mut state = self.lock();
+        let Some(keeper) = state.keeper.as_mut() else {
+            return true;
+        };
+        if !keeper.lost() {
+            return true;
+        }
+        if let Err(e) = keeper.restart() {
+            eprintln!("vmm-memd: cannot start a keeper: {e}");
+            return false;
+        }
+        let held: Vec<(String, u64)> = state
+            .regions
+            .iter()
+            .flat_map(|(name, r)| r.generations.keys().map(move |&n| (name.clone(), n)))
+            .collect();
+        for (region, number) in &held {
+            keep(&mut state, region, *number);
+        }
+        eprintln!("vmm-memd: a new keeper holds {} generations", held.len());
+        true
+    }
+
+    /// The service stops for good: its keeper lets everything go.
+    pub(crate) fn quit_keeper(&self) {
+        if let Some(keeper) = self.lock().keeper.take() {
+            keeper.quit();
+        }
     }
 
     /// Count a refusal (for status).
@@ -332,6 +426,7 @@ impl Registry {
         let number = generation.number;
         r.generations.insert(number, generation);
         r.current = Some(number);
+        keep(&mut state, region, number);
         prune(&mut state, self.policy.retain);
         self.changed.notify_all();
         Ok(number)
@@ -456,6 +551,11 @@ impl Registry {
         }
         let mut r = state.regions.remove(region).expect("found above");
         r.current = None;
+        if let Some(keeper) = state.keeper.as_mut() {
+            for &number in r.generations.keys() {
+                keeper.forget(region, number);
+            }
+        }
         state.deleted.push(r);
         prune(&mut state, self.policy.retain);
         self.changed.notify_all();
@@ -541,9 +641,9 @@ fn refund(state: &mut State, generation: &Generation) {
 /// deleted regions with none left.
 fn prune(state: &mut State, retain: usize) {
     let mut freed = Vec::new();
-    let live = state.regions.values_mut().map(|r| (r, retain));
-    let deleted = state.deleted.iter_mut().map(|r| (r, 0));
-    for (r, retain) in live.chain(deleted) {
+    let live = state.regions.iter_mut().map(|(n, r)| (Some(n), r, retain));
+    let deleted = state.deleted.iter_mut().map(|r| (None, r, 0));
+    for (name, r, retain) in live.chain(deleted) {
         let current = r.current;
         // Retired generations, newest first: the first `retain` stay.
         let gone: Vec<u64> = r
@@ -555,12 +655,40 @@ fn prune(state: &mut State, retain: usize) {
             .filter(|g| g.leases.is_empty())
             .map(|g| g.number)
             .collect();
-        freed.extend(gone.iter().filter_map(|n| r.generations.remove(n)));
+        for n in gone {
+            if let (Some(name), Some(keeper)) = (name, state.keeper.as_mut()) {
+                keeper.forget(name, n);
+            }
+            freed.extend(r.generations.remove(&n));
+        }
     }
     for generation in &freed {
         refund(state, generation);
     }
     state.deleted.retain(|r| !r.generations.is_empty());
+}
+
+/// Have the keeper hold `region`'s committed generation `number`.
+fn keep(state: &mut State, region: &str, number: u64) {
+    let (Some(keeper), Some(r)) = (state.keeper.as_mut(), state.regions.get(region)) else {
+        return;
+    };
+    let Some(g) = r.generations.get(&number) else {
+        return;
+    };
+    let record = GenerationRecord {
+        region: region.to_owned(),
+        generation: number,
+        owner: r.owner,
+        acl: r.acl.clone(),
+        charged_to: g.charged_to,
+        meta: g.meta.clone(),
+        chunks: g.sizes(),
+    };
+    let fds: Vec<_> = g.chunks.iter().map(|c| c.fd.as_fd()).collect();
+    // A failure marks the keeper lost; the service's keeper thread replaces it and sends
+    // it everything.
+    let _ = keeper.keep(&record, &fds);
 }
 
 /// Free retired generations charged to `uid` that no lease holds (kept only by the
@@ -588,6 +716,9 @@ fn evict_retained(state: &mut State, uid: u32, target: u64) {
             .get_mut(&name)
             .and_then(|r| r.generations.remove(&number))
         {
+            if let Some(keeper) = state.keeper.as_mut() {
+                keeper.forget(&name, number);
+            }
             refund(state, &g);
         }
     }

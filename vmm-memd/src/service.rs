@@ -15,6 +15,7 @@ use vmm_core::wire::endpoint::Listener;
 use crate::error::{Refusal, RequestRule};
 use crate::identity::{self, Identity};
 use crate::inflight::{Charge, FdBudget, InFlightScope};
+use crate::keeper_link::Keeper;
 use crate::protocol::{self, Request, Response, Status};
 use crate::registry::{Policy, Registry};
 
@@ -37,6 +38,8 @@ pub const IN_FLIGHT_WAIT: Duration = Duration::from_secs(1);
 /// How often connection threads look at their peer's pidfd and the stop flag, and the reaper
 /// at leases: every 10 ms (so a lease ends within that of its TTL or its process's exit).
 pub const TICK: Duration = Duration::from_millis(10);
+/// How often the service looks whether its keeper is alive: every 50 ms.
+pub const KEEPER_TICK: Duration = Duration::from_millis(50);
 
 /// The memory service. Configure, then [`serve`](Self::serve).
 #[derive(Debug)]
@@ -109,23 +112,73 @@ impl Service {
             outer: stop,
             inner: AtomicBool::new(false),
         };
-        self.serve_until(listener, &halt)
+        self.serve_until(listener, &halt, None)
     }
 
-    fn serve_until(&self, listener: &Listener, halt: &Halt<'_>) -> vmm_core::Result<()> {
+    /// [`serve`](Self::serve), with `keeper` holding every committed generation so that a
+    /// service that crashes finds them when it starts again: the generations it held are
+    /// served again first (regions, owners, ACLs, quota charges, contents), a keeper that
+    /// dies is replaced and told everything again. A stop by `stop` lets the keeper go (and
+    /// with it the memory no client maps); an accept failure does not.
+    pub fn serve_kept(
+        &self,
+        listener: &Listener,
+        stop: &AtomicBool,
+        keeper: Keeper,
+    ) -> vmm_core::Result<()> {
+        let halt = Halt {
+            outer: stop,
+            inner: AtomicBool::new(false),
+        };
+        self.serve_until(listener, &halt, Some(keeper))
+    }
+
+    fn serve_until(
+        &self,
+        listener: &Listener,
+        halt: &Halt<'_>,
+        keeper: Option<Keeper>,
+    ) -> vmm_core::Result<()> {
         let registry = Registry::new(self.policy.clone());
+        let kept = keeper.is_some();
+        if let Some(keeper) = keeper {
+            let n = registry.adopt_keeper(keeper.link, keeper.restored);
+            eprintln!("vmm-memd: {n} committed generations taken back from the keeper");
+        }
+        let served = self.serve_registry(listener, halt, &registry, kept);
+        if served.is_ok() {
+            registry.quit_keeper();
+        }
+        served
+    }
+
+    fn serve_registry(
+        &self,
+        listener: &Listener,
+        halt: &Halt<'_>,
+        registry: &Registry,
+        kept: bool,
+    ) -> vmm_core::Result<()> {
         let budget = FdBudget::new(self.max_fds_in_flight.0, self.max_fds_in_flight.1);
         let held: Mutex<HashMap<u32, usize>> = Mutex::new(HashMap::new());
         let lock = || held.lock().unwrap_or_else(|e| e.into_inner());
         let next_conn = AtomicU64::new(0);
         std::thread::scope(|scope| {
-            let (registry, budget) = (&registry, &budget);
+            let budget = &budget;
             scope.spawn(move || {
                 while !halt.is_set() {
                     registry.expire(Instant::now());
                     std::thread::sleep(TICK);
                 }
             });
+            if kept {
+                scope.spawn(move || {
+                    while !halt.is_set() {
+                        registry.tend_keeper();
+                        std::thread::sleep(KEEPER_TICK);
+                    }
+                });
+            }
             loop {
                 if halt.is_set() {
                     return Ok(());
@@ -359,6 +412,9 @@ impl Connection<'_> {
         let reply = match request {
             Request::List => Response::List(registry.list(who)),
             Request::Status => Response::Status(fit(registry.status(who))),
+            Request::Metrics => {
+                Response::Metrics(crate::metrics::render(&registry.status(who), MAX_DATA - 64))
+            }
             Request::Begin {
                 region,
                 chunks,

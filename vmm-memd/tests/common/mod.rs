@@ -15,10 +15,12 @@ pub const NOBODY: u32 = 65534;
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
-/// A running `vmm-memd`, SIGKILLed and reaped on drop.
+/// A running `vmm-memd`, stopped (SIGTERM, which lets its keeper go; SIGKILL after 3 s) and
+/// reaped on drop. Its keeper lets go 20 s after its last service anyway.
 pub struct ServiceProc {
     pub child: Child,
     pub socket: String,
+    pub extra: Vec<String>,
 }
 
 impl ServiceProc {
@@ -30,24 +32,69 @@ impl ServiceProc {
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         );
-        let child = Command::new(env!("CARGO_BIN_EXE_vmm-memd"))
-            .args(["--socket", &socket, "--quota-bytes", "1073741824"])
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let child = ServiceProc::spawn(&socket, &extra);
+        let service = ServiceProc {
+            child,
+            socket,
+            extra,
+        };
+        service.wait_up();
+        service
+    }
+
+    /// Start the service again on the same socket with the same options (after it ended).
+    pub fn restart(&mut self) {
+        self.child = ServiceProc::spawn(&self.socket, &self.extra);
+        self.wait_up();
+    }
+
+    fn spawn(socket: &str, extra: &[String]) -> Child {
+        Command::new(env!("CARGO_BIN_EXE_vmm-memd"))
+            .args(["--socket", socket, "--quota-bytes", "1073741824"])
             .args(["--allow-uid", &NOBODY.to_string()])
+            .args(["--keeper-linger-ms", "20000"])
             .args(extra)
             .stdin(Stdio::null())
             .spawn()
-            .expect("start vmm-memd");
-        let service = ServiceProc { child, socket };
+            .expect("start vmm-memd")
+    }
+
+    fn wait_up(&self) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            match service.try_connect() {
-                Ok(_) => return service,
+            match self.try_connect() {
+                Ok(_) => return,
                 Err(MemdError::ServiceGone(_)) if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(10))
                 }
                 Err(e) => panic!("vmm-memd did not come up: {e:?}"),
             }
         }
+    }
+
+    /// Send `signal` to the service process.
+    pub fn signal(&self, signal: libc::c_int) {
+        // SAFETY: kill of our own child's pid (not reaped yet).
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, signal) }, 0);
+    }
+
+    /// The pid of the keeper of this service (a `vmm-memd --keeper` process for its name),
+    /// if one runs.
+    pub fn keeper_pid(&self) -> Option<i32> {
+        let name = format!("@vmm-memd-keeper:{}", &self.socket[1..]);
+        std::fs::read_dir("/proc")
+            .ok()?
+            .flatten()
+            .find_map(|entry| {
+                let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+                let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+                let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+                let state = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+                let zombie = state.rsplit(')').next()?.trim_start().starts_with('Z');
+                (!zombie && args.len() >= 3 && args[1] == b"--keeper" && args[2] == name.as_bytes())
+                    .then_some(pid)
+            })
     }
 
     pub fn name(&self) -> Name {
@@ -72,7 +119,18 @@ impl ServiceProc {
 
 impl Drop for ServiceProc {
     fn drop(&mut self) {
-        let _ = self.child.kill();
+        if let Ok(None) = self.child.try_wait() {
+            // SAFETY: kill of our own child's pid (not reaped yet).
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(3);
+            while let Ok(None) = self.child.try_wait() {
+                if Instant::now() > deadline {
+                    let _ = self.child.kill();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
         let _ = self.child.wait();
     }
 }

@@ -1,0 +1,224 @@
+//! The `vmm-memctl` program: `status`, `list`, `metrics` (reading: they change nothing in the
+//! service) and `delete`, as text or JSON (`src/bin/vmm-memctl.rs` is a thin `main` over
+//! [`main`]).
+
+use std::io::Write;
+
+use vmm_core::wire::endpoint::{Allow, ConnectOptions, Name};
+
+use crate::cli::UsageError;
+use crate::client::Client;
+use crate::error::MemdError;
+use crate::protocol::Status;
+
+/// The usage text (`--help`).
+pub const USAGE: &str = "\
+usage: vmm-memctl [--socket NAME|PATH] [--service-uid UID] [--json] COMMAND
+
+Operate a vmm-memd service (see vmm-memd/README.md).
+
+Commands (status, list and metrics change nothing):
+  status          per region you may read: its generations (current, bytes, the pid of each
+                  reader's lease), the writer's pending generation, waiting writers; your
+                  uid's quota use; refusals and expired leases since the service started
+  list            regions you may read: name, current generation, bytes
+  metrics         the same in the Prometheus text format
+  delete REGION   delete a region (its owner, or whom its ACL lets delete)
+
+Options:
+  --socket NAME|PATH   the service (default: $VMM_MEMD_SOCKET, else @vmm-memd)
+  --service-uid UID    the uid the service must run as (default: root or yours)
+  --json               print one JSON document on stdout
+  -h, --help           this text
+
+Exit status: 0 done; 1 the service refused (why on stderr, and with --json on stdout as
+{\"refused\": ...}); 2 usage error; 3 no service there; 4 another failure.";
+
+/// Exit status: the service refused.
+pub const EXIT_REFUSED: i32 = 1;
+/// Exit status: a usage error.
+pub const EXIT_USAGE: i32 = 2;
+/// Exit status: no service listens (or it went away).
+pub const EXIT_NO_SERVICE: i32 = 3;
+/// Exit status: another failure.
+pub const EXIT_FAILED: i32 = 4;
+
+/// What `vmm-memctl` is asked to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Command {
+    /// `status`.
+    Status,
+    /// `list`.
+    List,
+    /// `metrics`.
+    Metrics,
+    /// `delete REGION`.
+    Delete(String),
+}
+
+/// A parsed command line.
+#[derive(Debug)]
+struct Invocation {
+    socket: Name,
+    service_uid: Option<u32>,
+    json: bool,
+    command: Command,
+}
+
+fn parse(args: &[String]) -> Result<Option<Invocation>, UsageError> {
+    let mut socket = std::env::var("VMM_MEMD_SOCKET").unwrap_or_else(|_| "@vmm-memd".into());
+    let (mut json, mut service_uid, mut words) = (false, None, Vec::new());
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "-h" | "--help" => return Ok(None),
+            "--json" => json = true,
+            "--socket" => {
+                socket = it
+                    .next()
+                    .ok_or_else(|| UsageError::Value(arg.clone(), "NAME|PATH"))?
+                    .clone()
+            }
+            "--service-uid" => {
+                let uid = it.next().and_then(|u| u.parse().ok());
+                service_uid = Some(uid.ok_or_else(|| UsageError::Value(arg.clone(), "UID"))?);
+            }
+            flag if flag.starts_with('-') => return Err(UsageError::Unknown(flag.to_owned())),
+            word => words.push(word.to_owned()),
+        }
+    }
+    let command = match words.as_slice() {
+        [c] if c == "status" => Command::Status,
+        [c] if c == "list" => Command::List,
+        [c] if c == "metrics" => Command::Metrics,
+        [c, region] if c == "delete" => Command::Delete(region.clone()),
+        [] => return Err(UsageError::Missing("a command")),
+        other => return Err(UsageError::Unknown(other.join(" "))),
+    };
+    Ok(Some(Invocation {
+        socket: Name::from(socket.as_str()),
+        service_uid,
+        json,
+        command,
+    }))
+}
+
+/// Run `vmm-memctl` with `args` (without the program name); the exit status.
+pub fn main(args: &[String]) -> i32 {
+    let invocation = match parse(args) {
+        Ok(Some(invocation)) => invocation,
+        Ok(None) => {
+            println!("{USAGE}");
+            return 0;
+        }
+        Err(e) => {
+            eprintln!("vmm-memctl: {e}\n{USAGE}");
+            return EXIT_USAGE;
+        }
+    };
+    match run(&invocation) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("vmm-memctl: {e}");
+            match e {
+                MemdError::Refused(refusal) => {
+                    if invocation.json {
+                        let doc = serde_json::json!({ "refused": refusal });
+                        println!("{doc}");
+                    }
+                    EXIT_REFUSED
+                }
+                MemdError::ServiceGone(_) => EXIT_NO_SERVICE,
+                _ => EXIT_FAILED,
+            }
+        }
+    }
+}
+
+fn run(invocation: &Invocation) -> Result<(), MemdError> {
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let expect = match invocation.service_uid {
+        Some(uid) => Allow::none().uid(uid),
+        None => Allow::none().uid(0).uid(me),
+    };
+    let client = Client::connect_with(
+        &invocation.socket,
+        &ConnectOptions::default().expect(expect),
+    )?;
+    let json = invocation.json;
+    let mut out = std::io::stdout().lock();
+    let to_json =
+        |value: serde_json::Value| serde_json::to_string_pretty(&value).unwrap_or_default();
+    let text = match &invocation.command {
+        Command::Status => {
+            let status = client.status()?;
+            match json {
+                true => to_json(serde_json::json!(status)),
+                false => status_text(&status),
+            }
+        }
+        Command::List => {
+            let list = client.list()?;
+            match json {
+                true => to_json(serde_json::json!(list)),
+                false => list
+                    .iter()
+                    .map(|r| format!("{}\t{}\t{}\n", r.region, r.generation, r.bytes))
+                    .collect(),
+            }
+        }
+        Command::Metrics => {
+            let metrics = client.metrics()?;
+            match json {
+                true => to_json(serde_json::json!({ "metrics": metrics })),
+                false => metrics,
+            }
+        }
+        Command::Delete(region) => {
+            client.delete(region)?;
+            match json {
+                true => to_json(serde_json::json!({ "deleted": region })),
+                false => format!("deleted {region}\n"),
+            }
+        }
+    };
+    let _ = write!(out, "{text}");
+    if json {
+        let _ = writeln!(out);
+    }
+    Ok(())
+}
+
+fn status_text(status: &Status) -> String {
+    let mut out = format!(
+        "uid {}: {} of {} bytes used; {} refusals, {} expired leases since start{}\n",
+        status.uid,
+        status.used,
+        status.quota,
+        status.refusals,
+        status.expired_leases,
+        if status.truncated { " (truncated)" } else { "" }
+    );
+    for r in &status.regions {
+        out += &format!(
+            "{} (owner {}, {} waiting writers)\n",
+            r.region, r.owner, r.waiting_writers
+        );
+        for g in &r.generations {
+            let readers: Vec<String> = g.readers.iter().map(i32::to_string).collect();
+            out += &format!(
+                "  generation {}{}: {} bytes, {} leases, readers [{}]\n",
+                g.generation,
+                if g.current { " (current)" } else { "" },
+                g.bytes,
+                g.readers.len(),
+                readers.join(" ")
+            );
+        }
+        if let Some((generation, bytes, pid)) = r.pending {
+            out += &format!("  generation {generation} (pending): {bytes} bytes, writer {pid}\n");
+        }
+    }
+    out
+}

@@ -1,0 +1,136 @@
+//! The keeper: a small process that holds every committed generation's fds (its record memfd
+//! and its chunk memfds) for the service, so that a service that crashes (SIGKILL included)
+//! and starts again finds its regions, with their contents, without any writer reloading
+//! them. It parses no request: it keeps fds under a (region, generation) key, lets them go,
+//! and hands them all back, to a peer that passes [`keeper_wire::authenticate`] only (this
+//! uid, this executable). See `vmm-memd/README.md`, "Surviving a restart".
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use vmm_core::wire::endpoint::Name;
+
+use crate::keeper_wire::{self, KeeperError, KeeperMsg};
+
+/// Run the keeper on `name` until the service says `Quit`, or until no service has been
+/// connected for `linger` (`None`: forever). The process's exit status.
+pub fn run(name: &Name, linger: Option<Duration>) -> i32 {
+    raise_fd_limit();
+    let listener = match keeper_wire::listen(name) {
+        Ok(listener) => listener,
+        Err(e) => {
+            eprintln!("vmm-memd keeper: cannot listen on {name}: {e}");
+            return 1;
+        }
+    };
+    let mut held: BTreeMap<(String, u64), Vec<OwnedFd>> = BTreeMap::new();
+    let mut service: Option<OwnedFd> = None;
+    let mut alone_since = Instant::now();
+    loop {
+        if service.is_none() && linger.is_some_and(|l| alone_since.elapsed() >= l) {
+            eprintln!("vmm-memd keeper: no service for {linger:?}; letting everything go");
+            return 0;
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: service.as_ref().map_or(-1, |s| s.as_raw_fd()),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two pollfds, live locals (a negative fd is ignored).
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
+        if n <= 0 {
+            continue;
+        }
+        if fds[0].revents & libc::POLLIN != 0 {
+            match keeper_wire::accept(listener.as_fd()).and_then(|s| {
+                keeper_wire::authenticate(s.as_fd())?;
+                Ok(s)
+            }) {
+                // The newest service wins: a restarted one replaces a dead one whose hangup
+                // may not have been seen yet.
+                Ok(s) => service = Some(s),
+                Err(e) => eprintln!("vmm-memd keeper: refused a connection: {e}"),
+            }
+            continue;
+        }
+        let Some(socket) = service.as_ref() else {
+            continue;
+        };
+        if fds[1].revents == 0 {
+            continue;
+        }
+        match serve_one(socket.as_fd(), &mut held) {
+            Ok(true) => {}
+            Ok(false) => return 0,
+            Err(e) => {
+                if !matches!(e, KeeperError::Gone) {
+                    eprintln!("vmm-memd keeper: service connection: {e}");
+                }
+                service = None;
+                alone_since = Instant::now();
+            }
+        }
+    }
+}
+
+/// Serve one message of the service; `Ok(false)`: it said `Quit`.
+fn serve_one(
+    socket: BorrowedFd<'_>,
+    held: &mut BTreeMap<(String, u64), Vec<OwnedFd>>,
+) -> Result<bool, KeeperError> {
+    let (msg, fds) = keeper_wire::recv(socket)?;
+    match msg {
+        KeeperMsg::Keep { region, generation } => {
+            if fds.len() < 2 {
+                return Err(KeeperError::Protocol("Keep carries a record and chunks"));
+            }
+            held.insert((region, generation), fds);
+        }
+        KeeperMsg::Forget { region, generation } => {
+            held.remove(&(region, generation));
+        }
+        KeeperMsg::Hand => {
+            for ((region, generation), fds) in held.iter() {
+                let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(|f| f.as_fd()).collect();
+                let entry = KeeperMsg::Entry {
+                    region: region.clone(),
+                    generation: *generation,
+                };
+                keeper_wire::send(socket, &entry, &borrowed)?;
+            }
+            let done = KeeperMsg::Handed {
+                entries: held.len() as u64,
+            };
+            keeper_wire::send(socket, &done, &[])?;
+        }
+        KeeperMsg::Quit => return Ok(false),
+        KeeperMsg::Entry { .. } | KeeperMsg::Handed { .. } => {
+            return Err(KeeperError::Protocol("a service sends no Entry or Handed"));
+        }
+    }
+    Ok(true)
+}
+
+/// Raise the soft `RLIMIT_NOFILE` to the hard one: the keeper holds one fd per chunk and one
+/// per generation, as many as the service.
+fn raise_fd_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a live local.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
+}

@@ -1,0 +1,324 @@
+//! The service's end of its keeper ([`crate::keeper`]): find the keeper of this service's
+//! socket name or start one, check it is ours, take back what it holds (a restart), and keep
+//! it told of every generation committed and freed. A generation goes to the keeper as a
+//! sealed record memfd ([`GenerationRecord`]: region, owner, ACL, charge, metadata, chunk
+//! sizes) plus its chunk memfds.
+
+use std::io::Write;
+use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use vmm_core::wire::endpoint::Name;
+
+use crate::keeper_wire::{self, KeeperError, KeeperMsg};
+use crate::protocol::{Acl, TensorMeta};
+
+/// The largest record the service reads back: 64 MiB (65,536 metadata entries with long keys
+/// and shapes stay below it).
+const MAX_RECORD: u64 = 64 << 20;
+
+/// How long a keeper just started has to listen.
+const KEEPER_START: Duration = Duration::from_secs(5);
+
+/// How long a keeper told to quit has to exit before it is killed.
+const KEEPER_QUIT: Duration = Duration::from_millis(500);
+
+/// What the keeper holds of one committed generation besides its chunks.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct GenerationRecord {
+    pub(crate) region: String,
+    pub(crate) generation: u64,
+    pub(crate) owner: u32,
+    pub(crate) acl: Acl,
+    pub(crate) charged_to: u32,
+    pub(crate) meta: Vec<(String, TensorMeta)>,
+    pub(crate) chunks: Vec<u64>,
+}
+
+/// A generation taken back from the keeper.
+#[derive(Debug)]
+pub(crate) struct Restored {
+    pub(crate) record: GenerationRecord,
+    pub(crate) chunks: Vec<OwnedFd>,
+}
+
+/// The keeper, connected and checked.
+#[derive(Debug)]
+pub(crate) struct KeeperLink {
+    name: Name,
+    linger: Option<Duration>,
+    socket: OwnedFd,
+    pidfd: OwnedFd,
+    /// The keeper this service started (reaped when it ends); `None` for one a previous
+    /// service started.
+    child: Option<Child>,
+    /// A send failed: the keeper is to be replaced.
+    pub(crate) broken: bool,
+}
+
+impl KeeperLink {
+    /// Connect to the keeper of the service named `service`, or start one (`linger`: how
+    /// long it waits for a service before letting everything go). Refuses an impostor at the
+    /// keeper's name ([`KeeperError::Impostor`]). What it held comes back.
+    pub(crate) fn establish(
+        service: &Name,
+        linger: Option<Duration>,
+    ) -> Result<(KeeperLink, Vec<Restored>), KeeperError> {
+        let name = keeper_wire::keeper_name(service);
+        if let Some(socket) = keeper_wire::connect(&name)? {
+            let pidfd = keeper_wire::authenticate(socket.as_fd())?;
+            let mut link = KeeperLink {
+                name,
+                linger,
+                socket,
+                pidfd,
+                child: None,
+                broken: false,
+            };
+            let restored = link.take_back()?;
+            return Ok((link, restored));
+        }
+        Ok((KeeperLink::start(name, linger)?, Vec::new()))
+    }
+
+    fn start(name: Name, linger: Option<Duration>) -> Result<KeeperLink, KeeperError> {
+        let exe = std::env::current_exe().map_err(|source| KeeperError::Os {
+            op: "current_exe",
+            source,
+        })?;
+        let mut command = Command::new(exe);
+        command.arg("--keeper").arg(name.to_string());
+        if let Some(linger) = linger {
+            command
+                .arg("--linger-ms")
+                .arg(linger.as_millis().to_string());
+        }
+        command.stdin(Stdio::null()).stdout(Stdio::null());
+        // SAFETY: setsid is async-signal-safe; the keeper leaves the service's session and
+        // process group, so a signal to the group (a terminal's ^C) does not end it.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let mut child = command.spawn().map_err(|source| KeeperError::Os {
+            op: "spawn the keeper",
+            source,
+        })?;
+        let deadline = Instant::now() + KEEPER_START;
+        let socket = loop {
+            match keeper_wire::connect(&name) {
+                Ok(Some(socket)) => break socket,
+                Ok(None) if Instant::now() < deadline => {
+                    if let Ok(Some(_)) = child.try_wait() {
+                        return Err(KeeperError::Gone);
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Ok(None) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(KeeperError::Gone);
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let pidfd = keeper_wire::authenticate(socket.as_fd())?;
+        Ok(KeeperLink {
+            name,
+            linger,
+            socket,
+            pidfd,
+            child: Some(child),
+            broken: false,
+        })
+    }
+
+    /// Whether the keeper has exited or a send to it failed.
+    pub(crate) fn lost(&self) -> bool {
+        self.broken || crate::identity::exited(Some(&self.pidfd))
+    }
+
+    /// Replace a lost keeper with a fresh one (which holds nothing: send it everything).
+    pub(crate) fn restart(&mut self) -> Result<(), KeeperError> {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        *self = KeeperLink::start(self.name.clone(), self.linger)?;
+        Ok(())
+    }
+
+    /// Ask for everything the keeper holds.
+    fn take_back(&mut self) -> Result<Vec<Restored>, KeeperError> {
+        keeper_wire::send(self.socket.as_fd(), &KeeperMsg::Hand, &[])?;
+        let mut restored = Vec::new();
+        loop {
+            let (msg, mut fds) = keeper_wire::recv(self.socket.as_fd())?;
+            match msg {
+                KeeperMsg::Entry { region, generation } => {
+                    if fds.is_empty() {
+                        return Err(KeeperError::Protocol("an entry without its record"));
+                    }
+                    let chunks = fds.split_off(1);
+                    let record = read_record(fds[0].as_fd())?;
+                    if record.region != region
+                        || record.generation != generation
+                        || record.chunks.len() != chunks.len()
+                    {
+                        return Err(KeeperError::Protocol("an entry unlike its record"));
+                    }
+                    restored.push(Restored { record, chunks });
+                }
+                KeeperMsg::Handed { entries } if entries == restored.len() as u64 => {
+                    return Ok(restored);
+                }
+                _ => return Err(KeeperError::Protocol("the keeper sent something else")),
+            }
+        }
+    }
+
+    /// Have the keeper hold a committed generation.
+    pub(crate) fn keep(
+        &mut self,
+        record: &GenerationRecord,
+        chunks: &[BorrowedFd<'_>],
+    ) -> Result<(), KeeperError> {
+        let sealed = write_record(record)?;
+        let mut fds = vec![sealed.as_fd()];
+        fds.extend_from_slice(chunks);
+        let msg = KeeperMsg::Keep {
+            region: record.region.clone(),
+            generation: record.generation,
+        };
+        self.sent(keeper_wire::send(self.socket.as_fd(), &msg, &fds))
+    }
+
+    /// Have the keeper let a generation go.
+    pub(crate) fn forget(&mut self, region: &str, generation: u64) {
+        let msg = KeeperMsg::Forget {
+            region: region.to_owned(),
+            generation,
+        };
+        let _ = self.sent(keeper_wire::send(self.socket.as_fd(), &msg, &[]));
+    }
+
+    fn sent(&mut self, result: Result<(), KeeperError>) -> Result<(), KeeperError> {
+        if let Err(e) = &result {
+            eprintln!("vmm-memd: the keeper is lost ({e}); starting another");
+            self.broken = true;
+        }
+        result
+    }
+
+    /// The service stops for good: the keeper lets everything go and exits.
+    /// A keeper that has not exited after [`KEEPER_QUIT`] is SIGKILLed (through its pidfd,
+    /// so the signal cannot reach a process that reused its pid).
+    pub(crate) fn quit(mut self) {
+        let _ = keeper_wire::send(self.socket.as_fd(), &KeeperMsg::Quit, &[]);
+        let deadline = Instant::now() + KEEPER_QUIT;
+        while !crate::identity::exited(Some(&self.pidfd)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if !crate::identity::exited(Some(&self.pidfd)) {
+            eprintln!("vmm-memd: the keeper did not quit; killing it");
+            // SAFETY: pidfd_send_signal on a pidfd this link owns; no siginfo.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    std::os::fd::AsRawFd::as_raw_fd(&self.pidfd),
+                    libc::SIGKILL,
+                    std::ptr::null::<libc::siginfo_t>(),
+                    0,
+                )
+            };
+        }
+        if let Some(mut child) = self.child.take() {
+            let _ = child.wait();
+        }
+    }
+}
+
+fn os(op: &'static str) -> impl FnOnce(std::io::Error) -> KeeperError {
+    move |source| KeeperError::Os { op, source }
+}
+
+/// A sealed memfd holding `record` (postcard).
+fn write_record(record: &GenerationRecord) -> Result<OwnedFd, KeeperError> {
+    let bytes = postcard::to_allocvec(record).map_err(|_| KeeperError::Protocol("unencodable"))?;
+    // SAFETY: a NUL-terminated name and flags; the result is checked.
+    let raw = unsafe {
+        libc::memfd_create(
+            c"vmm-memd-record".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    if raw < 0 {
+        return Err(os("memfd_create(record)")(std::io::Error::last_os_error()));
+    }
+    // SAFETY: a fresh fd that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let mut file = std::fs::File::from(fd);
+    file.write_all(&bytes).map_err(os("write(record)"))?;
+    let fd = OwnedFd::from(file);
+    let seals = libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on a live fd with an int argument.
+    if unsafe {
+        libc::fcntl(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            libc::F_ADD_SEALS,
+            seals,
+        )
+    } != 0
+    {
+        return Err(os("F_ADD_SEALS(record)")(std::io::Error::last_os_error()));
+    }
+    Ok(fd)
+}
+
+/// Read a record memfd back (at most [`MAX_RECORD`] bytes).
+fn read_record(fd: BorrowedFd<'_>) -> Result<GenerationRecord, KeeperError> {
+    let owned = fd.try_clone_to_owned().map_err(os("dup(record)"))?;
+    let file = std::fs::File::from(owned);
+    let len = file.metadata().map_err(os("fstat(record)"))?.len();
+    if len > MAX_RECORD {
+        return Err(KeeperError::Protocol("a record over its cap"));
+    }
+    // At an offset: the keeper's fd shares this file offset.
+    let mut bytes = vec![0u8; len as usize];
+    std::os::unix::fs::FileExt::read_exact_at(&file, &mut bytes, 0).map_err(os("read(record)"))?;
+    postcard::from_bytes(&bytes).map_err(|_| KeeperError::Protocol("an undecodable record"))
+}
+
+/// A keeper found or started for a service, with what it held (see
+/// [`Service::serve_kept`](crate::Service::serve_kept)).
+#[derive(Debug)]
+pub struct Keeper {
+    pub(crate) link: KeeperLink,
+    pub(crate) restored: Vec<Restored>,
+}
+
+impl Keeper {
+    /// Find the keeper of the service that listens on `service`, check it (this uid, this
+    /// executable, through `SO_PEERCRED` and a pidfd) and take back what it holds; or, when
+    /// none listens, start one (a fresh process of this executable, `--keeper NAME`) that
+    /// lets everything go once no service has been connected for `linger` (`None`: never).
+    /// [`KeeperError::Impostor`]: another process holds the keeper's name.
+    ///
+    /// The running executable must be one that runs the keeper when its first argument is
+    /// `--keeper` (the `vmm-memd` program does: [`crate::cli::main`]; another program
+    /// serving with [`Service::serve_kept`](crate::Service::serve_kept) calls
+    /// [`crate::keeper::run`] then).
+    pub fn establish(service: &Name, linger: Option<Duration>) -> Result<Keeper, KeeperError> {
+        let (link, restored) = KeeperLink::establish(service, linger)?;
+        Ok(Keeper { link, restored })
+    }
+
+    /// How many committed generations it held.
+    pub fn held(&self) -> usize {
+        self.restored.len()
+    }
+}
