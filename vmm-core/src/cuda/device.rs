@@ -13,53 +13,6 @@ use super::driver::{self, CUdevice_attribute};
 use crate::error::{DeviceWanted, Unavailable};
 use crate::{Error, Result};
 
-/// Every device of this process that [`Device::new`] made, by ordinal: one per ordinal, so that
-/// every clone shares one primary context.
-static DEVICES: OnceLock<Mutex<HashMap<usize, Device>>> = OnceLock::new();
-
-fn devices() -> std::sync::MutexGuard<'static, HashMap<usize, Device>> {
-    DEVICES
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-}
-
-/// Give back the primary context of every device this process retained, on the way to `exit`.
-///
-/// Why: a process that exits holding a CUDA context leaves its teardown to the driver's
-/// exit path, which measured 104-118 ms from the exit to the parent's reap on an H200, against
-/// 43-52 ms when the process released its context first (issue 25). A child of vmm-core has
-/// nothing left to do on the device once it reported, so it releases, then exits.
-///
-/// A context someone else also retained (the user's own code, through cudarc or a framework)
-/// stays alive for them: only vmm-core's retain is given back.
-///
-/// # Safety
-///
-/// The process exits next: after this call no vmm-core CUDA call is made, and nothing vmm-core
-/// made on a device (a buffer, a resource, a mapping, a descriptor's memory) is used, from any
-/// thread.
-pub(crate) unsafe fn release_primary_contexts_before_exit() {
-    // Only devices already made: nothing here loads the driver or retains a context. And
-    // `try_lock`: a thread that holds the table now must not keep the process from exiting
-    // (its contexts are then left to the exit path).
-    let Some(table) = DEVICES.get() else {
-        return;
-    };
-    let devices = match table.try_lock() {
-        Ok(devices) => devices,
-        Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-        Err(std::sync::TryLockError::WouldBlock) => return,
-    };
-    for device in devices.values() {
-        if device.inner.ctx.get().is_some() {
-            // SAFETY: the retain is vmm-core's (made once, in `make_current`), and the caller
-            // guarantees nothing of the context is used again: the process exits next.
-            let _ = unsafe { driver::primary_ctx_release(device.inner.raw) };
-        }
-    }
-}
-
 /// A CUDA device of this process, by ordinal (as numbered under this process's
 /// `CUDA_VISIBLE_DEVICES`). Cheap to clone; all clones share one primary context.
 #[derive(Clone)]
@@ -72,9 +25,7 @@ struct Inner {
     raw: driver::CUdevice,
     name: String,
     uuid: [u8; 16],
-    /// Retained on first use, released only on the way to `exit`
-    /// ([`release_primary_contexts_before_exit`]): the primary context lives as long as the
-    /// process.
+    /// Retained on first use, never released: the primary context lives as long as the process.
     ctx: OnceLock<driver::Context>,
 }
 
@@ -105,6 +56,7 @@ impl Device {
 
     /// The device with this ordinal. Every call for one ordinal returns the same device.
     pub fn new(ordinal: usize) -> Result<Device> {
+        static DEVICES: OnceLock<Mutex<HashMap<usize, Device>>> = OnceLock::new();
         let count = Self::count()?;
         if ordinal >= count {
             return Err(Error::NoSuchDevice {
@@ -116,7 +68,10 @@ impl Device {
                 ),
             });
         }
-        let mut devices = devices();
+        let mut devices = DEVICES
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         if let Some(device) = devices.get(&ordinal) {
             return Ok(device.clone());
         }
@@ -238,7 +193,7 @@ impl Device {
             });
         }
         // SAFETY: `ctx` is this device's primary context, retained above (or by an earlier call)
-        // and released only as the process exits, so it is alive for every vmm-core call.
+        // and never released, so it is alive for the whole process.
         unsafe { driver::ctx_set_current(ctx) }?;
         Ok(CurrentContext {
             restore: Some(previous),

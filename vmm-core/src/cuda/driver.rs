@@ -164,23 +164,6 @@ pub(crate) fn primary_ctx_retain(device: CUdevice) -> Result<Context> {
     Ok(Context(ctx))
 }
 
-/// `cuDevicePrimaryCtxRelease`: give back one retain of `device`'s primary context; the last
-/// one destroys it, and with it everything allocated or mapped in it.
-///
-/// # Safety
-///
-/// The caller gives back a retain it holds (from [`primary_ctx_retain`]), and afterwards no
-/// one uses that context's handle, or anything allocated, mapped or exported in the context
-/// through that retain, from any thread: once destroyed, the handle is freed inside the driver.
-pub(crate) unsafe fn primary_ctx_release(device: CUdevice) -> Result<()> {
-    init()?;
-    // SAFETY: `device` is a device handle (plain data); the caller guarantees the retain is
-    // theirs and that nothing of the context is used afterwards.
-    check("cuDevicePrimaryCtxRelease_v2", unsafe {
-        sys::cuDevicePrimaryCtxRelease_v2(device)
-    })
-}
-
 impl Context {
     /// Whether two handles name the same context.
     pub(crate) fn is(&self, other: &Context) -> bool {

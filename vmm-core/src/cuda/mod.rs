@@ -57,7 +57,6 @@ mod resource_options;
 /// Why CUDA cannot be used here ([`availability`], [`fabric_availability`]).
 pub use crate::error::Unavailable;
 pub use buffer::VirtualMemoryBuffer;
-pub(crate) use device::release_primary_contexts_before_exit;
 pub use device::{Device, availability};
 pub use fabric::{FabricDescriptor, FabricHandle};
 pub use fabric_support::fabric_availability;

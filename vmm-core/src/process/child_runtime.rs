@@ -75,18 +75,6 @@ pub(crate) fn warm_up(devices: &[usize]) {
     }
 }
 
-/// Exit with `code` once the child's work is done and reported: vmm-core's CUDA contexts are
-/// given back first, since the driver tears a released context down in about half the time its
-/// exit path takes (see `cuda::release_primary_contexts_before_exit`), and the parent waits for
-/// the reap.
-pub(crate) fn exit_after_report(code: i32) -> ! {
-    // SAFETY: the process exits on the next line; nothing of vmm-core's contexts is used again
-    // on this thread, and the user's function has returned (or unwound), so its own threads
-    // are the only others left, and exit ends them.
-    unsafe { crate::cuda::release_primary_contexts_before_exit() };
-    std::process::exit(code)
-}
-
 /// The message and location of the panic that unwound with `payload`: as the hook recorded
 /// them, else the payload's message without a location.
 pub(crate) fn panic_report(payload: &(dyn std::any::Any + Send)) -> (String, Option<String>) {

@@ -5,9 +5,7 @@
 use std::io::Write;
 
 use super::StartMethod;
-use super::child_runtime::{
-    EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED, exit_after_report, record_panics, warm_up,
-};
+use super::child_runtime::{EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED, record_panics, warm_up};
 use super::ends::{ChildEnd, Received};
 use super::protocol::{Order, Outcome, Report};
 use super::remote;
@@ -93,5 +91,5 @@ fn finish(channel: ChildEnd, outcome: Outcome) -> ! {
     };
     let _ = channel.send(&Report::Finished(outcome));
     drop(channel);
-    exit_after_report(code)
+    std::process::exit(code)
 }

@@ -40,7 +40,7 @@ pub(crate) fn serve(channel: ChildEnd, serve: Serve, fds: Vec<OwnedFd>) -> ! {
         match tasks.recv(None) {
             Ok(Received { message: task, fds }) => run_task(&channel, &task, fds),
             // The pool was dropped (or replaced this worker): done.
-            Err(Error::Disconnected(_)) => child_runtime::exit_after_report(0),
+            Err(Error::Disconnected(_)) => std::process::exit(0),
             // A task that could not be taken (its fds do not fit under this process's fd limit,
             // say) or read: report it, then go on (the packet was consumed).
             Err(error) => report(
