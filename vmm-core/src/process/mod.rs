@@ -119,7 +119,7 @@
 //   running it in the child), for single-use children and pool tasks alike
 // - entries: the entry table (what a child may run on its parent's word) and its lookup
 // - child_runtime: what every child does (exit codes, die with the parent, record panics, warm
-//   up, give back its CUDA contexts and exit once it reported)
+//   up)
 // - tracker: a child's fate, and the `Tracker` a `Context` tells of each child it starts
 //   (`testing` keeps `#[ipc_test]`'s registry behind it)
 // - supervisor: `Child`, the one held child (pid, pidfd, channel, output, what is known of
