@@ -2,23 +2,21 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{ServiceProc, fill_byte, publish};
+use common::{ServiceProc, fill_byte, program, publish};
 use vmm_memd::{MemdError, Refusal};
 
-fn run(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_vmm-memd"))
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
+/// Run `cmd` with `args`; its output.
+fn output(mut cmd: Command, args: &[&str]) -> Output {
+    cmd.args(args).stdin(Stdio::null()).output().unwrap()
 }
 
-#[test]
-fn help_and_usage_errors_have_their_exit_codes() {
-    let help = run(&["--help"]);
+/// `--help` and usage errors of the `vmm-memd` program that `cmd` starts: exit codes 0 and 2.
+fn check_help_and_usage_errors(cmd: impl Fn() -> Command) {
+    let help = output(cmd(), &["--help"]);
     assert_eq!(help.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&help.stdout).contains("usage: vmm-memd"));
     for bad in [
@@ -28,12 +26,42 @@ fn help_and_usage_errors_have_their_exit_codes() {
         &["--socket", "@x", "--quota-bytes", "1", "--frobnicate"],
         &["--socket", "@x", "--quota-bytes", "1", "--quota", "nobody"],
     ] {
-        let out = run(bad);
+        let out = output(cmd(), bad);
         assert_eq!(out.status.code(), Some(2), "{bad:?}");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.starts_with("vmm-memd: "), "{bad:?}: {stderr}");
         assert!(out.stdout.is_empty());
     }
+}
+
+#[test]
+fn help_and_usage_errors_have_their_exit_codes() {
+    check_help_and_usage_errors(|| program("vmm-memd"));
+}
+
+/// The programs cargo built, checked where they exist: on the build machine, not where a test
+/// executable was copied alone (then a `SKIP` line says so). The other tests run the same
+/// entries (`vmm_memd::cli::main`, `vmm_memd::ctl::main`) in this test executable.
+#[test]
+fn the_built_programs_answer_help_and_usage_errors() {
+    let memd = Path::new(env!("CARGO_BIN_EXE_vmm-memd"));
+    let memctl = Path::new(env!("CARGO_BIN_EXE_vmm-memctl"));
+    if !memd.exists() || !memctl.exists() {
+        println!(
+            "SKIP the built programs: {} or {} is not here",
+            memd.display(),
+            memctl.display()
+        );
+        return;
+    }
+    check_help_and_usage_errors(|| Command::new(memd));
+    let help = output(Command::new(memctl), &["--help"]);
+    assert_eq!(help.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&help.stdout).starts_with("usage: vmm-memctl"));
+    let bad = output(Command::new(memctl), &["--socket", "@x", "frobnicate"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).starts_with("vmm-memctl: "));
+    assert!(bad.stdout.is_empty());
 }
 
 #[test]

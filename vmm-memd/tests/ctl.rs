@@ -4,25 +4,15 @@
 
 mod common;
 
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 
-use common::{NOBODY, ServiceProc, is_root, publish};
+use common::{NOBODY, ServiceProc, is_root, program, program_as_nobody, publish};
 use vmm_memd::protocol::Status;
 
 fn memctl(socket: &str, args: &[&str], nobody: bool) -> Output {
-    let exe = env!("CARGO_BIN_EXE_vmm-memctl");
     let mut command = match nobody {
-        true => {
-            let mut c = Command::new("setpriv");
-            c.args([
-                &format!("--reuid={NOBODY}"),
-                &format!("--regid={NOBODY}"),
-                "--clear-groups",
-                exe,
-            ]);
-            c
-        }
-        false => Command::new(exe),
+        true => program_as_nobody("vmm-memctl"),
+        false => program("vmm-memctl"),
     };
     command
         .args(["--socket", socket])

@@ -6,11 +6,15 @@
 
 mod common;
 
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{
-    NOBODY, Role, ServiceProc, fill_byte, is_root, publish, role_args, role_client, say, until,
+    NOBODY, Role, ServiceProc, fill_byte, is_root, program, publish, role_args, role_client, say,
+    test_exe, until,
 };
 use vmm_core::wire::endpoint::{Allow, ConnectOptions, Name};
 use vmm_memd::keeper_wire::{self, KeeperError, KeeperMsg};
@@ -239,7 +243,7 @@ fn the_service_sigkilled_mid_traffic_and_restarted_serves_everything_again() {
 
 /// Start `vmm-memd` on `socket` and wait for its exit (at most 5 s); its status and stderr.
 fn run_service(socket: &str) -> (Option<i32>, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_vmm-memd"))
+    let mut child = program("vmm-memd")
         .args(["--socket", socket, "--quota-bytes", "4096"])
         .stdin(Stdio::null())
         .stderr(Stdio::piped())
@@ -258,6 +262,36 @@ fn run_service(socket: &str) -> (Option<i32>, String) {
     )
 }
 
+/// A copy of this test executable in a fresh directory of its own: the same program in another
+/// file, so "another executable" to the keeper's check. Removed on drop.
+struct ExeCopy {
+    path: PathBuf,
+}
+
+impl ExeCopy {
+    fn new() -> ExeCopy {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "vmm-memd-impostor-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("impostor");
+        std::fs::copy(test_exe(), &path).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        ExeCopy { path }
+    }
+}
+
+impl Drop for ExeCopy {
+    fn drop(&mut self) {
+        if let Some(dir) = self.path.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
 #[test]
 fn an_impostor_at_the_keepers_name_is_refused() {
     // A process of the same uid running another executable, then one of another uid.
@@ -269,7 +303,14 @@ fn an_impostor_at_the_keepers_name_is_refused() {
         // The role harness wants a service to name; this one only lends its socket name.
         let decoy = ServiceProc::start(&["--no-keeper"]);
         let socket = format!("{}-squatted", decoy.socket);
-        let mut impostor = Role::spawn("impostor", &decoy, &[&socket], nobody);
+        // The service is this test executable playing `vmm-memd`: the impostor of the same
+        // uid runs a copy of it (another file), the one of another uid this one.
+        let copy = (!nobody).then(ExeCopy::new);
+        let (exe, groups) = match &copy {
+            Some(copy) => (copy.path.clone(), None),
+            None => (test_exe(), Some("--clear-groups")),
+        };
+        let mut impostor = Role::spawn_from(&exe, "impostor", &decoy, &[&socket], groups);
         assert_eq!(impostor.expect_line(), "LISTENING");
         let (code, stderr) = run_service(&socket);
         assert_eq!(code, Some(1), "the service refuses to run: {stderr}");
@@ -291,17 +332,11 @@ fn an_impostor_at_the_keepers_name_is_refused() {
 fn the_keeper_hands_nothing_to_a_process_that_is_not_the_service() {
     let service = ServiceProc::start(&[]);
     publish(&service.connect(), "weights", 1, 4096);
-    let keeper = keeper_wire::keeper_name(&service.name());
-    let socket = keeper_wire::connect(&keeper)
-        .unwrap()
-        .expect("the keeper listens");
-    let fd = std::os::fd::AsFd::as_fd(&socket);
-    // The keeper closes the connection before reading a byte: a send may still succeed.
-    let _ = keeper_wire::send(fd, &KeeperMsg::Hand, &[]);
-    match keeper_wire::recv(fd) {
-        Err(KeeperError::Gone | KeeperError::Os { .. }) => {}
-        other => panic!("the keeper answered an impostor: {other:?}"),
-    }
+    // A process of the same uid running another executable (a copy of this test executable:
+    // this one is the service's executable, as it plays `vmm-memd`).
+    let copy = ExeCopy::new();
+    let mut thief = Role::spawn_from(&copy.path, "steal", &service, &[&service.socket], None);
+    assert_eq!(thief.expect_line(), "REFUSED");
     // Nor to another uid.
     if is_root() {
         let mut thief = Role::spawn("steal", &service, &[&service.socket], true);

@@ -1,8 +1,16 @@
-//! Test harness: the `vmm-memd` binary as a real service process, and roles run in real child
+//! Test harness: the `vmm-memd` program as a real service process, and roles run in real child
 //! processes (fresh execs of the test binary, optionally as uid/gid 65534 through `setpriv`).
+//!
+//! The programs are this test executable too: started with [`PROGRAM_VAR`] set, it runs
+//! `vmm-memd` or `vmm-memctl` before libtest's `main` (see [`play_program`]). A test binary
+//! opens no path of the build machine at run time (it is copied alone to the GPU machine), so
+//! it never starts cargo's `CARGO_BIN_EXE_*` binaries, except where `binary.rs` checks the
+//! built programs when they are there.
 #![allow(dead_code)]
 
+use std::ffi::{CStr, c_char, c_int};
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -14,6 +22,74 @@ use vmm_memd::{Client, MemdError};
 pub const NOBODY: u32 = 65534;
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// The environment variable that makes this test executable play a program: `vmm-memd` or
+/// `vmm-memctl`. It is inherited on purpose: the service starts its keeper by running its own
+/// executable (`--keeper NAME`), which must play `vmm-memd` as well.
+pub const PROGRAM_VAR: &str = "VMM_MEMD_TEST_PROGRAM";
+
+/// Runs before libtest's `main` in every test executable of this crate (glibc passes `argc`,
+/// `argv` and `envp` to `.init_array` functions): with [`PROGRAM_VAR`] set, run that program
+/// with this process's arguments after `argv[0]` and exit with its status; otherwise return.
+extern "C" fn play_program(argc: c_int, argv: *const *const c_char, _envp: *const *const c_char) {
+    let Some(program) = std::env::var_os(PROGRAM_VAR) else {
+        return;
+    };
+    let main: fn(&[String]) -> i32 = match program.to_str() {
+        Some("vmm-memd") => vmm_memd::cli::main,
+        Some("vmm-memctl") => vmm_memd::ctl::main,
+        _ => {
+            eprintln!("{PROGRAM_VAR}={program:?}: not vmm-memd or vmm-memctl");
+            std::process::exit(2);
+        }
+    };
+    let args: Vec<String> = (1..usize::try_from(argc).unwrap_or(0))
+        .map(|i| {
+            // SAFETY: glibc passes the process's argv: `argc` valid C strings.
+            unsafe { CStr::from_ptr(*argv.add(i)) }
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    // Rust's runtime ignores SIGPIPE before a program's `main`; this runs before it, so do the
+    // same (a write to a peer that left is an error, not the end of the process).
+    // SAFETY: setting a signal's disposition to SIG_IGN has no preconditions.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    std::process::exit(main(&args));
+}
+
+#[used]
+#[unsafe(link_section = ".init_array")]
+static PLAY_PROGRAM: extern "C" fn(c_int, *const *const c_char, *const *const c_char) =
+    play_program;
+
+/// This test executable, which plays the programs.
+pub fn test_exe() -> PathBuf {
+    std::env::current_exe().expect("the test executable's path")
+}
+
+/// A command that runs `program` (`vmm-memd` or `vmm-memctl`): this test executable, playing
+/// it.
+pub fn program(program: &str) -> Command {
+    let mut command = Command::new(test_exe());
+    command.env(PROGRAM_VAR, program);
+    command
+}
+
+/// A command that runs `program` as uid/gid 65534 with no supplementary groups (through
+/// `setpriv`, which keeps the environment).
+pub fn program_as_nobody(program: &str) -> Command {
+    let mut command = Command::new("setpriv");
+    command
+        .args([
+            &format!("--reuid={NOBODY}"),
+            &format!("--regid={NOBODY}"),
+            "--clear-groups",
+        ])
+        .arg(test_exe())
+        .env(PROGRAM_VAR, program);
+    command
+}
 
 /// A running `vmm-memd`, stopped (SIGTERM, which lets its keeper go; SIGKILL after 3 s) and
 /// reaped on drop. Its keeper lets go 20 s after its last service anyway.
@@ -50,7 +126,7 @@ impl ServiceProc {
     }
 
     fn spawn(socket: &str, extra: &[String]) -> Child {
-        Command::new(env!("CARGO_BIN_EXE_vmm-memd"))
+        program("vmm-memd")
             .args(["--socket", socket, "--quota-bytes", "1073741824"])
             .args(["--allow-uid", &NOBODY.to_string()])
             .args(["--keeper-linger-ms", "20000"])
@@ -169,7 +245,18 @@ impl Role {
         args: &[&str],
         groups: Option<&str>,
     ) -> Role {
-        let exe = std::env::current_exe().unwrap();
+        Role::spawn_from(&test_exe(), role, service, args, groups)
+    }
+
+    /// [`spawn_as`](Self::spawn_as) from `exe`, a test executable of this crate (a copy of
+    /// this one, for a process of another executable).
+    pub fn spawn_from(
+        exe: &Path,
+        role: &str,
+        service: &ServiceProc,
+        args: &[&str],
+        groups: Option<&str>,
+    ) -> Role {
         let mut command = match groups {
             Some(groups) => {
                 let mut c = Command::new("setpriv");
@@ -178,12 +265,12 @@ impl Role {
                     &format!("--regid={NOBODY}"),
                     groups,
                 ])
-                .arg(&exe);
+                .arg(exe);
                 c
             }
-            None => Command::new(&exe),
+            None => Command::new(exe),
         };
-        let child = command
+        command
             .args([
                 "--exact",
                 "role_entry",
@@ -196,10 +283,8 @@ impl Role {
             .env("MEMD_SERVICE_UID", euid().to_string())
             .env("MEMD_ARGS", args.join(" "))
             .stdout(Stdio::piped())
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn a role");
-        let mut child = child;
+            .stdin(Stdio::null());
+        let mut child = spawn_fresh(&mut command).expect("spawn a role");
         let lines = BufReader::new(child.stdout.take().unwrap());
         Role { child, lines }
     }
@@ -236,6 +321,21 @@ impl Drop for Role {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Spawn `command`; while its executable was just written (a copy of this test executable),
+/// retry for up to 2 s on `ETXTBSY`: a process forked meanwhile by another test's thread holds
+/// the copy's write fd until its own exec closes it.
+fn spawn_fresh(command: &mut Command) -> std::io::Result<Child> {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        match command.spawn() {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            spawned => return spawned,
+        }
     }
 }
 
