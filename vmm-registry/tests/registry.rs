@@ -1,0 +1,240 @@
+//! The registry against a real etcd (mutual TLS, client-certificate authentication): publish,
+//! resolve, watch, leases, deadlines, refusals. Each test starts its own etcd.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use vmm_registry::{Op, Registry, RegistryError, WatchEvent, export_key};
+
+use support::{DOMAIN, World, locator};
+
+/// The next event that is not `Refused`, within `timeout`.
+fn next_event(watch: &vmm_registry::Watch, timeout: Duration) -> WatchEvent {
+    watch
+        .next_timeout(timeout)
+        .expect("the watch is running")
+        .unwrap_or_else(|| panic!("no watch event within {timeout:?}"))
+}
+
+#[test]
+fn publish_resolve_and_watch() {
+    let Some(world) = World::start("publish_resolve_and_watch") else {
+        return;
+    };
+    let alice = world.open("alice");
+    let bob = world.open("bob");
+    let watch = bob.watch().expect("watch");
+    assert!(watch.initial().entries.is_empty());
+
+    let published = alice.publish("kv0", &locator("alice", 1)).expect("publish");
+    assert_eq!(published.key, export_key(DOMAIN, "alice", "kv0"));
+
+    let found = bob
+        .resolve("alice", "kv0")
+        .expect("resolve")
+        .expect("found");
+    assert_eq!(found.locator, locator("alice", 1));
+    assert_eq!(
+        (found.owner.as_str(), found.name.as_str()),
+        ("alice", "kv0")
+    );
+    assert_eq!(found.revision, published.revision);
+
+    match next_event(&watch, Duration::from_secs(5)) {
+        WatchEvent::Put(entry) => {
+            assert_eq!(entry.locator, locator("alice", 1));
+            assert_eq!(entry.revision, published.revision);
+        }
+        other => panic!("expected the put, got {other:?}"),
+    }
+    assert!(alice.unpublish("kv0").expect("unpublish"));
+    match next_event(&watch, Duration::from_secs(5)) {
+        WatchEvent::Deleted { owner, name, .. } => {
+            assert_eq!((owner.as_str(), name.as_str()), ("alice", "kv0"))
+        }
+        other => panic!("expected the delete, got {other:?}"),
+    }
+    assert!(bob.resolve("alice", "kv0").expect("resolve").is_none());
+    // bob cannot remove what alice publishes: unpublish acts on bob's own lease and prefix.
+    alice
+        .publish("kv1", &locator("alice", 2))
+        .expect("publish again");
+    assert!(!bob.unpublish("kv1").expect("bob's unpublish"));
+    assert!(bob.resolve("alice", "kv1").expect("resolve").is_some());
+}
+
+#[test]
+fn duplicate_name_is_a_typed_error() {
+    let Some(world) = World::start("duplicate_name_is_a_typed_error") else {
+        return;
+    };
+    let first = world.open("alice");
+    let second = world.open("alice");
+    first.publish("kv0", &locator("alice", 1)).expect("publish");
+    for registry in [&first, &second] {
+        match registry.publish("kv0", &locator("alice", 2)) {
+            Err(RegistryError::Duplicate { key }) => {
+                assert_eq!(key, export_key(DOMAIN, "alice", "kv0"))
+            }
+            other => panic!("expected Duplicate, got {other:?}"),
+        }
+    }
+    // The first value stands.
+    let found = second
+        .resolve("alice", "kv0")
+        .expect("resolve")
+        .expect("found");
+    assert_eq!(found.locator.generation, 1);
+    // A locator naming another owner is refused before it reaches etcd.
+    assert!(matches!(
+        first.publish("kv9", &locator("mallory", 1)),
+        Err(RegistryError::NotOurOwner { .. })
+    ));
+}
+
+#[test]
+fn clean_shutdown_unpublishes_at_once() {
+    let Some(world) = World::start("clean_shutdown_unpublishes_at_once") else {
+        return;
+    };
+    // The default TTL (10 s): only the revoke can make the key go in under a second.
+    let alice = Registry::open(
+        world
+            .config("alice")
+            .lease_ttl(vmm_registry::DEFAULT_LEASE_TTL),
+    )
+    .expect("open");
+    let bob = world.open("bob");
+    alice.publish("kv0", &locator("alice", 1)).expect("publish");
+    let watch = bob.watch().expect("watch");
+    assert_eq!(watch.initial().entries.len(), 1);
+    let closed = Instant::now();
+    alice.close().expect("close");
+    match next_event(&watch, Duration::from_secs(1)) {
+        WatchEvent::Deleted { name, .. } => assert_eq!(name, "kv0"),
+        other => panic!("expected the delete, got {other:?}"),
+    }
+    assert!(
+        closed.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        closed.elapsed()
+    );
+    assert!(bob.resolve("alice", "kv0").expect("resolve").is_none());
+}
+
+#[test]
+fn dropping_the_registry_unpublishes_too() {
+    let Some(world) = World::start("dropping_the_registry_unpublishes_too") else {
+        return;
+    };
+    let alice = Registry::open(
+        world
+            .config("alice")
+            .lease_ttl(vmm_registry::DEFAULT_LEASE_TTL),
+    )
+    .expect("open");
+    let bob = world.open("bob");
+    alice.publish("kv0", &locator("alice", 1)).expect("publish");
+    let dropped = Instant::now();
+    drop(alice);
+    assert!(bob.resolve("alice", "kv0").expect("resolve").is_none());
+    assert!(dropped.elapsed() < Duration::from_secs(1));
+}
+
+#[test]
+fn lease_outlives_several_ttls() {
+    let Some(world) = World::start("lease_outlives_several_ttls") else {
+        return;
+    };
+    let alice = world.open("alice");
+    alice.publish("kv0", &locator("alice", 1)).expect("publish");
+    // TTL 2 s: without keep-alives the key would be gone by now.
+    assert_eq!(alice.wait_lease_lost(Duration::from_secs(5)), None);
+    assert!(
+        world
+            .open("bob")
+            .resolve("alice", "kv0")
+            .expect("resolve")
+            .is_some()
+    );
+}
+
+#[test]
+fn open_fails_by_its_deadline_when_etcd_is_down_then_works() {
+    let Some(binary) =
+        support::etcd::etcd_or_skip("open_fails_by_its_deadline_when_etcd_is_down_then_works")
+    else {
+        return;
+    };
+    let pki = support::pki::Pki::new("down");
+    let dir = support::etcd::TempDir::new("pki");
+    let port = support::etcd::free_port();
+    let leaf = pki.issue("alice");
+    let material = vmm_registry::TlsMaterial::from_pem(
+        pki.ca_pem(),
+        leaf.cert_pem,
+        leaf.key_pem,
+        support::pki::dns_name(support::SERVER),
+    );
+    let config =
+        vmm_registry::RegistryConfig::new([format!("127.0.0.1:{port}")], material, DOMAIN, "alice")
+            .open_timeout(Duration::from_secs(2));
+    let started = Instant::now();
+    match Registry::open(config.clone()) {
+        Err(
+            RegistryError::Unreachable { op: Op::Open, .. }
+            | RegistryError::Deadline { op: Op::Open, .. },
+        ) => {}
+        other => panic!("expected unreachable, got {other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started.elapsed()
+    );
+
+    let _etcd =
+        support::etcd::Etcd::start(&binary, Some(support::etcd_tls(&pki, &dir)), Some(port));
+    let registry = Registry::open(config).expect("open once etcd is up");
+    registry
+        .publish("kv0", &locator("alice", 1))
+        .expect("publish");
+}
+
+#[test]
+fn a_peer_that_never_speaks_tls_holds_open_only_until_its_deadline() {
+    // A listener that accepts and says nothing (no etcd needed).
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("address");
+    let _held = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().take(8) {
+            held.push(stream);
+        }
+        std::thread::sleep(Duration::from_secs(10));
+    });
+    let pki = support::pki::Pki::new("silent");
+    let leaf = pki.issue("alice");
+    let material = vmm_registry::TlsMaterial::from_pem(
+        pki.ca_pem(),
+        leaf.cert_pem,
+        leaf.key_pem,
+        "etcd.vmm.test",
+    );
+    let config = vmm_registry::RegistryConfig::new([addr.to_string()], material, DOMAIN, "alice")
+        .open_timeout(Duration::from_secs(2));
+    let started = Instant::now();
+    match Registry::open(config) {
+        Err(RegistryError::Deadline {
+            op: Op::Open,
+            after,
+        }) => assert_eq!(after, Duration::from_secs(2)),
+        other => panic!("expected the open's deadline, got {other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started.elapsed()
+    );
+}
