@@ -5,19 +5,29 @@ use std::error::Error as StdError;
 use std::future::Future;
 use std::time::Duration;
 
-use crate::error::{Op, RegistryError};
+use crate::error::{Op, RegistryError, TlsFailure};
 
 /// Turn a client error of `op` into the registry's error.
+///
+/// A TLS failure is found by its rustls error below the client's; at open, the TLS probe
+/// (`tls_probe`) has already checked TLS both ways, with rustls's error intact.
 pub(crate) fn classify(op: Op, error: etcd_client::Error) -> RegistryError {
-    if let Some(tls) = rustls_cause(&error) {
+    let causes = causes(&error);
+    if let Some(tls) = causes
+        .iter()
+        .find_map(|e| e.downcast_ref::<rustls::Error>())
+    {
         return RegistryError::Tls {
             op,
-            source: tls.clone(),
+            source: TlsFailure::Rustls(tls.clone()),
         };
     }
     let unreachable = match &error {
         etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
-        etcd_client::Error::GRpcStatus(status) => status.code() == tonic::Code::Unavailable,
+        etcd_client::Error::GRpcStatus(status) => {
+            status.code() == tonic::Code::Unavailable
+                || (status.code() == tonic::Code::Unknown && status.source().is_some())
+        }
         _ => false,
     };
     if unreachable {
@@ -42,27 +52,25 @@ pub(crate) async fn bounded<T>(
     }
 }
 
-/// The rustls error somewhere below `error`, if any. `io::Error` hides its inner error from
+/// Every error below `error`, outermost first. `io::Error` hides its inner error from
 /// `source()`, so it is opened with `get_ref`.
-fn rustls_cause(error: &etcd_client::Error) -> Option<&rustls::Error> {
+fn causes(error: &etcd_client::Error) -> Vec<&(dyn StdError + 'static)> {
     let mut current: Option<&(dyn StdError + 'static)> = match error {
         etcd_client::Error::TransportError(e) => Some(e),
         etcd_client::Error::GRpcStatus(e) => Some(e),
         etcd_client::Error::IoError(e) => Some(e),
         _ => None,
     };
+    let mut all = Vec::new();
     while let Some(e) = current {
-        if let Some(tls) = e.downcast_ref::<rustls::Error>() {
-            return Some(tls);
-        }
-        if let Some(inner) = e
+        all.push(e);
+        current = match e
             .downcast_ref::<std::io::Error>()
             .and_then(|io| io.get_ref())
         {
-            current = Some(inner);
-            continue;
-        }
-        current = e.source();
+            Some(inner) => Some(inner),
+            None => e.source(),
+        };
     }
-    None
+    all
 }

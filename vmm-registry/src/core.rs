@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
 
-use crate::classify::bounded;
+use crate::classify::{bounded, classify};
 use crate::config::RegistryConfig;
 use crate::error::{ConfigError, Op, RegistryError};
 use crate::keys::{check_name, domain_prefix, export_key};
@@ -69,23 +69,29 @@ impl Core {
             .with_keep_alive_while_idle(true);
         let ttl = config.lease_ttl;
         let open = async {
-            let client = Client::connect(config.urls(), Some(options)).await?;
+            // A TLS refusal, either way, with rustls's error intact.
+            crate::tls_probe::probe(&config.endpoints, &config.tls).await?;
+            let client = Client::connect(config.urls(), Some(options))
+                .await
+                .map_err(|e| match e {
+                    etcd_client::Error::InvalidArgs(_) | etcd_client::Error::InvalidUri(_) => {
+                        RegistryError::Config(ConfigError::Client(e))
+                    }
+                    e => classify(Op::Open, e),
+                })?;
             let grant = client
                 .lease_client()
                 .grant(i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX), None)
-                .await?;
-            Ok((client, grant.id()))
-        };
-        let (client, lease_id) =
-            bounded(Op::Open, config.open_timeout, open)
                 .await
-                .map_err(|e| match e {
-                    RegistryError::Etcd {
-                        source: source @ etcd_client::Error::InvalidArgs(_),
-                        ..
-                    } => RegistryError::Config(ConfigError::Client(source)),
-                    other => other,
-                })?;
+                .map_err(|e| classify(Op::Open, e))?;
+            Ok::<_, RegistryError>((client, grant.id()))
+        };
+        let (client, lease_id) = tokio::time::timeout(config.open_timeout, open)
+            .await
+            .map_err(|_| RegistryError::Deadline {
+                op: Op::Open,
+                after: config.open_timeout,
+            })??;
         Ok(Core {
             client,
             domain: config.domain,

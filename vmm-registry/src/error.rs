@@ -114,6 +114,18 @@ pub enum ConfigError {
         /// Its value.
         value: Duration,
     },
+    /// A PEM block that cannot be read.
+    #[error("unreadable PEM")]
+    Pem(#[source] rustls::pki_types::pem::Error),
+    /// rustls refused the material (a CA, or a certificate and key that do not match).
+    #[error("TLS material refused")]
+    Tls(#[source] rustls::Error),
+    /// A part of the TLS material is missing.
+    #[error("missing {0}")]
+    Missing(&'static str),
+    /// The server name is not a DNS name or IP address.
+    #[error("server name {0:?} is not a DNS name or IP address")]
+    ServerName(String),
     /// etcd's client refused the TLS material or an endpoint.
     #[error("etcd client refused the configuration")]
     Client(#[source] etcd_client::Error),
@@ -131,9 +143,9 @@ pub enum RegistryError {
     Tls {
         /// The operation.
         op: Op,
-        /// What rustls said.
+        /// How it failed.
         #[source]
-        source: rustls::Error,
+        source: TlsFailure,
     },
     /// etcd could not be reached (refused, reset, or unavailable).
     #[error("{op}: etcd unreachable")]
@@ -207,6 +219,18 @@ pub enum RegistryError {
     /// The background thread could not be started.
     #[error("starting the registry's runtime thread")]
     Runtime(#[source] std::io::Error),
+}
+
+/// How a TLS session with etcd failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum TlsFailure {
+    /// rustls refused the peer, or the peer refused us with an alert, in the handshake.
+    #[error("TLS: {0}")]
+    Rustls(#[source] rustls::Error),
+    /// The peer closed the connection in the handshake, or right after it without a word
+    /// (a server that does not speak TLS closes at our hello).
+    #[error("the peer closed the TLS connection before any answer ({0:?})")]
+    Closed(std::io::ErrorKind),
 }
 
 /// Why the lease was lost.

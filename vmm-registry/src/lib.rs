@@ -24,11 +24,14 @@ mod keys;
 mod lease;
 mod locator;
 mod registry;
+mod tls_probe;
 mod watch;
 
 pub use config::{DEFAULT_CALL_TIMEOUT, DEFAULT_LEASE_TTL, RegistryConfig, TlsMaterial};
 pub use core::{Listing, Published};
-pub use error::{ConfigError, LeaseLoss, NameRule, Op, RegistryError, Result, ValueError};
+pub use error::{
+    ConfigError, LeaseLoss, NameRule, Op, RegistryError, Result, TlsFailure, ValueError,
+};
 pub use keys::{MAX_NAME_LEN, domain_prefix, export_key};
 pub use locator::{Entry, ExportedObject, HandleKind, Locator, MAX_LOCATOR_BYTES};
 pub use registry::Registry;

@@ -87,7 +87,11 @@ impl Locator {
         if let ExportedObject::Region(name) = &self.object {
             field("object", check_name(name))?;
         }
-        if self.device_uuid.as_ref().is_some_and(|uuid| uuid.len() > 64) {
+        if self
+            .device_uuid
+            .as_ref()
+            .is_some_and(|uuid| uuid.len() > 64)
+        {
             return Err(ValueError::Field {
                 field: "device_uuid",
                 rule: NameRule::TooLong,

@@ -97,3 +97,11 @@ impl Pki {
         }
     }
 }
+
+/// The DER bytes of the first PEM block in `pem`.
+pub fn pem_der(pem: &str) -> Vec<u8> {
+    use rustls::pki_types::pem::PemObject;
+    rustls::pki_types::CertificateDer::from_pem_slice(pem.as_bytes())
+        .expect("a PEM certificate")
+        .to_vec()
+}
