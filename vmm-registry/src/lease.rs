@@ -90,6 +90,15 @@ pub(crate) async fn keep_alive(
                 }
                 return;
             }
+            Err(RegistryError::Etcd { .. }) if gone(&client, id, deadline).await => {
+                // etcd answered, and the lease is not there (etcd's client says so only
+                // in words when it opens a keep-alive stream; its TTL query says it in
+                // numbers).
+                if !state.closing() {
+                    state.lose(LeaseLoss::NotFound);
+                }
+                return;
+            }
             Ok(None) | Err(_) => {
                 // etcd unreachable or slow: a new stream next time, sooner, until a whole
                 // TTL has passed without an answer.
@@ -121,4 +130,12 @@ async fn once(
         Ok(responses.message().await?.map(|r| r.ttl()))
     };
     crate::classify::bounded(Op::KeepAlive, deadline, attempt).await
+}
+
+/// Whether etcd says lease `id` no longer exists (its remaining TTL is not positive).
+async fn gone(client: &Client, id: i64, deadline: Duration) -> bool {
+    let mut lease = client.lease_client();
+    let asked =
+        crate::classify::bounded(Op::KeepAlive, deadline, lease.time_to_live(id, None)).await;
+    asked.is_ok_and(|answer| answer.ttl() <= 0)
 }

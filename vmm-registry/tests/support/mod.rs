@@ -50,6 +50,15 @@ impl World {
         )
     }
 
+    /// Write the CA and a certificate and key for `owner` into the world's directory (for a
+    /// child process); the directory.
+    pub fn write_material(&self, owner: &str) -> std::path::PathBuf {
+        let leaf = self.pki.issue(owner);
+        leaf.write(&self.dir.0, owner);
+        std::fs::write(self.dir.0.join("ca.pem"), self.pki.ca_pem()).expect("write the CA");
+        self.dir.0.clone()
+    }
+
     /// A config for `owner` against this etcd, with a short TTL and deadlines.
     pub fn config(&self, owner: &str) -> RegistryConfig {
         RegistryConfig::new([self.etcd.endpoint()], self.material(owner), DOMAIN, owner)
@@ -65,6 +74,19 @@ impl World {
 
     /// Put `value` at `key` directly (as a hostile owner could, before RBAC).
     pub fn raw_put(&self, key: &str, value: Vec<u8>) {
+        self.raw(async |client| client.put(key, value, None).await.map(drop));
+    }
+
+    /// Revoke lease `id` directly (as an operator could).
+    pub fn raw_revoke(&self, id: i64) {
+        self.raw(async |client| client.lease_revoke(id).await.map(drop));
+    }
+
+    /// Run `call` on a raw client of this etcd (5 s at most).
+    pub fn raw(
+        &self,
+        call: impl AsyncFnOnce(&mut etcd_client::Client) -> Result<(), etcd_client::Error>,
+    ) {
         let leaf = self.pki.issue("raw");
         let tls = etcd_client::TlsOptions::new()
             .ca_certificate(etcd_client::Certificate::from_pem(self.pki.ca_pem()))
@@ -80,10 +102,10 @@ impl World {
             let mut client = etcd_client::Client::connect([url], Some(options))
                 .await
                 .expect("raw connect");
-            tokio::time::timeout(Duration::from_secs(5), client.put(key, value, None))
+            tokio::time::timeout(Duration::from_secs(5), call(&mut client))
                 .await
-                .expect("raw put in time")
-                .expect("raw put");
+                .expect("raw call in time")
+                .expect("raw call");
         });
     }
 }
