@@ -5,7 +5,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use vmm_registry::{Op, Registry, RegistryError, WatchEvent, export_key};
+use vmm_registry::{Op, Registry, RegistryError, ValueError, WatchEvent, export_key};
 
 use support::{DOMAIN, World, locator};
 
@@ -237,4 +237,73 @@ fn a_peer_that_never_speaks_tls_holds_open_only_until_its_deadline() {
         "took {:?}",
         started.elapsed()
     );
+}
+
+#[test]
+fn hostile_values_are_refused_and_the_watch_goes_on() {
+    let Some(world) = World::start("hostile_values_are_refused_and_the_watch_goes_on") else {
+        return;
+    };
+    let alice = world.open("alice");
+    let bob = world.open("bob");
+    let watch = bob.watch().expect("watch");
+    let key = |owner: &str, name: &str| export_key(DOMAIN, owner, name);
+
+    // Over the cap: refused before parsing (it is valid JSON padded with spaces).
+    let mut oversized = serde_json::to_vec(&locator("mallory", 1)).expect("json");
+    oversized.resize(vmm_registry::MAX_LOCATOR_BYTES + 1, b' ');
+    world.raw_put(&key("mallory", "big"), oversized);
+    // Not a locator.
+    world.raw_put(&key("mallory", "junk"), b"{\"owner\":".to_vec());
+    // alice's locator under mallory's prefix: an owner describes only its own memory.
+    world.raw_put(
+        &key("mallory", "stolen"),
+        serde_json::to_vec(&locator("alice", 1)).expect("json"),
+    );
+    // A key outside the layout.
+    world.raw_put(
+        &format!("{}mallory", vmm_registry::domain_prefix(DOMAIN)),
+        b"{}".to_vec(),
+    );
+
+    let mut refused = Vec::new();
+    for _ in 0..4 {
+        match next_event(&watch, Duration::from_secs(5)) {
+            WatchEvent::Refused { key, error, .. } => refused.push((key, error)),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+    assert!(
+        matches!(refused[0].1, ValueError::TooLarge { len, .. } if len == vmm_registry::MAX_LOCATOR_BYTES + 1)
+    );
+    assert!(matches!(refused[1].1, ValueError::Malformed(_)));
+    assert!(
+        matches!(&refused[2].1, ValueError::OwnerMismatch { in_key, in_value } if in_key == "mallory" && in_value == "alice")
+    );
+    assert!(matches!(refused[3].1, ValueError::Key));
+
+    // The watch goes on.
+    alice.publish("kv0", &locator("alice", 1)).expect("publish");
+    match next_event(&watch, Duration::from_secs(5)) {
+        WatchEvent::Put(entry) => assert_eq!(entry.name, "kv0"),
+        other => panic!("expected alice's put, got {other:?}"),
+    }
+    // Resolve and list refuse them too.
+    assert!(matches!(
+        bob.resolve("mallory", "stolen"),
+        Err(RegistryError::Value {
+            source: ValueError::OwnerMismatch { .. },
+            ..
+        })
+    ));
+    assert!(matches!(
+        bob.resolve("mallory", "big"),
+        Err(RegistryError::Value {
+            source: ValueError::TooLarge { .. },
+            ..
+        })
+    ));
+    let listing = bob.list().expect("list");
+    assert_eq!(listing.entries.len(), 1);
+    assert_eq!(listing.refused.len(), 4);
 }
