@@ -92,6 +92,17 @@ impl Registry {
 
     /// Watch the domain: its listing now, then every change.
     pub fn watch(&self) -> Result<Watch, RegistryError> {
+        self.watch_inner(None)
+    }
+
+    /// Watch the domain's changes from `revision` on (one a caller saw before, such as the
+    /// last it handled + 1); if etcd has compacted it, the first event is
+    /// [`WatchEvent::Relisted`](crate::WatchEvent::Relisted) with the domain as it is now.
+    pub fn watch_from(&self, revision: i64) -> Result<Watch, RegistryError> {
+        self.watch_inner(Some(revision))
+    }
+
+    fn watch_inner(&self, from: Option<i64>) -> Result<Watch, RegistryError> {
         let client = self.core.client.clone();
         let domain = self.core.domain.clone();
         let handle = self.background.handle().clone();
@@ -99,7 +110,7 @@ impl Registry {
         self.background.run(
             Op::Watch,
             deadline,
-            crate::watch::start(client, domain, deadline, handle),
+            crate::watch::start(client, domain, deadline, handle, from),
         )
     }
 

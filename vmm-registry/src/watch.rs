@@ -72,17 +72,19 @@ impl Watch {
 }
 
 /// Start watching `domain`: list it (within `deadline`), then hand the rest to a task on
-/// `runtime`.
+/// `runtime`, from the listing's revision + 1, or from `from` when given (a revision the
+/// caller saw before; a compacted one makes the first event [`WatchEvent::Relisted`]).
 pub(crate) async fn start(
     client: Client,
     domain: String,
     deadline: Duration,
     runtime: tokio::runtime::Handle,
+    from: Option<i64>,
 ) -> Result<Watch, RegistryError> {
     let initial = list(&client, &domain, deadline, Op::Watch).await?;
     let (events, receiver) = mpsc::channel();
     let (stop, stopped) = oneshot::channel();
-    let from = initial.revision + 1;
+    let from = from.unwrap_or(initial.revision + 1).max(1);
     runtime.spawn(async move {
         tokio::select! {
             _ = stopped => {}

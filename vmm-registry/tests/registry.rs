@@ -307,3 +307,80 @@ fn hostile_values_are_refused_and_the_watch_goes_on() {
     assert_eq!(listing.entries.len(), 1);
     assert_eq!(listing.refused.len(), 4);
 }
+
+#[test]
+fn a_watch_from_a_compacted_revision_lists_again() {
+    let Some(world) = World::start("a_watch_from_a_compacted_revision_lists_again") else {
+        return;
+    };
+    let alice = world.open("alice");
+    let bob = world.open("bob");
+    let seen = bob.list().expect("list").revision;
+    alice.publish("kv0", &locator("alice", 1)).expect("publish");
+    alice.publish("kv1", &locator("alice", 2)).expect("publish");
+    assert!(alice.unpublish("kv0").expect("unpublish"));
+    world.raw_compact();
+    // bob resumes from the revision after the one it saw: compacted, so it gets the domain
+    // as it is now, then the changes after it.
+    let watch = bob.watch_from(seen + 1).expect("watch");
+    match next_event(&watch, Duration::from_secs(5)) {
+        WatchEvent::Relisted(listing) => {
+            let names: Vec<&str> = listing.entries.iter().map(|e| e.name.as_str()).collect();
+            assert_eq!(names, ["kv1"]);
+        }
+        other => panic!("expected a relisting, got {other:?}"),
+    }
+    alice.publish("kv2", &locator("alice", 3)).expect("publish");
+    match next_event(&watch, Duration::from_secs(5)) {
+        WatchEvent::Put(entry) => assert_eq!(entry.name, "kv2"),
+        other => panic!("expected kv2's put, got {other:?}"),
+    }
+}
+
+#[test]
+fn calls_end_by_their_deadline_while_etcd_is_stopped_and_recover() {
+    let Some(world) = World::start("calls_end_by_their_deadline_while_etcd_is_stopped_and_recover")
+    else {
+        return;
+    };
+    let config = world
+        .config("alice")
+        .lease_ttl(Duration::from_secs(6))
+        .call_timeout(Duration::from_secs(1));
+    let alice = Registry::open(config).expect("open");
+    alice.publish("kv0", &locator("alice", 1)).expect("publish");
+    world.etcd.pause();
+    let started = Instant::now();
+    let stopped = alice.resolve("alice", "kv0");
+    let took = started.elapsed();
+    world.etcd.resume();
+    assert!(
+        matches!(
+            stopped,
+            Err(RegistryError::Deadline {
+                op: Op::Resolve,
+                ..
+            })
+        ),
+        "{stopped:?}"
+    );
+    // The call's own deadline (1 s), not the background guard's grace.
+    assert!(took < Duration::from_millis(1500), "took {took:?}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match alice.resolve("alice", "kv0") {
+            Ok(found) => {
+                assert!(found.is_some());
+                break;
+            }
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "no recovery after SIGCONT: {e:?}"
+            ),
+        }
+    }
+    alice
+        .publish("kv1", &locator("alice", 2))
+        .expect("publish after SIGCONT");
+    assert_eq!(alice.lease_lost(), None);
+}

@@ -212,6 +212,22 @@ impl Etcd {
         }
     }
 
+    /// SIGSTOP etcd (it holds every connection and answers nothing).
+    pub fn pause(&self) {
+        self.signal(Signal::SIGSTOP);
+    }
+
+    /// SIGCONT etcd.
+    pub fn resume(&self) {
+        self.signal(Signal::SIGCONT);
+    }
+
+    fn signal(&self, signal: Signal) {
+        let child = self.child.as_ref().expect("etcd runs");
+        let pid = Pid::from_raw(i32::try_from(child.id()).expect("a pid"));
+        kill(pid, signal).expect("signal etcd");
+    }
+
     /// Start it again, on the same ports and data.
     pub fn restart(&mut self) {
         self.stop();

@@ -77,6 +77,18 @@ impl World {
         self.raw(async |client| client.put(key, value, None).await.map(drop));
     }
 
+    /// Compact etcd's history up to its current revision.
+    pub fn raw_compact(&self) {
+        self.raw(async |client| {
+            let revision = client
+                .get("/", None)
+                .await?
+                .header()
+                .map_or(0, |h| h.revision());
+            client.compact(revision, None).await.map(drop)
+        });
+    }
+
     /// Revoke lease `id` directly (as an operator could).
     pub fn raw_revoke(&self, id: i64) {
         self.raw(async |client| client.lease_revoke(id).await.map(drop));
