@@ -14,7 +14,11 @@
 //!   the lease), so an etcd that is down fails the open within the open timeout.
 //! - A value read from etcd is hostile: its size is capped before it is parsed
 //!   ([`MAX_LOCATOR_BYTES`]), and its owner must be the owner its key names.
+//! - Feature `async`: `AsyncRegistry` and `AsyncWatch`, the same operations as `async fn`s
+//!   on the caller's tokio runtime.
 
+#[cfg(feature = "async")]
+mod async_registry;
 mod background;
 mod classify;
 mod config;
@@ -27,6 +31,8 @@ mod registry;
 mod tls_probe;
 mod watch;
 
+#[cfg(feature = "async")]
+pub use async_registry::{AsyncRegistry, AsyncWatch};
 pub use config::{DEFAULT_CALL_TIMEOUT, DEFAULT_LEASE_TTL, RegistryConfig, TlsMaterial};
 pub use core::{Listing, Published};
 pub use error::{
@@ -36,3 +42,8 @@ pub use keys::{MAX_NAME_LEN, domain_prefix, export_key};
 pub use locator::{Entry, ExportedObject, HandleKind, Locator, MAX_LOCATOR_BYTES};
 pub use registry::Registry;
 pub use watch::{Watch, WatchEvent};
+
+// The README's example compiles.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExample;

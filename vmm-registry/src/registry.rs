@@ -110,7 +110,7 @@ impl Registry {
         self.background.run(
             Op::Watch,
             deadline,
-            crate::watch::start(client, domain, deadline, handle, from),
+            crate::watch::start_blocking(client, domain, deadline, handle, from),
         )
     }
 

@@ -71,26 +71,67 @@ impl Watch {
     }
 }
 
+/// Where a watch task delivers its events: a blocking [`Watch`]'s channel, or an async one's.
+#[derive(Debug)]
+pub(crate) enum Sink {
+    Blocking(mpsc::Sender<WatchEvent>),
+    #[cfg(feature = "async")]
+    Async(tokio::sync::mpsc::UnboundedSender<WatchEvent>),
+}
+
+impl Sink {
+    /// Deliver `event`; `false` once the receiver is gone.
+    fn send(&self, event: WatchEvent) -> bool {
+        match self {
+            Sink::Blocking(tx) => tx.send(event).is_ok(),
+            #[cfg(feature = "async")]
+            Sink::Async(tx) => tx.send(event).is_ok(),
+        }
+    }
+}
+
 /// Start watching `domain`: list it (within `deadline`), then hand the rest to a task on
 /// `runtime`, from the listing's revision + 1, or from `from` when given (a revision the
 /// caller saw before; a compacted one makes the first event [`WatchEvent::Relisted`]).
+/// The task ends when the returned sender is dropped.
 pub(crate) async fn start(
     client: Client,
     domain: String,
     deadline: Duration,
     runtime: tokio::runtime::Handle,
     from: Option<i64>,
-) -> Result<Watch, RegistryError> {
+    sink: Sink,
+) -> Result<(Listing, oneshot::Sender<()>), RegistryError> {
     let initial = list(&client, &domain, deadline, Op::Watch).await?;
-    let (events, receiver) = mpsc::channel();
     let (stop, stopped) = oneshot::channel();
     let from = from.unwrap_or(initial.revision + 1).max(1);
     runtime.spawn(async move {
         tokio::select! {
             _ = stopped => {}
-            () = follow(client, domain, from, deadline, events) => {}
+            () = follow(client, domain, from, deadline, sink) => {}
         }
     });
+    Ok((initial, stop))
+}
+
+/// [`start`] for a blocking [`Watch`].
+pub(crate) async fn start_blocking(
+    client: Client,
+    domain: String,
+    deadline: Duration,
+    runtime: tokio::runtime::Handle,
+    from: Option<i64>,
+) -> Result<Watch, RegistryError> {
+    let (events, receiver) = mpsc::channel();
+    let (initial, stop) = start(
+        client,
+        domain,
+        deadline,
+        runtime,
+        from,
+        Sink::Blocking(events),
+    )
+    .await?;
     Ok(Watch {
         initial,
         events: receiver,
@@ -99,13 +140,7 @@ pub(crate) async fn start(
 }
 
 /// Deliver every change from revision `next` on, until the receiver is gone.
-async fn follow(
-    client: Client,
-    domain: String,
-    mut next: i64,
-    deadline: Duration,
-    events: mpsc::Sender<WatchEvent>,
-) {
+async fn follow(client: Client, domain: String, mut next: i64, deadline: Duration, events: Sink) {
     let prefix = domain_prefix(&domain);
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -133,7 +168,7 @@ async fn follow(
                 match list(&client, &domain, deadline, Op::Watch).await {
                     Ok(listing) => {
                         next = listing.revision + 1;
-                        if events.send(WatchEvent::Relisted(listing)).is_err() {
+                        if !events.send(WatchEvent::Relisted(listing)) {
                             return;
                         }
                     }
@@ -165,7 +200,7 @@ async fn follow(
                         None => refused(kv.key(), revision, ValueError::Key),
                     },
                 };
-                if events.send(delivered).is_err() {
+                if !events.send(delivered) {
                     return;
                 }
             }
