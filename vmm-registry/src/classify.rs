@@ -22,6 +22,11 @@ pub(crate) fn classify(op: Op, error: etcd_client::Error) -> RegistryError {
             source: TlsFailure::Rustls(tls.clone()),
         };
     }
+    if let etcd_client::Error::GRpcStatus(status) = &error
+        && status.code() == tonic::Code::PermissionDenied
+    {
+        return RegistryError::PermissionDenied { op, source: error };
+    }
     let unreachable = match &error {
         etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
         etcd_client::Error::GRpcStatus(status) => {

@@ -156,6 +156,16 @@ pub enum RegistryError {
         #[source]
         source: etcd_client::Error,
     },
+    /// etcd's RBAC refused the request: the user (the client certificate's name) may not
+    /// touch that key (each owner writes only its own prefix).
+    #[error("{op}: etcd denied permission")]
+    PermissionDenied {
+        /// The operation.
+        op: Op,
+        /// What the client said.
+        #[source]
+        source: etcd_client::Error,
+    },
     /// etcd answered with an error.
     #[error("{op}: etcd refused the request")]
     Etcd {

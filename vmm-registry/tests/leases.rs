@@ -178,3 +178,67 @@ fn keep_alive_and_watch_resume_after_etcd_restarts() {
         Some(event) => panic!("an event nobody caused: {event:?}"),
     }
 }
+
+#[test]
+fn another_user_may_not_write_or_delete_the_exporters_key() {
+    let Some(world) = World::start("another_user_may_not_write_or_delete_the_exporters_key") else {
+        return;
+    };
+    world.enable_rbac(&["alice", "bob", "mallory"]);
+    let alice = world.open("alice");
+    alice
+        .publish("kv0", &locator("alice", 1))
+        .expect("alice publishes under her prefix");
+    let bob = world.open("bob");
+    assert!(
+        bob.resolve("alice", "kv0")
+            .expect("bob reads the domain")
+            .is_some()
+    );
+
+    // mallory's certificate, claiming alice's prefix: etcd denies it.
+    let config = RegistryConfig::new(
+        [world.etcd.endpoint()],
+        world.material("mallory"),
+        DOMAIN,
+        "alice",
+    )
+    .lease_ttl(Duration::from_secs(2));
+    let mallory = Registry::open(config).expect("mallory may hold a lease");
+    assert!(matches!(
+        mallory.publish("kv1", &locator("alice", 2)),
+        Err(RegistryError::PermissionDenied {
+            op: vmm_registry::Op::Publish,
+            ..
+        })
+    ));
+    let key = vmm_registry::export_key(DOMAIN, "alice", "kv0");
+    let denied = |result: Result<(), etcd_client::Error>| matches!(result, Err(etcd_client::Error::GRpcStatus(status)) if status.code() == tonic::Code::PermissionDenied);
+    let k = key.clone();
+    assert!(denied(world.raw_as("mallory", async |c| {
+        c.put(k, "{}", None).await.map(drop)
+    })));
+    let k = key.clone();
+    assert!(denied(
+        world.raw_as("mallory", async |c| c.delete(k, None).await.map(drop))
+    ));
+    // alice's locator stands.
+    assert_eq!(
+        bob.resolve("alice", "kv0")
+            .expect("resolve")
+            .expect("found")
+            .locator,
+        locator("alice", 1)
+    );
+    // mallory under its own prefix is fine.
+    let own = RegistryConfig::new(
+        [world.etcd.endpoint()],
+        world.material("mallory"),
+        DOMAIN,
+        "mallory",
+    );
+    Registry::open(own)
+        .expect("open")
+        .publish("kv0", &locator("mallory", 1))
+        .expect("own prefix");
+}

@@ -77,6 +77,49 @@ impl World {
         self.raw(async |client| client.put(key, value, None).await.map(drop));
     }
 
+    /// Turn etcd's RBAC on: users named by their certificates' names, `root` the
+    /// administrator, each of `owners` reading the whole domain and writing only its own
+    /// prefix.
+    pub fn enable_rbac(&self, owners: &[&str]) {
+        use etcd_client::{Permission, UserAddOptions};
+        let owners: Vec<String> = owners.iter().map(|o| (*o).to_owned()).collect();
+        self.raw_as("root", async |client| {
+            client
+                .user_add("root", "", Some(UserAddOptions::new().with_no_pwd()))
+                .await?;
+            client.user_grant_role("root", "root").await?;
+            let domain = vmm_registry::domain_prefix(DOMAIN);
+            for owner in &owners {
+                client.role_add(owner.as_str()).await?;
+                let own = format!("{domain}{owner}/");
+                client
+                    .role_grant_permission(
+                        owner.as_str(),
+                        Permission::read_write(own).with_prefix(),
+                    )
+                    .await?;
+                client
+                    .role_grant_permission(
+                        owner.as_str(),
+                        Permission::read(domain.clone()).with_prefix(),
+                    )
+                    .await?;
+                client
+                    .user_add(
+                        owner.as_str(),
+                        "",
+                        Some(UserAddOptions::new().with_no_pwd()),
+                    )
+                    .await?;
+                client
+                    .user_grant_role(owner.as_str(), owner.as_str())
+                    .await?;
+            }
+            client.auth_enable().await.map(drop)
+        })
+        .expect("enable RBAC");
+    }
+
     /// Compact etcd's history up to its current revision.
     pub fn raw_compact(&self) {
         self.raw(async |client| {
@@ -99,7 +142,16 @@ impl World {
         &self,
         call: impl AsyncFnOnce(&mut etcd_client::Client) -> Result<(), etcd_client::Error>,
     ) {
-        let leaf = self.pki.issue("raw");
+        self.raw_as("raw", call).expect("raw call");
+    }
+
+    /// Run `call` on a raw client whose certificate names `user` (5 s at most).
+    pub fn raw_as(
+        &self,
+        user: &str,
+        call: impl AsyncFnOnce(&mut etcd_client::Client) -> Result<(), etcd_client::Error>,
+    ) -> Result<(), etcd_client::Error> {
+        let leaf = self.pki.issue(user);
         let tls = etcd_client::TlsOptions::new()
             .ca_certificate(etcd_client::Certificate::from_pem(self.pki.ca_pem()))
             .identity(etcd_client::Identity::from_pem(leaf.cert_pem, leaf.key_pem))
@@ -117,8 +169,7 @@ impl World {
             tokio::time::timeout(Duration::from_secs(5), call(&mut client))
                 .await
                 .expect("raw call in time")
-                .expect("raw call");
-        });
+        })
     }
 }
 
