@@ -233,6 +233,12 @@ impl Etcd {
         self.stop();
         self.launch();
     }
+
+    /// SIGKILL it and start it again, on the same ports and data.
+    pub fn kill_and_restart(&mut self) {
+        self.kill();
+        self.launch();
+    }
 }
 
 impl Drop for Etcd {
