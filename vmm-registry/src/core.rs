@@ -1,0 +1,224 @@
+//! The registry's operations as `async fn`s on etcd's client, each bounded by its deadline.
+//! The blocking [`Registry`](crate::Registry) runs them on its background thread; the
+//! `async` feature offers them directly.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
+
+use crate::classify::{bounded, classify};
+use crate::config::RegistryConfig;
+use crate::error::{ConfigError, Op, RegistryError};
+use crate::keys::{check_name, domain_prefix, export_key};
+use crate::lease::LeaseState;
+use crate::locator::{Entry, Locator, decode};
+
+/// What a successful publish wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Published {
+    /// The key.
+    pub key: String,
+    /// The revision that wrote it.
+    pub revision: i64,
+}
+
+/// Every locator of a domain at one revision, and the values that were refused.
+#[derive(Debug, Default)]
+pub struct Listing {
+    /// The locators that passed every check.
+    pub entries: Vec<Entry>,
+    /// Keys whose values were refused, and why.
+    pub refused: Vec<(String, crate::ValueError)>,
+    /// The revision read at (a watch goes on from the next one).
+    pub revision: i64,
+}
+
+/// An open registry's shared state: the client, the names, the lease.
+pub(crate) struct Core {
+    pub(crate) client: Client,
+    pub(crate) domain: String,
+    pub(crate) owner: String,
+    pub(crate) lease_id: i64,
+    pub(crate) ttl: Duration,
+    pub(crate) call_timeout: Duration,
+    pub(crate) lease: Arc<LeaseState>,
+}
+
+impl std::fmt::Debug for Core {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Core")
+            .field("domain", &self.domain)
+            .field("owner", &self.owner)
+            .field("lease_id", &self.lease_id)
+            .field("ttl", &self.ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Core {
+    /// Connect and grant the lease: a real request, so an etcd that is down, or refuses our
+    /// certificate, fails the open within its deadline.
+    pub(crate) async fn open(config: RegistryConfig) -> Result<Core, RegistryError> {
+        config.check()?;
+        let options = ConnectOptions::new()
+            .with_tls(config.tls.client_tls())
+            .with_connect_timeout(config.open_timeout)
+            // An etcd that stops answering (SIGSTOP, a dead link) is noticed by HTTP/2 pings.
+            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+            .with_keep_alive_while_idle(true);
+        let ttl = config.lease_ttl;
+        let open = async {
+            // A TLS refusal, either way, with rustls's error intact.
+            crate::tls_probe::probe(&config.endpoints, &config.tls).await?;
+            let client = Client::connect(config.urls(), Some(options))
+                .await
+                .map_err(|e| match e {
+                    etcd_client::Error::InvalidArgs(_) | etcd_client::Error::InvalidUri(_) => {
+                        RegistryError::Config(ConfigError::Client(e))
+                    }
+                    e => classify(Op::Open, e),
+                })?;
+            let grant = client
+                .lease_client()
+                .grant(i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX), None)
+                .await
+                .map_err(|e| classify(Op::Open, e))?;
+            Ok::<_, RegistryError>((client, grant.id()))
+        };
+        let (client, lease_id) = tokio::time::timeout(config.open_timeout, open)
+            .await
+            .map_err(|_| RegistryError::Deadline {
+                op: Op::Open,
+                after: config.open_timeout,
+            })??;
+        Ok(Core {
+            client,
+            domain: config.domain,
+            owner: config.owner,
+            lease_id,
+            ttl,
+            call_timeout: config.call_timeout,
+            lease: Arc::new(LeaseState::default()),
+        })
+    }
+
+    fn own_key(&self, name: &str) -> Result<String, RegistryError> {
+        check_name(name).map_err(|rule| ConfigError::Name {
+            what: "export name",
+            name: name.to_owned(),
+            rule,
+        })?;
+        Ok(export_key(&self.domain, &self.owner, name))
+    }
+
+    /// Publish `locator` as `name` under this owner, attached to the lease; refused if the
+    /// name is taken ([`RegistryError::Duplicate`]).
+    pub(crate) async fn publish(
+        &self,
+        name: &str,
+        locator: &Locator,
+    ) -> Result<Published, RegistryError> {
+        self.lease.check()?;
+        if locator.owner != self.owner {
+            return Err(RegistryError::NotOurOwner {
+                ours: self.owner.clone(),
+                in_locator: locator.owner.clone(),
+            });
+        }
+        let key = self.own_key(name)?;
+        let value = locator.encode()?;
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key.clone(),
+                value,
+                Some(PutOptions::new().with_lease(self.lease_id)),
+            )]);
+        let mut kv = self.client.kv_client();
+        let response = bounded(Op::Publish, self.call_timeout, kv.txn(txn)).await?;
+        if !response.succeeded() {
+            return Err(RegistryError::Duplicate { key });
+        }
+        let revision = response.header().map_or(0, |h| h.revision());
+        Ok(Published { key, revision })
+    }
+
+    /// Remove this process's locator `name`; `false` when there was none on its lease.
+    pub(crate) async fn unpublish(&self, name: &str) -> Result<bool, RegistryError> {
+        let key = self.own_key(name)?;
+        let txn = Txn::new()
+            .when([Compare::lease(key.clone(), CompareOp::Equal, self.lease_id)])
+            .and_then([TxnOp::delete(key, None)]);
+        let mut kv = self.client.kv_client();
+        let response = bounded(Op::Unpublish, self.call_timeout, kv.txn(txn)).await?;
+        Ok(response.succeeded())
+    }
+
+    /// The locator `owner` published as `name`, checked; `None` when there is none.
+    pub(crate) async fn resolve(
+        &self,
+        owner: &str,
+        name: &str,
+    ) -> Result<Option<Entry>, RegistryError> {
+        for (what, n) in [("owner", owner), ("export name", name)] {
+            check_name(n).map_err(|rule| ConfigError::Name {
+                what,
+                name: n.to_owned(),
+                rule,
+            })?;
+        }
+        let key = export_key(&self.domain, owner, name);
+        let mut kv = self.client.kv_client();
+        let response = bounded(Op::Resolve, self.call_timeout, kv.get(key.clone(), None)).await?;
+        let Some(kv) = response.kvs().first() else {
+            return Ok(None);
+        };
+        decode(&self.domain, kv.key(), kv.value(), kv.mod_revision())
+            .map(Some)
+            .map_err(|source| RegistryError::Value { key, source })
+    }
+
+    /// Every locator of the domain.
+    pub(crate) async fn list(&self) -> Result<Listing, RegistryError> {
+        list(&self.client, &self.domain, self.call_timeout, Op::List).await
+    }
+
+    /// Revoke the lease: every locator of this process disappears at once.
+    pub(crate) async fn revoke(&self) -> Result<(), RegistryError> {
+        self.lease.close();
+        let mut lease = self.client.lease_client();
+        bounded(Op::Revoke, self.call_timeout, lease.revoke(self.lease_id)).await?;
+        Ok(())
+    }
+}
+
+/// Every locator under `domain`'s prefix, checked one by one.
+pub(crate) async fn list(
+    client: &Client,
+    domain: &str,
+    deadline: Duration,
+    op: Op,
+) -> Result<Listing, RegistryError> {
+    let mut kv = client.kv_client();
+    let prefix = domain_prefix(domain);
+    let response = bounded(
+        op,
+        deadline,
+        kv.get(prefix, Some(GetOptions::new().with_prefix())),
+    )
+    .await?;
+    let mut listing = Listing {
+        revision: response.header().map_or(0, |h| h.revision()),
+        ..Listing::default()
+    };
+    for kv in response.kvs() {
+        match decode(domain, kv.key(), kv.value(), kv.mod_revision()) {
+            Ok(entry) => listing.entries.push(entry),
+            Err(why) => listing
+                .refused
+                .push((String::from_utf8_lossy(kv.key()).into_owned(), why)),
+        }
+    }
+    Ok(listing)
+}

@@ -1,0 +1,49 @@
+//! A registry of exported memory across nodes, on etcd.
+//!
+//! An exporter publishes a [`Locator`] (where its mutual-TLS descriptor stream listens, the
+//! name its certificate carries, what the object is), never handle bytes, under
+//! `/vmm/v1/<domain>/exports/<owner>/<name>`, by a create-only transaction, attached to its
+//! process's one lease. The lease is kept alive every TTL/3 on a background thread; a clean
+//! shutdown revokes it (the locators disappear at once) and a crash lets it expire (they
+//! disappear within the TTL). Importers resolve a name or watch the domain.
+//!
+//! - etcd is spoken to over mutual TLS only; there is no plaintext fallback, and a TLS
+//!   failure is its own error ([`RegistryError::Tls`]).
+//! - The API is blocking: one background thread owns a tokio runtime (vmm-core stays free
+//!   of one), and every call ends by its deadline. Opening makes a real request (it grants
+//!   the lease), so an etcd that is down fails the open within the open timeout.
+//! - A value read from etcd is hostile: its size is capped before it is parsed
+//!   ([`MAX_LOCATOR_BYTES`]), and its owner must be the owner its key names.
+//! - Feature `async`: `AsyncRegistry` and `AsyncWatch`, the same operations as `async fn`s
+//!   on the caller's tokio runtime.
+
+#[cfg(feature = "async")]
+mod async_registry;
+mod background;
+mod classify;
+mod config;
+mod core;
+mod error;
+mod keys;
+mod lease;
+mod locator;
+mod registry;
+mod tls_probe;
+mod watch;
+
+#[cfg(feature = "async")]
+pub use async_registry::{AsyncRegistry, AsyncWatch};
+pub use config::{DEFAULT_CALL_TIMEOUT, DEFAULT_LEASE_TTL, RegistryConfig, TlsMaterial};
+pub use core::{Listing, Published};
+pub use error::{
+    ConfigError, LeaseLoss, NameRule, Op, RegistryError, Result, TlsFailure, ValueError,
+};
+pub use keys::{MAX_NAME_LEN, domain_prefix, export_key};
+pub use locator::{Entry, ExportedObject, HandleKind, Locator, MAX_LOCATOR_BYTES};
+pub use registry::Registry;
+pub use watch::{Watch, WatchEvent};
+
+// The README's example compiles.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExample;

@@ -1,0 +1,151 @@
+//! The blocking registry: every call runs on the background thread and ends by its
+//! deadline, whatever etcd does.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::background::Background;
+use crate::config::RegistryConfig;
+use crate::core::{Core, Listing, Published};
+use crate::error::{LeaseLoss, Op, RegistryError};
+use crate::locator::{Entry, Locator};
+use crate::watch::Watch;
+
+/// A process's connection to the registry: one lease, kept alive on a background thread,
+/// under which it publishes its locators. Dropping it revokes the lease (as [`close`]
+/// does, with the call deadline), so a clean exit unpublishes at once and a crash
+/// unpublishes within the TTL.
+///
+/// [`close`]: Registry::close
+#[derive(Debug)]
+pub struct Registry {
+    core: Arc<Core>,
+    open_timeout: Duration,
+    closed: bool,
+    // Last: dropped after the revoke in `drop`.
+    background: Background,
+}
+
+impl Registry {
+    /// Connect to etcd over mutual TLS and grant this process's lease, within the config's
+    /// open timeout. etcd down, or refusing the certificate, fails here.
+    pub fn open(config: RegistryConfig) -> Result<Registry, RegistryError> {
+        config.check()?;
+        let background = Background::start()?;
+        let open_timeout = config.open_timeout;
+        let core = background.run(Op::Open, open_timeout, Core::open(config))?;
+        let core = Arc::new(core);
+        background.handle().spawn(crate::lease::keep_alive(
+            core.client.clone(),
+            core.lease_id,
+            core.ttl,
+            core.call_timeout,
+            core.lease.clone(),
+        ));
+        Ok(Registry {
+            core,
+            open_timeout,
+            closed: false,
+            background,
+        })
+    }
+
+    fn run<T, F, Fut>(&self, op: Op, call: F) -> Result<T, RegistryError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Arc<Core>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, RegistryError>> + Send + 'static,
+    {
+        self.background
+            .run(op, self.core.call_timeout, call(self.core.clone()))
+    }
+
+    /// Publish `locator` as `name` (create-only: [`RegistryError::Duplicate`] when taken),
+    /// attached to this process's lease.
+    pub fn publish(&self, name: &str, locator: &Locator) -> Result<Published, RegistryError> {
+        let (name, locator) = (name.to_owned(), locator.clone());
+        self.run(Op::Publish, move |core| async move {
+            core.publish(&name, &locator).await
+        })
+    }
+
+    /// Remove this process's locator `name`; `false` when there was none.
+    pub fn unpublish(&self, name: &str) -> Result<bool, RegistryError> {
+        let name = name.to_owned();
+        self.run(Op::Unpublish, move |core| async move {
+            core.unpublish(&name).await
+        })
+    }
+
+    /// The locator `owner` published as `name`, checked against its key.
+    pub fn resolve(&self, owner: &str, name: &str) -> Result<Option<Entry>, RegistryError> {
+        let (owner, name) = (owner.to_owned(), name.to_owned());
+        self.run(Op::Resolve, move |core| async move {
+            core.resolve(&owner, &name).await
+        })
+    }
+
+    /// Every locator of the domain, and the values refused.
+    pub fn list(&self) -> Result<Listing, RegistryError> {
+        self.run(Op::List, move |core| async move { core.list().await })
+    }
+
+    /// Watch the domain: its listing now, then every change.
+    pub fn watch(&self) -> Result<Watch, RegistryError> {
+        self.watch_inner(None)
+    }
+
+    /// Watch the domain's changes from `revision` on (one a caller saw before, such as the
+    /// last it handled + 1); if etcd has compacted it, the first event is
+    /// [`WatchEvent::Relisted`](crate::WatchEvent::Relisted) with the domain as it is now.
+    pub fn watch_from(&self, revision: i64) -> Result<Watch, RegistryError> {
+        self.watch_inner(Some(revision))
+    }
+
+    fn watch_inner(&self, from: Option<i64>) -> Result<Watch, RegistryError> {
+        let client = self.core.client.clone();
+        let domain = self.core.domain.clone();
+        let handle = self.background.handle().clone();
+        let deadline = self.core.call_timeout;
+        self.background.run(
+            Op::Watch,
+            deadline,
+            crate::watch::start_blocking(client, domain, deadline, handle, from),
+        )
+    }
+
+    /// Why the lease was lost, if it was (then this process's locators are unpublished).
+    pub fn lease_lost(&self) -> Option<LeaseLoss> {
+        self.core.lease.lost()
+    }
+
+    /// Wait up to `timeout` for the lease to be lost.
+    pub fn wait_lease_lost(&self, timeout: Duration) -> Option<LeaseLoss> {
+        self.core.lease.wait_lost(timeout)
+    }
+
+    /// The lease's id (etcd's).
+    pub fn lease_id(&self) -> i64 {
+        self.core.lease_id
+    }
+
+    /// The open timeout this registry was opened with.
+    pub fn open_timeout(&self) -> Duration {
+        self.open_timeout
+    }
+
+    /// Revoke the lease (every locator of this process disappears at once) and stop.
+    pub fn close(mut self) -> Result<(), RegistryError> {
+        self.closed = true;
+        self.run(Op::Revoke, move |core| async move { core.revoke().await })
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        if !self.closed {
+            // Best effort: a revoke that fails leaves the lease to expire within its TTL.
+            let _ = self.run(Op::Revoke, move |core| async move { core.revoke().await });
+        }
+    }
+}
