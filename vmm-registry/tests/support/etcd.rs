@@ -213,8 +213,17 @@ impl Etcd {
     }
 
     /// SIGSTOP etcd (it holds every connection and answers nothing).
+    ///
+    /// Returns once every thread of etcd is stopped: `kill` returns before the kernel has
+    /// stopped them, and a thread still running could answer one more request.
     pub fn pause(&self) {
         self.signal(Signal::SIGSTOP);
+        let pid = self.child.as_ref().expect("etcd runs").id();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !all_threads_stopped(pid) {
+            assert!(Instant::now() < deadline, "etcd did not stop within 5 s");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// SIGCONT etcd.
@@ -245,4 +254,19 @@ impl Drop for Etcd {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Whether every thread of `pid` is in the stopped state (`T`), read from `/proc`.
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+            // The state follows the command name, which is in parentheses and may hold spaces.
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|state| state == "T" || state == "t")
+        })
+    })
 }
