@@ -21,7 +21,9 @@
 //!   message, the import, the ack) and `warm-exit` (from then until `join` returned: the
 //!   report, the exit with a live CUDA context, the reap), the latter next to
 //!   `cuda-exit-process`: a bare process that initialised CUDA, timed from its cue to exit
-//!   until it is reaped (the kernel's teardown of a CUDA context). The cold starts and
+//!   until it is reaped (the kernel's teardown of a CUDA context). `warm-exit-alone`: the
+//!   same exit, from the parent's go until `join` returned, once the pool's replacement for
+//!   the child taken has finished its own CUDA init (which `warm-exit` runs beside). The cold starts and
 //!   `cuda-init-process` run interleaved; the warm figures do not (as in child-start).
 
 use std::path::{Path, PathBuf};
@@ -54,6 +56,13 @@ fn gpu_work(descriptor: IpcDescriptor) {
 fn gpu_work_acked((descriptor, ack): (IpcDescriptor, Queue<u8>)) {
     gpu_work(descriptor);
     ack.put(&1).expect("gpu child: ack");
+}
+
+/// As [`gpu_work_acked`], then wait for the parent's go before returning: the parent lets the
+/// pool's replacement finish its CUDA init first, so that the exit it times runs alone.
+fn gpu_work_acked_held((descriptor, ack, go): (IpcDescriptor, Queue<u8>, Queue<u8>)) {
+    gpu_work_acked((descriptor, ack));
+    go.get(CHILD_WAIT).expect("gpu child: go");
 }
 
 /// Warm-up and measurement for warm figures, whose untimed refill (a fresh process; on a GPU,
@@ -284,6 +293,16 @@ pub fn gpu_child(c: &mut Criterion) {
     // What the exit of a warm child costs, next to the exit of a bare process holding a CUDA
     // context (the kernel's teardown of the context: exiting with `_exit` changed nothing).
     row(&exit, &key(GPU_GROUP, "cuda-exit-process"), Target::None);
+    // The same exit with nothing beside it: `warm-exit` runs while the pool's replacement for
+    // the child taken initialises CUDA in another process (a refill starts at the take), and
+    // both contend in the driver; `warm-exit-alone` waits for the replacement to be ready
+    // first. The target (at most `cuda-exit-process`) is for this one.
+    let alone = key(GPU_GROUP, "warm-exit-alone");
+    row(
+        &alone,
+        &key(GPU_GROUP, "cuda-exit-process"),
+        Target::RatioAtMost(1.0),
+    );
 
     let device = Device::new(0).expect("device 0");
     let resource =
@@ -335,6 +354,21 @@ pub fn gpu_child(c: &mut Criterion) {
         record::measure(&returned, 1, || until_returned);
         record::measure(&exit, 1, || total - until_returned);
         total
+    });
+    let go = Queue::new().expect("queue");
+    group.bench("warm-exit-alone", || {
+        let args = (own(), ack.clone(), go.clone());
+        WarmPool::global().fill().expect("warm the pool");
+        let child = Context::new(StartMethod::Warm)
+            .spawn(gpu_work_acked_held, args)
+            .expect("start child");
+        ack.get(CHILD_WAIT).expect("child ack");
+        // The replacement started at the take: let it finish initialising CUDA.
+        WarmPool::global().fill().expect("refill the pool");
+        let t = Instant::now();
+        go.put(&1).expect("go");
+        child.join(CHILD_WAIT).expect("join child");
+        t.elapsed()
     });
     group.finish();
     // End the waiting children: they hold a CUDA context each.
