@@ -118,8 +118,8 @@
 //! - **An admitted peer that never reads** what it is sent: every fd sent to it stays in
 //!   flight, charged by the kernel to the sender's uid (`ETOOMANYREFS` past its
 //!   `RLIMIT_NOFILE`). Sends are bounded by the connection's timeout; how many fds a server
-//!   lets one peer leave unread is the server's to cap (the example daemon does, per
-//!   connection, per uid and in all, from `SIOCOUTQ`).
+//!   lets one peer leave unread is the server's to cap ([`FdBudget`]: per connection, per uid
+//!   and in all, from `SIOCOUTQ`; the example daemon and vmm-memd use it).
 //! - **What an admitted peer does with memory it was given**: it may read and write it for as
 //!   long as it keeps the mapping.
 //! - **Races inside the listener's own uid**: between the stale-file check and `bind`, only
@@ -130,13 +130,17 @@ mod closer;
 mod connection;
 mod creds;
 mod defuse;
+mod fd_budget;
 mod listener;
 mod name;
+mod peer_process;
 
 pub(crate) use closer::close_later;
 pub(crate) use closer::pending as closing_fds;
 pub use connection::{ConnectOptions, Connection, DEFAULT_TIMEOUT};
 pub(crate) use creds::maybe_overflow_uid;
 pub use creds::{Allow, Credentials};
+pub use fd_budget::{FdBudget, FdWindow, InFlightExceeded, InFlightScope};
 pub use listener::{Greeting, LOG_BURST, LOG_INTERVAL, Listener, ListenerOptions};
 pub use name::Name;
+pub use peer_process::{PeerProcess, peer_pidfd, pidfd_exited};
