@@ -271,6 +271,20 @@ impl Daemon {
         }
         self.seen.join("\n")
     }
+
+    /// The whole log of a daemon that has exited: every line up to its stderr's end (the
+    /// reader thread may still be forwarding the last ones when the exit is seen), waiting at
+    /// most 5 s for it.
+    fn log_to_end(&mut self) -> String {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.log.recv_timeout(left) {
+                Ok(line) => self.seen.push(line),
+                Err(_) => break,
+            }
+        }
+        self.seen.join("\n")
+    }
 }
 
 impl Drop for Daemon {
@@ -423,7 +437,7 @@ fn sigterm_stops_the_daemon_within_two_seconds_while_clients_chat() {
         std::thread::sleep(Duration::from_millis(10));
     };
     let took = asked.elapsed();
-    let log = daemon.log();
+    let log = daemon.log_to_end();
     assert!(status.success(), "{status:?}: {log}");
     // A bound for stopping at all, not a speed target: before, it waited for the chatty
     // clients to stop (31 s).
