@@ -49,60 +49,51 @@ pub(crate) trait Side {
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) enum Nothing {}
 
-/// The parent's side of a child's channel.
-#[derive(Debug)]
-pub(crate) enum ParentSide {}
-/// A child's side of its channel (and the forkserver's copy of it, for [`Report::Exited`]).
-#[derive(Debug)]
-pub(crate) enum ChildSide {}
-/// The parent's side of the forkserver's request channel.
-#[derive(Debug)]
-pub(crate) enum RequestSide {}
-/// The forkserver's side of its request channel.
-#[derive(Debug)]
-pub(crate) enum ServerSide {}
-/// The pool's side of a worker's task socket.
-#[derive(Debug)]
-pub(crate) enum TaskSenderSide {}
-/// A pool worker's side of its task socket.
-#[derive(Debug)]
-pub(crate) enum TaskReceiverSide {}
+/// The two sides of one socket, each stated once: a side sends its own message type and
+/// receives its peer's, so the pair cannot be declared mismatched.
+macro_rules! socket_sides {
+    (
+        $(#[$a_doc:meta])* $a:ident sends $a_sends:ty, calls what it receives $a_name:literal;
+        $(#[$b_doc:meta])* $b:ident sends $b_sends:ty, calls what it receives $b_name:literal;
+    ) => {
+        $(#[$a_doc])*
+        #[derive(Debug)]
+        pub(crate) enum $a {}
+        $(#[$b_doc])*
+        #[derive(Debug)]
+        pub(crate) enum $b {}
+        impl Side for $a {
+            type Sends = $a_sends;
+            type Receives = $b_sends;
+            type Peer = $b;
+            const RECEIVES: &'static str = $a_name;
+        }
+        impl Side for $b {
+            type Sends = $b_sends;
+            type Receives = $a_sends;
+            type Peer = $a;
+            const RECEIVES: &'static str = $b_name;
+        }
+    };
+}
 
-impl Side for ParentSide {
-    type Sends = Order;
-    type Receives = Report;
-    type Peer = ChildSide;
-    const RECEIVES: &'static str = "report";
+socket_sides! {
+    /// The parent's side of a child's channel.
+    ParentSide sends Order, calls what it receives "report";
+    /// A child's side of its channel (and the forkserver's copy of it, for [`Report::Exited`]).
+    ChildSide sends Report, calls what it receives "order";
 }
-impl Side for ChildSide {
-    type Sends = Report;
-    type Receives = Order;
-    type Peer = ParentSide;
-    const RECEIVES: &'static str = "order";
+socket_sides! {
+    /// The parent's side of the forkserver's request channel.
+    RequestSide sends ForkRequest, calls what it receives "fork reply";
+    /// The forkserver's side of its request channel.
+    ServerSide sends ForkReply, calls what it receives "fork request";
 }
-impl Side for RequestSide {
-    type Sends = ForkRequest;
-    type Receives = ForkReply;
-    type Peer = ServerSide;
-    const RECEIVES: &'static str = "fork reply";
-}
-impl Side for ServerSide {
-    type Sends = ForkReply;
-    type Receives = ForkRequest;
-    type Peer = RequestSide;
-    const RECEIVES: &'static str = "fork request";
-}
-impl Side for TaskSenderSide {
-    type Sends = Call;
-    type Receives = Nothing;
-    type Peer = TaskReceiverSide;
-    const RECEIVES: &'static str = "nothing";
-}
-impl Side for TaskReceiverSide {
-    type Sends = Nothing;
-    type Receives = Call;
-    type Peer = TaskSenderSide;
-    const RECEIVES: &'static str = "task";
+socket_sides! {
+    /// The pool's side of a worker's task socket.
+    TaskSenderSide sends Call, calls what it receives "nothing";
+    /// A pool worker's side of its task socket.
+    TaskReceiverSide sends Nothing, calls what it receives "task";
 }
 
 /// The table in the module docs, checked by the compiler: each side names exactly these types.
