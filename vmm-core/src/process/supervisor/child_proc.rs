@@ -154,7 +154,7 @@ impl Proc {
 
     /// Reap a child of ours if it has exited, without waiting. `true` once its end is known
     /// (reaped, or `waitpid` failed: then its status is lost).
-    pub(super) fn try_reap(&mut self) -> bool {
+    fn try_reap(&mut self) -> bool {
         if self.ended() {
             return true;
         }

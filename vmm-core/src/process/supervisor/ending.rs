@@ -18,10 +18,10 @@ use super::report_reader::{Flow, Read, read_channel};
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Ending {
     /// Not killed yet: it may exit by itself until then (then it is killed). `None`: killed.
-    pub(super) kill_at: Option<Instant>,
+    kill_at: Option<Instant>,
     /// A forkserver child's: when its status report stops being awaited, counted from the
     /// kill (from its exit, where that is seen, [`Child::conclude`](super::Child::conclude) counts too).
-    pub(super) report_by: Option<Instant>,
+    report_by: Option<Instant>,
 }
 
 impl Ending {
@@ -36,7 +36,7 @@ impl Ending {
         ending
     }
 
-    pub(super) fn kill_now(&mut self, proc: &mut Proc) {
+    fn kill_now(&mut self, proc: &mut Proc) {
         let now = Instant::now();
         // One seen to exit needs no signal (and a forkserver child's pid may be reused by now).
         if proc.exited_at().is_none() {

@@ -13,41 +13,43 @@ use super::ending::{Ending, Watch, wait_any};
 
 /// A dropped child whose end was not known yet: killed, to be reaped (or its report awaited).
 #[derive(Debug)]
-pub(super) struct Orphan {
-    pub(super) proc: Proc,
+struct Orphan {
+    proc: Proc,
     /// A forkserver child's channel, for the server's report.
-    pub(super) channel: Option<Arc<ParentEnd>>,
-    pub(super) ending: Ending,
+    channel: Option<Arc<ParentEnd>>,
+    ending: Ending,
 }
 
 impl Orphan {
-    pub(super) fn advance(&mut self) -> bool {
+    /// Whether its end is known now (see [`Ending::advance`]).
+    fn advance(&mut self) -> bool {
         self.ending.advance(&mut self.proc, self.channel.as_deref())
     }
 
-    pub(super) fn watch(&self) -> Watch {
+    /// What to poll for its next step.
+    fn watch(&self) -> Watch {
         self.ending.watch(&self.proc, self.channel.as_ref())
     }
 }
 
 /// How long the background reaper waits for a new orphan once the queue is empty, before it
 /// ends: a program that drops children one after another starts it once, not once a drop.
-pub(super) const REAPER_LINGER: Duration = Duration::from_millis(500);
+const REAPER_LINGER: Duration = Duration::from_millis(500);
 
 /// The process-wide orphan queue, and its background reaper.
 #[derive(Debug)]
-pub(super) struct Orphans {
-    pub(super) list: Vec<Orphan>,
+struct Orphans {
+    list: Vec<Orphan>,
     /// A reaper thread is running (it clears this, under the lock, as it ends).
-    pub(super) reaping: bool,
+    reaping: bool,
     /// The running reaper's wake-up (an eventfd), if one could be made; closed when it ends.
-    pub(super) wake: Option<Arc<OwnedFd>>,
+    wake: Option<Arc<OwnedFd>>,
     /// The reaper is to end as soon as the queue is empty, without lingering
     /// ([`settle_orphans`]).
-    pub(super) end_when_empty: bool,
+    end_when_empty: bool,
 }
 
-pub(super) static ORPHANS: Mutex<Orphans> = Mutex::new(Orphans {
+static ORPHANS: Mutex<Orphans> = Mutex::new(Orphans {
     list: Vec::new(),
     reaping: false,
     wake: None,
@@ -56,21 +58,21 @@ pub(super) static ORPHANS: Mutex<Orphans> = Mutex::new(Orphans {
 
 /// How many orphans are queued (so that a new child looks at the queue only when it holds
 /// some).
-pub(super) static QUEUED: AtomicUsize = AtomicUsize::new(0);
+static QUEUED: AtomicUsize = AtomicUsize::new(0);
 
-pub(super) fn orphans() -> MutexGuard<'static, Orphans> {
+fn orphans() -> MutexGuard<'static, Orphans> {
     ORPHANS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Orphans {
     /// Advance every orphan without waiting; forget those whose end is known.
-    pub(super) fn sweep(&mut self) {
+    fn sweep(&mut self) {
         self.list.retain_mut(|orphan| !orphan.advance());
         QUEUED.store(self.list.len(), Ordering::Relaxed);
     }
 
     /// Have a reaper running, and tell it of what was queued.
-    pub(super) fn ensure_reaper(&mut self) {
+    fn ensure_reaper(&mut self) {
         if self.reaping {
             self.wake_reaper();
             return;
@@ -88,7 +90,7 @@ impl Orphans {
         }
     }
 
-    pub(super) fn wake_reaper(&self) {
+    fn wake_reaper(&self) {
         if let Some(wake) = &self.wake {
             let _ = nix::unistd::write(wake, &1u64.to_ne_bytes());
         }
@@ -128,7 +130,7 @@ pub(crate) fn reap_orphans() {
 /// The background reaper: sweep, then sleep on the orphans until one may have ended (or a new
 /// one comes); gone once the queue has been empty for [`REAPER_LINGER`] (at once when
 /// [`settle_orphans`] asks).
-pub(super) fn reap_in_background() {
+fn reap_in_background() {
     let mut empty_since: Option<Instant> = None;
     loop {
         let (watches, wake, mut cap) = {

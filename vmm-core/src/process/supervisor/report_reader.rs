@@ -82,7 +82,7 @@ pub(super) fn read_channel(
 }
 
 /// What one read of a channel gave.
-pub(super) enum Next {
+enum Next {
     Packet(Packet),
     /// Nothing queued (by the deadline, where there was one).
     Empty,
@@ -91,7 +91,7 @@ pub(super) enum Next {
 }
 
 /// Read one packet: what is queued (`until` = `None`), or the first to come by `until`.
-pub(super) fn next_packet(channel: &ParentEnd, until: Option<Instant>) -> Next {
+fn next_packet(channel: &ParentEnd, until: Option<Instant>) -> Next {
     let received = match until {
         None => channel.try_recv(),
         Some(deadline) => {
