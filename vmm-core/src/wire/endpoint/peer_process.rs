@@ -23,7 +23,7 @@ pub struct PeerProcess {
     /// `SO_PEERCRED`: pid, uid and primary gid at connect time.
     pub credentials: Credentials,
     /// `SO_PEERGROUPS`: the supplementary groups at connect time (empty where the kernel gives
-    /// none, or past [`MAX_GROUPS`]).
+    /// none, or past 256 groups).
     pub groups: Vec<u32>,
     /// The peer's process, pinned: readable once it has exited. `None` where the kernel gives
     /// none (no `SO_PEERPIDFD`, and the pid exited or was reused before `pidfd_open`).
