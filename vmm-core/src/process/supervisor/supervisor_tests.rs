@@ -47,6 +47,20 @@ fn sleeper() -> (Child, ChildEnd) {
     ours(start("sleep", &["100"]))
 }
 
+/// A sleeping child of ours held as a forkserver child is (its status comes in the server's
+/// report), with the server's end of its channel.
+fn forked_sleeper() -> (Pid, Child, ChildEnd) {
+    let pid = start("sleep", &["100"]);
+    let (parent, server_end) = ParentEnd::pair().unwrap();
+    let child = Child::forked(
+        pid,
+        sys::pidfd_open(pid).ok(),
+        parent,
+        Output::new().unwrap(),
+    );
+    (pid, child, server_end)
+}
+
 /// `pid`'s state letter while it is an unreaped child of this process (a zombie included);
 /// `None` once it has been reaped (gone, or the pid is another process's now).
 fn our_child_state(pid: Pid) -> Option<char> {
@@ -368,14 +382,7 @@ fn reading_waits_until_a_deadline_for_a_packet() {
 
 #[test]
 fn the_forkservers_exit_report_is_the_childs_status_not_the_readers_business() {
-    let pid = start("sleep", &["100"]);
-    let (parent, server_end) = ParentEnd::pair().unwrap();
-    let mut child = Child::forked(
-        pid,
-        sys::pidfd_open(pid).ok(),
-        parent,
-        Output::new().unwrap(),
-    );
+    let (pid, mut child, server_end) = forked_sleeper();
     send(&server_end, &Report::Started);
     send(&server_end, &Report::Exited(ExitStatus::Exited(4)));
     let mut seen = Vec::new();
@@ -403,14 +410,7 @@ fn the_forkservers_exit_report_is_the_childs_status_not_the_readers_business() {
 
 #[test]
 fn end_takes_a_forkserver_childs_status_from_the_servers_report() {
-    let pid = start("sleep", &["100"]);
-    let (parent, server_end) = ParentEnd::pair().unwrap();
-    let mut child = Child::forked(
-        pid,
-        sys::pidfd_open(pid).ok(),
-        parent,
-        Output::new().unwrap(),
-    );
+    let (pid, mut child, server_end) = forked_sleeper();
     // This thread plays the server: it reaps the child once killed, and reports.
     let server = std::thread::spawn(move || {
         let status = reap_pid(pid).unwrap();
@@ -424,14 +424,7 @@ fn end_takes_a_forkserver_childs_status_from_the_servers_report() {
 
 #[test]
 fn a_forkserver_childs_status_is_lost_when_the_server_hangs_up_first() {
-    let pid = start("sleep", &["100"]);
-    let (parent, server_end) = ParentEnd::pair().unwrap();
-    let mut child = Child::forked(
-        pid,
-        sys::pidfd_open(pid).ok(),
-        parent,
-        Output::new().unwrap(),
-    );
+    let (pid, mut child, server_end) = forked_sleeper();
     // A server that reaps the child and dies without reporting.
     let server = std::thread::spawn(move || {
         reap_pid(pid).unwrap();
