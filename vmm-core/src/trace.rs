@@ -13,7 +13,7 @@
 /// Enter a span for the rest of the enclosing scope: `let _span = span!(DEBUG, "shm.export",
 /// bytes = size);`. The level is a `tracing::Level` constant's name; the fields are `tracing`'s
 /// syntax (`name = value`, `name = %display`, `name = ?debug`, `name = trace::Empty` for one
-/// [`record!`] fills in later). Without the feature: an [`Off`], and nothing is evaluated.
+/// [`record!`] fills in later). Without the feature: an `Off`, and nothing is evaluated.
 #[cfg(feature = "tracing")]
 macro_rules! span {
     ($level:ident, $name:literal $(, $($fields:tt)*)?) => {

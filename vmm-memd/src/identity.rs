@@ -1,5 +1,5 @@
 //! Who a connection's peer is, from the kernel only: vmm-core's
-//! [`PeerProcess`](vmm_core::wire::endpoint::PeerProcess) (`SO_PEERCRED`, which the
+//! [`PeerProcess`] (`SO_PEERCRED`, which the
 //! endpoint's check already read; `SO_PEERGROUPS`; a pidfd pinned to the process, so that the
 //! peer's exit ends its connection even when another process still holds the socket), in the
 //! shape the service's rights checks read.

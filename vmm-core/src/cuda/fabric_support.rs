@@ -113,7 +113,7 @@ pub(crate) fn unreachable(error: Error, owner: &[u8; 16], device: &Device) -> Er
     unreachable_from(error, owner, &describe(device))
 }
 
-/// [`unreachable`], with the importing device already described.
+/// [`unreachable()`], with the importing device already described.
 fn unreachable_from(error: Error, owner: &[u8; 16], device: &str) -> Error {
     let wrap = |source: Error| match source {
         Error::Cuda { .. } => Error::FabricUnreachable {

@@ -6,7 +6,7 @@
 //! [`export`](VirtualMemoryBuffer::export)s to an [`IpcDescriptor`] (one fd per chunk, the only
 //! thing that crosses a process boundary), or, allocated with [`HandleType::Fabric`],
 //! [`export_fabric`](VirtualMemoryBuffer::export_fabric)s to a [`FabricDescriptor`] (one
-//! 64-byte handle per chunk, plain data for any transport; see [`fabric`]); [`set_importer`] and [`importer`] say which resource
+//! 64-byte handle per chunk, plain data for any transport; see [`fabric`]); [`set_importer`] and [`importer()`] say which resource
 //! buffers that arrive in this process (over [`wire`](crate::wire), or through
 //! [`VirtualMemoryBuffer::import`]) are imported into.
 //!
@@ -40,7 +40,7 @@
 //! | `keeper` | keeps a fabric buffer in flight alive until its receiver has imported it (one thread per process, started on first use) |
 //! | `buffer` | [`VirtualMemoryBuffer`]: copies, [`export`](VirtualMemoryBuffer::export), [`export_fabric`](VirtualMemoryBuffer::export_fabric), sending (`Serialize`) |
 //! | `resource` | [`VirtualMemoryResource`]: allocate, grow, [`import`](VirtualMemoryResource::import) and [`import_fabric`](VirtualMemoryResource::import_fabric) (validate, import, reserve, map, set access, or roll back) |
-//! | `importer` | the receiving side: [`set_importer`], [`importer`], [`VirtualMemoryBuffer::import`], [`VirtualMemoryBuffer::import_fabric`], and the buffer's `Deserialize` |
+//! | `importer` | the receiving side: [`set_importer`], [`importer()`], [`VirtualMemoryBuffer::import`], [`VirtualMemoryBuffer::import_fabric`], and the buffer's `Deserialize` |
 
 mod buffer;
 mod device;

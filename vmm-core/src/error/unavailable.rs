@@ -1,6 +1,6 @@
 //! Why CUDA (or a CUDA capability) cannot be used in this process: the typed reason that
 //! [`cuda::availability`](crate::cuda::availability), the skip requirements and
-//! [`Error::CudaUnavailable`](super::Error::CudaUnavailable) carry.
+//! [`Error::CudaUnavailable`] carry.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -14,7 +14,7 @@ use super::{CudaCode, DriverRefusal, Error, FabricEvidence};
 /// Returned by [`cuda::availability`](crate::cuda::availability),
 /// [`cuda::fabric_availability`](crate::cuda::fabric_availability) and the CUDA requirements of
 /// [`testing`](crate::testing), and carried by
-/// [`Error::CudaUnavailable`](super::Error::CudaUnavailable). Match on the variant; the text
+/// [`Error::CudaUnavailable`]. Match on the variant; the text
 /// (which `SKIP <test>: <reason>` lines print) is for people.
 #[derive(Debug, Serialize, Deserialize)]
 #[non_exhaustive]
@@ -44,7 +44,7 @@ pub enum Unavailable {
         device: String,
     },
     /// The device does not support fabric handles (as
-    /// [`Error::FabricUnsupported`](super::Error::FabricUnsupported)).
+    /// [`Error::FabricUnsupported`]).
     NoFabric {
         /// The device, e.g. `device 0 (NVIDIA H200)`.
         device: String,
@@ -52,7 +52,7 @@ pub enum Unavailable {
         evidence: FabricEvidence,
     },
     /// The device supports fabric handles but this process has no IMEX channel (as
-    /// [`Error::NoImexChannel`](super::Error::NoImexChannel)).
+    /// [`Error::NoImexChannel`]).
     NoImexChannel {
         /// The device, e.g. `device 0 (NVIDIA H200)`.
         device: String,

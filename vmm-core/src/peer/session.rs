@@ -1,6 +1,6 @@
 //! [`Session`]: the peer protocol spoken on one named endpoint's connection, either side.
 //!
-//! A [`wire::endpoint::Connection`](Connection) is the transport: a socket whose peer's
+//! A [`wire::endpoint::Connection`] is the transport: a socket whose peer's
 //! credentials the kernel vouched for. A session owns one and speaks docs/protocol.md on it:
 //! the handshake (the listener's `HELLO` or `REFUSED`, [`Handshake`]), then `DATA` messages
 //! and descriptors in any order the applications agree on. Every message it takes is decoded

@@ -171,7 +171,7 @@ impl Context {
 
 /// Make a child with `method` that waits for its first message. `env` reaches a spawned or
 /// warm child at exec (a forkserver child from the server, as it forks); `args` is a spawned
-/// child's argv after argv[0] (see `hook::child_args`).
+/// child's argv after `argv[0]` (see `hook::child_args`).
 pub(crate) fn make(
     method: StartMethod,
     env: &[(String, String)],

@@ -24,7 +24,7 @@ pub(crate) enum ChildKind {
 /// The harness this executable runs under, as `process` needs it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Harness {
-    /// The argv after argv[0] of a child of this kind started from the calling thread.
+    /// The argv after `argv[0]` of a child of this kind started from the calling thread.
     pub child_args: fn(ChildKind) -> Vec<String>,
 }
 
@@ -35,7 +35,7 @@ pub(crate) fn install(harness: Harness) {
     let _ = HARNESS.set(harness);
 }
 
-/// The argv after argv[0] for a child of `kind` started from the calling thread: the installed
+/// The argv after `argv[0]` for a child of `kind` started from the calling thread: the installed
 /// harness's, else none.
 pub(crate) fn child_args(kind: ChildKind) -> Vec<String> {
     HARNESS

@@ -35,7 +35,7 @@ pub(crate) struct Launch {
     pub channel: OwnedFd,
     /// Where the child's stdout and stderr go; `None` inherits the parent's.
     pub output: Option<(OwnedFd, OwnedFd)>,
-    /// The child's argv after argv[0] (see [`hook::child_args`](super::hook::child_args)).
+    /// The child's argv after `argv[0]` (see [`hook::child_args`](super::hook::child_args)).
     pub args: Vec<String>,
     /// Extra environment variables.
     pub env: Vec<(String, String)>,

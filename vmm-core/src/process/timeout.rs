@@ -23,7 +23,7 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 /// (`30`, `0.5`, `1e3`) up to [`MAX_TIMEOUT`]; `inf`, or a larger number, is `Duration::MAX`
 /// (no timeout). Zero or a negative number is [`Error::InvalidEnv`] with
 /// [`EnvRule::TooSmall`]; NaN or anything that is not a number with [`EnvRule::Syntax`]; a
-/// value longer than [`MAX_ENV_LEN`](crate::error::MAX_ENV_LEN) bytes with
+/// value longer than [`MAX_ENV_LEN`] bytes with
 /// [`EnvRule::TooLong`].
 pub fn parse_timeout(value: &str) -> Result<Duration> {
     parse(value).map(|parsed| parsed.duration)

@@ -200,7 +200,7 @@ impl RawHeader {
         })
     }
 
-    /// The message's length: header, chunk sizes, payload (bounded by [`MAX_FRAME`]).
+    /// The message's length: header, chunk sizes, payload (bounded by [`MAX_FRAME`](super::MAX_FRAME)).
     pub(super) fn message_len(&self) -> usize {
         HEADER_LEN + 8 * self.chunk_count + self.payload_len
     }

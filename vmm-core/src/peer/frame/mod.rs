@@ -5,7 +5,7 @@
 //!
 //! It lives in [`peer`](crate::peer), not in [`wire`](crate::wire): a message's kinds are CUDA
 //! and host descriptors, and their rules are the descriptors' own. The handle types are
-//! [`HandleType`]'s driver numbers and the chunk layout is checked by the rule every
+//! [`HandleType`](crate::cuda::HandleType)'s driver numbers and the chunk layout is checked by the rule every
 //! descriptor meets (`cuda::descriptor::validate_chunks`), so the protocol never states a
 //! descriptor rule a second time; `wire` moves the packet and knows nothing of what it says.
 //!

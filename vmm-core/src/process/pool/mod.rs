@@ -119,7 +119,7 @@ pub(super) struct Shared {
     method: StartMethod,
     workers: usize,
     devices: Vec<usize>,
-    /// A worker's argv after argv[0] (see `hook::child_args`).
+    /// A worker's argv after `argv[0]` (see `hook::child_args`).
     child_args: Vec<String>,
     /// Wakes the waiter that reads the workers (a submit, a worker replaced, the pool dropped).
     wake: OwnedFd,

@@ -82,7 +82,7 @@ struct State {
     options: WarmOptions,
     /// Bumped by `set_options`: launches of an older generation are discarded.
     generation: u64,
-    /// A child's argv after argv[0] (see `hook::child_args`).
+    /// A child's argv after `argv[0]` (see `hook::child_args`).
     child_args: Vec<String>,
     buckets: HashMap<Vec<(String, String)>, Bucket>,
 }
