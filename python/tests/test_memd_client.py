@@ -124,6 +124,31 @@ class ZeroCopy(Service):
         with self.assertRaises(BufferError):
             tensor.__dlpack__(dl_device=(2, 0))
 
+    def test_a_legacy_consumer_gets_the_unversioned_capsule_zero_copy(self):
+        # An older consumer calls __dlpack__(stream=None) only: the legacy capsule, over the
+        # same mapping, freed by the consumer's deleter when its array goes.
+        class Legacy:
+            def __init__(self, tensor):
+                self.tensor = tensor
+
+            def __dlpack_device__(self):
+                return self.tensor.__dlpack_device__()
+
+            def __dlpack__(self, stream=None):
+                return self.tensor.__dlpack__(stream=stream)
+
+        region = fresh("legacy")
+        vmm_memd.publish(self.client, region, {"x": numpy.arange(6, dtype=numpy.int16)})
+        tensor = self.client.attach(region)["x"]
+        before = dlpack.live_exports()
+        array = numpy.from_dlpack(Legacy(tensor))
+        self.assertEqual(array.__array_interface__["data"][0], tensor.address)
+        numpy.testing.assert_array_equal(array, numpy.arange(6, dtype=numpy.int16))
+        self.assertEqual(dlpack.live_exports(), before + 1)
+        del array
+        gc.collect()
+        self.assertEqual(dlpack.live_exports(), before)
+
     def test_a_reader_cannot_write_through_the_mapping(self):
         region = fresh("ro")
         vmm_memd.publish(self.client, region, {"x": numpy.full(4096, 9, numpy.uint8)})

@@ -3,6 +3,7 @@ it holds ends when it closes, process death included), speaking postcard request
 messages of the peer protocol (``vmm_ipc_peer``)."""
 
 import errno
+import time
 
 import vmm_ipc_peer as peer
 from vmm_ipc_peer.decoding import _discard
@@ -51,6 +52,21 @@ class Client:
             conn = peer.connect(name, expect_uids=expect_uids, expect_gids=expect_gids,
                                 timeout=timeout)
         return cls(conn, name)
+
+    @classmethod
+    def reconnect(cls, name, within=10.0, **connect_args):
+        """Connect, trying again every 10 ms for up to ``within`` seconds while nobody listens
+        (ServiceGone): what a client does after its service died and is being restarted (its
+        mappings stay valid meanwhile; its leases are gone, attach again). The last
+        ServiceGone when ``within`` passes."""
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                return cls.connect(name, **connect_args)
+            except ServiceGone:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
 
     def close(self):
         self.conn.close()

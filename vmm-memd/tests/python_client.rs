@@ -24,7 +24,7 @@ const PEER: [(&str, &str); 14] = include!("../../python/vmm_ipc_peer_files.rs");
 
 /// The `vmm_memd` package, the packaging, and the tests. A module missing here fails the
 /// first `import vmm_memd`.
-const FILES: [(&str, &str); 18] = [
+const FILES: [(&str, &str); 19] = [
     (
         "vmm_memd/__init__.py",
         include_str!("../../python/vmm_memd/__init__.py"),
@@ -89,6 +89,10 @@ const FILES: [(&str, &str); 18] = [
     (
         "test_memd_hostile.py",
         include_str!("../../python/tests/test_memd_hostile.py"),
+    ),
+    (
+        "test_memd_restart.py",
+        include_str!("../../python/tests/test_memd_restart.py"),
     ),
     (
         "test_memd_install.py",
@@ -211,16 +215,20 @@ fn assert_passed(out: &str, tests: &[&str]) {
     }
 }
 
-#[test]
-fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
-    let test = "the_python_client_publishes_attaches_and_refuses_against_the_service";
-    let requirement = python3_can("", "no python3 (3.9 or newer) on PATH").and_then(|()| {
+/// `python3` (3.9+) with numpy 2.1+ (DLPack 1.0: read-only arrays).
+fn python3_with_numpy() -> Result<(), String> {
+    python3_can("", "no python3 (3.9 or newer) on PATH").and_then(|()| {
         python3_can(
             "import numpy; assert tuple(map(int, numpy.__version__.split('.')[:2])) >= (2, 1)",
             "python3 has no numpy 2.1 or newer (python3 -m pip install numpy)",
         )
-    });
-    if !run_unless(test, requirement) {
+    })
+}
+
+#[test]
+fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
+    let test = "the_python_client_publishes_attaches_and_refuses_against_the_service";
+    if !run_unless(test, python3_with_numpy()) {
         return;
     }
     let service = ServiceProc::start(&[]);
@@ -248,6 +256,7 @@ fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
             "test_published_arrays_come_back_zero_copy_and_read_only",
             "test_an_array_keeps_its_mapping_alive_and_lets_it_go",
             "test_a_reader_cannot_write_through_the_mapping",
+            "test_a_legacy_consumer_gets_the_unversioned_capsule_zero_copy",
             "test_refusals_arrive_typed",
             "test_a_kept_view_makes_the_commit_still_mapped_until_it_goes",
             "test_a_region_rust_published_reads_here",
@@ -299,5 +308,41 @@ fn the_python_package_installs_offline_into_a_fresh_venv() {
             "test_an_offline_install_with_build_isolation",
             "test_an_editable_install",
         ],
+    );
+}
+
+#[test]
+fn a_python_reader_sees_service_gone_and_reattaches_after_a_restart() {
+    let test = "a_python_reader_sees_service_gone_and_reattaches_after_a_restart";
+    if !run_unless(test, python3_with_numpy()) {
+        return;
+    }
+    let mut service = ServiceProc::start(&[]);
+    let py = PythonDir::new("restart");
+    let control = py.0.join("control");
+    std::fs::create_dir(&control).unwrap();
+    let env = [
+        ("VMM_MEMD_SOCKET", service.socket.clone()),
+        ("VMM_MEMD_RESTART_DIR", control.display().to_string()),
+    ];
+    let (ok, out) = std::thread::scope(|scope| {
+        let python = scope.spawn(|| py.unittest(&["test_memd_restart"], &env));
+        // Python has published, attached and made its array: kill the service under it.
+        let ready = common::until(DEADLINE, || {
+            control.join("ready").exists() || python.is_finished()
+        });
+        assert!(ready.is_some(), "the Python reader never got ready");
+        if control.join("ready").exists() {
+            service.signal(libc::SIGKILL);
+            service.child.wait().unwrap();
+            service.restart();
+            std::fs::write(control.join("restarted"), b"").unwrap();
+        }
+        python.join().unwrap()
+    });
+    assert!(ok && out.contains("\nOK"), "{out}");
+    assert_passed(
+        &out,
+        &["test_a_restart_is_service_gone_and_the_mapping_stays"],
     );
 }
