@@ -15,8 +15,7 @@ import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("vmm_ipc_peer", "vmm_memd")
-SUMMARY = ("vmm-ipc's peer protocol and the vmm-memd client: shared memory by name, zero-copy "
-           "into numpy and torch")
+SUMMARY = "vmm-ipc peer protocol and vmm-memd client: shared memory by name, zero-copy"
 EXTRAS = {"numpy": ["numpy>=2.1"], "cuda": ["cuda-python>=12"]}
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # fixed timestamps: the same sources give the same wheel
 

@@ -17,6 +17,29 @@ def run(args, **kw):
     return subprocess.run(args, capture_output=True, text=True, timeout=300, **kw)
 
 
+class Backend(unittest.TestCase):
+    def test_the_backend_says_what_pyproject_says(self):
+        # The backend reads name and version from pyproject.toml; its summary and extras are
+        # its own copies (Python 3.9 and 3.10 have no TOML parser): they must agree.
+        try:
+            import tomllib
+        except ImportError:
+            self.skipTest("no tomllib (Python < 3.11)")
+        path = os.path.join(SOURCE, "pyproject.toml")
+        if not os.path.exists(path):
+            self.skipTest(f"no pyproject.toml in {SOURCE}")
+        with open(path, "rb") as f:
+            project = tomllib.load(f)["project"]
+        sys.path.insert(0, os.path.join(SOURCE, "build_backend"))
+        try:
+            import vmm_ipc_wheel
+        finally:
+            sys.path.pop(0)
+        self.assertEqual(vmm_ipc_wheel.SUMMARY, project["description"])
+        self.assertEqual(vmm_ipc_wheel.EXTRAS, project["optional-dependencies"])
+        self.assertEqual(vmm_ipc_wheel._project(), (project["name"], project["version"]))
+
+
 class FreshVenv(unittest.TestCase):
     """One venv (making one takes seconds) for both tests; each uninstalls what it installed."""
 

@@ -30,8 +30,8 @@ from .writer import Writer  # noqa: F401
 from .publishing import ALIGNMENT, publish  # noqa: F401
 
 __all__ = [
-    "Client", "Attached", "Writer", "Tensor", "publish", "ALIGNMENT", "Acl", "Dtype", "Gid", "TensorMeta",
-    "Uid", "MemdError", "Refused", "ServiceGone", "BadReply", "DecodeError", "BadDescriptor",
+    "Client", "Attached", "Writer", "Tensor", "publish", "ALIGNMENT", "Acl", "Dtype", "Gid",
+    "TensorMeta", "Uid", "MemdError", "Refused", "ServiceGone", "BadReply", "DecodeError", "BadDescriptor",
     "Transport", "Os", "QuotaExceeded", "AccessDenied", "NoSuchRegion", "NoSuchGeneration",
     "WriterBusy", "TooLarge", "InvalidRequest", "StillMapped", "FdsInFlight", "ServiceFailed",
 ]

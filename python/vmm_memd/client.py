@@ -38,7 +38,9 @@ class _Transport:
 
 
 class Client:
-    """A connection to vmm-memd on endpoint ``name`` (``@abstract`` or a path)."""
+    """A connection to vmm-memd on endpoint ``name`` (``@abstract`` or a path). One request
+    at a time: use it from one thread at a time (or a connection per thread). Leases are not
+    renewed behind your back: call :meth:`renew` within the TTL (``Attached.ttl``)."""
 
     def __init__(self, conn, name):
         self.conn, self.name = conn, name

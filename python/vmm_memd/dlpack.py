@@ -73,9 +73,12 @@ _LIVE_LOCK = threading.Lock()
 def _delete(address):
     """The DLPack deleter: forget what the exported tensor held (the mapping goes with its
     last holder). Idempotent, so a consumer's call and the capsule destructor cannot both
-    free it."""
-    with _LIVE_LOCK:
-        _LIVE.pop(address, None)
+    free it. At interpreter exit the module's globals may be gone already: nothing to do."""
+    try:
+        with _LIVE_LOCK:
+            _LIVE.pop(address, None)
+    except Exception:  # noqa: BLE001 (a C callback must not raise)
+        pass
 
 
 _NAME = b"dltensor"

@@ -17,7 +17,8 @@ class ServiceGone(MemdError):
 
 class BadReply(MemdError):
     """The service's reply broke the protocol: a reply of the wrong kind, too many entries,
-    or bytes that do not decode."""
+    or bytes that do not decode. The rest of that reply may still be queued (the connection
+    out of step): close the client and connect again."""
 
 
 class DecodeError(BadReply):
