@@ -124,6 +124,20 @@ class ZeroCopy(Service):
         with self.assertRaises(BufferError):
             tensor.__dlpack__(dl_device=(2, 0))
 
+    def test_bfloat16_and_other_dtypes_travel_as_buffer_dtype_shape(self):
+        # The buffer protocol cannot name bfloat16: (buffer, Dtype, shape) can.
+        region = fresh("bf16")
+        raw = bytes(range(16))
+        vmm_memd.publish(self.client, region, {"w": (raw, Dtype.BF16, (2, 4))})
+        attached = self.client.attach(region)
+        self.assertEqual(attached.meta["w"], TensorMeta(0, 0, 16, Dtype.BF16, (2, 4)))
+        tensor = attached["w"]
+        self.assertEqual(bytes(tensor.memoryview()), raw)
+        self.assertIn("dltensor", repr(tensor.__dlpack__(max_version=(1, 0))))
+        with self.assertRaises(ValueError):
+            vmm_memd.publish(self.client, region, {"w": (raw, Dtype.F32, (2, 4))})
+        self.assertEqual(self.client.attach(region).generation, 1, "nothing was begun")
+
     def test_a_legacy_consumer_gets_the_unversioned_capsule_zero_copy(self):
         # An older consumer calls __dlpack__(stream=None) only: the legacy capsule, over the
         # same mapping, freed by the consumer's deleter when its array goes.
@@ -267,6 +281,58 @@ class Refusals(Service):
         self.client.delete(region)
         with self.assertRaises(vmm_memd.NoSuchRegion):
             self.client.attach(region)
+
+
+NOBODY = 65534
+
+
+@unittest.skipUnless(os.geteuid() == 0, "needs root to run a process as uid 65534")
+class OtherUid(Service):
+    """Another uid (65534, which the service admits) reads what the region's ACL gives it and
+    meets AccessDenied and NoSuchRegion, typed, for the rest."""
+
+    def run_as_nobody(self, python, code):
+        source = os.path.dirname(os.path.dirname(os.path.abspath(vmm_memd.__file__)))
+        env = dict(os.environ, PYTHONPATH=source, PYTHONDONTWRITEBYTECODE="1")
+        return subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60,
+                              user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", env=env)
+
+    def as_nobody(self, code):
+        # An interpreter uid 65534 may run (a pyenv one under /root is closed to it).
+        for python in (sys.executable, "/usr/bin/python3"):
+            try:
+                if self.run_as_nobody(python, "import vmm_memd").returncode == 0:
+                    break
+            except OSError:
+                pass
+        else:
+            self.skipTest("no python3 that uid 65534 can run with these sources")
+        prelude = ("import vmm_memd\n"
+                   f"c = vmm_memd.Client.connect({SOCKET!r}, expect_uids=[{os.geteuid()}])\n")
+        child = self.run_as_nobody(python, prelude + code)
+        self.assertEqual(child.returncode, 0, child.stderr)
+        return child.stdout.split()
+
+    def test_acls_give_reads_and_refuse_writes_typed(self):
+        shared, private = fresh("shared"), fresh("private")
+        acl = vmm_memd.Acl(read=(vmm_memd.Uid(NOBODY),))
+        vmm_memd.publish(self.client, shared, {"x": b"shared"}, acl=acl)
+        vmm_memd.publish(self.client, private, {"x": b"private"})
+        out = self.as_nobody(
+            f"print(bytes(c.attach({shared!r})['x'].memoryview()).decode())\n"
+            f"print(sorted(r.region for r in c.list()))\n"
+            "for call in (lambda: c.attach(%r), lambda: c.begin(%r, [4096]),\n"
+            "             lambda: c.delete(%r)):\n"
+            "    try:\n"
+            "        call()\n"
+            "    except vmm_memd.Refused as e:\n"
+            "        print(type(e).__name__, getattr(e, 'right', '-'))\n"
+            % (private, shared, shared))
+        self.assertEqual(out[0], "shared")
+        self.assertIn(shared, out[1])
+        self.assertNotIn(private, out[1])
+        self.assertEqual(out[2:], ["NoSuchRegion", "-", "AccessDenied", "write",
+                                   "AccessDenied", "delete"])
 
 
 @unittest.skipUnless(SOCKET and os.environ.get("VMM_MEMD_RUST_REGION"),
