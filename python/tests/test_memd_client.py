@@ -283,6 +283,25 @@ class Refusals(Service):
             self.client.attach(region)
 
 
+try:
+    import torch
+except ImportError:
+    torch = None
+
+
+@unittest.skipUnless(torch is not None and numpy is not None, "torch is not installed")
+class Torch(Service):
+    def test_torch_from_dlpack_is_zero_copy_over_the_mapping(self):
+        region = fresh("torch")
+        values = numpy.arange(12, dtype=numpy.float32).reshape(3, 4)
+        vmm_memd.publish(self.client, region, {"x": values})
+        tensor = self.client.attach(region)["x"]
+        t = torch.from_dlpack(tensor)
+        self.assertEqual(t.data_ptr(), tensor.address)
+        self.assertEqual(t.device.type, "cpu")
+        self.assertEqual(t.tolist(), values.tolist())
+
+
 NOBODY = 65534
 
 
