@@ -1,0 +1,37 @@
+"""vmm-memd's Python client (the host, memfd, path): regions published by name in generations,
+attached read-only and zero-copy.
+
+    import numpy, vmm_memd
+
+    with vmm_memd.Client.connect("@vmm-memd") as client:       # the service's uid is checked
+        generation = vmm_memd.publish(client, "weights", {"embed": numpy.ones((4, 8), "f4")})
+        attached = client.attach("weights")                      # a lease, read-only mappings
+        embed = numpy.from_dlpack(attached["embed"])              # zero-copy, read-only
+        client.detach(attached)                                  # the mapping stays valid
+
+Everything travels on the peer protocol of docs/protocol.md (``vmm_ipc_peer``): each request
+and reply is a postcard-encoded enum in a DATA message (``vmm_memd.protocol``), chunks arrive as
+HOST_MEMFD descriptors. A committed chunk is checked to be a tmpfs memfd sealed against writes
+before it is mapped, and mapped ``PROT_READ``. Refusals arrive as typed exceptions
+(``QuotaExceeded``, ``NoSuchRegion``, ...), a dead service as ``ServiceGone``, a reply that
+breaks the protocol as ``BadReply``.
+"""
+
+from .errors import (  # noqa: F401
+    AccessDenied, BadDescriptor, BadReply, DecodeError, FdsInFlight, InvalidRequest, MemdError,
+    NoSuchGeneration, NoSuchRegion, Os, QuotaExceeded, Refused, ServiceFailed, ServiceGone,
+    StillMapped, TooLarge, Transport, WriterBusy,
+)
+from .protocol import Acl, Dtype, Gid, TensorMeta, Uid  # noqa: F401
+from .tensor import Tensor  # noqa: F401
+from .client import Client  # noqa: F401
+from .attached import Attached  # noqa: F401
+from .writer import Writer  # noqa: F401
+from .publishing import ALIGNMENT, publish  # noqa: F401
+
+__all__ = [
+    "Client", "Attached", "Writer", "Tensor", "publish", "ALIGNMENT", "Acl", "Dtype", "Gid",
+    "TensorMeta", "Uid", "MemdError", "Refused", "ServiceGone", "BadReply", "DecodeError", "BadDescriptor",
+    "Transport", "Os", "QuotaExceeded", "AccessDenied", "NoSuchRegion", "NoSuchGeneration",
+    "WriterBusy", "TooLarge", "InvalidRequest", "StillMapped", "FdsInFlight", "ServiceFailed",
+]

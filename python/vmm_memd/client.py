@@ -1,0 +1,247 @@
+"""The vmm-memd client: one connection to the service (the connection is the lease: every lease
+it holds ends when it closes, process death included), speaking postcard requests in DATA
+messages of the peer protocol (``vmm_ipc_peer``)."""
+
+import errno
+import time
+
+import vmm_ipc_peer as peer
+from vmm_ipc_peer.decoding import _discard
+
+from . import protocol as p
+from .errors import BadReply, MemdError, Refused, ServiceGone, Transport
+from .mapping import ReadOnlyChunk
+from .writer import Writer
+from .attached import Attached
+
+_GONE_ERRNOS = (errno.ENOENT, errno.ECONNREFUSED, errno.ECONNRESET, errno.EPIPE)
+
+
+class _Transport:
+    """Translates the transport's failures into this package's: the service gone, a message
+    that broke the peer protocol (BadReply), anything else (Transport)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if e is None or isinstance(e, MemdError):
+            return False
+        if isinstance(e, peer.PeerClosed) or (
+                isinstance(e, OSError) and e.errno in _GONE_ERRNOS):
+            raise ServiceGone(str(e)) from e
+        if isinstance(e, peer.ProtocolError):
+            raise BadReply(str(e)) from e
+        if isinstance(e, (peer.PeerRefused, OSError)):  # TimeoutError is an OSError
+            raise Transport(str(e)) from e
+        return False
+
+
+class Client:
+    """A connection to vmm-memd on endpoint ``name`` (``@abstract`` or a path). One request
+    at a time: use it from one thread at a time (or a connection per thread). Leases are not
+    renewed behind your back: call :meth:`renew` within the TTL (``Attached.ttl``)."""
+
+    def __init__(self, conn, name):
+        self.conn, self.name = conn, name
+
+    @classmethod
+    def connect(cls, name, expect_uids=None, expect_gids=(), timeout=10.0):
+        """Connect; the service must run as this process's uid unless ``expect_uids`` or
+        ``expect_gids`` say otherwise (checked by the kernel's credentials before anything is
+        sent). ServiceGone when nobody listens there."""
+        with _Transport():
+            conn = peer.connect(name, expect_uids=expect_uids, expect_gids=expect_gids,
+                                timeout=timeout)
+        return cls(conn, name)
+
+    @classmethod
+    def reconnect(cls, name, within=10.0, **connect_args):
+        """Connect, trying again every 10 ms for up to ``within`` seconds while nobody listens
+        (ServiceGone): what a client does after its service died and is being restarted (its
+        mappings stay valid meanwhile; its leases are gone, attach again). The last
+        ServiceGone when ``within`` passes."""
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                return cls.connect(name, **connect_args)
+            except ServiceGone:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+
+    def close(self):
+        self.conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- the exchange --------------------------------------------------------------------
+
+    def request_raw(self, data):
+        """Send ``data`` as one request; the decoded reply (a Refused is returned, not
+        raised). For conformance and attack tests."""
+        with _Transport():
+            self.conn.send_data(data)
+        return self.reply()
+
+    def reply(self):
+        """The next reply: one DATA message, decoded strictly."""
+        with _Transport():
+            data = self.conn.recv_data()
+        return p.decode_response(data)
+
+    def request(self, data, expect):
+        """Send a request; its reply if it is of type ``expect``, raise the refusal if it is
+        one, BadReply otherwise."""
+        reply = self.request_raw(data)
+        return self._expect(reply, expect)
+
+    @staticmethod
+    def _expect(reply, expect):
+        if isinstance(reply, Refused):
+            raise reply
+        if not isinstance(reply, expect):
+            raise BadReply(f"expected {expect.__name__}, got {type(reply).__name__}")
+        return reply
+
+    def descriptor(self, size):
+        """The next message: a HOST_MEMFD descriptor of ``size`` bytes (the caller closes it);
+        BadReply (its fds closed) for anything else."""
+        with _Transport():
+            message = self.conn.recv()
+        if isinstance(message, peer.HostDescriptor) and message.fd is not None \
+                and message.size == size:
+            return message
+        _discard(message)
+        raise BadReply(f"expected a host descriptor of {size} bytes, got {message!r}")
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def list(self):
+        """Regions this uid may read (RegionSummary: name, current generation, bytes)."""
+        return list(self.request(p.encode_list(), p.RegionList).regions)
+
+    def status(self):
+        """The service's Status as this uid may see it."""
+        return self.request(p.encode_status(), p.Status)
+
+    def metrics(self):
+        """The service's metrics (Prometheus text) as this uid may see them."""
+        return self.request(p.encode_metrics(), p.Metrics).text
+
+    def attach(self, region, generation=None):
+        """A lease on ``region``'s current committed generation (or ``generation``, if the
+        service still holds it), its metadata, and its chunks mapped read-only: an Attached."""
+        reply = self.request(p.encode_attach(region, generation), p.AttachedReply)
+        if len(reply.chunks) > p.MAX_CHUNKS or reply.meta_pages > p.MAX_META_ENTRIES:
+            raise BadReply(f"{len(reply.chunks)} chunks and {reply.meta_pages} metadata pages "
+                           f"announced")
+        meta = {}
+        for _ in range(reply.meta_pages):
+            page = self._expect(self.reply(), p.MetaPage)
+            if len(meta) + len(page.entries) > p.MAX_META_ENTRIES:
+                raise BadReply(f"more than {p.MAX_META_ENTRIES} metadata entries")
+            meta.update(page.entries)
+        for key, m in meta.items():
+            if m.chunk >= len(reply.chunks) or m.offset + m.len > reply.chunks[m.chunk]:
+                self._skip_descriptors(reply.chunks)
+                self._detach_quietly(reply.lease)
+                raise BadReply(f"tensor {key!r} lies outside its chunk ({m})")
+        chunks = []
+        for i, size in enumerate(reply.chunks):
+            try:
+                with self.descriptor(size) as d:
+                    chunks.append(ReadOnlyChunk(d.fd, size))
+            except MemdError as e:
+                if not isinstance(e, ServiceGone):
+                    # Stay in step with the reply (its other descriptors read and closed),
+                    # and give the useless lease back.
+                    self._skip_descriptors(reply.chunks[i + 1:])
+                    self._detach_quietly(reply.lease)
+                raise
+        return Attached(self, region, reply.lease, reply.generation, chunks, meta,
+                        reply.ttl_ms / 1000.0)
+
+    def _skip_descriptors(self, sizes):
+        for size in sizes:
+            try:
+                self.descriptor(size).close()
+            except BadReply:
+                pass
+
+    def _detach_quietly(self, lease):
+        try:
+            self.detach(lease)
+        except MemdError:
+            pass
+
+    def detach(self, attached):
+        """End a lease (an Attached or its lease number). The mapping stays valid."""
+        lease = attached.lease if isinstance(attached, Attached) else int(attached)
+        self.request(p.encode_detach(lease), p.Done)
+
+    def renew(self):
+        """Renew every lease of this connection for another TTL; how many."""
+        return self.request(p.encode_renew(), p.Renewed).count
+
+    # ---- writing -------------------------------------------------------------------------
+
+    def begin(self, region, chunks, acl=p.Acl(), wait=0.0):
+        """Begin the next generation of ``region`` with chunks of these sizes (bytes); wait up
+        to ``wait`` seconds for another writer to finish. A Writer, its chunks mapped writable."""
+        chunks = [int(c) for c in chunks]
+        wait_ms = int(wait * 1000)
+        timeout = self.conn.sock.gettimeout()
+        if timeout is not None:
+            self.conn.sock.settimeout(timeout + wait)
+        try:
+            reply = self.request(p.encode_begin(region, chunks, acl, wait_ms), p.Began)
+        finally:
+            self.conn.sock.settimeout(timeout)
+        if list(reply.chunks) != chunks:
+            raise BadReply(f"asked for chunks {chunks}, the service announced "
+                           f"{list(reply.chunks)}")
+        maps = []
+        try:
+            for size in chunks:
+                with self.descriptor(size) as d:
+                    try:
+                        maps.append(d.map(max_size=size))
+                    except peer.ProtocolError as e:
+                        raise BadReply(f"a pending chunk: {e}") from None
+        except MemdError as e:
+            for m in maps:
+                m.close()
+            if not isinstance(e, ServiceGone):
+                self.abort_pending_quietly()
+            raise
+        return Writer(self, region, reply.generation, maps)
+
+    def commit_pending(self):
+        """Commit this connection's pending generation; its number."""
+        return self.request(p.encode_commit(), p.Committed).generation
+
+    def abort_pending(self):
+        """Free this connection's pending generation."""
+        self.request(p.encode_abort(), p.Done)
+
+    def abort_pending_quietly(self):
+        try:
+            self.abort_pending()
+        except MemdError:
+            pass
+
+    def put_meta(self, entries):
+        """Send metadata entries (key, TensorMeta) of the pending generation, in requests
+        that each fit the service's request cap."""
+        for page in p.meta_pages(list(entries)):
+            self.request(page, p.Done)
+
+    def delete(self, region):
+        """Delete ``region`` (needs the delete right)."""
+        self.request(p.encode_delete(region), p.Done)
+

@@ -1,0 +1,125 @@
+"""Typed failures, mirroring vmm-memd's ``MemdError`` and ``Refusal`` (vmm-memd/src/error.rs).
+
+Every refusal the service sends arrives as an instance of the subclass of :class:`Refused`
+named after its variant, with the variant's fields as attributes, so callers catch
+``QuotaExceeded`` or ``NoSuchRegion`` rather than parse messages.
+"""
+
+
+class MemdError(Exception):
+    """Anything a vmm-memd client call can fail with."""
+
+
+class ServiceGone(MemdError):
+    """The service's end of the connection is gone (it stopped or died, or nobody listens on
+    the name). Memory already mapped stays valid; connect again to go on (leases are gone)."""
+
+
+class BadReply(MemdError):
+    """The service's reply broke the protocol: a reply of the wrong kind, too many entries,
+    or bytes that do not decode. The rest of that reply may still be queued (the connection
+    out of step): close the client and connect again."""
+
+
+class DecodeError(BadReply):
+    """A reply's bytes are not exactly one postcard-encoded value of the expected type."""
+
+
+class BadDescriptor(MemdError):
+    """A descriptor the service sent is refused: not a memfd on tmpfs, not sealed as the
+    protocol promises, shorter than announced."""
+
+
+class Transport(MemdError):
+    """The peer-protocol transport failed other than by the service going away (the service
+    refused this process at connect, or is not whom the client expects); ``__cause__`` is
+    vmm_ipc_peer's exception."""
+
+
+class Refused(MemdError):
+    """The service refused the request. ``FIELDS`` names the variant's fields, each an
+    attribute."""
+
+    FIELDS = ()
+
+    def __init__(self, *values):
+        if len(values) != len(self.FIELDS):
+            raise TypeError(f"{type(self).__name__} takes {len(self.FIELDS)} fields")
+        for name, value in zip(self.FIELDS, values):
+            setattr(self, name, value)
+        shown = ", ".join(f"{n}={v!r}" for n, v in zip(self.FIELDS, values))
+        super().__init__(f"{type(self).__name__}({shown})")
+
+    def __eq__(self, other):
+        return type(self) is type(other) and all(
+            getattr(self, n) == getattr(other, n) for n in self.FIELDS)
+
+    def __hash__(self):
+        return hash((type(self).__name__,) + tuple(getattr(self, n) for n in self.FIELDS))
+
+
+class QuotaExceeded(Refused):
+    """The generation would take ``uid`` past its quota; nothing was allocated."""
+    FIELDS = ("uid", "used", "asked", "quota")
+
+
+class AccessDenied(Refused):
+    """The caller may not ``right`` (``"read"``, ``"write"``, ``"delete"``) the region."""
+    FIELDS = ("region", "right", "uid")
+
+
+class NoSuchRegion(Refused):
+    """No region of that name that the caller may read, or none committed yet."""
+    FIELDS = ("region",)
+
+
+class NoSuchGeneration(Refused):
+    """The region holds no such generation any more."""
+    FIELDS = ("region", "generation")
+
+
+class WriterBusy(Refused):
+    """Another connection wrote the region for the whole wait."""
+    FIELDS = ("region", "waited_ms")
+
+
+class TooLarge(Refused):
+    """The request was larger than the service decodes; it was not decoded."""
+    FIELDS = ("size", "cap")
+
+
+class InvalidRequest(Refused):
+    """The request broke a rule of the protocol; ``rule`` is the RequestRule's name
+    (``"Decode"``, ``"RegionName"``, ``"Chunks"``, ``"Metadata"``, ``"NotWriting"``,
+    ``"AlreadyWriting"``, ``"Acl"``, ``"NoSuchLease"``)."""
+    FIELDS = ("rule", "detail")
+
+
+class StillMapped(Refused):
+    """Commit refused: the pending generation is still mapped writable somewhere."""
+    FIELDS = ("region", "generation")
+
+
+class FdsInFlight(Refused):
+    """Too many descriptor fds in flight (``scope``: ``"Connection"``, ``"Uid"``,
+    ``"All"``); nothing was sent or kept."""
+    FIELDS = ("scope", "in_flight", "cap")
+
+
+class ServiceFailed(Refused):
+    """The service failed for a reason of its own (``errno`` is the kernel's)."""
+    FIELDS = ("op", "errno")
+
+
+#: The Refusal variants in declaration order: the index is the variant's wire tag.
+REFUSALS = (QuotaExceeded, AccessDenied, NoSuchRegion, NoSuchGeneration, WriterBusy, TooLarge,
+            InvalidRequest, StillMapped, FdsInFlight, ServiceFailed)
+
+
+class Os(MemdError):
+    """A system call of this process failed: ``op`` names it, ``errno`` is the kernel's."""
+
+    def __init__(self, op, errno):
+        import os
+        super().__init__(f"{op} failed: {os.strerror(errno)} (errno {errno})")
+        self.op, self.errno = op, errno

@@ -1,0 +1,390 @@
+"""vmm-memd's requests and replies (vmm-memd/src/protocol.rs), postcard-encoded: one per DATA
+message of the peer protocol. Field order and variant order here are the Rust declarations'
+order, which is the wire format; a change there is a change here.
+
+Replies are decoded strictly (see :mod:`vmm_memd.postcard`), every sequence checked against the
+protocol's caps before it is read, and the whole message must be exactly one reply.
+"""
+
+import enum
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from .errors import REFUSALS, DecodeError
+from .postcard import Reader, Writer
+
+MAX_REQUEST = 8 * 1024  # the service refuses longer requests (TooLarge) without decoding them
+MAX_DATA = 16 * 1024  # the peer protocol's DATA payload cap: no reply is longer
+MAX_CHUNKS = 64
+MAX_META_ENTRIES = 65_536
+MAX_KEY_LEN = 256
+MAX_REGION_NAME = 128
+MAX_ACL_ENTRIES = 64
+# Sequences without a protocol cap of their own (a shape, a status's regions and readers, a
+# message's text) are capped by the message: no element takes less than a byte.
+_BY_MESSAGE = MAX_DATA
+
+
+class Dtype(enum.IntEnum):
+    """A tensor's element type; the value is the variant's wire index."""
+    U8 = 0
+    I8 = 1
+    U16 = 2
+    I16 = 3
+    U32 = 4
+    I32 = 5
+    U64 = 6
+    I64 = 7
+    F16 = 8
+    BF16 = 9
+    F32 = 10
+    F64 = 11
+    Bool = 12
+
+    @property
+    def itemsize(self):
+        return _ITEMSIZE[self]
+
+
+_ITEMSIZE = {Dtype.U8: 1, Dtype.I8: 1, Dtype.U16: 2, Dtype.I16: 2, Dtype.U32: 4, Dtype.I32: 4,
+             Dtype.U64: 8, Dtype.I64: 8, Dtype.F16: 2, Dtype.BF16: 2, Dtype.F32: 4,
+             Dtype.F64: 8, Dtype.Bool: 1}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one named tensor lies in a generation: chunk, byte offset and length in it,
+    element type, shape."""
+    chunk: int
+    offset: int
+    len: int
+    dtype: Dtype
+    shape: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Uid:
+    """An ACL entry naming a user id."""
+    id: int
+
+
+@dataclass(frozen=True)
+class Gid:
+    """An ACL entry naming a group id (primary or supplementary, as the kernel reports)."""
+    id: int
+
+
+@dataclass(frozen=True)
+class Acl:
+    """Who besides the owner may read, write and delete a region the Begin creates."""
+    read: Tuple = ()
+    write: Tuple = ()
+    delete: Tuple = ()
+
+
+@dataclass(frozen=True)
+class RegionSummary:
+    region: str
+    generation: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class GenerationStatus:
+    generation: int
+    bytes: int
+    current: bool
+    readers: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RegionStatus:
+    region: str
+    owner: int
+    generations: Tuple[GenerationStatus, ...]
+    pending: Optional[Tuple[int, int, int]]
+    waiting_writers: int
+
+
+@dataclass(frozen=True)
+class Status:
+    uid: int
+    used: int
+    quota: int
+    regions: Tuple[RegionStatus, ...]
+    refusals: int
+    expired_leases: int
+    truncated: bool
+
+
+# Replies other than Refused (which decodes to its Refused exception).
+@dataclass(frozen=True)
+class Began:
+    generation: int
+    chunks: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Done:
+    pass
+
+
+@dataclass(frozen=True)
+class Committed:
+    generation: int
+
+
+@dataclass(frozen=True)
+class AttachedReply:
+    lease: int
+    generation: int
+    chunks: Tuple[int, ...]
+    meta_pages: int
+    ttl_ms: int
+
+
+@dataclass(frozen=True)
+class MetaPage:
+    entries: Tuple[Tuple[str, TensorMeta], ...]
+
+
+@dataclass(frozen=True)
+class Renewed:
+    count: int
+
+
+@dataclass(frozen=True)
+class Metrics:
+    text: str
+
+
+@dataclass(frozen=True)
+class RegionList:
+    regions: Tuple[RegionSummary, ...]
+
+
+# ---- requests -------------------------------------------------------------------------------
+
+(_LIST, _STATUS, _BEGIN, _PUT_META, _COMMIT, _ABORT, _ATTACH, _DETACH, _RENEW, _DELETE,
+ _METRICS) = range(11)
+
+
+def _request(index, body=None):
+    w = Writer()
+    w.variant(index)
+    if body is not None:
+        body(w)
+    return w.bytes()
+
+
+def _principals(w, entries):
+    w.usize(len(entries))
+    for p in entries:
+        if isinstance(p, Uid):
+            w.variant(0)
+        elif isinstance(p, Gid):
+            w.variant(1)
+        else:
+            raise TypeError(f"an ACL entry is a Uid or a Gid, not {p!r}")
+        w.u32(p.id)
+
+
+def _tensor_meta(w, meta):
+    w.u32(meta.chunk)
+    w.u64(meta.offset)
+    w.u64(meta.len)
+    w.variant(int(Dtype(meta.dtype)))
+    w.usize(len(meta.shape))
+    for d in meta.shape:
+        w.u64(d)
+
+
+def encode_list():
+    return _request(_LIST)
+
+
+def encode_status():
+    return _request(_STATUS)
+
+
+def encode_metrics():
+    return _request(_METRICS)
+
+
+def encode_begin(region, chunks, acl=Acl(), wait_ms=0):
+    def body(w):
+        w.str(region)
+        w.usize(len(chunks))
+        for c in chunks:
+            w.u64(c)
+        for entries in (acl.read, acl.write, acl.delete):
+            _principals(w, entries)
+        w.u64(wait_ms)
+    return _request(_BEGIN, body)
+
+
+def encode_put_meta(entries):
+    def body(w):
+        w.usize(len(entries))
+        for key, meta in entries:
+            w.str(key)
+            _tensor_meta(w, meta)
+    return _request(_PUT_META, body)
+
+
+def encode_commit():
+    return _request(_COMMIT)
+
+
+def encode_abort():
+    return _request(_ABORT)
+
+
+def encode_attach(region, generation=None):
+    def body(w):
+        w.str(region)
+        if generation is None:
+            w.bool(False)
+        else:
+            w.bool(True)
+            w.u64(generation)
+    return _request(_ATTACH, body)
+
+
+def encode_detach(lease):
+    return _request(_DETACH, lambda w: w.u64(lease))
+
+
+def encode_renew():
+    return _request(_RENEW)
+
+
+def encode_delete(region):
+    return _request(_DELETE, lambda w: w.str(region))
+
+
+def meta_pages(entries):
+    """``PutMeta`` requests carrying ``entries`` (key, TensorMeta), each at most MAX_REQUEST
+    bytes: cut by their exact encoded size."""
+    pages, page = [], []
+    for entry in entries:
+        if len(encode_put_meta([entry])) > MAX_REQUEST:
+            raise ValueError(f"metadata entry {entry[0]!r} alone is larger than a request "
+                             f"({MAX_REQUEST} bytes)")
+        if page and len(encode_put_meta(page + [entry])) > MAX_REQUEST:
+            pages.append(encode_put_meta(page))
+            page = []
+        page.append(entry)
+    if page:
+        pages.append(encode_put_meta(page))
+    return pages
+
+
+# ---- replies --------------------------------------------------------------------------------
+
+_RIGHTS = ("Read", "Write", "Delete")
+_RULES = ("Decode", "RegionName", "Chunks", "Metadata", "NotWriting", "AlreadyWriting", "Acl",
+          "NoSuchLease")
+_SCOPES = ("Connection", "Uid", "All")
+_REPLIES = ("Refused", "List", "Status", "Began", "Done", "Committed", "Attached", "MetaPage",
+            "Renewed", "Metrics")
+
+
+def _region(r):
+    return r.str(MAX_REGION_NAME, "a region name")
+
+
+def _refusal(r):
+    index = r.variant([c.__name__ for c in REFUSALS], "a refusal")
+    kind = REFUSALS[index]
+    text = lambda what: r.str(_BY_MESSAGE, what)  # noqa: E731
+    readers = {
+        "QuotaExceeded": lambda: (r.u32(), r.u64(), r.u64(), r.u64()),
+        "AccessDenied": lambda: (_region(r), _RIGHTS[r.variant(_RIGHTS, "a right")].lower(),
+                                 r.u32()),
+        "NoSuchRegion": lambda: (_region(r),),
+        "NoSuchGeneration": lambda: (_region(r), r.u64()),
+        "WriterBusy": lambda: (_region(r), r.u64()),
+        "TooLarge": lambda: (r.u64(), r.u64()),
+        "InvalidRequest": lambda: (_RULES[r.variant(_RULES, "a request rule")],
+                                   text("a refusal's detail")),
+        "StillMapped": lambda: (_region(r), r.u64()),
+        "FdsInFlight": lambda: (_SCOPES[r.variant(_SCOPES, "a scope")], r.u64(), r.u64()),
+        "ServiceFailed": lambda: (text("a refusal's operation"), r.i32()),
+    }
+    return kind(*readers[kind.__name__]())
+
+
+def _tensor_meta_of(r):
+    chunk, offset, length = r.u32(), r.u64(), r.u64()
+    dtype = Dtype(r.variant([d.name for d in Dtype], "a dtype"))
+    shape = tuple(r.seq(_BY_MESSAGE, "a shape", r.u64))
+    return TensorMeta(chunk, offset, length, dtype, shape)
+
+
+def _meta_entry(r):
+    return (r.str(MAX_KEY_LEN, "a metadata key"), _tensor_meta_of(r))
+
+
+def _chunks(r):
+    return tuple(r.seq(MAX_CHUNKS, "chunk sizes", r.u64))
+
+
+def _generation_status(r):
+    return GenerationStatus(r.u64(), r.u64(), r.bool(),
+                            tuple(r.seq(_BY_MESSAGE, "readers", r.i32)))
+
+
+def _region_status(r):
+    region, owner = _region(r), r.u32()
+    generations = tuple(r.seq(_BY_MESSAGE, "generations", lambda: _generation_status(r)))
+    pending = (r.u64(), r.u64(), r.i32()) if r.option_tag("a pending generation") else None
+    return RegionStatus(region, owner, generations, pending, r.u32())
+
+
+def _status(r):
+    uid, used, quota = r.u32(), r.u64(), r.u64()
+    regions = tuple(r.seq(_BY_MESSAGE, "regions", lambda: _region_status(r)))
+    return Status(uid, used, quota, regions, r.u64(), r.u64(), r.bool())
+
+
+def decode_response(data):
+    """One reply from the bytes of one DATA message: a reply dataclass, or the Refused
+    exception the service sent (returned, not raised). DecodeError for anything else."""
+    if len(data) > MAX_DATA:
+        raise DecodeError(f"a reply of {len(data)} bytes: the transport's cap is {MAX_DATA}")
+    r = Reader(data)
+    index = r.variant(_REPLIES, "a reply")
+    name = _REPLIES[index]
+    if name == "Refused":
+        value = _refusal(r)
+    elif name == "List":
+        value = RegionList(tuple(r.seq(_BY_MESSAGE, "a region list",
+                                       lambda: RegionSummary(_region(r), r.u64(), r.u64()))))
+    elif name == "Status":
+        value = _status(r)
+    elif name == "Began":
+        value = Began(r.u64(), _chunks(r))
+    elif name == "Done":
+        value = Done()
+    elif name == "Committed":
+        value = Committed(r.u64())
+    elif name == "Attached":
+        value = AttachedReply(r.u64(), r.u64(), _chunks(r), r.u32(), r.u64())
+    elif name == "MetaPage":
+        value = MetaPage(tuple(r.seq(MAX_META_ENTRIES, "a metadata page",
+                                     lambda: _meta_entry(r))))
+    elif name == "Renewed":
+        value = Renewed(r.u32())
+    else:
+        value = Metrics(r.str(_BY_MESSAGE, "metrics text"))
+    r.finish(f"a {name} reply")
+    return value
+
+
+__all__ = [
+    "Dtype", "TensorMeta", "Uid", "Gid", "Acl", "RegionSummary", "GenerationStatus",
+    "RegionStatus", "Status", "Began", "Done", "Committed", "AttachedReply", "MetaPage",
+    "Renewed", "Metrics", "RegionList", "decode_response", "meta_pages", "MAX_REQUEST",
+    "MAX_DATA", "MAX_CHUNKS", "MAX_META_ENTRIES", "MAX_KEY_LEN", "MAX_REGION_NAME",
+]

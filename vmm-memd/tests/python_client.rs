@@ -1,0 +1,354 @@
+//! The Python client (`python/vmm_memd`) against a real `vmm-memd`: this test executable plays
+//! the service (see `common`), publishes a region from Rust, and runs the Python tests
+//! (`python/tests/test_memd_*.py`, unittest) with `python3`; then it attaches what Python
+//! published and checks it here. Also: the package installs offline into a fresh venv.
+//!
+//! The Python files are embedded in this executable and written to a temporary directory, so a
+//! staged copy of it needs only `python3` and numpy (no checkout). Without `python3` (3.9+), or
+//! without numpy 2.1+ where the service tests need it, a test prints one `SKIP` line and
+//! passes, unless `VMM_REQUIRE_PYTHON=1` (or `VMM_REQUIRE_GPU=1`, as for every skip in the GPU
+//! runs) asks for a failure instead.
+
+mod common;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{ServiceProc, fill_byte, publish};
+use vmm_memd::protocol::Dtype;
+
+/// The `vmm_ipc_peer` package, module by module.
+const PEER: [(&str, &str); 14] = include!("../../python/vmm_ipc_peer_files.rs");
+
+/// The `vmm_memd` package, the packaging, and the tests. A module missing here fails the
+/// first `import vmm_memd`.
+const FILES: [(&str, &str); 19] = [
+    (
+        "vmm_memd/__init__.py",
+        include_str!("../../python/vmm_memd/__init__.py"),
+    ),
+    (
+        "vmm_memd/attached.py",
+        include_str!("../../python/vmm_memd/attached.py"),
+    ),
+    (
+        "vmm_memd/client.py",
+        include_str!("../../python/vmm_memd/client.py"),
+    ),
+    (
+        "vmm_memd/dlpack.py",
+        include_str!("../../python/vmm_memd/dlpack.py"),
+    ),
+    (
+        "vmm_memd/errors.py",
+        include_str!("../../python/vmm_memd/errors.py"),
+    ),
+    (
+        "vmm_memd/mapping.py",
+        include_str!("../../python/vmm_memd/mapping.py"),
+    ),
+    (
+        "vmm_memd/postcard.py",
+        include_str!("../../python/vmm_memd/postcard.py"),
+    ),
+    (
+        "vmm_memd/protocol.py",
+        include_str!("../../python/vmm_memd/protocol.py"),
+    ),
+    (
+        "vmm_memd/publishing.py",
+        include_str!("../../python/vmm_memd/publishing.py"),
+    ),
+    (
+        "vmm_memd/tensor.py",
+        include_str!("../../python/vmm_memd/tensor.py"),
+    ),
+    (
+        "vmm_memd/writer.py",
+        include_str!("../../python/vmm_memd/writer.py"),
+    ),
+    (
+        "pyproject.toml",
+        include_str!("../../python/pyproject.toml"),
+    ),
+    ("README.md", include_str!("../../python/README.md")),
+    (
+        "build_backend/vmm_ipc_wheel.py",
+        include_str!("../../python/build_backend/vmm_ipc_wheel.py"),
+    ),
+    (
+        "test_memd_codec.py",
+        include_str!("../../python/tests/test_memd_codec.py"),
+    ),
+    (
+        "test_memd_client.py",
+        include_str!("../../python/tests/test_memd_client.py"),
+    ),
+    (
+        "test_memd_hostile.py",
+        include_str!("../../python/tests/test_memd_hostile.py"),
+    ),
+    (
+        "test_memd_restart.py",
+        include_str!("../../python/tests/test_memd_restart.py"),
+    ),
+    (
+        "test_memd_install.py",
+        include_str!("../../python/tests/test_memd_install.py"),
+    ),
+];
+
+/// How long one run of the Python tests may take.
+const DEADLINE: Duration = Duration::from_secs(300);
+
+/// Whether a skip is a failure here.
+fn strict() -> bool {
+    ["VMM_REQUIRE_PYTHON", "VMM_REQUIRE_GPU"]
+        .iter()
+        .any(|v| std::env::var(v).is_ok_and(|v| v == "1"))
+}
+
+/// `Ok` when `python3` (3.9+) runs the `-c` program `check`; else `Err(missing)`.
+fn python3_can(check: &str, missing: &str) -> Result<(), String> {
+    let program = format!("import sys; assert sys.version_info >= (3, 9); {check}");
+    let ok = Command::new("python3")
+        .args(["-c", &program])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if ok { Ok(()) } else { Err(missing.to_owned()) }
+}
+
+/// `true` when `requirement` holds; otherwise one `SKIP <test>: <reason>` line on the real
+/// stderr (libtest captures only `eprint!`) and in `VMM_SKIP_LOG`, and `false`; a failure
+/// when [`strict`].
+fn run_unless(test: &str, requirement: Result<(), String>) -> bool {
+    let Err(reason) = requirement else {
+        return true;
+    };
+    assert!(
+        !strict(),
+        "{test} would be skipped, but VMM_REQUIRE_PYTHON=1 or VMM_REQUIRE_GPU=1 requires it: \
+         {reason}"
+    );
+    let line = format!("SKIP {test}: {reason}\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
+    if let Some(path) = std::env::var_os("VMM_SKIP_LOG") {
+        let _ = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .and_then(|mut log| log.write_all(line.as_bytes()));
+    }
+    false
+}
+
+/// The Python files, written to a fresh directory; removed on drop.
+struct PythonDir(PathBuf);
+
+impl PythonDir {
+    fn new(tag: &str) -> PythonDir {
+        let dir = std::env::temp_dir().join(format!("vmm-memd-py-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for (file, text) in PEER.iter().chain(FILES.iter()) {
+            let path = dir.join(file);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, text).unwrap();
+        }
+        PythonDir(dir)
+    }
+
+    /// `python3 -m unittest -v MODULES` here with `env`, within [`DEADLINE`] (killed past
+    /// it): its success and its output (stdout and stderr, through a file: no pipe to fill).
+    fn unittest(&self, modules: &[&str], env: &[(&str, String)]) -> (bool, String) {
+        let log_path = self.0.join("unittest.log");
+        let log = std::fs::File::create(&log_path).unwrap();
+        let mut child = Command::new("python3")
+            .args(["-m", "unittest", "-v"])
+            .args(modules)
+            .current_dir(&self.0)
+            .env("PYTHONPATH", &self.0)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start python3");
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if started.elapsed() > DEADLINE {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let out = std::fs::read_to_string(&log_path).unwrap_or_default();
+        match status {
+            Some(status) => (status.success(), out),
+            None => (false, format!("killed after {DEADLINE:?}:\n{out}")),
+        }
+    }
+}
+
+impl Drop for PythonDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Each of `tests` ran and passed (a `... ok` line), none skipped.
+fn assert_passed(out: &str, tests: &[&str]) {
+    for test in tests {
+        let line = out.lines().find(|l| l.starts_with(&format!("{test} ")));
+        assert!(
+            line.is_some_and(|l| l.ends_with(" ok")),
+            "{test} did not run and pass: {line:?}\n{out}"
+        );
+    }
+}
+
+/// `python3` (3.9+) with numpy 2.1+ (DLPack 1.0: read-only arrays).
+fn python3_with_numpy() -> Result<(), String> {
+    python3_can("", "no python3 (3.9 or newer) on PATH").and_then(|()| {
+        python3_can(
+            "import numpy; assert tuple(map(int, numpy.__version__.split('.')[:2])) >= (2, 1)",
+            "python3 has no numpy 2.1 or newer (python3 -m pip install numpy)",
+        )
+    })
+}
+
+#[test]
+fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
+    let test = "the_python_client_publishes_attaches_and_refuses_against_the_service";
+    if !run_unless(test, python3_with_numpy()) {
+        return;
+    }
+    let service = ServiceProc::start(&[]);
+    let rust = service.connect();
+    let region = format!("rust-for-python-{}", std::process::id());
+    let size = 10_000u64;
+    let generation = publish(&rust, &region, 1, size);
+    let py = PythonDir::new("client");
+    let env = [
+        ("VMM_MEMD_SOCKET", service.socket.clone()),
+        ("VMM_MEMD_QUOTA", "1073741824".to_owned()),
+        (
+            "VMM_MEMD_RUST_REGION",
+            format!("{region}:{size}:{}", fill_byte(generation)),
+        ),
+    ];
+    let (ok, out) = py.unittest(
+        &["test_memd_codec", "test_memd_client", "test_memd_hostile"],
+        &env,
+    );
+    assert!(ok && out.contains("\nOK"), "{out}");
+    assert_passed(
+        &out,
+        &[
+            "test_published_arrays_come_back_zero_copy_and_read_only",
+            "test_an_array_keeps_its_mapping_alive_and_lets_it_go",
+            "test_a_reader_cannot_write_through_the_mapping",
+            "test_a_legacy_consumer_gets_the_unversioned_capsule_zero_copy",
+            "test_bfloat16_and_other_dtypes_travel_as_buffer_dtype_shape",
+            "test_refusals_arrive_typed",
+            "test_a_kept_view_makes_the_commit_still_mapped_until_it_goes",
+            "test_a_region_rust_published_reads_here",
+            "test_publish_for_rust",
+            "test_hostile_replies_are_refused",
+            "test_a_chunk_not_sealed_against_writes_is_not_mapped",
+            "test_a_truncated_reply_is_refused",
+            "test_unknown_variants_are_refused",
+        ],
+    );
+    // Another uid's view needs root (and a python3 that uid 65534 can run): where CI asks for
+    // the Python tests to run, as root, it must have run.
+    if common::is_root() && std::env::var("VMM_REQUIRE_PYTHON").is_ok_and(|v| v == "1") {
+        assert_passed(&out, &["test_acls_give_reads_and_refuse_writes_typed"]);
+    }
+    // What Python published, read by Rust: the metadata as Python wrote it, the bytes.
+    let attached = rust
+        .attach(&format!("{region}-from-python"))
+        .expect("attach Python's region");
+    let meta = &attached.meta["pattern"];
+    assert_eq!(
+        (meta.dtype, meta.shape.as_slice()),
+        (Dtype::U8, &[4096u64][..])
+    );
+    let expected: Vec<u8> = (0..4096).map(|i| i as u8).collect();
+    assert_eq!(attached.tensor("pattern").unwrap(), expected.as_slice());
+}
+
+#[test]
+fn the_python_package_installs_offline_into_a_fresh_venv() {
+    let test = "the_python_package_installs_offline_into_a_fresh_venv";
+    if !run_unless(test, python3_can("", "no python3 (3.9 or newer) on PATH")) {
+        return;
+    }
+    let py = PythonDir::new("install");
+    let (ok, out) = py.unittest(&["test_memd_install"], &[]);
+    assert!(ok && out.contains("\nOK"), "{out}");
+    if out.contains("cannot make a venv with pip here") {
+        // The Python test skips where no venv with pip can be made (no python3-venv): say
+        // so, as a skip. Only VMM_REQUIRE_PYTHON makes that a failure (it says nothing about
+        // the GPU).
+        assert!(
+            std::env::var("VMM_REQUIRE_PYTHON").map_or(true, |v| v != "1"),
+            "{test}: the venv test skipped under VMM_REQUIRE_PYTHON=1\n{out}"
+        );
+        let _ = std::io::stderr().write_all(
+            format!("SKIP {test}: python3 cannot make a venv with pip here\n").as_bytes(),
+        );
+        return;
+    }
+    assert_passed(
+        &out,
+        &[
+            "test_an_offline_install_with_build_isolation",
+            "test_an_editable_install",
+        ],
+    );
+}
+
+#[test]
+fn a_python_reader_sees_service_gone_and_reattaches_after_a_restart() {
+    let test = "a_python_reader_sees_service_gone_and_reattaches_after_a_restart";
+    if !run_unless(test, python3_with_numpy()) {
+        return;
+    }
+    let mut service = ServiceProc::start(&[]);
+    let py = PythonDir::new("restart");
+    let control = py.0.join("control");
+    std::fs::create_dir(&control).unwrap();
+    let env = [
+        ("VMM_MEMD_SOCKET", service.socket.clone()),
+        ("VMM_MEMD_RESTART_DIR", control.display().to_string()),
+    ];
+    let (ok, out) = std::thread::scope(|scope| {
+        let python = scope.spawn(|| py.unittest(&["test_memd_restart"], &env));
+        // Python has published, attached and made its array: kill the service under it.
+        let ready = common::until(DEADLINE, || {
+            control.join("ready").exists() || python.is_finished()
+        });
+        assert!(ready.is_some(), "the Python reader never got ready");
+        if control.join("ready").exists() {
+            service.signal(libc::SIGKILL);
+            service.child.wait().unwrap();
+            service.restart();
+            std::fs::write(control.join("restarted"), b"").unwrap();
+        }
+        python.join().unwrap()
+    });
+    assert!(ok && out.contains("\nOK"), "{out}");
+    assert_passed(
+        &out,
+        &["test_a_restart_is_service_gone_and_the_mapping_stays"],
+    );
+}
