@@ -4,6 +4,8 @@
 #![allow(dead_code)]
 
 pub mod etcd;
+pub mod handoff;
+pub mod stand_in;
 
 use std::net::SocketAddr;
 use std::time::Duration;
