@@ -93,7 +93,7 @@ fn publish_watch_fetch_import_acknowledge_across_processes() {
     let exe = std::env::current_exe().expect("the test binary");
     let (mut child, mut lines) = start_exporter(
         Command::new(exe),
-        &world,
+        &world.write_material("exporter"),
         &world.etcd.endpoint(),
         loopback(),
     );
@@ -130,7 +130,7 @@ fn a_sigkilled_exporter_goes_within_ttl_plus_one_second_and_its_locator_fails_cl
     let exe = std::env::current_exe().expect("the test binary");
     let (mut child, _lines) = start_exporter(
         Command::new(exe),
-        &world,
+        &world.write_material("exporter"),
         &world.etcd.endpoint(),
         loopback(),
     );

@@ -157,20 +157,20 @@ pub fn exporter_child() {
     panic!("the exporter child was not killed");
 }
 
+/// The lines a child prints.
+pub type ChildLines = std::io::Lines<std::io::BufReader<std::process::ChildStdout>>;
+
 /// The exporter child started by `command` (the test binary, or a wrapper that runs it),
-/// with its material written into `world`'s directory, publishing through `endpoint` and
-/// serving on `bind`; returned once it printed `published`, with its stdout's lines.
+/// with its material in `dir` (`exporter.pem`, `exporter.key`, `ca.pem`), publishing through
+/// `endpoint` and serving on `bind`; returned once it printed `published`, with its stdout's
+/// lines.
 pub fn start_exporter(
     mut command: std::process::Command,
-    world: &super::World,
+    dir: &Path,
     endpoint: &str,
     bind: SocketAddr,
-) -> (
-    std::process::Child,
-    std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
-) {
+) -> (std::process::Child, ChildLines) {
     use std::io::BufRead;
-    let dir = world.write_material("exporter");
     let mut child = command
         .args([
             "--exact",
@@ -194,12 +194,54 @@ pub fn start_exporter(
 }
 
 /// The next line of the child's that starts with `prefix`, or a panic.
-pub fn expect_line(
-    lines: &mut std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
-    prefix: &str,
-) -> String {
+pub fn expect_line(lines: &mut ChildLines, prefix: &str) -> String {
     lines
         .map_while(Result::ok)
         .find(|line| line.starts_with(prefix))
         .unwrap_or_else(|| panic!("the exporter child never said {prefix:?}"))
+}
+
+/// Set in an importer child: `<etcd endpoint> <material directory>`.
+pub const IMPORTER_ENV: &str = "VMM_REGISTRY_TEST_HANDOFF_IMPORTER";
+
+/// The importer child's body, run where [`IMPORTER_ENV`] is set (a no-op elsewhere): open the
+/// registry as `importer`, resolve `exporter`'s `kv` (waiting up to 10 s for it), fetch it
+/// over mutual TLS, map the stand-in, check the exporter's pattern, write ours, acknowledge,
+/// and print `imported from <exporter address>`.
+pub fn importer_child() {
+    use std::time::Instant;
+    use vmm_registry::{Registry, RegistryConfig, TlsMaterial};
+
+    let Ok(spec) = std::env::var(IMPORTER_ENV) else {
+        return;
+    };
+    let parts: Vec<&str> = spec.split(' ').collect();
+    let [endpoint, dir] = parts[..] else {
+        panic!("{IMPORTER_ENV}: <endpoint> <dir>");
+    };
+    let dir = Path::new(dir);
+    let read = |file: &str| std::fs::read(dir.join(file)).expect("read material");
+    let material = TlsMaterial::from_pem(
+        read("ca.pem"),
+        read("importer.pem"),
+        read("importer.key"),
+        dns_name(super::SERVER),
+    );
+    let config = RegistryConfig::new([endpoint], material, super::DOMAIN, "importer")
+        .lease_ttl(Duration::from_secs(2));
+    let registry = Registry::open(config).expect("the importer opens the registry");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let entry = loop {
+        if let Some(entry) = registry.resolve("exporter", "kv").expect("resolve") {
+            break entry;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the exporter's locator never came"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let fetcher = Fetcher::new(options_from(dir, "importer", &["nobody"]), MESSAGE);
+    fetch_and_import(&fetcher, &entry.locator).expect("fetch, import, acknowledge");
+    println!("imported from {}", entry.locator.exporter_addr);
 }

@@ -5,6 +5,7 @@
 
 pub mod etcd;
 pub mod handoff;
+pub mod netns;
 pub mod stand_in;
 
 use std::net::SocketAddr;
@@ -48,9 +49,7 @@ impl World {
     /// Write the CA and a certificate and key for `owner` into the world's directory (for a
     /// child process); the directory.
     pub fn write_material(&self, owner: &str) -> std::path::PathBuf {
-        issue(&self.pki, owner).write(&self.dir.0, owner);
-        std::fs::write(self.dir.0.join("ca.pem"), self.pki.ca_pem()).expect("write the CA");
-        self.dir.0.clone()
+        write_material(&self.pki, &self.dir.0, owner)
     }
 
     /// A config for `owner` against this etcd, with a short TTL and deadlines.
@@ -171,6 +170,14 @@ impl World {
 /// for client and server authentication, issued by `pki`.
 pub fn issue(pki: &Pki, name: &str) -> Leaf {
     pki.issue(&LeafSpec::new(name))
+}
+
+/// Write `pki`'s CA (`ca.pem`) and a certificate and key for `owner` (`<owner>.pem`,
+/// `<owner>.key`) into `dir`, for a child process; `dir`.
+pub fn write_material(pki: &Pki, dir: &std::path::Path, owner: &str) -> std::path::PathBuf {
+    issue(pki, owner).write(dir, owner);
+    std::fs::write(dir.join("ca.pem"), pki.ca_pem()).expect("write the CA");
+    dir.to_owned()
 }
 
 /// TLS material for a client called `owner`, issued by `pki`, expecting etcd's certificate
