@@ -215,19 +215,20 @@ impl Serving {
 /// and read its acknowledgement.
 fn hand_off(mut stream: TlsStream, offers: &Offers, timeout: Duration) -> Served {
     let importer = stream.peer_addr();
-    let mut served = Served {
-        importer,
-        request: None,
-        outcome: Outcome::Failed(ServeError::Unexpected("nothing")),
-    };
-    served.outcome = match exchange(&mut stream, offers, timeout, &mut served.request) {
+    let mut request = None;
+    let outcome = match exchange(&mut stream, offers, timeout, &mut request) {
         Ok(outcome) => {
+            // TLS's closing message, so the importer reads a clean end.
             let _ = stream.close();
             outcome
         }
         Err(e) => Outcome::Failed(e),
     };
-    served
+    Served {
+        importer,
+        request,
+        outcome,
+    }
 }
 
 fn exchange(
