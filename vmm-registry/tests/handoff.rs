@@ -321,3 +321,44 @@ fn a_stalling_importer_holds_only_its_own_slot_until_the_deadline() {
     let mut byte = [0u8; 1];
     assert!(matches!(stalled.read(&mut byte), Ok(0) | Err(_)));
 }
+
+#[test]
+fn a_sigstopped_exporter_holds_the_importer_only_until_its_deadline() {
+    let Some(world) =
+        World::start("a_sigstopped_exporter_holds_the_importer_only_until_its_deadline")
+    else {
+        return;
+    };
+    let importer = world.open("importer");
+    let exe = std::env::current_exe().expect("the test binary");
+    let (mut child, _lines) = start_exporter(
+        Command::new(exe),
+        &world.write_material("exporter"),
+        &world.etcd.endpoint(),
+        loopback(),
+    );
+    let entry = importer
+        .resolve("exporter", "kv")
+        .expect("resolve")
+        .expect("published");
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("a pid"));
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+    // The kernel still completes the TCP handshake; nothing answers TLS.
+    let fetcher = vmm_registry::Fetcher::new(
+        options(&world.pki, "importer", &["nobody"]),
+        Duration::from_secs(1),
+    );
+    let started = Instant::now();
+    let stopped = fetcher.fetch(&entry.locator);
+    let took = started.elapsed();
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).expect("SIGCONT");
+    assert!(
+        matches!(stopped, Err(FetchError::ExporterGone { .. })),
+        "{stopped:?}"
+    );
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    // Continued, it serves again.
+    fetch_and_import(&fetcher, &entry.locator).expect("served after SIGCONT");
+    child.kill().expect("SIGKILL the exporter");
+    child.wait().expect("reap it");
+}
