@@ -14,6 +14,11 @@
 //!   the lease), so an etcd that is down fails the open within the open timeout.
 //! - A value read from etcd is hostile: its size is capped before it is parsed
 //!   ([`MAX_LOCATOR_BYTES`]), and its owner must be the owner its key names.
+//! - The hand-off of a resolved locator ([`Fetcher`], [`ExportServer`]): the descriptor
+//!   crosses vmm-core's mutual-TLS descriptor stream, each side admitting only the other's
+//!   certificate name (the importer: the locator's `exporter_name`), and the importer
+//!   acknowledges its import. A stale locator fails with a typed error
+//!   ([`FetchError::is_stale`]).
 //! - Feature `async`: `AsyncRegistry` and `AsyncWatch`, the same operations as `async fn`s
 //!   on the caller's tokio runtime.
 
@@ -24,10 +29,14 @@ mod classify;
 mod config;
 mod core;
 mod error;
+mod fetch;
+mod handoff;
+mod handoff_error;
 mod keys;
 mod lease;
 mod locator;
 mod registry;
+mod serve;
 mod tls_probe;
 mod watch;
 
@@ -38,9 +47,13 @@ pub use core::{Listing, Published};
 pub use error::{
     ConfigError, LeaseLoss, NameRule, Op, RegistryError, Result, TlsFailure, ValueError,
 };
+pub use fetch::{Fetched, Fetcher, gpu_uuid};
+pub use handoff::{MAX_HANDOFF_MESSAGE, MessageError};
+pub use handoff_error::{FetchError, ServeError};
 pub use keys::{MAX_NAME_LEN, domain_prefix, export_key};
 pub use locator::{Entry, ExportedObject, HandleKind, Locator, MAX_LOCATOR_BYTES};
 pub use registry::Registry;
+pub use serve::{ExportServer, MAX_IN_FLIGHT, Outcome, Served};
 pub use watch::{Watch, WatchEvent};
 
 // The README's example compiles.

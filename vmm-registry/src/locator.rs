@@ -16,7 +16,7 @@ use crate::keys::{check_name, split_key};
 pub const MAX_LOCATOR_BYTES: usize = 4096;
 
 /// What the exported object is, on the exporter.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
 pub enum ExportedObject {
     /// A vmm-memd region (its name).

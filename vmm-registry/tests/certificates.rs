@@ -13,10 +13,16 @@ use std::time::Duration;
 use vmm_registry::{Op, Registry, RegistryConfig, RegistryError, TlsFailure, TlsMaterial};
 
 use support::etcd::{Etcd, TempDir, etcd_or_skip};
-use support::pki::{Pki, dns_name};
-use support::{DOMAIN, SERVER, World, etcd_tls, locator};
+use support::{DOMAIN, SERVER, World, etcd_tls, issue, material};
+use vmm_tests::pki::{Pki, dns_name, pem_to_der};
 
-fn config(endpoint: String, material: TlsMaterial) -> RegistryConfig {
+/// alice's config against `endpoint`, with `pki`'s CA and a certificate of alice's it issued,
+/// expecting etcd's certificate to name `server`.
+fn config(endpoint: String, pki: &Pki, server: &str) -> RegistryConfig {
+    config_with(endpoint, material(pki, "alice", server))
+}
+
+fn config_with(endpoint: String, material: TlsMaterial) -> RegistryConfig {
     RegistryConfig::new([endpoint], material, DOMAIN, "alice").open_timeout(Duration::from_secs(3))
 }
 
@@ -38,7 +44,7 @@ fn a_client_certificate_etcd_does_not_trust_is_a_tls_error() {
         return;
     };
     // Signed by another CA, same name.
-    let foreign = Pki::new("foreign").issue("alice");
+    let foreign = issue(&Pki::new("foreign"), "alice");
     let material = TlsMaterial::from_pem(
         world.pki.ca_pem(),
         foreign.cert_pem,
@@ -46,7 +52,7 @@ fn a_client_certificate_etcd_does_not_trust_is_a_tls_error() {
         dns_name(SERVER),
     );
     // etcd refuses it with an alert (which TLS 1.3 delivers after our handshake finished).
-    let error = expect_tls(Registry::open(config(world.etcd.endpoint(), material)));
+    let error = expect_tls(Registry::open(config_with(world.etcd.endpoint(), material)));
     assert!(
         matches!(error, TlsFailure::Rustls(rustls::Error::AlertReceived(_))),
         "{error:?}"
@@ -66,10 +72,7 @@ fn a_rogue_etcd_with_a_foreign_certificate_is_a_tls_error() {
     let rogue_ca = Pki::new("rogue");
     let dir = TempDir::new("rogue");
     let rogue = Etcd::start(&binary, Some(etcd_tls(&rogue_ca, &dir)), None);
-    let leaf = ours.issue("alice");
-    let material =
-        TlsMaterial::from_pem(ours.ca_pem(), leaf.cert_pem, leaf.key_pem, dns_name(SERVER));
-    let error = expect_tls(Registry::open(config(rogue.endpoint(), material)));
+    let error = expect_tls(Registry::open(config(rogue.endpoint(), &ours, SERVER)));
     assert!(
         matches!(
             error,
@@ -86,14 +89,11 @@ fn an_etcd_certificate_of_another_name_is_a_tls_error() {
     let Some(world) = World::start("an_etcd_certificate_of_another_name_is_a_tls_error") else {
         return;
     };
-    let leaf = world.pki.issue("alice");
-    let material = TlsMaterial::from_pem(
-        world.pki.ca_pem(),
-        leaf.cert_pem,
-        leaf.key_pem,
-        dns_name("not-etcd"),
-    );
-    let error = expect_tls(Registry::open(config(world.etcd.endpoint(), material)));
+    let error = expect_tls(Registry::open(config(
+        world.etcd.endpoint(),
+        &world.pki,
+        "not-etcd",
+    )));
     assert!(
         matches!(
             error,
@@ -113,20 +113,18 @@ fn a_plaintext_etcd_is_never_spoken_to_in_plaintext() {
     };
     let plaintext = Etcd::start(&binary, None, None);
     let pki = Pki::new("plain");
-    let leaf = pki.issue("alice");
-    let material =
-        TlsMaterial::from_pem(pki.ca_pem(), leaf.cert_pem, leaf.key_pem, dns_name(SERVER));
-    let error = expect_tls(Registry::open(config(plaintext.endpoint(), material)));
+    let error = expect_tls(Registry::open(config(plaintext.endpoint(), &pki, SERVER)));
     assert!(
         matches!(error, TlsFailure::Rustls(_) | TlsFailure::Closed(_)),
         "{error:?}"
     );
     // A scheme in an endpoint (`http://` above all) is refused before any connection.
-    let leaf = pki.issue("alice");
-    let material =
-        TlsMaterial::from_pem(pki.ca_pem(), leaf.cert_pem, leaf.key_pem, dns_name(SERVER));
     assert!(matches!(
-        Registry::open(config(format!("http://{}", plaintext.endpoint()), material)),
+        Registry::open(config(
+            format!("http://{}", plaintext.endpoint()),
+            &pki,
+            SERVER
+        )),
         Err(RegistryError::Config(vmm_registry::ConfigError::Endpoint(
             _
         )))
@@ -141,7 +139,7 @@ fn a_client_without_a_certificate_is_refused_by_etcd() {
     // rustls itself, with no client certificate: the handshake may finish on the client's
     // side (TLS 1.3), but etcd refuses before any application byte.
     let mut roots = rustls::RootCertStore::empty();
-    let ca = rustls::pki_types::CertificateDer::from(support::pki::pem_der(&world.pki.ca_pem()));
+    let ca = rustls::pki_types::CertificateDer::from(pem_to_der(&world.pki.ca_pem()));
     roots.add(ca).expect("the CA");
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let tls = rustls::ClientConfig::builder_with_provider(provider)
@@ -173,5 +171,4 @@ fn a_client_without_a_certificate_is_refused_by_etcd() {
     );
     // Through the registry's API no client exists without a certificate: TlsMaterial always
     // carries one.
-    let _ = locator("alice", 1);
 }

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use vmm_registry::{LeaseLoss, Registry, RegistryConfig, RegistryError, TlsMaterial, WatchEvent};
 
-use support::pki::dns_name;
 use support::{DOMAIN, SERVER, World, locator};
+use vmm_tests::pki::dns_name;
 
 /// Set in the exporter child: `<endpoint> <material directory>`.
 const CHILD_ENV: &str = "VMM_REGISTRY_TEST_EXPORTER";
@@ -79,30 +79,7 @@ fn a_sigkilled_exporter_disappears_within_ttl_plus_one_second() {
     else {
         return;
     };
-    let dir = world.write_material("alice");
-    let mut child = Command::new(std::env::current_exe().expect("the test binary"))
-        .args([
-            "--exact",
-            "exporter_child",
-            "--nocapture",
-            "--test-threads=1",
-            "-q",
-        ])
-        .env(
-            CHILD_ENV,
-            format!("{} {}", world.etcd.endpoint(), dir.display()),
-        )
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start the exporter child");
-    let stdout = child.stdout.take().expect("its stdout");
-    let published = BufReader::new(stdout)
-        .lines()
-        .map_while(Result::ok)
-        .any(|line| line.trim() == "published");
-    assert!(published, "the child ended without publishing");
-
+    let mut child = exporter(&world);
     let bob = world.open("bob");
     // Past one TTL the child's keep-alive holds the key.
     std::thread::sleep(Duration::from_millis(2500));

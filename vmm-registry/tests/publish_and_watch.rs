@@ -5,9 +5,30 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use vmm_registry::{Op, Registry, RegistryError, ValueError, WatchEvent, export_key};
+use vmm_registry::{
+    Op, Registry, RegistryConfig, RegistryError, ValueError, WatchEvent, export_key,
+};
 
-use support::{DOMAIN, World, locator};
+use support::{DOMAIN, SERVER, World, locator, material};
+use vmm_tests::pki::Pki;
+
+/// The world of a test called `test` (`None` after its SKIP line), and two registries in it,
+/// alice's and bob's; alice's with `ttl` when given.
+fn alice_and_bob(test: &str, ttl: Option<Duration>) -> Option<(World, Registry, Registry)> {
+    let world = World::start(test)?;
+    let alice = match ttl {
+        Some(ttl) => Registry::open(world.config("alice").lease_ttl(ttl)).expect("open"),
+        None => world.open("alice"),
+    };
+    let bob = world.open("bob");
+    Some((world, alice, bob))
+}
+
+/// alice's config for an etcd at `endpoint` whose certificate `pki` signed, opening within 2 s.
+fn alice_at(endpoint: String, pki: &Pki) -> RegistryConfig {
+    RegistryConfig::new([endpoint], material(pki, "alice", SERVER), DOMAIN, "alice")
+        .open_timeout(Duration::from_secs(2))
+}
 
 /// The next event that is not `Refused`, within `timeout`.
 fn next_event(watch: &vmm_registry::Watch, timeout: Duration) -> WatchEvent {
@@ -19,11 +40,9 @@ fn next_event(watch: &vmm_registry::Watch, timeout: Duration) -> WatchEvent {
 
 #[test]
 fn publish_resolve_and_watch() {
-    let Some(world) = World::start("publish_resolve_and_watch") else {
+    let Some((_world, alice, bob)) = alice_and_bob("publish_resolve_and_watch", None) else {
         return;
     };
-    let alice = world.open("alice");
-    let bob = world.open("bob");
     let watch = bob.watch().expect("watch");
     assert!(watch.initial().entries.is_empty());
 
@@ -95,17 +114,13 @@ fn duplicate_name_is_a_typed_error() {
 
 #[test]
 fn clean_shutdown_unpublishes_at_once() {
-    let Some(world) = World::start("clean_shutdown_unpublishes_at_once") else {
+    // The default TTL (10 s): only the revoke can make the key go in under a second.
+    let Some((_world, alice, bob)) = alice_and_bob(
+        "clean_shutdown_unpublishes_at_once",
+        Some(vmm_registry::DEFAULT_LEASE_TTL),
+    ) else {
         return;
     };
-    // The default TTL (10 s): only the revoke can make the key go in under a second.
-    let alice = Registry::open(
-        world
-            .config("alice")
-            .lease_ttl(vmm_registry::DEFAULT_LEASE_TTL),
-    )
-    .expect("open");
-    let bob = world.open("bob");
     alice.publish("kv0", &locator("alice", 1)).expect("publish");
     let watch = bob.watch().expect("watch");
     assert_eq!(watch.initial().entries.len(), 1);
@@ -125,16 +140,12 @@ fn clean_shutdown_unpublishes_at_once() {
 
 #[test]
 fn dropping_the_registry_unpublishes_too() {
-    let Some(world) = World::start("dropping_the_registry_unpublishes_too") else {
+    let Some((_world, alice, bob)) = alice_and_bob(
+        "dropping_the_registry_unpublishes_too",
+        Some(vmm_registry::DEFAULT_LEASE_TTL),
+    ) else {
         return;
     };
-    let alice = Registry::open(
-        world
-            .config("alice")
-            .lease_ttl(vmm_registry::DEFAULT_LEASE_TTL),
-    )
-    .expect("open");
-    let bob = world.open("bob");
     alice.publish("kv0", &locator("alice", 1)).expect("publish");
     let dropped = Instant::now();
     drop(alice);
@@ -167,19 +178,10 @@ fn open_fails_by_its_deadline_when_etcd_is_down_then_works() {
     else {
         return;
     };
-    let pki = support::pki::Pki::new("down");
+    let pki = Pki::new("down");
     let dir = support::etcd::TempDir::new("pki");
     let port = support::etcd::free_port();
-    let leaf = pki.issue("alice");
-    let material = vmm_registry::TlsMaterial::from_pem(
-        pki.ca_pem(),
-        leaf.cert_pem,
-        leaf.key_pem,
-        support::pki::dns_name(support::SERVER),
-    );
-    let config =
-        vmm_registry::RegistryConfig::new([format!("127.0.0.1:{port}")], material, DOMAIN, "alice")
-            .open_timeout(Duration::from_secs(2));
+    let config = alice_at(format!("127.0.0.1:{port}"), &pki);
     let started = Instant::now();
     match Registry::open(config.clone()) {
         Err(
@@ -214,16 +216,7 @@ fn a_peer_that_never_speaks_tls_holds_open_only_until_its_deadline() {
         }
         std::thread::sleep(Duration::from_secs(10));
     });
-    let pki = support::pki::Pki::new("silent");
-    let leaf = pki.issue("alice");
-    let material = vmm_registry::TlsMaterial::from_pem(
-        pki.ca_pem(),
-        leaf.cert_pem,
-        leaf.key_pem,
-        "etcd.vmm.test",
-    );
-    let config = vmm_registry::RegistryConfig::new([addr.to_string()], material, DOMAIN, "alice")
-        .open_timeout(Duration::from_secs(2));
+    let config = alice_at(addr.to_string(), &Pki::new("silent"));
     let started = Instant::now();
     match Registry::open(config) {
         Err(RegistryError::Deadline {
@@ -241,11 +234,11 @@ fn a_peer_that_never_speaks_tls_holds_open_only_until_its_deadline() {
 
 #[test]
 fn hostile_values_are_refused_and_the_watch_goes_on() {
-    let Some(world) = World::start("hostile_values_are_refused_and_the_watch_goes_on") else {
+    let Some((world, alice, bob)) =
+        alice_and_bob("hostile_values_are_refused_and_the_watch_goes_on", None)
+    else {
         return;
     };
-    let alice = world.open("alice");
-    let bob = world.open("bob");
     let watch = bob.watch().expect("watch");
     let key = |owner: &str, name: &str| export_key(DOMAIN, owner, name);
 
@@ -310,11 +303,11 @@ fn hostile_values_are_refused_and_the_watch_goes_on() {
 
 #[test]
 fn a_watch_from_a_compacted_revision_lists_again() {
-    let Some(world) = World::start("a_watch_from_a_compacted_revision_lists_again") else {
+    let Some((world, alice, bob)) =
+        alice_and_bob("a_watch_from_a_compacted_revision_lists_again", None)
+    else {
         return;
     };
-    let alice = world.open("alice");
-    let bob = world.open("bob");
     let seen = bob.list().expect("list").revision;
     alice.publish("kv0", &locator("alice", 1)).expect("publish");
     alice.publish("kv1", &locator("alice", 2)).expect("publish");

@@ -3,7 +3,7 @@
 //! Where etcd is not installed a test prints one SKIP line and passes, unless
 //! `VMM_REQUIRE_ETCD=1` or `VMM_REQUIRE_GPU=1` asks for a failure instead.
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -92,6 +92,10 @@ pub struct Etcd {
     peer_port: u16,
     /// `None`: plaintext (only to prove the client never speaks it).
     tls: Option<EtcdTls>,
+    /// The address it listens on (loopback unless in a network namespace).
+    host: IpAddr,
+    /// The network namespace it runs in (`ip netns exec`), if not this process's.
+    netns: Option<String>,
 }
 
 impl Etcd {
@@ -104,26 +108,56 @@ impl Etcd {
             client_port: client_port.unwrap_or_else(free_port),
             peer_port: free_port(),
             tls,
+            host: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            netns: None,
         };
         etcd.launch();
         etcd
     }
 
-    /// `127.0.0.1:<client port>`.
+    /// Start etcd with `tls` in the network namespace `netns`, listening on `host` (ports
+    /// 2379 and 2380: the namespace is the test's own).
+    pub fn start_in(binary: &Path, tls: EtcdTls, netns: &str, host: IpAddr) -> Etcd {
+        let mut etcd = Etcd {
+            binary: binary.to_owned(),
+            child: None,
+            dir: TempDir::new("etcd"),
+            client_port: 2379,
+            peer_port: 2380,
+            tls: Some(tls),
+            host,
+            netns: Some(netns.to_owned()),
+        };
+        etcd.launch();
+        etcd
+    }
+
+    /// `<host>:<client port>`.
     pub fn endpoint(&self) -> String {
-        format!("127.0.0.1:{}", self.client_port)
+        SocketAddr::new(self.host, self.client_port).to_string()
     }
 
     fn launch(&mut self) {
         let scheme = if self.tls.is_some() { "https" } else { "http" };
-        let client_url = format!("{scheme}://127.0.0.1:{}", self.client_port);
-        let peer_url = format!("{scheme}://127.0.0.1:{}", self.peer_port);
+        let client_url = format!(
+            "{scheme}://{}",
+            SocketAddr::new(self.host, self.client_port)
+        );
+        let peer_url = format!("{scheme}://{}", SocketAddr::new(self.host, self.peer_port));
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.0.join("etcd.log"))
             .expect("etcd's log file");
-        let mut command = Command::new(&self.binary);
+        let mut command = match &self.netns {
+            // `ip netns exec` execs etcd: the child's pid is etcd's, for the signals below.
+            Some(netns) => {
+                let mut command = Command::new("ip");
+                command.args(["netns", "exec", netns]).arg(&self.binary);
+                command
+            }
+            None => Command::new(&self.binary),
+        };
         command
             .arg("--name=test")
             .arg(format!("--data-dir={}", self.dir.0.join("data").display()))
@@ -162,7 +196,15 @@ impl Etcd {
     fn wait_listening(&mut self) {
         let addr: SocketAddr = self.endpoint().parse().expect("an address");
         let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_err() {
+        let netns = self.netns.clone();
+        let connects = move || {
+            let connect = move || TcpStream::connect_timeout(&addr, Duration::from_millis(100));
+            match &netns {
+                Some(netns) => super::netns::within(netns, connect),
+                None => connect(),
+            }
+        };
+        while connects().is_err() {
             if let Some(child) = self.child.as_mut()
                 && let Ok(Some(status)) = child.try_wait()
             {

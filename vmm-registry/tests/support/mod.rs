@@ -4,7 +4,9 @@
 #![allow(dead_code)]
 
 pub mod etcd;
-pub mod pki;
+pub mod handoff;
+pub mod netns;
+pub mod stand_in;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -12,7 +14,7 @@ use std::time::Duration;
 use vmm_registry::{ExportedObject, HandleKind, Locator, Registry, RegistryConfig, TlsMaterial};
 
 use etcd::{Etcd, EtcdTls, TempDir};
-use pki::Pki;
+use vmm_tests::pki::{Leaf, LeafSpec, Pki, dns_name};
 
 /// The domain every test publishes in.
 pub const DOMAIN: &str = "test";
@@ -41,22 +43,13 @@ impl World {
 
     /// TLS material for a client called `owner`, issued by the world's CA.
     pub fn material(&self, owner: &str) -> TlsMaterial {
-        let leaf = self.pki.issue(owner);
-        TlsMaterial::from_pem(
-            self.pki.ca_pem(),
-            leaf.cert_pem,
-            leaf.key_pem,
-            pki::dns_name(SERVER),
-        )
+        material(&self.pki, owner, SERVER)
     }
 
     /// Write the CA and a certificate and key for `owner` into the world's directory (for a
     /// child process); the directory.
     pub fn write_material(&self, owner: &str) -> std::path::PathBuf {
-        let leaf = self.pki.issue(owner);
-        leaf.write(&self.dir.0, owner);
-        std::fs::write(self.dir.0.join("ca.pem"), self.pki.ca_pem()).expect("write the CA");
-        self.dir.0.clone()
+        write_material(&self.pki, &self.dir.0, owner)
     }
 
     /// A config for `owner` against this etcd, with a short TTL and deadlines.
@@ -151,11 +144,11 @@ impl World {
         user: &str,
         call: impl AsyncFnOnce(&mut etcd_client::Client) -> Result<(), etcd_client::Error>,
     ) -> Result<(), etcd_client::Error> {
-        let leaf = self.pki.issue(user);
+        let leaf = issue(&self.pki, user);
         let tls = etcd_client::TlsOptions::new()
             .ca_certificate(etcd_client::Certificate::from_pem(self.pki.ca_pem()))
             .identity(etcd_client::Identity::from_pem(leaf.cert_pem, leaf.key_pem))
-            .domain_name(pki::dns_name(SERVER));
+            .domain_name(dns_name(SERVER));
         let url = format!("https://{}", self.etcd.endpoint());
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -173,9 +166,30 @@ impl World {
     }
 }
 
+/// A leaf called `name` (SAN `<name>.vmm.test`, common name `name`: the user etcd sees),
+/// for client and server authentication, issued by `pki`.
+pub fn issue(pki: &Pki, name: &str) -> Leaf {
+    pki.issue(&LeafSpec::new(name))
+}
+
+/// Write `pki`'s CA (`ca.pem`) and a certificate and key for `owner` (`<owner>.pem`,
+/// `<owner>.key`) into `dir`, for a child process; `dir`.
+pub fn write_material(pki: &Pki, dir: &std::path::Path, owner: &str) -> std::path::PathBuf {
+    issue(pki, owner).write(dir, owner);
+    std::fs::write(dir.join("ca.pem"), pki.ca_pem()).expect("write the CA");
+    dir.to_owned()
+}
+
+/// TLS material for a client called `owner`, issued by `pki`, expecting etcd's certificate
+/// to name `server` (`<server>.vmm.test`).
+pub fn material(pki: &Pki, owner: &str, server: &str) -> TlsMaterial {
+    let leaf = issue(pki, owner);
+    TlsMaterial::from_pem(pki.ca_pem(), leaf.cert_pem, leaf.key_pem, dns_name(server))
+}
+
 /// Write the server's certificate and the CA, and say how etcd uses them.
 pub fn etcd_tls(pki: &Pki, dir: &TempDir) -> EtcdTls {
-    let (cert, key) = pki.issue(SERVER).write(&dir.0, "etcd-server");
+    let (cert, key) = issue(pki, SERVER).write(&dir.0, "etcd-server");
     let client_ca = dir.0.join("ca.pem");
     std::fs::write(&client_ca, pki.ca_pem()).expect("write the CA");
     EtcdTls {
@@ -190,7 +204,7 @@ pub fn locator(owner: &str, generation: u64) -> Locator {
     Locator {
         owner: owner.into(),
         exporter_addr: SocketAddr::from(([127, 0, 0, 1], 7000)),
-        exporter_name: pki::dns_name(owner),
+        exporter_name: dns_name(owner),
         object: ExportedObject::Region("kv-cache".into()),
         size: 64 << 20,
         device_uuid: None,

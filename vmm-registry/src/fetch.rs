@@ -1,0 +1,213 @@
+//! The importer's side of a hand-off: fetch a resolved [`Locator`]'s descriptor over the
+//! mutual-TLS stream from its exporter, then acknowledge the import.
+//!
+//! The importer admits only the exporter the locator names: its certificate must carry the
+//! locator's `exporter_name` (checked in the handshake, before a byte of the descriptor is
+//! read). The exporter, for its part, has checked this importer's name before writing any.
+//! A stale locator (its exporter gone, or the generation no longer served) fails with
+//! [`FetchError::ExporterGone`] or [`FetchError::Stale`] ([`FetchError::is_stale`]), and the
+//! descriptor is checked against the locator (its size, its device) before it is handed out.
+
+use std::io::ErrorKind;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use vmm_core::cuda::FabricDescriptor;
+use vmm_core::peer::PeerMessage;
+use vmm_core::peer::stream::{StreamReader, StreamWriter};
+use vmm_core::wire::tls::{PeerCheck, TlsConnector, TlsOptions, TlsStream};
+
+use crate::handoff::{Ack, Refusal, Request, decode, encode};
+use crate::handoff_error::FetchError;
+use crate::locator::{HandleKind, Locator};
+
+/// Fetches descriptors with one identity: this importer's certificate and the roots it
+/// trusts. The allowed exporter name is each locator's own.
+#[derive(Debug, Clone)]
+pub struct Fetcher {
+    options: TlsOptions,
+    timeout: Duration,
+}
+
+impl Fetcher {
+    /// Fetch with `options`' identity and roots (its allow-list is replaced by each locator's
+    /// `exporter_name`), each message within `timeout`.
+    pub fn new(options: TlsOptions, timeout: Duration) -> Fetcher {
+        Fetcher { options, timeout }
+    }
+
+    /// Connect to the locator's exporter, admit it only if its certificate names the locator's
+    /// `exporter_name`, ask for the locator's object and generation, and check the descriptor
+    /// against the locator. Import it, then [`Fetched::acknowledge`] (or
+    /// [`Fetched::import_failed`]).
+    pub fn fetch(&self, locator: &Locator) -> Result<Fetched, FetchError> {
+        if locator.handle == HandleKind::PosixFd {
+            return Err(FetchError::NotFetchable(locator.handle));
+        }
+        let addr = locator.exporter_addr;
+        let exporter = PeerCheck::names([locator.exporter_name.as_str()]).map_err(|source| {
+            FetchError::ExporterName {
+                name: locator.exporter_name.clone(),
+                source: Box::new(source),
+            }
+        })?;
+        let options = self
+            .options
+            .clone()
+            .peer_check(exporter)
+            .handshake_timeout(self.timeout);
+        let connector = TlsConnector::new(&options).map_err(|source| FetchError::ExporterName {
+            name: locator.exporter_name.clone(),
+            source: Box::new(source),
+        })?;
+        let mut stream = connector
+            .connect(addr)
+            .map_err(|source| connect_error(addr, source))?;
+        let request = Request {
+            object: locator.object.clone(),
+            generation: locator.generation,
+        };
+        StreamWriter::new(&mut stream)
+            .with_timeout(Some(self.timeout))
+            .write_data(&encode(&request))
+            .map_err(|source| stream_error(addr, source))?;
+        let answer = StreamReader::new(&mut stream)
+            .with_timeout(Some(self.timeout))
+            .read_message()
+            .map_err(|source| stream_error(addr, source))?;
+        let descriptor = match answer {
+            PeerMessage::Descriptor(descriptor) => descriptor
+                .into_fabric()
+                .map_err(|source| stream_error(addr, source))?,
+            PeerMessage::Data(bytes) => {
+                let refusal: Refusal = decode(&bytes).map_err(FetchError::Answer)?;
+                return Err(FetchError::Stale {
+                    object: locator.object.clone(),
+                    wanted: locator.generation,
+                    serving: refusal.serving,
+                });
+            }
+        };
+        check(locator, &descriptor)?;
+        Ok(Fetched {
+            descriptor,
+            stream,
+            addr,
+            timeout: self.timeout,
+        })
+    }
+}
+
+/// A descriptor fetched and checked against its locator, and the stream to acknowledge on.
+#[derive(Debug)]
+pub struct Fetched {
+    descriptor: FabricDescriptor,
+    stream: TlsStream,
+    addr: SocketAddr,
+    timeout: Duration,
+}
+
+impl Fetched {
+    /// The descriptor: import it (`VirtualMemoryBuffer::import_fabric` for a fabric handle).
+    pub fn descriptor(&self) -> &FabricDescriptor {
+        &self.descriptor
+    }
+
+    /// Tell the exporter the import succeeded, and close the stream.
+    pub fn acknowledge(self) -> Result<(), FetchError> {
+        self.finish(true)
+    }
+
+    /// Tell the exporter the import failed, and close the stream.
+    pub fn import_failed(self) -> Result<(), FetchError> {
+        self.finish(false)
+    }
+
+    fn finish(mut self, imported: bool) -> Result<(), FetchError> {
+        let addr = self.addr;
+        StreamWriter::new(&mut self.stream)
+            .with_timeout(Some(self.timeout))
+            .write_data(&encode(&Ack { imported }))
+            .map_err(|source| stream_error(addr, source))?;
+        self.stream
+            .close()
+            .map_err(|source| stream_error(addr, source))
+    }
+}
+
+/// The descriptor matches the locator: its size, and for a fabric handle the device that
+/// owns the memory.
+fn check(locator: &Locator, descriptor: &FabricDescriptor) -> Result<(), FetchError> {
+    if descriptor.size() as u64 != locator.size {
+        return Err(FetchError::Mismatch {
+            what: "size",
+            expected: locator.size.to_string(),
+            got: descriptor.size().to_string(),
+        });
+    }
+    if let (HandleKind::Fabric, Some(uuid)) = (locator.handle, &locator.device_uuid) {
+        let got = gpu_uuid(descriptor.owner_uuid());
+        if !got.eq_ignore_ascii_case(uuid) {
+            return Err(FetchError::Mismatch {
+                what: "device",
+                expected: uuid.clone(),
+                got,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A device UUID as `nvidia-smi -L` prints it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+pub fn gpu_uuid(uuid: &[u8; 16]) -> String {
+    let hex: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+/// A failed connection: nothing answering is a gone exporter; a TLS refusal is typed by its
+/// reason.
+fn connect_error(addr: SocketAddr, source: vmm_core::Error) -> FetchError {
+    let source = Box::new(source);
+    match &*source {
+        vmm_core::Error::Tls { reason, .. } => FetchError::Tls {
+            addr,
+            reason: *reason,
+            source,
+        },
+        vmm_core::Error::Timeout { .. } => FetchError::ExporterGone { addr, source },
+        vmm_core::Error::Os { source: io, .. }
+            if matches!(
+                io.kind(),
+                ErrorKind::ConnectionRefused
+                    | ErrorKind::ConnectionReset
+                    | ErrorKind::HostUnreachable
+                    | ErrorKind::NetworkUnreachable
+                    | ErrorKind::TimedOut
+            ) =>
+        {
+            FetchError::ExporterGone { addr, source }
+        }
+        _ => FetchError::Stream { addr, source },
+    }
+}
+
+/// A failure after the connection: a TLS refusal (the exporter refused our certificate shows
+/// on the first read in TLS 1.3) keeps its reason; anything else is the stream's.
+fn stream_error(addr: SocketAddr, source: vmm_core::Error) -> FetchError {
+    let source = Box::new(source);
+    match &*source {
+        vmm_core::Error::Tls { reason, .. } => FetchError::Tls {
+            addr,
+            reason: *reason,
+            source,
+        },
+        _ => FetchError::Stream { addr, source },
+    }
+}
