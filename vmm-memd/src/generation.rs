@@ -1,14 +1,15 @@
-//! One generation's memory and bookkeeping: its chunks (memfds the service holds but never
-//! maps), its metadata, who allocated it, and its leases.
+//! One generation's memory and bookkeeping: its chunks (memfds, or exported GPU chunk fds,
+//! that the service holds but never maps writable), its metadata, who allocated it, its
+//! digests (GPU), and its leases.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::Instant;
 
 use crate::error::{Refusal, RequestRule};
-use crate::protocol::{MAX_KEY_LEN, MAX_META_ENTRIES, TensorMeta};
+use crate::protocol::{ChunkDigest, MAX_KEY_LEN, MAX_META_ENTRIES, TensorMeta};
 
-/// One chunk: its memfd and size.
+/// One chunk: its fd (a memfd, or a GPU chunk's exported POSIX fd) and size.
 #[derive(Debug)]
 pub(crate) struct Chunk {
     pub(crate) fd: OwnedFd,
@@ -35,6 +36,9 @@ pub(crate) struct Generation {
     /// The uid whose quota it is charged to.
     pub(crate) charged_to: u32,
     pub(crate) leases: HashMap<u64, Lease>,
+    /// The SHA-256 of each chunk taken at commit (GPU generations; empty for host ones,
+    /// which are sealed instead).
+    pub(crate) digests: Vec<ChunkDigest>,
 }
 
 impl Generation {

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use vmm_core::wire::endpoint::Name;
 
 use crate::keeper_wire::{self, KeeperError, KeeperMsg};
-use crate::protocol::{Acl, TensorMeta};
+use crate::protocol::{Acl, Backend, ChunkDigest, TensorMeta};
 
 /// The largest record the service reads back: 64 MiB (65,536 metadata entries with long keys
 /// and shapes stay below it).
@@ -35,6 +35,11 @@ pub(crate) struct GenerationRecord {
     pub(crate) charged_to: u32,
     pub(crate) meta: Vec<(String, TensorMeta)>,
     pub(crate) chunks: Vec<u64>,
+    /// Where the chunks live (a GPU chunk's fd is its exported POSIX fd).
+    pub(crate) backend: Backend,
+    pub(crate) fabric: bool,
+    /// The digests taken at commit (GPU).
+    pub(crate) digests: Vec<ChunkDigest>,
 }
 
 /// A generation taken back from the keeper.

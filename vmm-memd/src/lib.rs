@@ -34,11 +34,14 @@
 
 #![cfg(target_os = "linux")]
 
+mod attach;
 pub mod cli;
 mod client;
 pub mod ctl;
 mod error;
 mod generation;
+mod gpu;
+mod gpu_mapping;
 mod identity;
 mod inflight;
 pub mod keeper;
@@ -52,8 +55,10 @@ mod registry;
 mod service;
 mod sleep;
 
-pub use client::{Attached, BeginOptions, Client, Writer};
-pub use error::{MemdError, Refusal, RequestRule, Result, Right};
+pub use attach::Attached;
+pub use client::{BeginOptions, Client, Writer};
+pub use error::{GpuOp, MemdError, Refusal, RequestRule, Result, Right};
+pub use gpu_mapping::GpuChunks;
 pub use inflight::InFlightScope;
 pub use keeper_link::Keeper;
 pub use keeper_wire::{ImpostorCheck, KeeperError};
@@ -63,4 +68,4 @@ pub use service::{
     DEFAULT_MAX_FDS_IN_FLIGHT, DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID, DEFAULT_MAX_WAIT, IN_FLIGHT_WAIT,
     KEEPER_TICK, Service, TICK,
 };
-pub use sleep::{Sleeping, WakeFailed, layout_hash};
+pub use sleep::{Sleeping, WakeFailed, layout_hash, layout_hash_on};
