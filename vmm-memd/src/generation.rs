@@ -39,17 +39,26 @@ pub(crate) struct Generation {
     /// The SHA-256 of each chunk taken at commit (GPU generations; empty for host ones,
     /// which are sealed instead).
     pub(crate) digests: Vec<ChunkDigest>,
+    /// A reader asked for a discard sleep: free the memory once no lease holds it.
+    pub(crate) discard_wanted: bool,
+    /// The chunk sizes of a generation whose memory was discarded (`chunks` is then empty);
+    /// the next attach makes the chunks again, zeroed.
+    pub(crate) discarded: Option<Vec<u64>>,
 }
 
 impl Generation {
-    /// Its bytes.
+    /// Its bytes (a discarded generation's too: its quota charge stays, so that a wake can
+    /// make it again).
     pub(crate) fn bytes(&self) -> u64 {
-        self.chunks.iter().map(|c| c.len).sum()
+        self.sizes().iter().sum()
     }
 
     /// Its chunk sizes.
     pub(crate) fn sizes(&self) -> Vec<u64> {
-        self.chunks.iter().map(|c| c.len).collect()
+        match &self.discarded {
+            Some(sizes) => sizes.clone(),
+            None => self.chunks.iter().map(|c| c.len).collect(),
+        }
     }
 
     /// Duplicates of its chunks' fds, to send.

@@ -87,8 +87,14 @@ impl Gpus {
     }
 
     /// A fresh chunk of `len` bytes (a multiple of the granularity) on device `uuid`, as the
-    /// exported fd that now alone keeps it.
-    pub(crate) fn create(&self, uuid: &[u8; 16], len: u64) -> Result<OwnedFd, Refusal> {
+    /// exported fd that now alone keeps it; filled with zeros when `zeroed` (`cuMemCreate`
+    /// does not clear memory).
+    pub(crate) fn create(
+        &self,
+        uuid: &[u8; 16],
+        len: u64,
+        zeroed: bool,
+    ) -> Result<OwnedFd, Refusal> {
         let failed = |e: vmm_core::Error| Refusal::DeviceFailed {
             device: *uuid,
             op: GpuOp::Allocate,
@@ -97,6 +103,9 @@ impl Gpus {
         let resources = self.resources(uuid)?;
         // Linux on 64-bit only (lib.rs): a u64 fits a usize.
         let buffer = resources.allocate.allocate(len as usize).map_err(failed)?;
+        if zeroed {
+            buffer.fill(0).map_err(failed)?;
+        }
         let descriptor = buffer.export().map_err(failed)?;
         // The buffer (its mapping and its allocation handle) goes; the fd keeps the memory.
         drop(buffer);
@@ -122,6 +131,21 @@ impl Gpus {
             })
             .collect()
     }
+}
+
+/// The SHA-256 of `len` zero bytes: a remade chunk's digest.
+pub(crate) fn zero_digest(len: u64) -> ChunkDigest {
+    let zeros = vec![0u8; HASH_PIECE];
+    let mut context = ring::digest::Context::new(&ring::digest::SHA256);
+    let mut left = len as usize;
+    while left > 0 {
+        let n = left.min(HASH_PIECE);
+        context.update(&zeros[..n]);
+        left -= n;
+    }
+    let mut out = [0u8; 32];
+    out.copy_from_slice(context.finish().as_ref());
+    out
 }
 
 /// Import one chunk (fd, length) read-only.

@@ -40,6 +40,9 @@ pub(crate) struct GenerationRecord {
     pub(crate) fabric: bool,
     /// The digests taken at commit (GPU).
     pub(crate) digests: Vec<ChunkDigest>,
+    /// Its memory was discarded (a discard sleep): the entry carries the record only, no
+    /// chunks; `chunks` are the sizes to make again.
+    pub(crate) discarded: bool,
 }
 
 /// A generation taken back from the keeper.
@@ -170,9 +173,14 @@ impl KeeperLink {
                     }
                     let chunks = fds.split_off(1);
                     let record = read_record(fds[0].as_fd())?;
+                    let fds = if record.discarded {
+                        0
+                    } else {
+                        record.chunks.len()
+                    };
                     if record.region != region
                         || record.generation != generation
-                        || record.chunks.len() != chunks.len()
+                        || fds != chunks.len()
                     {
                         return Err(KeeperError::Protocol("an entry unlike its record"));
                     }

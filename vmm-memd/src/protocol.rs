@@ -209,6 +209,14 @@ pub enum Request {
         /// A generation still held; `None`: the current one.
         generation: Option<u64>,
     },
+    /// End the lease `lease` as a *discard sleep*: besides ending the lease, ask the service
+    /// to free the generation's memory once no lease holds it (every mapper asleep or gone).
+    /// The generation stays (number, metadata, chunk sizes, quota charge); the next `Attach`
+    /// of it (a wake) makes its chunks again, zeroed. The reply is `Done`.
+    Discard {
+        /// The lease, as `Attached` named it.
+        lease: u64,
+    },
 }
 
 /// One generation's view in [`Status`].

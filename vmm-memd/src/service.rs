@@ -495,6 +495,16 @@ impl Connection<'_> {
                 Response::Done
             }
             Request::Renew => Response::Renewed(registry.renew(conn)),
+            Request::Discard { lease } => {
+                if !registry.discard(conn, lease) {
+                    return Err(Refusal::InvalidRequest {
+                        rule: RequestRule::NoSuchLease,
+                        detail: format!("this connection holds no lease {lease}"),
+                    }
+                    .into());
+                }
+                Response::Done
+            }
             Request::Delete { region } => {
                 registry.delete(who, &region)?;
                 Response::Done

@@ -10,7 +10,7 @@ use crate::attach::Attached;
 use crate::client::Client;
 use crate::error::{MemdError, Result};
 use crate::mapping::Reservation;
-use crate::protocol::{Backend, TensorMeta};
+use crate::protocol::{Backend, Request, TensorMeta};
 
 /// The layout hash of a generation: FNV-1a (64-bit) of the postcard encoding of its chunk
 /// sizes and its metadata entries in key order. Equal hashes: the same tensors at the same
@@ -98,6 +98,20 @@ impl Client {
     /// (`address_hint`) and gives [`MemdError::AddressTaken`] if the driver placed it
     /// elsewhere (another allocation of this process took the range meanwhile).
     pub fn sleep(&self, attached: Attached) -> Result<Sleeping> {
+        self.sleep_with(attached, false)
+    }
+
+    /// [`sleep`](Self::sleep), and let the service free the memory (a *discard* sleep, for
+    /// memory whose contents need not survive, such as a KV cache): once every lease on the
+    /// generation has ended (every mapper asleep or gone) the service closes its chunks, and
+    /// the memory goes as soon as no process maps it. The generation stays; the next wake
+    /// (anyone's attach) makes its chunks again, zeroed, and maps them at the slept
+    /// addresses. The quota stays charged meanwhile, so the wake cannot be refused for it.
+    pub fn sleep_discard(&self, attached: Attached) -> Result<Sleeping> {
+        self.sleep_with(attached, true)
+    }
+
+    fn sleep_with(&self, attached: Attached, discard: bool) -> Result<Sleeping> {
         let (sizes, backend, gpu_address) = match &attached.gpu {
             Some(g) => (
                 g.chunk_sizes().to_vec(),
@@ -119,7 +133,11 @@ impl Client {
         for chunk in attached.chunks {
             reservations.push(chunk.into_reservation()?);
         }
-        match self.detach_lease(lease) {
+        let ended = match discard {
+            true => self.request(&Request::Discard { lease }).map(drop),
+            false => self.detach_lease(lease),
+        };
+        match ended {
             Ok(()) | Err(MemdError::ServiceGone(_) | MemdError::Refused(_)) => {}
             Err(e) => return Err(e),
         }

@@ -262,3 +262,29 @@ fn a_host_only_service_never_loads_cuda() {
     let maps = std::fs::read_to_string(format!("/proc/{}/maps", service.child.id())).unwrap();
     assert!(!maps.contains("libcuda"), "{maps}");
 }
+
+/// The discard sleep on the GPU: once the only mapper sleeps with discard, the service lets
+/// the chunks go; a wake makes them again (`cuMemCreate`, then zeros: the driver does not
+/// clear memory) at the same device address, and their digests are those of zeros.
+#[test]
+fn gpu_discard_sleep_frees_and_wake_makes_zeroed_memory_at_the_same_address() {
+    let service = ServiceProc::start(&[]);
+    if !skip_unless(cuda_vmm_ipc()) {
+        return;
+    }
+    let uuid = parse_uuid(&uuid_hex(0));
+    let client = service.connect();
+    publish_gpu(&client, "kv", uuid, 2, SIZE);
+    let attached = client.attach("kv").unwrap();
+    let address = attached.gpu.as_ref().unwrap().device_ptr();
+    let fds = service.fd_count();
+    let sleeping = client.sleep_discard(attached).unwrap();
+    assert_eq!(service.fd_count(), fds - 2, "both chunks let go");
+    let woke = client.wake(sleeping).unwrap();
+    let gpu = woke.gpu.as_ref().unwrap();
+    assert_eq!((woke.generation, gpu.device_ptr()), (1, address));
+    let mut bytes = vec![1u8; gpu.buffer().size()];
+    gpu.buffer().read_at(0, &mut bytes).unwrap();
+    assert!(bytes.iter().all(|&b| b == 0));
+    assert_eq!(client.verify("kv", None).unwrap().len(), 2);
+}

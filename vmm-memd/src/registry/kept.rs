@@ -58,6 +58,8 @@ impl Registry {
                 charged_to: record.charged_to,
                 leases: HashMap::new(),
                 digests: record.digests,
+                discard_wanted: false,
+                discarded: record.discarded.then(|| record.chunks.clone()),
             };
             let bytes = generation.bytes();
             r.current = r.current.max(Some(record.generation));
@@ -140,6 +142,7 @@ pub(super) fn keep(state: &mut State, region: &str, number: u64) {
         backend: r.backend,
         fabric: r.fabric,
         digests: g.digests.clone(),
+        discarded: g.discarded.is_some(),
     };
     let fds: Vec<_> = g.chunks.iter().map(|c| c.fd.as_fd()).collect();
     // A failure marks the keeper lost; the service's keeper thread replaces it and sends

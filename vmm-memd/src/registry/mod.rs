@@ -19,6 +19,7 @@ use crate::protocol::{
     RegionSummary, Status, TensorMeta, check_region_name,
 };
 
+mod discard;
 mod gpu;
 mod kept;
 
@@ -316,7 +317,7 @@ impl Registry {
         for &len in chunks {
             let created = match backend {
                 Backend::Host => memfd::create(len),
-                Backend::Gpu { uuid } => self.gpus.create(&uuid, len),
+                Backend::Gpu { uuid } => self.gpus.create(&uuid, len, false),
             };
             match created {
                 Ok(fd) => made.push(Chunk { fd, len }),
@@ -335,6 +336,8 @@ impl Registry {
             charged_to: who.uid,
             leases: HashMap::new(),
             digests: Vec::new(),
+            discard_wanted: false,
+            discarded: None,
         };
         let fds = generation.dup_fds()?;
         let number = generation.number;
@@ -438,19 +441,26 @@ impl Registry {
             return Err(none());
         }
         let (backend, fabric) = (r.backend, r.fabric);
-        let g = match generation {
+        let number = match generation {
             None => r
                 .current
-                .and_then(|n| r.generations.get_mut(&n))
+                .filter(|n| r.generations.contains_key(n))
                 .ok_or_else(none)?,
-            Some(n) => r
-                .generations
-                .get_mut(&n)
-                .ok_or_else(|| Refusal::NoSuchGeneration {
+            Some(n) if r.generations.contains_key(&n) => n,
+            Some(n) => {
+                return Err(Refusal::NoSuchGeneration {
                     region: region.to_owned(),
                     generation: n,
-                })?,
+                });
+            }
         };
+        // A wake after a discard sleep: the memory is made again, zeroed.
+        self.remake_if_discarded(&mut state, region, number)?;
+        let g = state
+            .regions
+            .get_mut(region)
+            .and_then(|r| r.generations.get_mut(&number))
+            .expect("found above");
         let chunks = g.dup_fds()?.into_iter().zip(g.sizes()).collect();
         g.leases.insert(
             lease,
@@ -640,6 +650,7 @@ fn prune(state: &mut State, retain: usize) {
         refund(state, generation);
     }
     state.deleted.retain(|r| !r.generations.is_empty());
+    discard::free_discarded(state);
 }
 
 /// The refusal of a request for another backend than `region`'s, `found`.
