@@ -1,7 +1,7 @@
 //! The discard sleep (issue 26 item 5), host backend: the service frees a generation's memory
 //! once every mapper sleeps with discard (or is gone), never while one still maps it; a wake
 //! makes it again, zeroed, at the slept addresses, also after a restart of the service. The
-//! GPU path is in `gpu.rs`.
+//! GPU path is in `gpu_regions.rs`.
 
 mod common;
 

@@ -288,3 +288,30 @@ fn gpu_discard_sleep_frees_and_wake_makes_zeroed_memory_at_the_same_address() {
     assert!(bytes.iter().all(|&b| b == 0));
     assert_eq!(client.verify("kv", None).unwrap().len(), 2);
 }
+
+/// The quota on the GPU counts rounded bytes and refuses before any chunk is created: a
+/// 1-byte chunk is charged a whole granule, and a `Begin` that would pass the quota (1 GiB
+/// here) is `QuotaExceeded` with the service holding no fd more.
+#[test]
+fn a_gpu_begin_over_the_quota_is_refused_before_allocating() {
+    let service = ServiceProc::start(&[]);
+    if !skip_unless(cuda_vmm_ipc()) {
+        return;
+    }
+    let uuid = parse_uuid(&uuid_hex(0));
+    let client = service.connect();
+    let writer = client.begin("tiny", &[1], on(uuid)).unwrap();
+    let granule = writer.gpu().unwrap().chunk_sizes()[0];
+    assert!(granule > 1 && granule.is_power_of_two());
+    writer.commit().unwrap();
+    assert_eq!(client.status().unwrap().used, granule);
+    let fds = service.fd_count();
+    match client.begin("big", &[1 << 30], on(uuid)) {
+        Err(MemdError::Refused(Refusal::QuotaExceeded { used, asked, .. })) => {
+            assert_eq!((used, asked), (granule, 1 << 30))
+        }
+        other => panic!("{:?}", other.map(|w| w.generation())),
+    }
+    assert_eq!(service.fd_count(), fds);
+    assert_eq!(client.status().unwrap().used, granule);
+}
