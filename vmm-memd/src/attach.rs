@@ -6,6 +6,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use vmm_core::cuda::FabricDescriptor;
+use vmm_core::peer::{Descriptor, PeerMessage};
+
 use crate::client::{Client, unexpected};
 use crate::error::{MemdError, Result};
 use crate::gpu_mapping::GpuChunks;
@@ -14,6 +17,82 @@ use crate::protocol::{Backend, MAX_CHUNKS, MAX_META_ENTRIES, Request, Response, 
 use crate::sleep::{Placement, layout_hash_on};
 
 impl Client {
+    /// Attach `region`'s generation `generation` (`None`: the current one) as fabric handles,
+    /// to import here or to forward to a process on another node of the fabric (which needs
+    /// an IMEX channel): a lease held by this connection, the metadata, and one
+    /// [`FabricDescriptor`] for all chunks (back to back; import it with
+    /// `VirtualMemoryResource::import_fabric`, read-only with
+    /// `ResourceOptions::read_only`). A fabric handle does not keep memory alive: keep the
+    /// lease (this connection) until every importer has imported.
+    /// [`Refusal::FabricUnavailable`](crate::Refusal::FabricUnavailable) where the chunks
+    /// cannot be shared so (a host region, no fabric support, a generation the service took
+    /// back from its keeper after a restart).
+    pub fn attach_fabric(&self, region: &str, generation: Option<u64>) -> Result<FabricAttached> {
+        let reply = self.request(&Request::AttachFabric {
+            region: region.to_owned(),
+            generation,
+        })?;
+        let Response::AttachedGpu {
+            lease,
+            generation,
+            chunks,
+            meta_pages,
+            ttl_ms,
+            device,
+            ..
+        } = reply
+        else {
+            return Err(unexpected("AttachedGpu", &reply));
+        };
+        if chunks.len() > MAX_CHUNKS || meta_pages as usize > MAX_META_ENTRIES {
+            return Err(MemdError::BadReply(format!(
+                "{} chunks and {meta_pages} metadata pages announced",
+                chunks.len()
+            )));
+        }
+        let meta = self.meta_pages(meta_pages)?;
+        let mut handles = Vec::with_capacity(chunks.len());
+        for &size in &chunks {
+            match self.session().recv_message()? {
+                PeerMessage::Descriptor(Descriptor::Fabric(d))
+                    if d.size() as u64 == size && d.handles().len() == 1 =>
+                {
+                    handles.extend_from_slice(d.handles())
+                }
+                other => {
+                    return Err(MemdError::BadReply(format!(
+                        "expected a one-chunk fabric descriptor of {size} bytes, got {other:?}"
+                    )));
+                }
+            }
+        }
+        let sizes: Vec<usize> = chunks.iter().map(|&c| c as usize).collect();
+        let descriptor =
+            FabricDescriptor::from_handles(&handles, &sizes, sizes.iter().sum(), device)?;
+        Ok(FabricAttached {
+            region: region.to_owned(),
+            lease,
+            generation,
+            meta,
+            ttl: Duration::from_millis(ttl_ms),
+            descriptor,
+        })
+    }
+
+    /// Read `pages` metadata pages.
+    fn meta_pages(&self, pages: u32) -> Result<BTreeMap<String, TensorMeta>> {
+        let mut meta = BTreeMap::new();
+        for _ in 0..pages {
+            match self.reply()? {
+                Response::MetaPage(entries) if meta.len() + entries.len() <= MAX_META_ENTRIES => {
+                    meta.extend(entries)
+                }
+                other => return Err(unexpected("MetaPage", &other)),
+            }
+        }
+        Ok(meta)
+    }
+
     /// Attach; with `place`, only a generation of its layout, mapped at its reservations
     /// (which come back in `place` when it fails, and are used up when it succeeds).
     pub(crate) fn attach_placed(
@@ -58,15 +137,7 @@ impl Client {
                 chunks.len()
             )));
         }
-        let mut meta = BTreeMap::new();
-        for _ in 0..meta_pages {
-            match self.reply()? {
-                Response::MetaPage(entries) if meta.len() + entries.len() <= MAX_META_ENTRIES => {
-                    meta.extend(entries)
-                }
-                other => return Err(unexpected("MetaPage", &other)),
-            }
-        }
+        let meta = self.meta_pages(meta_pages)?;
         let backend = gpu.map_or(Backend::Host, |(uuid, _)| Backend::Gpu { uuid });
         if let Some(p) = place.as_ref() {
             let found = layout_hash_on(&chunks, &meta, backend);
@@ -225,4 +296,23 @@ impl Attached {
         let end = start.checked_add(usize::try_from(meta.len).ok()?)?;
         chunk.get(start..end)
     }
+}
+
+/// A GPU generation attached as fabric handles ([`Client::attach_fabric`]): the lease (held
+/// by the connection), the metadata, and the descriptor to import or forward.
+#[derive(Debug)]
+pub struct FabricAttached {
+    /// The region.
+    pub region: String,
+    /// The lease number.
+    pub lease: u64,
+    /// The generation.
+    pub generation: u64,
+    /// The metadata.
+    pub meta: BTreeMap<String, TensorMeta>,
+    /// The lease's TTL.
+    pub ttl: Duration,
+    /// Every chunk, back to back, as fabric handles (bearer tokens: whoever has them and an
+    /// IMEX channel can map the memory, read-write if it likes).
+    pub descriptor: FabricDescriptor,
 }

@@ -188,6 +188,16 @@ pub enum Refusal {
         /// Its digest now.
         found: [u8; 32],
     },
+    /// `AttachFabric` of a generation whose chunks cannot be exported as fabric handles here
+    /// (a host region, a device or service without fabric support, or a generation taken
+    /// back from the keeper after a restart). Nothing was kept for the request.
+    #[error("region {region:?} generation {generation}: no fabric handles to give")]
+    FabricUnavailable {
+        /// The region.
+        region: String,
+        /// The generation.
+        generation: u64,
+    },
 }
 
 /// What the service was doing on a device when the driver refused ([`Refusal::DeviceFailed`]).

@@ -14,6 +14,10 @@ use crate::protocol::{ChunkDigest, MAX_KEY_LEN, MAX_META_ENTRIES, TensorMeta};
 pub(crate) struct Chunk {
     pub(crate) fd: OwnedFd,
     pub(crate) len: u64,
+    /// The service's own allocation of a fabric-shareable GPU chunk it made (not one taken
+    /// back from the keeper): what fabric handles are exported from (an fd import cannot be
+    /// exported again).
+    pub(crate) origin: Option<vmm_core::cuda::VirtualMemoryBuffer>,
 }
 
 /// A reader's lease on a generation.

@@ -1,6 +1,7 @@
 //! The service's GPU backend: chunks made with `cuMemCreate` through vmm-core, exported as
-//! POSIX fds that the service then holds (the allocation's own handle is released at once: the
-//! exported fd keeps the memory, which `tests/gpu_held_fd.rs` proves), and digests of
+//! POSIX fds that the service then holds (the exported fd keeps the memory, which
+//! `tests/gpu_held_fd.rs` proves; the allocation's own handle is released at once, except for
+//! fabric-shareable chunks, whose fabric handles are exported from it), and digests of
 //! committed chunks. Nothing here runs, and no CUDA context is made, until the first request
 //! for a GPU region: a host-only service never loads the driver.
 
@@ -87,14 +88,16 @@ impl Gpus {
     }
 
     /// A fresh chunk of `len` bytes (a multiple of the granularity) on device `uuid`, as the
-    /// exported fd that now alone keeps it; filled with zeros when `zeroed` (`cuMemCreate`
-    /// does not clear memory).
+    /// exported fd that keeps it; filled with zeros when `zeroed` (`cuMemCreate` does not
+    /// clear memory). Where the chunk is fabric-shareable the allocation itself comes too
+    /// (fabric handles are exported from it; it is not kept across a restart); otherwise it
+    /// is released at once and the fd alone keeps the memory.
     pub(crate) fn create(
         &self,
         uuid: &[u8; 16],
         len: u64,
         zeroed: bool,
-    ) -> Result<OwnedFd, Refusal> {
+    ) -> Result<(OwnedFd, Option<VirtualMemoryBuffer>), Refusal> {
         let failed = |e: vmm_core::Error| Refusal::DeviceFailed {
             device: *uuid,
             op: GpuOp::Allocate,
@@ -107,13 +110,12 @@ impl Gpus {
             buffer.fill(0).map_err(failed)?;
         }
         let descriptor = buffer.export().map_err(failed)?;
-        // The buffer (its mapping and its allocation handle) goes; the fd keeps the memory.
-        drop(buffer);
-        descriptor.into_fds().pop().ok_or(Refusal::DeviceFailed {
+        let fd = descriptor.into_fds().pop().ok_or(Refusal::DeviceFailed {
             device: *uuid,
             op: GpuOp::Allocate,
             error: "the export gave no fd".into(),
-        })
+        })?;
+        Ok((fd, resources.fabric.then_some(buffer)))
     }
 
     /// The SHA-256 digest of each chunk's bytes, read through a read-only mapping of its own.

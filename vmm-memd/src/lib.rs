@@ -55,7 +55,7 @@ mod registry;
 mod service;
 mod sleep;
 
-pub use attach::Attached;
+pub use attach::{Attached, FabricAttached};
 pub use client::{BeginOptions, Client, Writer};
 pub use error::{GpuOp, MemdError, Refusal, RequestRule, Result, Right};
 pub use gpu_mapping::GpuChunks;

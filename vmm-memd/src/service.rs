@@ -450,39 +450,10 @@ impl Connection<'_> {
                 Response::Done
             }
             Request::Attach { region, generation } => {
-                let grant = registry.attach(conn, who, &region, generation)?;
-                if let Err(refusal) = self.drained(grant.chunks.len()) {
-                    registry.detach(conn, grant.lease);
-                    return Err(refusal.into());
-                }
-                let pages = protocol::meta_pages(&grant.meta);
-                let (lease, generation) = (grant.lease, grant.generation);
-                let chunks = grant.chunks.iter().map(|(_, len)| *len).collect();
-                let meta_pages = pages.len() as u32;
-                let ttl_ms = registry.policy().lease_ttl.as_millis() as u64;
-                self.send(&match grant.backend {
-                    Backend::Host => Response::Attached {
-                        lease,
-                        generation,
-                        chunks,
-                        meta_pages,
-                        ttl_ms,
-                    },
-                    Backend::Gpu { uuid } => Response::AttachedGpu {
-                        lease,
-                        generation,
-                        chunks,
-                        meta_pages,
-                        ttl_ms,
-                        device: uuid,
-                        fabric: grant.fabric,
-                    },
-                })?;
-                for page in pages {
-                    self.send(&Response::MetaPage(page))?;
-                }
-                self.send_chunks(grant.backend, &grant.chunks)?;
-                return Ok(());
+                return self.attach(&region, generation, false);
+            }
+            Request::AttachFabric { region, generation } => {
+                return self.attach(&region, generation, true);
             }
             Request::Detach { lease } => {
                 if !registry.detach(conn, lease) {
@@ -533,6 +504,58 @@ impl Connection<'_> {
             }
         };
         Ok(self.send(&reply)?)
+    }
+
+    /// `Attach` (and `AttachFabric`, `as_fabric`): the reply, the metadata pages, then the
+    /// chunks' descriptors (fabric handles for `AttachFabric`).
+    fn attach(
+        &mut self,
+        region: &str,
+        generation: Option<u64>,
+        as_fabric: bool,
+    ) -> Result<(), Handled> {
+        let (registry, conn, who) = (self.registry, self.conn, self.identity);
+        let grant = registry.attach(conn, who, region, generation, as_fabric)?;
+        let fds = if as_fabric { 0 } else { grant.chunks.len() };
+        if let Err(refusal) = self.drained(fds) {
+            registry.detach(conn, grant.lease);
+            return Err(refusal.into());
+        }
+        let pages = protocol::meta_pages(&grant.meta);
+        let (lease, generation) = (grant.lease, grant.generation);
+        let chunks = grant.chunks.iter().map(|(_, len)| *len).collect();
+        let meta_pages = pages.len() as u32;
+        let ttl_ms = registry.policy().lease_ttl.as_millis() as u64;
+        self.send(&match grant.backend {
+            Backend::Host => Response::Attached {
+                lease,
+                generation,
+                chunks,
+                meta_pages,
+                ttl_ms,
+            },
+            Backend::Gpu { uuid } => Response::AttachedGpu {
+                lease,
+                generation,
+                chunks,
+                meta_pages,
+                ttl_ms,
+                device: uuid,
+                fabric: grant.fabric,
+            },
+        })?;
+        for page in pages {
+            self.send(&Response::MetaPage(page))?;
+        }
+        match &grant.fabric_handles {
+            Some(handles) => {
+                for descriptor in handles {
+                    self.session.send_descriptor(descriptor)?;
+                }
+            }
+            None => self.send_chunks(grant.backend, &grant.chunks)?,
+        }
+        Ok(())
     }
 
     /// `Begin` (`backend` Host) and `BeginOn`: the reply, then the chunks' descriptors.

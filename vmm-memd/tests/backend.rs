@@ -49,6 +49,11 @@ fn existing_variants_keep_their_tags_and_new_ones_are_appended() {
             region: region(),
             generation: None,
         },
+        Request::Discard { lease: 0 },
+        Request::AttachFabric {
+            region: region(),
+            generation: None,
+        },
     ];
     for (i, request) in requests.iter().enumerate() {
         assert_eq!(tag(request) as usize, i, "{request:?}");
@@ -86,6 +91,11 @@ fn existing_variants_keep_their_tags_and_new_ones_are_appended() {
     };
     assert_eq!(tag(&service_failed), 9);
     assert_eq!(tag(&Refusal::NoSuchDevice { uuid: [0; 16] }), 10);
+    let fabric = Refusal::FabricUnavailable {
+        region: region(),
+        generation: 0,
+    };
+    assert_eq!(tag(&fabric), 13);
     assert_eq!(tag(&RequestRule::NoSuchLease), 7);
     assert_eq!(tag(&RequestRule::Backend), 8);
 }

@@ -315,3 +315,42 @@ fn a_gpu_begin_over_the_quota_is_refused_before_allocating() {
     assert_eq!(service.fd_count(), fds);
     assert_eq!(client.status().unwrap().used, granule);
 }
+
+/// Where the device and the processes have fabric support (an IMEX channel; `SKIP`
+/// otherwise): `AttachFabric` gives the chunks as fabric handles that import (read-only here)
+/// to the published bytes; after a restart of the service, whose keeper holds fds only, the
+/// same request is refused with `FabricUnavailable` and the fd attach still works.
+#[test]
+fn fabric_handles_where_the_fabric_is_there() {
+    let mut service = ServiceProc::start(&[]);
+    if !skip_unless(vmm_core::testing::cuda_fabric()) {
+        return;
+    }
+    let device = Device::new(0).unwrap();
+    let client = service.connect();
+    publish_gpu(&client, "fab", *device.uuid(), 2, SIZE);
+    assert!(client.attach("fab").unwrap().gpu.unwrap().fabric());
+    let attached = client.attach_fabric("fab", None).unwrap();
+    assert_eq!(attached.descriptor.handles().len(), 2);
+    let reader =
+        VirtualMemoryResource::new(&device, ResourceOptions::default().read_only(true)).unwrap();
+    let mapped = reader.import_fabric(&attached.descriptor).unwrap();
+    let sizes = attached.descriptor.chunk_sizes().to_vec();
+    let mut offset = 0;
+    for (i, &len) in sizes.iter().enumerate() {
+        let mut bytes = vec![0u8; len];
+        mapped.read_at(offset, &mut bytes).unwrap();
+        assert_eq!(bytes, gpu_common::pattern(1, i, len));
+        offset += len;
+    }
+    drop((mapped, attached, client));
+    service.signal(libc::SIGKILL);
+    let _ = service.child.wait();
+    service.restart();
+    let client = service.connect();
+    assert!(matches!(
+        client.attach_fabric("fab", None),
+        Err(MemdError::Refused(Refusal::FabricUnavailable { .. }))
+    ));
+    assert!(attached_intact(&client.attach("fab").unwrap()));
+}

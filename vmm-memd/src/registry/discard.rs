@@ -48,7 +48,7 @@ impl Registry {
         };
         let mut chunks = Vec::with_capacity(sizes.len());
         for &len in &sizes {
-            let fd = match backend {
+            let (fd, origin) = match backend {
                 Backend::Host => {
                     let fd = memfd::create(len)?;
                     memfd::seal_writes(std::os::fd::AsFd::as_fd(&fd)).map_err(|e| {
@@ -57,11 +57,11 @@ impl Registry {
                             errno: e.raw_os_error().unwrap_or(0),
                         }
                     })?;
-                    fd
+                    (fd, None)
                 }
                 Backend::Gpu { uuid } => self.gpus.create(&uuid, len, true)?,
             };
-            chunks.push(Chunk { fd, len });
+            chunks.push(Chunk { fd, len, origin });
         }
         g.digests = match backend {
             Backend::Host => Vec::new(),

@@ -52,7 +52,11 @@ impl Registry {
                 chunks: chunks
                     .into_iter()
                     .zip(&record.chunks)
-                    .map(|(fd, &len)| Chunk { fd, len })
+                    .map(|(fd, &len)| Chunk {
+                        fd,
+                        len,
+                        origin: None,
+                    })
                     .collect(),
                 meta: record.meta,
                 charged_to: record.charged_to,

@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Refusal, RequestRule, Right};
 use crate::generation::{Chunk, Generation, Lease};
+use vmm_core::cuda::FabricDescriptor;
+
 use crate::gpu::Gpus;
 use crate::identity::Identity;
 use crate::keeper_link::KeeperLink;
@@ -98,6 +100,8 @@ pub(crate) struct Grant {
     pub(crate) meta: Vec<(String, TensorMeta)>,
     pub(crate) backend: Backend,
     pub(crate) fabric: bool,
+    /// The chunks as fabric handles (one single-chunk descriptor each), when asked for.
+    pub(crate) fabric_handles: Option<Vec<FabricDescriptor>>,
 }
 
 /// A pending generation as [`Registry::begin`] made it: its number, its chunks (fds to send
@@ -316,11 +320,11 @@ impl Registry {
         let mut made = Vec::with_capacity(chunks.len());
         for &len in chunks {
             let created = match backend {
-                Backend::Host => memfd::create(len),
+                Backend::Host => memfd::create(len).map(|fd| (fd, None)),
                 Backend::Gpu { uuid } => self.gpus.create(&uuid, len, false),
             };
             match created {
-                Ok(fd) => made.push(Chunk { fd, len }),
+                Ok((fd, origin)) => made.push(Chunk { fd, len, origin }),
                 Err(e) => {
                     drop_if_unused(&mut state, region);
                     self.changed.notify_all();
@@ -428,6 +432,7 @@ impl Registry {
         who: &Identity,
         region: &str,
         generation: Option<u64>,
+        as_fabric: bool,
     ) -> Result<Grant, Refusal> {
         let mut state = self.lock();
         state.next_lease += 1;
@@ -461,6 +466,13 @@ impl Registry {
             .get_mut(region)
             .and_then(|r| r.generations.get_mut(&number))
             .expect("found above");
+        let fabric_handles = match as_fabric {
+            false => None,
+            true => Some(fabric_handles(g).ok_or_else(|| Refusal::FabricUnavailable {
+                region: region.to_owned(),
+                generation: number,
+            })?),
+        };
         let chunks = g.dup_fds()?.into_iter().zip(g.sizes()).collect();
         g.leases.insert(
             lease,
@@ -477,6 +489,7 @@ impl Registry {
             meta: g.meta.clone(),
             backend,
             fabric,
+            fabric_handles,
         })
     }
 
@@ -651,6 +664,15 @@ fn prune(state: &mut State, retain: usize) {
     }
     state.deleted.retain(|r| !r.generations.is_empty());
     discard::free_discarded(state);
+}
+
+/// Every chunk of `g` exported as fabric handles, if every chunk has the service's own
+/// fabric-shareable allocation.
+fn fabric_handles(g: &Generation) -> Option<Vec<FabricDescriptor>> {
+    g.chunks
+        .iter()
+        .map(|c| c.origin.as_ref().and_then(|b| b.export_fabric().ok()))
+        .collect()
 }
 
 /// The refusal of a request for another backend than `region`'s, `found`.
