@@ -188,8 +188,9 @@ impl Client {
                 },
                 Err(e) => e,
             };
-            // Best effort: the lease is of no use.
-            if !matches!(error, MemdError::ServiceGone(_)) {
+            // Best effort: the lease is of no use. (After a bad descriptor the rest of the
+            // reply is not read: the connection is out of step, drop it.)
+            if matches!(error, MemdError::Core(_) | MemdError::AddressTaken { .. }) {
                 let _ = self.request(&Request::Detach { lease });
             }
             return Err(error);

@@ -8,10 +8,10 @@ use std::os::fd::OwnedFd;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::error::{Refusal, RequestRule, Right};
-use crate::generation::{Chunk, Generation, Lease};
 use vmm_core::cuda::FabricDescriptor;
 
+use crate::error::{Refusal, RequestRule, Right};
+use crate::generation::{Chunk, Generation, Lease};
 use crate::gpu::Gpus;
 use crate::identity::Identity;
 use crate::keeper_link::KeeperLink;
