@@ -47,6 +47,21 @@ fn settle() {
     std::thread::sleep(Duration::from_millis(100));
 }
 
+/// The fds of the keeper `pid` once they stop changing (the same over 4 looks 25 ms apart,
+/// within 3 s): what it holds once it has read what the service sent.
+fn settled_fds(pid: i32) -> usize {
+    settle();
+    let (mut last, mut same) = (fds_of(pid), 0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    while same < 4 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(25));
+        let now = fds_of(pid);
+        same = if now == last { same + 1 } else { 0 };
+        last = now;
+    }
+    last
+}
+
 /// The slept addresses.
 fn addresses(sleeping: &Sleeping) -> Vec<usize> {
     sleeping
@@ -64,7 +79,8 @@ fn memory_goes_once_every_mapper_sleeps_and_a_wake_makes_it_again_zeroed() {
     let (a, b) = (service.connect(), service.connect());
     let (held_a, held_b) = (a.attach("kv").unwrap(), b.attach("kv").unwrap());
     let keeper = service.keeper_pid().expect("a keeper");
-    let (service_fds, keeper_fds) = (service.fd_count(), fds_of(keeper));
+    let keeper_fds = settled_fds(keeper);
+    let service_fds = service.fd_count();
     let used = writer.status().unwrap().used;
     let slept_a = a.sleep_discard(held_a).unwrap();
     // B still maps it: nothing is freed.
@@ -120,12 +136,10 @@ fn a_discard_sleep_never_frees_memory_a_reader_still_maps() {
             ..
         })
     ));
-    settle();
     let keeper = service.keeper_pid().expect("a keeper");
-    let keeper_fds = fds_of(keeper);
+    let keeper_fds = settled_fds(keeper);
     let slept = sleeper.sleep_discard(attached).unwrap();
-    settle();
-    assert_eq!(fds_of(keeper), keeper_fds, "the holder still maps it");
+    assert_eq!(settled_fds(keeper), keeper_fds, "the holder still maps it");
     let check = sleeper.attach("kv").unwrap();
     assert!(
         check.chunks[0]
