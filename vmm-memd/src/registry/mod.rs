@@ -22,7 +22,7 @@ use crate::protocol::{
 };
 
 mod discard;
-mod gpu;
+mod gpu_requests;
 mod kept;
 
 use kept::keep;
