@@ -222,11 +222,17 @@ fn a_write_through_a_hostile_writable_mapping_fails_verify() {
 
 /// One service serves every device: a region lives on the device its first `BeginOn` named
 /// (device 1 here), its replies name that device's UUID, readers map it there; another
-/// device for the same region is refused. Needs two GPUs (`SKIP` with one).
+/// device for the same region is refused. Needs two GPUs: with one it prints a `SKIP` line
+/// and passes even under `VMM_REQUIRE_GPU=1` (which still fails it without any GPU).
 #[test]
 fn regions_live_on_the_device_they_were_created_on() {
     let service = ServiceProc::start(&[]);
-    if !skip_unless(cuda_devices(2)) {
+    if !skip_unless(cuda_vmm_ipc()) {
+        return;
+    }
+    if let Err(reason) = cuda_devices(2) {
+        let test = std::thread::current().name().unwrap_or("").to_owned();
+        eprintln!("SKIP {test}: {reason}");
         return;
     }
     let (zero, one) = (parse_uuid(&uuid_hex(0)), parse_uuid(&uuid_hex(1)));
