@@ -197,3 +197,26 @@ fn a_region_keeps_its_backend() {
             .all(|&b| b == fill_byte(1))
     );
 }
+
+/// A GPU `Begin` with a malformed chunk list is refused by the same rules as a host one,
+/// before any device is looked up (so `Chunks`, not `NoSuchDevice`, even for a device that
+/// does not exist).
+#[test]
+fn gpu_chunk_lists_are_checked_before_any_device_is_opened() {
+    let service = ServiceProc::start(&[]);
+    let client = service.connect();
+    let options = || BeginOptions {
+        backend: Backend::Gpu { uuid: [0xcd; 16] },
+        ..Default::default()
+    };
+    for chunks in [vec![], vec![0], vec![1 << 20; 65]] {
+        match client.begin("bad", &chunks, options()) {
+            Err(MemdError::Refused(Refusal::InvalidRequest {
+                rule: RequestRule::Chunks,
+                ..
+            })) => {}
+            other => panic!("{chunks:?}: {:?}", other.map(|w| w.generation())),
+        }
+    }
+    assert!(client.list().unwrap().is_empty());
+}
