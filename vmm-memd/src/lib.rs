@@ -1,14 +1,17 @@
 //! `vmm-memd`: a memory service on vmm-ipc. Named regions with generations (a writer fills
 //! generation N+1 while N stays served, then commits atomically), leases that end with the
 //! reader's connection or by TTL, ACLs and quotas keyed by the kernel's identity of each
-//! peer, and committed memory sealed read-only by the kernel (host memfd backend).
+//! peer, and committed memory sealed read-only by the kernel (host memfd backend) or mapped
+//! read-only by our clients and checked by digest (GPU backend: CUDA VMM chunks on any
+//! device, chosen per region with [`BeginOptions::backend`]).
 //!
 //! - [`Service`] serves on a [`vmm_core::wire::endpoint::Listener`]; [`cli`] is the
 //!   `vmm-memd` program.
 //! - [`Client`] is the Rust client: [`Client::begin`] gives a [`Writer`],
 //!   [`Client::attach`] an [`Attached`].
 //! - [`protocol`] is the request/response protocol (postcard in peer-protocol `DATA`
-//!   messages; descriptors as the peer protocol's own `HOST_MEMFD` messages).
+//!   messages; descriptors as the peer protocol's own `HOST_MEMFD`, `CUDA_VMM` and
+//!   `CUDA_FABRIC` messages).
 //!
 //! ```no_run
 //! use vmm_core::wire::endpoint::Name;
