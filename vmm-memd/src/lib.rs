@@ -71,4 +71,4 @@ pub use service::{
     DEFAULT_MAX_FDS_IN_FLIGHT, DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID, DEFAULT_MAX_WAIT, IN_FLIGHT_WAIT,
     KEEPER_TICK, Service, TICK,
 };
-pub use sleep::{Sleeping, WakeFailed, layout_hash, layout_hash_on};
+pub use sleep::{SleepFailed, Sleeping, WakeFailed, layout_hash, layout_hash_on};

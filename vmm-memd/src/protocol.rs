@@ -211,7 +211,8 @@ pub enum Request {
     },
     /// End the lease `lease` as a *discard sleep*: besides ending the lease, ask the service
     /// to free the generation's memory once no lease holds it (every mapper asleep or gone).
-    /// The generation stays (number, metadata, chunk sizes, quota charge); the next `Attach`
+    /// Needs the region's write right (it replaces the contents): `AccessDenied` otherwise,
+    /// and the lease stays. The generation stays (number, metadata, chunk sizes, quota charge); the next `Attach`
     /// of it (a wake) makes its chunks again, zeroed. The reply is `Done`.
     Discard {
         /// The lease, as `Attached` named it.

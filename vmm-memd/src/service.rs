@@ -467,13 +467,7 @@ impl Connection<'_> {
             }
             Request::Renew => Response::Renewed(registry.renew(conn)),
             Request::Discard { lease } => {
-                if !registry.discard(conn, lease) {
-                    return Err(Refusal::InvalidRequest {
-                        rule: RequestRule::NoSuchLease,
-                        detail: format!("this connection holds no lease {lease}"),
-                    }
-                    .into());
-                }
+                registry.discard(conn, who, lease)?;
                 Response::Done
             }
             Request::Delete { region } => {

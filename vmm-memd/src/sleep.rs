@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use crate::attach::Attached;
 use crate::client::Client;
-use crate::error::{MemdError, Result};
+use crate::error::{MemdError, Refusal, RequestRule, Result};
 use crate::mapping::Reservation;
 use crate::protocol::{Backend, Request, TensorMeta};
 
@@ -78,6 +78,18 @@ impl Sleeping {
     }
 }
 
+/// A discard sleep that did not happen: why, and the attachment when it is untouched (the
+/// service refused to end its lease so).
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct SleepFailed {
+    /// Why (`Refused(AccessDenied)` without the region's write right).
+    pub error: MemdError,
+    /// The attachment, still mapped and leased (`None` if unmapping it failed after the
+    /// lease ended).
+    pub attached: Option<Attached>,
+}
+
 /// A wake that did not happen: why, and the sleeper (its reservations kept) to try again.
 #[derive(Debug, thiserror::Error)]
 #[error("{error}")]
@@ -98,7 +110,12 @@ impl Client {
     /// (`address_hint`) and gives [`MemdError::AddressTaken`] if the driver placed it
     /// elsewhere (another allocation of this process took the range meanwhile).
     pub fn sleep(&self, attached: Attached) -> Result<Sleeping> {
-        self.sleep_with(attached, false)
+        let lease = attached.lease;
+        let sleeping = self.unmap(attached)?;
+        match self.detach_lease(lease) {
+            Ok(()) | Err(MemdError::ServiceGone(_) | MemdError::Refused(_)) => Ok(sleeping),
+            Err(e) => Err(e),
+        }
     }
 
     /// [`sleep`](Self::sleep), and let the service free the memory (a *discard* sleep, for
@@ -107,11 +124,40 @@ impl Client {
     /// the memory goes as soon as no process maps it. The generation stays; the next wake
     /// (anyone's attach) makes its chunks again, zeroed, and maps them at the slept
     /// addresses. The quota stays charged meanwhile, so the wake cannot be refused for it.
-    pub fn sleep_discard(&self, attached: Attached) -> Result<Sleeping> {
-        self.sleep_with(attached, true)
+    ///
+    /// The lease is ended first: a refusal (`AccessDenied` without the region's write right)
+    /// comes back in [`SleepFailed`] with the attachment untouched. A lease already gone
+    /// (expired, the service gone) is no failure: this is then a plain sleep.
+    pub fn sleep_discard(
+        &self,
+        attached: Attached,
+    ) -> std::result::Result<Sleeping, Box<SleepFailed>> {
+        match self.request(&Request::Discard {
+            lease: attached.lease,
+        }) {
+            Ok(_)
+            | Err(MemdError::ServiceGone(_))
+            | Err(MemdError::Refused(Refusal::InvalidRequest {
+                rule: RequestRule::NoSuchLease,
+                ..
+            })) => {}
+            Err(error) => {
+                return Err(Box::new(SleepFailed {
+                    error,
+                    attached: Some(attached),
+                }));
+            }
+        }
+        self.unmap(attached).map_err(|error| {
+            Box::new(SleepFailed {
+                error,
+                attached: None,
+            })
+        })
     }
 
-    fn sleep_with(&self, attached: Attached, discard: bool) -> Result<Sleeping> {
+    /// Give `attached`'s memory up, keeping its addresses (host) or its address (GPU).
+    fn unmap(&self, attached: Attached) -> Result<Sleeping> {
         let (sizes, backend, gpu_address) = match &attached.gpu {
             Some(g) => (
                 g.chunk_sizes().to_vec(),
@@ -127,19 +173,10 @@ impl Client {
             ),
         };
         let layout = layout_hash_on(&sizes, &attached.meta, backend);
-        let lease = attached.lease;
         drop(attached.gpu);
         let mut reservations = Vec::with_capacity(attached.chunks.len());
         for chunk in attached.chunks {
             reservations.push(chunk.into_reservation()?);
-        }
-        let ended = match discard {
-            true => self.request(&Request::Discard { lease }).map(drop),
-            false => self.detach_lease(lease),
-        };
-        match ended {
-            Ok(()) | Err(MemdError::ServiceGone(_) | MemdError::Refused(_)) => {}
-            Err(e) => return Err(e),
         }
         Ok(Sleeping {
             region: attached.region,

@@ -7,9 +7,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Role, ServiceProc, fill_byte, publish, role_args, role_client, say, until};
+use common::{
+    NOBODY, Role, ServiceProc, fill_byte, is_root, publish, role_args, role_client, say, until,
+};
 use vmm_core::wire::endpoint::ConnectOptions;
+use vmm_memd::protocol::{Acl, Principal};
 use vmm_memd::protocol::{Request, Response};
+use vmm_memd::{BeginOptions, MemdError};
 use vmm_memd::{Client, Refusal, RequestRule, Sleeping};
 
 const CHUNK: u64 = 64 << 10;
@@ -28,6 +32,31 @@ fn role_entry() {
             let attached = client.attach(&args[0]).unwrap();
             say(&format!("HOLDING {}", attached.generation));
             std::thread::sleep(Duration::from_secs(60));
+        }
+        // Attach ARGS[0] and try to end the lease with a discard sleep; say how it went,
+        // then check the memory is still there.
+        "discarder" => {
+            let client = role_client();
+            let attached = client.attach(&args[0]).unwrap();
+            let generation = attached.generation;
+            match client.sleep_discard(attached) {
+                Err(failed) => match (failed.error, failed.attached) {
+                    (MemdError::Refused(Refusal::AccessDenied { right, .. }), Some(kept)) => {
+                        // Untouched: still mapped, still leased.
+                        assert!(kept.chunks[0].as_slice().iter().all(|&x| x == fill_byte(1)));
+                        client.detach(&kept).unwrap();
+                        say(&format!("DENIED {right}"))
+                    }
+                    (e, _) => say(&format!("ERROR {e:?}")),
+                },
+                Ok(_) => say("SLEPT"),
+            }
+            let again = client.attach(&args[0]).unwrap();
+            let intact = again.chunks[0]
+                .as_slice()
+                .iter()
+                .all(|&x| x == fill_byte(generation));
+            say(&format!("INTACT {intact}"));
         }
         other => panic!("unknown role {other}"),
     }
@@ -187,5 +216,39 @@ fn a_discarded_generation_survives_a_restart() {
         woke.chunks
             .iter()
             .all(|c| c.as_slice().iter().all(|&x| x == 0))
+    );
+}
+
+/// A discard replaces the contents, so it needs the write right: a reader of another uid
+/// that may only read is refused (`AccessDenied` for `write`) and the published memory stays
+/// (it would otherwise wipe the weights of every later reader by attaching and discarding).
+#[test]
+fn a_reader_without_the_write_right_cannot_discard() {
+    if !is_root() {
+        eprintln!("SKIP a_reader_without_the_write_right_cannot_discard: needs root for setpriv");
+        return;
+    }
+    let service = ServiceProc::start(&[]);
+    let owner = service.connect();
+    let options = BeginOptions {
+        acl: Acl {
+            read: vec![Principal::Uid(NOBODY)],
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let writer = owner.begin("weights", &[CHUNK], options).unwrap();
+    writer.chunk(0).fill(fill_byte(1)).unwrap();
+    writer.commit().unwrap();
+    let mut reader = Role::spawn("discarder", &service, &["weights"], true);
+    assert_eq!(reader.expect_line(), "DENIED write");
+    assert_eq!(reader.expect_line(), "INTACT true");
+    assert!(reader.wait_success());
+    let attached = owner.attach("weights").unwrap();
+    assert!(
+        attached.chunks[0]
+            .as_slice()
+            .iter()
+            .all(|&x| x == fill_byte(1))
     );
 }

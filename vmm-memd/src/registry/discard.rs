@@ -1,31 +1,62 @@
 //! The discard sleep: a reader that sleeps with discard gives its lease up and asks the
 //! service to free the generation's memory once no lease holds it (every mapper asleep or
-//! gone). The generation stays (its number, metadata, chunk sizes and quota charge); the
-//! keeper keeps its record without chunks; the next attach (a wake) makes the chunks again,
+//! gone). It needs the region's write right: it replaces the contents. The generation stays
+//! (its number, metadata, chunk sizes and quota charge); the keeper keeps its record without
+//! chunks; the next attach (a wake) makes the chunks again,
 //! zeroed, so a sleeper's layout hash still matches and it maps them at its old addresses.
 
 use super::{Registry, State, generations_mut, keep, prune};
-use crate::error::Refusal;
-use crate::generation::Chunk;
+use crate::error::{Refusal, RequestRule, Right};
+use crate::generation::{Chunk, Generation};
+use crate::identity::Identity;
 use crate::memfd;
 use crate::protocol::Backend;
 
 impl Registry {
-    /// End `conn`'s lease `lease` as a discard sleep (`false`: no such lease of this
-    /// connection). Its generation's memory goes once no lease holds it.
-    pub(crate) fn discard(&self, conn: u64, lease: u64) -> bool {
+    /// End `conn`'s lease `lease` as a discard sleep: its generation's memory goes once no
+    /// lease holds it. Discarding replaces the contents (with zeros, at the next attach), so
+    /// it needs the region's write right: a reader that may only read is refused
+    /// (`AccessDenied`, its lease kept). `NoSuchLease`: no such lease of this connection.
+    pub(crate) fn discard(&self, conn: u64, who: &Identity, lease: u64) -> Result<(), Refusal> {
         let mut state = self.lock();
-        let found = generations_mut(&mut state).any(|g| {
-            let mine = g.leases.get(&lease).is_some_and(|l| l.conn == conn);
-            if mine {
-                g.leases.remove(&lease);
-                g.discard_wanted = true;
-            }
-            mine
+        let mine = |g: &Generation| g.leases.get(&lease).is_some_and(|l| l.conn == conn);
+        // The live region holding the lease, and whether the caller may write it.
+        let found = state.regions.iter().find_map(|(name, r)| {
+            r.generations
+                .values()
+                .any(&mine)
+                .then(|| (name.clone(), r.may(who, Right::Write)))
         });
+        match found {
+            Some((region, false)) => {
+                return Err(Refusal::AccessDenied {
+                    region,
+                    right: Right::Write,
+                    uid: who.uid,
+                });
+            }
+            Some((region, true)) => {
+                let r = state.regions.get_mut(&region).expect("found above");
+                if let Some(g) = r.generations.values_mut().find(|g| mine(g)) {
+                    g.leases.remove(&lease);
+                    g.discard_wanted = true;
+                }
+            }
+            // A deleted region's generation: the lease just ends.
+            None => {
+                let ended = generations_mut(&mut state)
+                    .any(|g| mine(g) && g.leases.remove(&lease).is_some());
+                if !ended {
+                    return Err(Refusal::InvalidRequest {
+                        rule: RequestRule::NoSuchLease,
+                        detail: format!("this connection holds no lease {lease}"),
+                    });
+                }
+            }
+        }
         prune(&mut state, self.policy.retain);
         self.changed.notify_all();
-        found
+        Ok(())
     }
 
     /// Make a discarded generation's chunks again, zeroed (host: fresh memfds sealed at once;
