@@ -1,20 +1,19 @@
 //! [`Client`]: the Rust client. One connection to the service; the connection is the lease
 //! (every lease it holds ends when it closes, process death included).
 
-use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use vmm_core::peer::{Descriptor, PeerMessage, Session};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
 use vmm_core::wire::endpoint::{ConnectOptions, Name};
 
+use crate::attach::Attached;
 use crate::error::{MemdError, Result};
-use crate::mapping::ReadOnlyChunk;
+use crate::gpu_mapping::GpuChunks;
 use crate::protocol::{
-    Acl, MAX_CHUNKS, MAX_META_ENTRIES, RegionSummary, Request, Response, Status, TensorMeta,
-    meta_pages,
+    Acl, Backend, ChunkDigest, RegionSummary, Request, Response, Status, TensorMeta, meta_pages,
 };
-use crate::sleep::{Placement, layout_hash};
 
 /// A connection to the service.
 #[derive(Debug)]
@@ -30,6 +29,9 @@ pub struct BeginOptions {
     /// How long to wait for another writer to finish (the service caps it); zero: do not
     /// wait.
     pub wait: Duration,
+    /// Where a region this creates lives (an existing region's must match): host memory
+    /// (default; sent as the original `Begin`, which every service speaks) or a GPU.
+    pub backend: Backend,
 }
 
 impl Client {
@@ -83,7 +85,7 @@ impl Client {
         self.reply()
     }
 
-    fn request(&self, request: &Request) -> Result<Response> {
+    pub(crate) fn request(&self, request: &Request) -> Result<Response> {
         let bytes = postcard::to_allocvec(request)
             .map_err(|e| MemdError::BadReply(format!("encoding a request: {e}")))?;
         match self.request_raw(&bytes)? {
@@ -92,12 +94,12 @@ impl Client {
         }
     }
 
-    fn reply(&self) -> Result<Response> {
+    pub(crate) fn reply(&self) -> Result<Response> {
         let bytes = self.session.recv_data()?;
         postcard::from_bytes(&bytes).map_err(|e| MemdError::BadReply(e.to_string()))
     }
 
-    fn descriptor(&self, size: u64) -> Result<HostDescriptor> {
+    pub(crate) fn descriptor(&self, size: u64) -> Result<HostDescriptor> {
         match self.session.recv_message()? {
             PeerMessage::Descriptor(Descriptor::Host(d)) if d.size() as u64 == size => Ok(d),
             PeerMessage::Descriptor(d) => Err(MemdError::BadReply(format!(
@@ -106,6 +108,45 @@ impl Client {
             PeerMessage::Data(_) => Err(MemdError::BadReply(
                 "expected a descriptor, got DATA".into(),
             )),
+        }
+    }
+
+    /// A GPU chunk's descriptor: `CUDA_VMM` with one fd of `size` bytes; its fd.
+    fn gpu_descriptor(&self, size: u64) -> Result<OwnedFd> {
+        match self.session.recv_message()? {
+            PeerMessage::Descriptor(Descriptor::Cuda(d))
+                if d.size() as u64 == size && d.chunk_sizes().len() == 1 =>
+            {
+                d.into_fds()
+                    .pop()
+                    .ok_or_else(|| MemdError::BadReply("a CUDA descriptor without its fd".into()))
+            }
+            PeerMessage::Descriptor(d) => Err(MemdError::BadReply(format!(
+                "expected a one-chunk CUDA descriptor of {size} bytes, got {d:?}"
+            ))),
+            PeerMessage::Data(_) => Err(MemdError::BadReply(
+                "expected a descriptor, got DATA".into(),
+            )),
+        }
+    }
+
+    /// The fds of `sizes.len()` GPU chunk descriptors.
+    pub(crate) fn gpu_descriptors(&self, sizes: &[u64]) -> Result<Vec<OwnedFd>> {
+        sizes.iter().map(|&s| self.gpu_descriptor(s)).collect()
+    }
+
+    /// Check `region`'s generation `generation` (`None`: the current one) against the
+    /// digests the service took at its commit: the digests, one per chunk (none for a host
+    /// region: sealed, it cannot change), or
+    /// [`Refusal::DigestMismatch`](crate::Refusal::DigestMismatch) naming the first chunk
+    /// that changed (someone wrote it through a writable mapping of its own).
+    pub fn verify(&self, region: &str, generation: Option<u64>) -> Result<Vec<ChunkDigest>> {
+        match self.request(&Request::Verify {
+            region: region.to_owned(),
+            generation,
+        })? {
+            Response::Verified { digests, .. } => Ok(digests),
+            other => Err(unexpected("Verified", &other)),
         }
     }
 
@@ -136,19 +177,55 @@ impl Client {
     /// Begin the next generation of `region` with chunks of these sizes: see
     /// [`Writer`].
     pub fn begin(&self, region: &str, chunks: &[u64], options: BeginOptions) -> Result<Writer<'_>> {
-        let reply = self.request(&Request::Begin {
-            region: region.to_owned(),
-            chunks: chunks.to_vec(),
-            acl: options.acl,
-            wait_ms: options.wait.as_millis() as u64,
-        })?;
-        let Response::Began {
-            generation,
-            chunks: sizes,
-        } = reply
-        else {
-            return Err(unexpected("Began", &reply));
+        let (acl, wait_ms) = (options.acl, options.wait.as_millis() as u64);
+        let (region, chunks_asked) = (region.to_owned(), chunks.to_vec());
+        let request = match options.backend {
+            Backend::Host => Request::Begin {
+                region,
+                chunks: chunks_asked,
+                acl,
+                wait_ms,
+            },
+            backend => Request::BeginOn {
+                region,
+                chunks: chunks_asked,
+                acl,
+                wait_ms,
+                backend,
+            },
         };
+        let reply = self.request(&request)?;
+        let (generation, buffers, gpu) = match reply {
+            Response::Began {
+                generation,
+                chunks: sizes,
+            } if options.backend == Backend::Host => {
+                (generation, self.writable_host(chunks, sizes)?, None)
+            }
+            Response::BeganGpu {
+                generation,
+                chunks: sizes,
+                device,
+                fabric,
+            } if options.backend == (Backend::Gpu { uuid: device }) => (
+                generation,
+                Vec::new(),
+                Some(self.writable_gpu(chunks, &sizes, device, fabric)?),
+            ),
+            other => return Err(unexpected("Began", &other)),
+        };
+        Ok(Writer {
+            client: self,
+            generation,
+            chunks: buffers,
+            gpu,
+            meta: Vec::new(),
+            finished: false,
+        })
+    }
+
+    /// Map a pending host generation's chunks writable.
+    fn writable_host(&self, chunks: &[u64], sizes: Vec<u64>) -> Result<Vec<HostBuffer>> {
         if sizes != chunks {
             return Err(MemdError::BadReply(format!(
                 "asked for chunks {chunks:?}, the service announced {sizes:?}"
@@ -161,22 +238,37 @@ impl Client {
                 .and_then(|d| HostBuffer::import(&d).map_err(MemdError::from));
             match buffer {
                 Ok(buffer) => buffers.push(buffer),
-                Err(e) => {
-                    // Best effort: give the generation back (the connection's end would too).
-                    if !matches!(e, MemdError::ServiceGone(_)) {
-                        let _ = self.request(&Request::Abort);
-                    }
-                    return Err(e);
-                }
+                Err(e) => return Err(self.abandon(e)),
             }
         }
-        Ok(Writer {
-            client: self,
-            generation,
-            chunks: buffers,
-            meta: Vec::new(),
-            finished: false,
-        })
+        Ok(buffers)
+    }
+
+    /// Map a pending GPU generation's chunks writable (sizes rounded up by the service).
+    fn writable_gpu(
+        &self,
+        chunks: &[u64],
+        sizes: &[u64],
+        device: [u8; 16],
+        fabric: bool,
+    ) -> Result<GpuChunks> {
+        if sizes.len() != chunks.len() || sizes.iter().zip(chunks).any(|(s, c)| s < c) {
+            return Err(MemdError::BadReply(format!(
+                "asked for chunks {chunks:?}, the service announced {sizes:?}"
+            )));
+        }
+        self.gpu_descriptors(sizes)
+            .and_then(|fds| GpuChunks::import(device, &fds, sizes, (false, fabric), None))
+            .map_err(|e| self.abandon(e))
+    }
+
+    /// Best effort after a begin failed here: give the generation back (the connection's end
+    /// would too).
+    fn abandon(&self, e: MemdError) -> MemdError {
+        if !matches!(e, MemdError::ServiceGone(_)) {
+            let _ = self.request(&Request::Abort);
+        }
+        e
     }
 
     /// Attach `region`'s current committed generation: a lease (held by this connection),
@@ -189,115 +281,6 @@ impl Client {
     /// service still holds it (a lease or the retention setting keeps it).
     pub fn attach_generation(&self, region: &str, generation: Option<u64>) -> Result<Attached> {
         self.attach_placed(region, generation, &mut None)
-    }
-
-    /// Attach; with `place`, only a generation of its layout, mapped at its reservations
-    /// (which come back in `place` when it fails, and are used up when it succeeds).
-    pub(crate) fn attach_placed(
-        &self,
-        region: &str,
-        generation: Option<u64>,
-        place: &mut Option<Placement>,
-    ) -> Result<Attached> {
-        let reply = self.request(&Request::Attach {
-            region: region.to_owned(),
-            generation,
-        })?;
-        let Response::Attached {
-            lease,
-            generation,
-            chunks,
-            meta_pages,
-            ttl_ms,
-        } = reply
-        else {
-            return Err(unexpected("Attached", &reply));
-        };
-        if chunks.len() > MAX_CHUNKS || meta_pages as usize > MAX_META_ENTRIES {
-            return Err(MemdError::BadReply(format!(
-                "{} chunks and {meta_pages} metadata pages announced",
-                chunks.len()
-            )));
-        }
-        let mut meta = BTreeMap::new();
-        for _ in 0..meta_pages {
-            match self.reply()? {
-                Response::MetaPage(entries) if meta.len() + entries.len() <= MAX_META_ENTRIES => {
-                    meta.extend(entries)
-                }
-                other => return Err(unexpected("MetaPage", &other)),
-            }
-        }
-        if let Some(p) = place.as_ref() {
-            let found = layout_hash(&chunks, &meta);
-            if found != p.layout {
-                // Read the descriptors (closing them) to stay in step, and give the lease up.
-                for &size in &chunks {
-                    self.descriptor(size)?;
-                }
-                let _ = self.request(&Request::Detach { lease });
-                return Err(MemdError::StaleLayout {
-                    region: region.to_owned(),
-                    generation,
-                    expected: p.layout,
-                    found,
-                });
-            }
-        }
-        let mut mapped = Vec::with_capacity(chunks.len());
-        let mut spare = place
-            .as_mut()
-            .map(|p| std::mem::take(&mut p.reservations).into_iter());
-        for (i, &size) in chunks.iter().enumerate() {
-            let chunk = self.descriptor(size).and_then(|descriptor| {
-                let fd = descriptor
-                    .fd()
-                    .ok_or_else(|| MemdError::BadReply("an empty chunk".into()))?;
-                match spare.as_mut().map(|s| s.next()) {
-                    None => ReadOnlyChunk::map(fd, size as usize),
-                    Some(Some(r)) => {
-                        ReadOnlyChunk::map_into(fd, size as usize, r).map_err(|(e, r)| {
-                            // Back where it was, for the rest to follow it.
-                            if let Some(p) = place.as_mut() {
-                                p.reservations.push(r);
-                            }
-                            e
-                        })
-                    }
-                    Some(None) => Err(MemdError::BadReply(format!("no reservation for chunk {i}"))),
-                }
-            });
-            match chunk {
-                Ok(chunk) => mapped.push(chunk),
-                Err(e) => {
-                    if let (Some(p), Some(rest)) = (place.as_mut(), spare.take()) {
-                        // The reservations in order: the mapped ones given up again, the
-                        // failed one (pushed above), the rest.
-                        let failed = std::mem::take(&mut p.reservations);
-                        p.reservations = mapped
-                            .drain(..)
-                            .filter_map(|c: ReadOnlyChunk| c.into_reservation().ok())
-                            .chain(failed)
-                            .chain(rest)
-                            .collect();
-                    }
-                    // Best effort: the lease is of no use. (The rest of the reply, if any,
-                    // is not read: the connection is out of step, drop it.)
-                    if matches!(e, MemdError::BadDescriptor(_) | MemdError::Os { .. }) {
-                        let _ = self.request(&Request::Detach { lease });
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        Ok(Attached {
-            region: region.to_owned(),
-            lease,
-            generation,
-            chunks: mapped,
-            meta,
-            ttl: Duration::from_millis(ttl_ms),
-        })
     }
 
     /// End the lease of `attached` (its mapping stays valid: see [`Attached`]).
@@ -341,7 +324,7 @@ impl Client {
     }
 }
 
-fn unexpected(wanted: &str, got: &Response) -> MemdError {
+pub(crate) fn unexpected(wanted: &str, got: &Response) -> MemdError {
     MemdError::BadReply(format!("expected {wanted}, got {got:?}"))
 }
 
@@ -357,6 +340,7 @@ pub struct Writer<'c> {
     client: &'c Client,
     generation: u64,
     chunks: Vec<HostBuffer>,
+    gpu: Option<GpuChunks>,
     meta: Vec<(String, TensorMeta)>,
     finished: bool,
 }
@@ -367,14 +351,21 @@ impl Writer<'_> {
         self.generation
     }
 
-    /// Chunk `index`, mapped writable.
+    /// Chunk `index` of a host region, mapped writable (a GPU region has none: see
+    /// [`gpu`](Self::gpu)). Panics past the last chunk.
     pub fn chunk(&self, index: usize) -> &HostBuffer {
         &self.chunks[index]
     }
 
-    /// All chunks.
+    /// All chunks of a host region (empty for a GPU region).
     pub fn chunks(&self) -> &[HostBuffer] {
         &self.chunks
+    }
+
+    /// A GPU region's chunks, mapped writable on their device, back to back (`None` for a
+    /// host region). Fill them with `buffer().write_at(chunk_offset(i) + offset, bytes)`.
+    pub fn gpu(&self) -> Option<&GpuChunks> {
+        self.gpu.as_ref()
     }
 
     /// Describe a tensor (sent at commit; the service checks it lies inside its chunk).
@@ -383,7 +374,9 @@ impl Writer<'_> {
     }
 
     /// Unmap, send the metadata, and commit: the generation becomes current, read-only for
-    /// everyone. Returns its number.
+    /// everyone (host: sealed by the kernel; GPU: the service takes each chunk's digest,
+    /// which [`Client::verify`] checks later, and readers of our client map it read-only).
+    /// Returns its number.
     ///
     /// Metadata the service refuses aborts the generation (the refusal is returned). A commit
     /// refused with [`Refusal::StillMapped`](crate::Refusal::StillMapped) leaves it pending:
@@ -391,6 +384,8 @@ impl Writer<'_> {
     pub fn commit(mut self) -> Result<u64> {
         self.finished = true;
         self.chunks.clear();
+        // The GPU mapping goes before the commit, whose digests then see the final bytes.
+        self.gpu = None;
         for page in meta_pages(&std::mem::take(&mut self.meta)) {
             if let Err(e) = self.client.request(&Request::PutMeta(page)) {
                 if matches!(e, MemdError::Refused(_)) {
@@ -406,6 +401,7 @@ impl Writer<'_> {
     pub fn abort(mut self) -> Result<()> {
         self.finished = true;
         self.chunks.clear();
+        self.gpu = None;
         self.client.request(&Request::Abort).map(drop)
     }
 }
@@ -414,41 +410,8 @@ impl Drop for Writer<'_> {
     fn drop(&mut self) {
         if !self.finished {
             self.chunks.clear();
+            self.gpu = None;
             let _ = self.client.request(&Request::Abort);
         }
-    }
-}
-
-/// A committed generation attached: a lease, the metadata, the chunks mapped read-only.
-///
-/// The lease is the service's count of this reader: it ends with [`Client::detach`], with the
-/// connection (this process's exit included), or when its TTL runs out without
-/// [`Client::renew`]. Expiry only stops the service counting this reader (a retired
-/// generation may then be freed by the service and its quota given back); the mapping here
-/// stays valid and unchanged, because the kernel keeps the pages while any mapping holds them.
-#[derive(Debug)]
-pub struct Attached {
-    /// The region.
-    pub region: String,
-    /// The lease number.
-    pub lease: u64,
-    /// The generation.
-    pub generation: u64,
-    /// The chunks, mapped read-only.
-    pub chunks: Vec<ReadOnlyChunk>,
-    /// The metadata.
-    pub meta: BTreeMap<String, TensorMeta>,
-    /// The lease's TTL.
-    pub ttl: Duration,
-}
-
-impl Attached {
-    /// The bytes of tensor `key`.
-    pub fn tensor(&self, key: &str) -> Option<&[u8]> {
-        let meta = self.meta.get(key)?;
-        let chunk = self.chunks.get(meta.chunk as usize)?.as_slice();
-        let start = usize::try_from(meta.offset).ok()?;
-        let end = start.checked_add(usize::try_from(meta.len).ok()?)?;
-        chunk.get(start..end)
     }
 }

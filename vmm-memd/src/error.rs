@@ -43,6 +43,8 @@ pub enum RequestRule {
     Acl,
     /// `Detach` of a lease this connection does not hold (ended, expired, or never its own).
     NoSuchLease,
+    /// A `BeginOn` for another backend than the one the region lives on.
+    Backend,
 }
 
 /// A refusal by the service: sent as the reply to the request it refuses, so a client matches
@@ -148,6 +150,80 @@ pub enum Refusal {
         /// The kernel's errno.
         errno: i32,
     },
+    /// The service has no CUDA device with this UUID (no driver, no such device, or one
+    /// without VMM IPC support). Nothing was allocated.
+    #[error("the service has no usable CUDA device with UUID {}", hex(uuid))]
+    NoSuchDevice {
+        /// The UUID asked for.
+        uuid: [u8; 16],
+    },
+    /// The CUDA driver refused the service an operation on a device (out of device memory,
+    /// say); `error` is vmm-core's account of it.
+    #[error("device {}: {op} failed: {error}", hex(device))]
+    DeviceFailed {
+        /// The device's UUID.
+        device: [u8; 16],
+        /// What the service was doing.
+        op: GpuOp,
+        /// vmm-core's error, in words.
+        error: String,
+    },
+    /// A GPU generation's bytes no longer match the digests taken at its commit: some
+    /// process wrote it through a writable mapping of its own (read-only cannot be enforced
+    /// on the GPU: each importer sets its own access).
+    #[error(
+        "region {region:?} generation {generation}: chunk {chunk} changed since its commit (digest {} now {})",
+        hex(expected),
+        hex(found)
+    )]
+    DigestMismatch {
+        /// The region.
+        region: String,
+        /// The generation.
+        generation: u64,
+        /// The first chunk that differs.
+        chunk: u32,
+        /// Its digest at commit.
+        expected: [u8; 32],
+        /// Its digest now.
+        found: [u8; 32],
+    },
+    /// `AttachFabric` of a generation whose chunks cannot be exported as fabric handles here
+    /// (a host region, a device or service without fabric support, or a generation taken
+    /// back from the keeper after a restart). Nothing was kept for the request.
+    #[error("region {region:?} generation {generation}: no fabric handles to give")]
+    FabricUnavailable {
+        /// The region.
+        region: String,
+        /// The generation.
+        generation: u64,
+    },
+}
+
+/// What the service was doing on a device when the driver refused ([`Refusal::DeviceFailed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GpuOp {
+    /// Creating or exporting a chunk.
+    Allocate,
+    /// Importing a chunk to read it (digest).
+    Import,
+    /// Reading a chunk to the host (digest).
+    Read,
+}
+
+impl std::fmt::Display for GpuOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GpuOp::Allocate => "allocating a chunk",
+            GpuOp::Import => "importing a chunk",
+            GpuOp::Read => "reading a chunk",
+        })
+    }
+}
+
+/// Lower-case hex of `bytes`.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Everything a [`Client`](crate::Client) call can fail with.
@@ -192,6 +268,18 @@ pub enum MemdError {
         expected: u64,
         /// The layout hash of what the wake found.
         found: u64,
+    },
+    /// A GPU wake could not map the region at the addresses it slept at: the driver gave
+    /// other addresses (a GPU sleep keeps no reservation, see `Client::sleep`). Nothing is
+    /// mapped; the sleeper is kept, to wake again.
+    #[error("region {region:?}: woke at {got:#x}, slept at {wanted:#x}")]
+    AddressTaken {
+        /// The region.
+        region: String,
+        /// Where it slept.
+        wanted: u64,
+        /// Where the driver mapped it now.
+        got: u64,
     },
 }
 

@@ -1,18 +1,23 @@
-//! One generation's memory and bookkeeping: its chunks (memfds the service holds but never
-//! maps), its metadata, who allocated it, and its leases.
+//! One generation's memory and bookkeeping: its chunks (memfds, or exported GPU chunk fds,
+//! that the service holds but never maps writable), its metadata, who allocated it, its
+//! digests (GPU), and its leases.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::Instant;
 
 use crate::error::{Refusal, RequestRule};
-use crate::protocol::{MAX_KEY_LEN, MAX_META_ENTRIES, TensorMeta};
+use crate::protocol::{ChunkDigest, MAX_KEY_LEN, MAX_META_ENTRIES, TensorMeta};
 
-/// One chunk: its memfd and size.
+/// One chunk: its fd (a memfd, or a GPU chunk's exported POSIX fd) and size.
 #[derive(Debug)]
 pub(crate) struct Chunk {
     pub(crate) fd: OwnedFd,
     pub(crate) len: u64,
+    /// The service's own allocation of a fabric-shareable GPU chunk it made (not one taken
+    /// back from the keeper): what fabric handles are exported from (an fd import cannot be
+    /// exported again).
+    pub(crate) origin: Option<vmm_core::cuda::VirtualMemoryBuffer>,
 }
 
 /// A reader's lease on a generation.
@@ -35,17 +40,29 @@ pub(crate) struct Generation {
     /// The uid whose quota it is charged to.
     pub(crate) charged_to: u32,
     pub(crate) leases: HashMap<u64, Lease>,
+    /// The SHA-256 of each chunk taken at commit (GPU generations; empty for host ones,
+    /// which are sealed instead).
+    pub(crate) digests: Vec<ChunkDigest>,
+    /// A reader asked for a discard sleep: free the memory once no lease holds it.
+    pub(crate) discard_wanted: bool,
+    /// The chunk sizes of a generation whose memory was discarded (`chunks` is then empty);
+    /// the next attach makes the chunks again, zeroed.
+    pub(crate) discarded: Option<Vec<u64>>,
 }
 
 impl Generation {
-    /// Its bytes.
+    /// Its bytes (a discarded generation's too: its quota charge stays, so that a wake can
+    /// make it again).
     pub(crate) fn bytes(&self) -> u64 {
-        self.chunks.iter().map(|c| c.len).sum()
+        self.sizes().iter().sum()
     }
 
     /// Its chunk sizes.
     pub(crate) fn sizes(&self) -> Vec<u64> {
-        self.chunks.iter().map(|c| c.len).collect()
+        match &self.discarded {
+            Some(sizes) => sizes.clone(),
+            None => self.chunks.iter().map(|c| c.len).collect(),
+        }
     }
 
     /// Duplicates of its chunks' fds, to send.

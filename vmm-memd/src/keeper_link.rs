@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use vmm_core::wire::endpoint::Name;
 
 use crate::keeper_wire::{self, KeeperError, KeeperMsg};
-use crate::protocol::{Acl, TensorMeta};
+use crate::protocol::{Acl, Backend, ChunkDigest, TensorMeta};
 
 /// The largest record the service reads back: 64 MiB (65,536 metadata entries with long keys
 /// and shapes stay below it).
@@ -35,6 +35,14 @@ pub(crate) struct GenerationRecord {
     pub(crate) charged_to: u32,
     pub(crate) meta: Vec<(String, TensorMeta)>,
     pub(crate) chunks: Vec<u64>,
+    /// Where the chunks live (a GPU chunk's fd is its exported POSIX fd).
+    pub(crate) backend: Backend,
+    pub(crate) fabric: bool,
+    /// The digests taken at commit (GPU).
+    pub(crate) digests: Vec<ChunkDigest>,
+    /// Its memory was discarded (a discard sleep): the entry carries the record only, no
+    /// chunks; `chunks` are the sizes to make again.
+    pub(crate) discarded: bool,
 }
 
 /// A generation taken back from the keeper.
@@ -165,9 +173,14 @@ impl KeeperLink {
                     }
                     let chunks = fds.split_off(1);
                     let record = read_record(fds[0].as_fd())?;
+                    let fds = if record.discarded {
+                        0
+                    } else {
+                        record.chunks.len()
+                    };
                     if record.region != region
                         || record.generation != generation
-                        || record.chunks.len() != chunks.len()
+                        || fds != chunks.len()
                     {
                         return Err(KeeperError::Protocol("an entry unlike its record"));
                     }

@@ -1,14 +1,17 @@
 //! `vmm-memd`: a memory service on vmm-ipc. Named regions with generations (a writer fills
 //! generation N+1 while N stays served, then commits atomically), leases that end with the
 //! reader's connection or by TTL, ACLs and quotas keyed by the kernel's identity of each
-//! peer, and committed memory sealed read-only by the kernel (host memfd backend).
+//! peer, and committed memory sealed read-only by the kernel (host memfd backend) or mapped
+//! read-only by our clients and checked by digest (GPU backend: CUDA VMM chunks on any
+//! device, chosen per region with [`BeginOptions::backend`]).
 //!
 //! - [`Service`] serves on a [`vmm_core::wire::endpoint::Listener`]; [`cli`] is the
 //!   `vmm-memd` program.
 //! - [`Client`] is the Rust client: [`Client::begin`] gives a [`Writer`],
 //!   [`Client::attach`] an [`Attached`].
 //! - [`protocol`] is the request/response protocol (postcard in peer-protocol `DATA`
-//!   messages; descriptors as the peer protocol's own `HOST_MEMFD` messages).
+//!   messages; descriptors as the peer protocol's own `HOST_MEMFD`, `CUDA_VMM` and
+//!   `CUDA_FABRIC` messages).
 //!
 //! ```no_run
 //! use vmm_core::wire::endpoint::Name;
@@ -34,11 +37,14 @@
 
 #![cfg(target_os = "linux")]
 
+mod attach;
 pub mod cli;
 mod client;
 pub mod ctl;
 mod error;
 mod generation;
+mod gpu;
+mod gpu_mapping;
 mod identity;
 mod inflight;
 pub mod keeper;
@@ -52,8 +58,10 @@ mod registry;
 mod service;
 mod sleep;
 
-pub use client::{Attached, BeginOptions, Client, Writer};
-pub use error::{MemdError, Refusal, RequestRule, Result, Right};
+pub use attach::{Attached, FabricAttached};
+pub use client::{BeginOptions, Client, Writer};
+pub use error::{GpuOp, MemdError, Refusal, RequestRule, Result, Right};
+pub use gpu_mapping::GpuChunks;
 pub use inflight::InFlightScope;
 pub use keeper_link::Keeper;
 pub use keeper_wire::{ImpostorCheck, KeeperError};
@@ -63,4 +71,4 @@ pub use service::{
     DEFAULT_MAX_FDS_IN_FLIGHT, DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID, DEFAULT_MAX_WAIT, IN_FLIGHT_WAIT,
     KEEPER_TICK, Service, TICK,
 };
-pub use sleep::{Sleeping, WakeFailed, layout_hash};
+pub use sleep::{SleepFailed, Sleeping, WakeFailed, layout_hash, layout_hash_on};

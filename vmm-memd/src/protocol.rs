@@ -109,6 +109,25 @@ impl Acl {
     }
 }
 
+/// Where a region's memory lives, chosen when a `BeginOn` creates the region (a `Begin` is
+/// `BeginOn` with [`Backend::Host`]). Every generation of a region lives where the region does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Backend {
+    /// Host memory: memfds, sealed read-only at commit.
+    #[default]
+    Host,
+    /// Device memory of the CUDA device with this UUID (`cuDeviceGetUuid`, the same in every
+    /// process whatever its `CUDA_VISIBLE_DEVICES` numbering): VMM chunks (`cuMemCreate`)
+    /// exported as POSIX fds.
+    Gpu {
+        /// The device's UUID.
+        uuid: [u8; 16],
+    },
+}
+
+/// A SHA-256 digest of one chunk's bytes.
+pub type ChunkDigest = [u8; 32];
+
 /// A request. Each gets exactly one [`Response`] (a refusal included), then, for `Begin` and
 /// `Attach`, what the response announces.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -163,6 +182,56 @@ pub enum Request {
     /// The service's metrics in the Prometheus text format, as the caller may see them
     /// (regions it may read; its quota; the service's counters). Changes nothing.
     Metrics,
+    /// `Begin` on a chosen backend (appended after the host-only requests, so their postcard
+    /// tags stay). A region created by it lives on `backend` for good; a `BeginOn` (or
+    /// `Begin`) for another backend is refused (`InvalidRequest`, rule `Backend`). For a GPU
+    /// region the reply is [`Response::BeganGpu`] (chunk sizes rounded up to the device's
+    /// granularity), then one `CUDA_VMM` descriptor (one fd) per chunk, writable; for a host
+    /// region, as `Begin`.
+    BeginOn {
+        /// The region.
+        region: String,
+        /// The chunk sizes in bytes (a GPU region rounds each up to the granularity).
+        chunks: Vec<u64>,
+        /// The ACL of a region this creates (ignored for an existing one).
+        acl: Acl,
+        /// How long to wait for the writer slot, in ms.
+        wait_ms: u64,
+        /// Where the region lives.
+        backend: Backend,
+    },
+    /// Check a committed generation's bytes against the digests taken at its commit (GPU
+    /// regions; a host region is sealed and has none): [`Response::Verified`], or
+    /// `Refused(DigestMismatch)` naming the first chunk that changed.
+    Verify {
+        /// The region.
+        region: String,
+        /// A generation still held; `None`: the current one.
+        generation: Option<u64>,
+    },
+    /// End the lease `lease` as a *discard sleep*: besides ending the lease, ask the service
+    /// to free the generation's memory once no lease holds it (every mapper asleep or gone).
+    /// Needs the region's write right (it replaces the contents): `AccessDenied` otherwise,
+    /// and the lease stays. The generation stays (number, metadata, chunk sizes, quota charge); the next `Attach`
+    /// of it (a wake) makes its chunks again, zeroed. The reply is `Done`.
+    Discard {
+        /// The lease, as `Attached` named it.
+        lease: u64,
+    },
+    /// `Attach` a GPU region's generation as fabric handles, for importers on other nodes of
+    /// the fabric (a process there needs an IMEX channel): the reply is
+    /// [`Response::AttachedGpu`], the `MetaPage`s, then one `CUDA_FABRIC` descriptor per
+    /// chunk. Refused with `FabricUnavailable` for a host region, for chunks that are not
+    /// fabric-shareable, and for a generation the service took back from its keeper after a
+    /// restart (a fabric handle is exported from the allocation, which only the service that
+    /// made it holds). The lease keeps the memory while importers import: a fabric handle
+    /// does not keep memory alive.
+    AttachFabric {
+        /// The region.
+        region: String,
+        /// A generation still held; `None`: the current one.
+        generation: Option<u64>,
+    },
 }
 
 /// One generation's view in [`Status`].
@@ -266,6 +335,45 @@ pub enum Response {
     Renewed(u32),
     /// The reply to [`Request::Metrics`]: Prometheus text (cut to fit one message).
     Metrics(String),
+    /// A GPU region's pending generation (the reply to a `BeginOn` of a GPU region); one
+    /// `CUDA_VMM` descriptor per chunk follows, in order, each one fd.
+    BeganGpu {
+        /// The generation.
+        generation: u64,
+        /// Chunk sizes (the asked sizes rounded up to the device's granularity).
+        chunks: Vec<u64>,
+        /// The UUID of the device the chunks live on.
+        device: [u8; 16],
+        /// Whether the chunks were also created shareable as fabric handles (the device and
+        /// the service's process support them); the service always holds and sends POSIX fds.
+        fabric: bool,
+    },
+    /// A lease on a GPU region's generation (the reply to `Attach` of a GPU region):
+    /// `meta_pages` `MetaPage`s follow, then one `CUDA_VMM` descriptor per chunk.
+    AttachedGpu {
+        /// The lease, for `Detach`.
+        lease: u64,
+        /// The generation.
+        generation: u64,
+        /// Chunk sizes.
+        chunks: Vec<u64>,
+        /// How many `MetaPage`s follow.
+        meta_pages: u32,
+        /// The lease's TTL in ms.
+        ttl_ms: u64,
+        /// The UUID of the device the chunks live on.
+        device: [u8; 16],
+        /// Whether the chunks are also shareable as fabric handles.
+        fabric: bool,
+    },
+    /// The generation's bytes match its digests (one per chunk; none for a host region,
+    /// which is sealed).
+    Verified {
+        /// The generation checked.
+        generation: u64,
+        /// The digests, one per chunk (SHA-256 of its bytes).
+        digests: Vec<ChunkDigest>,
+    },
 }
 
 /// Decode a request, refusing one longer than [`MAX_REQUEST`] before reading a byte of it.
@@ -343,7 +451,7 @@ mod tests {
         /// A request with a huge announced length (a varint count) is refused without
         /// allocating it: postcard checks counts against the bytes left.
         #[test]
-        fn announced_lengths_past_the_bytes_are_refused(count in 1u32..u32::MAX, tag in 0u8..12) {
+        fn announced_lengths_past_the_bytes_are_refused(count in 1u32..u32::MAX, tag in 0u8..16) {
             let mut bytes = vec![tag];
             let mut n = count;
             while n >= 0x80 {

@@ -3,11 +3,12 @@
 //! that ends leases past their TTL.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use vmm_core::cuda::{HandleType, IpcDescriptor};
 use vmm_core::peer::{MAX_DATA, PeerMessage, Session};
 use vmm_core::shm::HostDescriptor;
 use vmm_core::wire::endpoint::Listener;
@@ -16,7 +17,7 @@ use crate::error::{Refusal, RequestRule};
 use crate::identity::{self, Identity};
 use crate::inflight::{Charge, FdBudget, InFlightScope};
 use crate::keeper_link::Keeper;
-use crate::protocol::{self, Request, Response, Status};
+use crate::protocol::{self, Backend, Request, Response, Status};
 use crate::registry::{Policy, Registry};
 
 /// Connections served at once unless told otherwise: 256.
@@ -420,33 +421,26 @@ impl Connection<'_> {
                 chunks,
                 acl,
                 wait_ms,
-            } => {
-                if self.writing.is_some() {
-                    return Err(Refusal::InvalidRequest {
-                        rule: RequestRule::AlreadyWriting,
-                        detail: "commit or abort the generation this connection writes first"
-                            .into(),
-                    }
-                    .into());
-                }
-                self.drained(chunks.len())?;
-                let wait = Duration::from_millis(wait_ms);
-                let (generation, fds) =
-                    registry.begin(conn, who, &region, &chunks, acl, wait, &|| self.gone())?;
-                self.writing = Some(region);
-                self.send(&Response::Began { generation, chunks })?;
-                for (fd, len) in &fds {
-                    let descriptor = HostDescriptor::from_fd(fd.as_fd(), *len as usize)?;
-                    self.session.send_descriptor(&descriptor)?;
-                }
-                return Ok(());
-            }
+            } => return self.begin(region, chunks, acl, wait_ms, Backend::Host),
+            Request::BeginOn {
+                region,
+                chunks,
+                acl,
+                wait_ms,
+                backend,
+            } => return self.begin(region, chunks, acl, wait_ms, backend),
             Request::PutMeta(entries) => {
                 registry.put_meta(conn, &writing()?, entries)?;
                 Response::Done
             }
             Request::Commit => {
-                let generation = registry.commit(conn, &writing()?)?;
+                let region = writing()?;
+                // A GPU generation's digests, taken before the commit and outside the lock.
+                let digests = match registry.pending_chunks(conn, &region)? {
+                    (Backend::Gpu { uuid }, chunks) => registry.gpus().digests(&uuid, &chunks)?,
+                    (Backend::Host, _) => Vec::new(),
+                };
+                let generation = registry.commit(conn, &region, digests)?;
                 self.writing = None;
                 Response::Committed { generation }
             }
@@ -456,27 +450,10 @@ impl Connection<'_> {
                 Response::Done
             }
             Request::Attach { region, generation } => {
-                let grant = registry.attach(conn, who, &region, generation)?;
-                if let Err(refusal) = self.drained(grant.chunks.len()) {
-                    registry.detach(conn, grant.lease);
-                    return Err(refusal.into());
-                }
-                let pages = protocol::meta_pages(&grant.meta);
-                self.send(&Response::Attached {
-                    lease: grant.lease,
-                    generation: grant.generation,
-                    chunks: grant.chunks.iter().map(|(_, len)| *len).collect(),
-                    meta_pages: pages.len() as u32,
-                    ttl_ms: registry.policy().lease_ttl.as_millis() as u64,
-                })?;
-                for page in pages {
-                    self.send(&Response::MetaPage(page))?;
-                }
-                for (fd, len) in &grant.chunks {
-                    let descriptor = HostDescriptor::from_fd(fd.as_fd(), *len as usize)?;
-                    self.session.send_descriptor(&descriptor)?;
-                }
-                return Ok(());
+                return self.attach(&region, generation, false);
+            }
+            Request::AttachFabric { region, generation } => {
+                return self.attach(&region, generation, true);
             }
             Request::Detach { lease } => {
                 if !registry.detach(conn, lease) {
@@ -489,12 +466,157 @@ impl Connection<'_> {
                 Response::Done
             }
             Request::Renew => Response::Renewed(registry.renew(conn)),
+            Request::Discard { lease } => {
+                registry.discard(conn, who, lease)?;
+                Response::Done
+            }
             Request::Delete { region } => {
                 registry.delete(who, &region)?;
                 Response::Done
             }
+            Request::Verify { region, generation } => {
+                let (generation, backend, chunks, digests) =
+                    registry.verify_target(who, &region, generation)?;
+                if let Backend::Gpu { uuid } = backend {
+                    let now = registry.gpus().digests(&uuid, &chunks)?;
+                    let changed = digests.iter().zip(&now).position(|(a, b)| a != b);
+                    if let Some(chunk) = changed {
+                        return Err(Refusal::DigestMismatch {
+                            region,
+                            generation,
+                            chunk: chunk as u32,
+                            expected: digests[chunk],
+                            found: now[chunk],
+                        }
+                        .into());
+                    }
+                }
+                Response::Verified {
+                    generation,
+                    digests,
+                }
+            }
         };
         Ok(self.send(&reply)?)
+    }
+
+    /// `Attach` (and `AttachFabric`, `as_fabric`): the reply, the metadata pages, then the
+    /// chunks' descriptors (fabric handles for `AttachFabric`).
+    fn attach(
+        &mut self,
+        region: &str,
+        generation: Option<u64>,
+        as_fabric: bool,
+    ) -> Result<(), Handled> {
+        let (registry, conn, who) = (self.registry, self.conn, self.identity);
+        let grant = registry.attach(conn, who, region, generation, as_fabric)?;
+        let fds = if as_fabric { 0 } else { grant.chunks.len() };
+        if let Err(refusal) = self.drained(fds) {
+            registry.detach(conn, grant.lease);
+            return Err(refusal.into());
+        }
+        let pages = protocol::meta_pages(&grant.meta);
+        let (lease, generation) = (grant.lease, grant.generation);
+        let chunks = grant.chunks.iter().map(|(_, len)| *len).collect();
+        let meta_pages = pages.len() as u32;
+        let ttl_ms = registry.policy().lease_ttl.as_millis() as u64;
+        self.send(&match grant.backend {
+            Backend::Host => Response::Attached {
+                lease,
+                generation,
+                chunks,
+                meta_pages,
+                ttl_ms,
+            },
+            Backend::Gpu { uuid } => Response::AttachedGpu {
+                lease,
+                generation,
+                chunks,
+                meta_pages,
+                ttl_ms,
+                device: uuid,
+                fabric: grant.fabric,
+            },
+        })?;
+        for page in pages {
+            self.send(&Response::MetaPage(page))?;
+        }
+        match &grant.fabric_handles {
+            Some(handles) => {
+                for descriptor in handles {
+                    self.session.send_descriptor(descriptor)?;
+                }
+            }
+            None => self.send_chunks(grant.backend, &grant.chunks)?,
+        }
+        Ok(())
+    }
+
+    /// `Begin` (`backend` Host) and `BeginOn`: the reply, then the chunks' descriptors.
+    fn begin(
+        &mut self,
+        region: String,
+        chunks: Vec<u64>,
+        acl: crate::protocol::Acl,
+        wait_ms: u64,
+        backend: Backend,
+    ) -> Result<(), Handled> {
+        if self.writing.is_some() {
+            return Err(Refusal::InvalidRequest {
+                rule: RequestRule::AlreadyWriting,
+                detail: "commit or abort the generation this connection writes first".into(),
+            }
+            .into());
+        }
+        self.drained(chunks.len())?;
+        let wait = Duration::from_millis(wait_ms);
+        let began = self.registry.begin(
+            self.conn,
+            self.identity,
+            &region,
+            &chunks,
+            acl,
+            wait,
+            backend,
+            &|| self.gone(),
+        )?;
+        self.writing = Some(region);
+        let generation = began.generation;
+        let sizes = began.chunks.iter().map(|(_, len)| *len).collect();
+        self.send(&match began.backend {
+            Backend::Host => Response::Began {
+                generation,
+                chunks: sizes,
+            },
+            Backend::Gpu { uuid } => Response::BeganGpu {
+                generation,
+                chunks: sizes,
+                device: uuid,
+                fabric: began.fabric,
+            },
+        })?;
+        self.send_chunks(began.backend, &began.chunks)?;
+        Ok(())
+    }
+
+    /// One descriptor per chunk: `HOST_MEMFD` (host), `CUDA_VMM` with one fd (GPU; the
+    /// device's UUID travels in the reply before).
+    fn send_chunks(&self, backend: Backend, chunks: &[(OwnedFd, u64)]) -> vmm_core::Result<()> {
+        for (fd, len) in chunks {
+            match backend {
+                Backend::Host => {
+                    let descriptor = HostDescriptor::from_fd(fd.as_fd(), *len as usize)?;
+                    self.session.send_descriptor(&descriptor)?;
+                }
+                Backend::Gpu { .. } => {
+                    let len = *len as usize;
+                    let descriptor =
+                        IpcDescriptor::from_fds(&[fd.as_fd()], &[len], HandleType::PosixFd, len)?;
+                    self.session.send_descriptor(&descriptor)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Wait (at most [`IN_FLIGHT_WAIT`]) until the client has read every earlier reply (so

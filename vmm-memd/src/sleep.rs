@@ -6,10 +6,11 @@
 
 use std::collections::BTreeMap;
 
-use crate::client::{Attached, Client};
-use crate::error::{MemdError, Result};
+use crate::attach::Attached;
+use crate::client::Client;
+use crate::error::{MemdError, Refusal, RequestRule, Result};
 use crate::mapping::Reservation;
-use crate::protocol::TensorMeta;
+use crate::protocol::{Backend, Request, TensorMeta};
 
 /// The layout hash of a generation: FNV-1a (64-bit) of the postcard encoding of its chunk
 /// sizes and its metadata entries in key order. Equal hashes: the same tensors at the same
@@ -22,11 +23,30 @@ pub fn layout_hash(chunks: &[u64], meta: &BTreeMap<String, TensorMeta>) -> u64 {
     })
 }
 
-/// What a wake needs: the layout and the reservations.
+/// [`layout_hash`] of a generation on `backend`: the same for host memory; for a GPU, the
+/// device's UUID is hashed on after it (a wake onto another device, or another backend, is
+/// a `StaleLayout`).
+pub fn layout_hash_on(
+    chunks: &[u64],
+    meta: &BTreeMap<String, TensorMeta>,
+    backend: Backend,
+) -> u64 {
+    let host = layout_hash(chunks, meta);
+    match backend {
+        Backend::Host => host,
+        Backend::Gpu { uuid } => uuid.iter().fold(host, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        }),
+    }
+}
+
+/// What a wake needs: the layout and the reservations (host), or the address the GPU
+/// mapping had (GPU).
 #[derive(Debug)]
 pub(crate) struct Placement {
     pub(crate) layout: u64,
     pub(crate) reservations: Vec<Reservation>,
+    pub(crate) gpu_address: Option<u64>,
 }
 
 /// A region asleep in this process: its chunks' addresses held, no memory, no lease.
@@ -45,10 +65,29 @@ impl Sleeping {
         self.placement.layout
     }
 
-    /// The reserved address ranges, one per chunk (where a wake maps them).
+    /// The reserved address ranges, one per chunk (where a wake maps them; none for a GPU
+    /// region).
     pub fn reservations(&self) -> &[Reservation] {
         &self.placement.reservations
     }
+
+    /// A GPU region's device address before the sleep, where a wake maps it again (`None`
+    /// for a host region).
+    pub fn gpu_address(&self) -> Option<u64> {
+        self.placement.gpu_address
+    }
+}
+
+/// A discard sleep that did not happen: why, and the attachment when it is untouched (the
+/// service refused to end its lease so).
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct SleepFailed {
+    /// Why (`Refused(AccessDenied)` without the region's write right).
+    pub error: MemdError,
+    /// The attachment, still mapped and leased (`None` if unmapping it failed after the
+    /// lease ended).
+    pub attached: Option<Attached>,
 }
 
 /// A wake that did not happen: why, and the sleeper (its reservations kept) to try again.
@@ -65,17 +104,79 @@ impl Client {
     /// Put `attached` to sleep: its memory is unmapped while its addresses stay reserved
     /// (`PROT_NONE`), and its lease ends (so the service may free a retired generation). A
     /// lease the service no longer has (the service gone, the lease expired) is no failure.
+    ///
+    /// A GPU region's mapping is unmapped and its address range given back to the driver
+    /// (vmm-core keeps no reservation without a mapping); the wake asks for the same address
+    /// (`address_hint`) and gives [`MemdError::AddressTaken`] if the driver placed it
+    /// elsewhere (another allocation of this process took the range meanwhile).
     pub fn sleep(&self, attached: Attached) -> Result<Sleeping> {
-        let sizes: Vec<u64> = attached.chunks.iter().map(|c| c.len() as u64).collect();
-        let layout = layout_hash(&sizes, &attached.meta);
         let lease = attached.lease;
+        let sleeping = self.unmap(attached)?;
+        match self.detach_lease(lease) {
+            Ok(()) | Err(MemdError::ServiceGone(_) | MemdError::Refused(_)) => Ok(sleeping),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// [`sleep`](Self::sleep), and let the service free the memory (a *discard* sleep, for
+    /// memory whose contents need not survive, such as a KV cache): once every lease on the
+    /// generation has ended (every mapper asleep or gone) the service closes its chunks, and
+    /// the memory goes as soon as no process maps it. The generation stays; the next wake
+    /// (anyone's attach) makes its chunks again, zeroed, and maps them at the slept
+    /// addresses. The quota stays charged meanwhile, so the wake cannot be refused for it.
+    ///
+    /// The lease is ended first: a refusal (`AccessDenied` without the region's write right)
+    /// comes back in [`SleepFailed`] with the attachment untouched. A lease already gone
+    /// (expired, the service gone) is no failure: this is then a plain sleep.
+    pub fn sleep_discard(
+        &self,
+        attached: Attached,
+    ) -> std::result::Result<Sleeping, Box<SleepFailed>> {
+        match self.request(&Request::Discard {
+            lease: attached.lease,
+        }) {
+            Ok(_)
+            | Err(MemdError::ServiceGone(_))
+            | Err(MemdError::Refused(Refusal::InvalidRequest {
+                rule: RequestRule::NoSuchLease,
+                ..
+            })) => {}
+            Err(error) => {
+                return Err(Box::new(SleepFailed {
+                    error,
+                    attached: Some(attached),
+                }));
+            }
+        }
+        self.unmap(attached).map_err(|error| {
+            Box::new(SleepFailed {
+                error,
+                attached: None,
+            })
+        })
+    }
+
+    /// Give `attached`'s memory up, keeping its addresses (host) or its address (GPU).
+    fn unmap(&self, attached: Attached) -> Result<Sleeping> {
+        let (sizes, backend, gpu_address) = match &attached.gpu {
+            Some(g) => (
+                g.chunk_sizes().to_vec(),
+                Backend::Gpu {
+                    uuid: g.device_uuid(),
+                },
+                Some(g.device_ptr()),
+            ),
+            None => (
+                attached.chunks.iter().map(|c| c.len() as u64).collect(),
+                Backend::Host,
+                None,
+            ),
+        };
+        let layout = layout_hash_on(&sizes, &attached.meta, backend);
+        drop(attached.gpu);
         let mut reservations = Vec::with_capacity(attached.chunks.len());
         for chunk in attached.chunks {
             reservations.push(chunk.into_reservation()?);
-        }
-        match self.detach_lease(lease) {
-            Ok(()) | Err(MemdError::ServiceGone(_) | MemdError::Refused(_)) => {}
-            Err(e) => return Err(e),
         }
         Ok(Sleeping {
             region: attached.region,
@@ -83,6 +184,7 @@ impl Client {
             placement: Placement {
                 layout,
                 reservations,
+                gpu_address,
             },
         })
     }

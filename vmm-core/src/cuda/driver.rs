@@ -262,6 +262,11 @@ pub(crate) fn access_desc(ordinal: i32, read_write: bool) -> CUmemAccessDesc {
     }
 }
 
+/// Whether `desc` grants read access only.
+pub(crate) fn access_is_read_only(desc: &CUmemAccessDesc) -> bool {
+    desc.flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ
+}
+
 /// `cuMemGetAllocationGranularity` (minimum when `!recommended`).
 pub(crate) fn allocation_granularity(
     prop: &CUmemAllocationProp,

@@ -226,6 +226,8 @@ impl Drop for Mapping {
 pub(crate) struct Segment {
     mappings: Vec<Mapping>,
     reservation: Reservation,
+    /// Mapped read-only for its own device (the first access entry).
+    read_only: bool,
 }
 
 impl Segment {
@@ -243,9 +245,13 @@ impl Segment {
             bytes = reservation.size,
             chunks = trace::Empty
         );
+        let read_only = access
+            .first()
+            .is_some_and(super::driver::access_is_read_only);
         let mut segment = Segment {
             mappings: Vec::new(),
             reservation,
+            read_only,
         };
         let mut offset = 0usize;
         for (index, chunk) in chunks.into_iter().enumerate() {
@@ -287,6 +293,11 @@ impl Segment {
     /// The end of the reserved range: where an in-place grow asks for the next reservation.
     pub(crate) fn end(&self) -> CUdeviceptr {
         self.reservation.ptr() + self.reservation.size() as u64
+    }
+
+    /// Whether its own device maps it read-only.
+    pub(crate) fn read_only(&self) -> bool {
+        self.read_only
     }
 
     pub(crate) fn mappings(&self) -> &[Mapping] {

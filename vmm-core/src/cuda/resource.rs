@@ -119,7 +119,10 @@ impl VirtualMemoryResource {
             Granularity::Recommended => driver::allocation_granularity(&prop, true)?,
         };
         options.check_granularity(granularity)?;
-        let mut access = vec![driver::access_desc(device.ordinal_i32(), true)];
+        let mut access = vec![driver::access_desc(
+            device.ordinal_i32(),
+            !options.read_only,
+        )];
         for peer in &options.peers {
             match peer.access {
                 Access::ReadWrite => access.push(driver::access_desc(peer.device as i32, true)),

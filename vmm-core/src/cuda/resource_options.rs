@@ -157,6 +157,11 @@ pub struct ResourceOptions {
     /// The alignment of reserved address ranges, for allocations and imports alike (a power of
     /// two).
     pub alignment: Option<usize>,
+    /// Map the resource's own device read-only (`CU_MEM_ACCESS_FLAGS_PROT_READ`) instead of
+    /// read-write: for a reader that must not write what it imports. Advisory between
+    /// processes (each importer sets its own access); in this process the buffer's `fill` and
+    /// `write_at` are refused, so no write faults on the device.
+    pub read_only: bool,
 }
 
 impl ResourceOptions {
@@ -187,6 +192,12 @@ impl ResourceOptions {
     /// Set [`ResourceOptions::address_hint`].
     pub fn address_hint(mut self, hint: u64) -> Self {
         self.address_hint = Some(hint);
+        self
+    }
+
+    /// Set [`ResourceOptions::read_only`].
+    pub fn read_only(mut self, read_only: bool) -> Self {
+        self.read_only = read_only;
         self
     }
 

@@ -186,8 +186,23 @@ impl VirtualMemoryBuffer {
         .into_iter()
     }
 
+    /// Refuse a write to a buffer its device maps read-only
+    /// ([`ResourceOptions::read_only`](crate::cuda::ResourceOptions::read_only)): the write
+    /// would fault on the device and poison the context.
+    fn check_writable(&self, op: &str) -> Result<()> {
+        if self.segments().iter().any(|s| s.read_only()) {
+            return Err(crate::Error::option(
+                "read_only",
+                crate::error::OptionRule::Conflict,
+                format!("{op}: the buffer is mapped read-only for its device"),
+            ));
+        }
+        Ok(())
+    }
+
     /// Set every byte to `byte`; returns once the device has done it.
     pub fn fill(&self, byte: u8) -> Result<()> {
+        self.check_writable("fill")?;
         if self.inner.size == 0 {
             return Ok(());
         }
@@ -208,6 +223,7 @@ impl VirtualMemoryBuffer {
     /// Copy `src` to `offset`; returns once the data is on the device (visible to importers).
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check_range("write_at", offset, src.len())?;
+        self.check_writable("write_at")?;
         if src.is_empty() {
             return Ok(());
         }

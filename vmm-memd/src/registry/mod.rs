@@ -4,19 +4,28 @@
 //! identity of its peer; nothing here reads a socket.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use vmm_core::cuda::FabricDescriptor;
+
 use crate::error::{Refusal, RequestRule, Right};
 use crate::generation::{Chunk, Generation, Lease};
+use crate::gpu::Gpus;
 use crate::identity::Identity;
-use crate::keeper_link::{GenerationRecord, KeeperLink, Restored};
+use crate::keeper_link::KeeperLink;
 use crate::memfd;
 use crate::protocol::{
-    Acl, GenerationStatus, MAX_CHUNKS, Principal, RegionStatus, RegionSummary, Status, TensorMeta,
-    check_region_name,
+    Acl, Backend, ChunkDigest, GenerationStatus, MAX_CHUNKS, Principal, RegionStatus,
+    RegionSummary, Status, TensorMeta, check_region_name,
 };
+
+mod discard;
+mod gpu_requests;
+mod kept;
+
+use kept::keep;
 
 /// The service's limits that the registry applies.
 #[derive(Debug, Clone)]
@@ -40,6 +49,10 @@ impl Policy {
 struct Region {
     owner: u32,
     acl: Acl,
+    /// Where its generations live (chosen when it was created).
+    backend: Backend,
+    /// Whether its GPU chunks are also fabric-shareable.
+    fabric: bool,
     current: Option<u64>,
     /// Committed generations still held: the current one, and retired ones with leases.
     generations: BTreeMap<u64, Generation>,
@@ -85,6 +98,20 @@ pub(crate) struct Grant {
     pub(crate) generation: u64,
     pub(crate) chunks: Vec<(OwnedFd, u64)>,
     pub(crate) meta: Vec<(String, TensorMeta)>,
+    pub(crate) backend: Backend,
+    pub(crate) fabric: bool,
+    /// The chunks as fabric handles (one single-chunk descriptor each), when asked for.
+    pub(crate) fabric_handles: Option<Vec<FabricDescriptor>>,
+}
+
+/// A pending generation as [`Registry::begin`] made it: its number, its chunks (fds to send
+/// and sizes), where they live.
+#[derive(Debug)]
+pub(crate) struct Began {
+    pub(crate) generation: u64,
+    pub(crate) chunks: Vec<(OwnedFd, u64)>,
+    pub(crate) backend: Backend,
+    pub(crate) fabric: bool,
 }
 
 /// See the module docs.
@@ -93,6 +120,8 @@ pub(crate) struct Registry {
     state: Mutex<State>,
     changed: Condvar,
     policy: Policy,
+    /// The GPU backend: devices are opened on the first request for a GPU region.
+    gpus: Gpus,
 }
 
 impl Registry {
@@ -101,6 +130,7 @@ impl Registry {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             policy,
+            gpus: Gpus::default(),
         }
     }
 
@@ -110,97 +140,6 @@ impl Registry {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Take `keeper` on, with what it held when this service started: those generations are
-    /// this registry's again (their regions, owners, ACLs and charges as committed; the
-    /// newest of each region current), and every later commit and free is told to it. A
-    /// restored chunk must still be a write-sealed memfd of its recorded size, else that
-    /// generation is let go (logged).
-    pub(crate) fn adopt_keeper(&self, mut keeper: KeeperLink, restored: Vec<Restored>) -> usize {
-        let mut state = self.lock();
-        let mut adopted = 0;
-        for Restored { record, chunks } in restored {
-            let sound = chunks.iter().zip(&record.chunks).all(|(fd, &len)| {
-                let sealed = memfd::seals(fd.as_fd()).is_ok_and(|s| s & libc::F_SEAL_WRITE != 0);
-                let file = fd.try_clone().map(std::fs::File::from);
-                sealed
-                    && file
-                        .and_then(|f| f.metadata())
-                        .is_ok_and(|m| m.len() == len)
-            });
-            if !sound || check_region_name(&record.region).is_err() {
-                eprintln!(
-                    "vmm-memd: the keeper's {:?} generation {} is not sound; letting it go",
-                    record.region, record.generation
-                );
-                keeper.forget(&record.region, record.generation);
-                continue;
-            }
-            let r = state
-                .regions
-                .entry(record.region.clone())
-                .or_insert_with(|| Region {
-                    owner: record.owner,
-                    acl: record.acl.clone(),
-                    current: None,
-                    generations: BTreeMap::new(),
-                    pending: None,
-                    waiting: VecDeque::new(),
-                });
-            let generation = Generation {
-                number: record.generation,
-                chunks: chunks
-                    .into_iter()
-                    .zip(&record.chunks)
-                    .map(|(fd, &len)| Chunk { fd, len })
-                    .collect(),
-                meta: record.meta,
-                charged_to: record.charged_to,
-                leases: HashMap::new(),
-            };
-            let bytes = generation.bytes();
-            r.current = r.current.max(Some(record.generation));
-            r.generations.insert(record.generation, generation);
-            *state.used.entry(record.charged_to).or_default() += bytes;
-            adopted += 1;
-        }
-        state.keeper = Some(keeper);
-        prune(&mut state, self.policy.retain);
-        adopted
-    }
-
-    /// Replace a lost keeper (exited, or a send to it failed) and send the new one every
-    /// committed generation held. `false`: no keeper could be started (tried again later).
-    pub(crate) fn tend_keeper(&self) -> bool {
-        let mut state = self.lock();
-        let Some(keeper) = state.keeper.as_mut() else {
-            return true;
-        };
-        if !keeper.lost() {
-            return true;
-        }
-        if let Err(e) = keeper.restart() {
-            eprintln!("vmm-memd: cannot start a keeper: {e}");
-            return false;
-        }
-        let held: Vec<(String, u64)> = state
-            .regions
-            .iter()
-            .flat_map(|(name, r)| r.generations.keys().map(move |&n| (name.clone(), n)))
-            .collect();
-        for (region, number) in &held {
-            keep(&mut state, region, *number);
-        }
-        eprintln!("vmm-memd: a new keeper holds {} generations", held.len());
-        true
-    }
-
-    /// The service stops for good: its keeper lets everything go.
-    pub(crate) fn quit_keeper(&self) {
-        if let Some(keeper) = self.lock().keeper.take() {
-            keeper.quit();
-        }
     }
 
     /// Count a refusal (for status).
@@ -264,9 +203,10 @@ impl Registry {
         }
     }
 
-    /// Start the next generation of `region` for connection `conn`: see `Request::Begin`.
-    /// Waits (at most `wait`, capped by the policy) for the writer slot, first come first
-    /// served; while it waits, `gone()` is asked every 50 ms whether the connection has ended.
+    /// Start the next generation of `region` for connection `conn` on `backend`: see
+    /// `Request::BeginOn`. Waits (at most `wait`, capped by the policy) for the writer slot,
+    /// first come first served; while it waits, `gone()` is asked every 50 ms whether the
+    /// connection has ended.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn begin(
         &self,
@@ -276,8 +216,9 @@ impl Registry {
         chunks: &[u64],
         acl: Acl,
         wait: Duration,
+        backend: Backend,
         gone: &dyn Fn() -> bool,
-    ) -> Result<(u64, Vec<(OwnedFd, u64)>), Refusal> {
+    ) -> Result<Began, Refusal> {
         check_region_name(region)?;
         acl.check()?;
         if chunks.is_empty() || chunks.len() > MAX_CHUNKS || chunks.contains(&0) {
@@ -286,6 +227,13 @@ impl Registry {
                 detail: format!("a generation has 1 to {MAX_CHUNKS} chunks, none empty"),
             });
         }
+        // Another backend than the region's is refused before a device is opened.
+        self.check_backend(region, backend)?;
+        let (chunks, fabric) = match backend {
+            Backend::Host => (chunks.to_vec(), false),
+            Backend::Gpu { uuid } => (self.gpus.rounded(&uuid, chunks)?, self.gpus.fabric(&uuid)),
+        };
+        let chunks = &chunks[..];
         let asked = chunks
             .iter()
             .try_fold(0u64, |sum, &c| sum.checked_add(c))
@@ -299,11 +247,18 @@ impl Registry {
             .or_insert_with(|| Region {
                 owner: who.uid,
                 acl,
+                backend,
+                fabric,
                 current: None,
                 generations: BTreeMap::new(),
                 pending: None,
                 waiting: VecDeque::new(),
             });
+        if r.may(who, Right::Read) && r.backend != backend {
+            let refusal = backend_refusal(region, r.backend);
+            drop_if_unused(&mut state, region);
+            return Err(refusal);
+        }
         if !r.may(who, Right::Write) {
             let refusal = match r.may(who, Right::Read) {
                 true => Refusal::AccessDenied {
@@ -364,8 +319,12 @@ impl Registry {
         }
         let mut made = Vec::with_capacity(chunks.len());
         for &len in chunks {
-            match memfd::create(len) {
-                Ok(fd) => made.push(Chunk { fd, len }),
+            let created = match backend {
+                Backend::Host => memfd::create(len).map(|fd| (fd, None)),
+                Backend::Gpu { uuid } => self.gpus.create(&uuid, len, false),
+            };
+            match created {
+                Ok((fd, origin)) => made.push(Chunk { fd, len, origin }),
                 Err(e) => {
                     drop_if_unused(&mut state, region);
                     self.changed.notify_all();
@@ -380,15 +339,21 @@ impl Registry {
             meta: Vec::new(),
             charged_to: who.uid,
             leases: HashMap::new(),
+            digests: Vec::new(),
+            discard_wanted: false,
+            discarded: None,
         };
         let fds = generation.dup_fds()?;
         let number = generation.number;
+        let fabric = r.fabric;
         r.pending = Some((conn, who.pid, generation));
         *state.used.entry(who.uid).or_default() += asked;
-        Ok((
-            number,
-            fds.into_iter().zip(chunks.iter().copied()).collect(),
-        ))
+        Ok(Began {
+            generation: number,
+            chunks: fds.into_iter().zip(chunks.iter().copied()).collect(),
+            backend,
+            fabric,
+        })
     }
 
     /// Add metadata to `conn`'s pending generation of `region`.
@@ -402,12 +367,25 @@ impl Registry {
         pending_of(&mut state, conn, region)?.put_meta(entries)
     }
 
-    /// Seal `conn`'s pending generation of `region` read-only and make it current; the
-    /// previous one is retired (freed at once if no lease holds it).
-    pub(crate) fn commit(&self, conn: u64, region: &str) -> Result<u64, Refusal> {
+    /// Seal `conn`'s pending generation of `region` read-only (host) or record its
+    /// `digests` (GPU, taken by the caller: see [`Registry::pending_chunks`]) and make it
+    /// current; the previous one is retired (freed at once if no lease holds it).
+    pub(crate) fn commit(
+        &self,
+        conn: u64,
+        region: &str,
+        digests: Vec<ChunkDigest>,
+    ) -> Result<u64, Refusal> {
         let mut state = self.lock();
+        let gpu = state
+            .regions
+            .get(region)
+            .is_some_and(|r| r.backend != Backend::Host);
         let generation = pending_of(&mut state, conn, region)?;
-        for chunk in &generation.chunks {
+        if gpu {
+            generation.digests = digests;
+        }
+        for chunk in generation.chunks.iter().filter(|_| !gpu) {
             if let Err(e) = memfd::seal_writes(std::os::fd::AsFd::as_fd(&chunk.fd)) {
                 return Err(match e.raw_os_error() {
                     Some(libc::EBUSY) => Refusal::StillMapped {
@@ -454,6 +432,7 @@ impl Registry {
         who: &Identity,
         region: &str,
         generation: Option<u64>,
+        as_fabric: bool,
     ) -> Result<Grant, Refusal> {
         let mut state = self.lock();
         state.next_lease += 1;
@@ -466,18 +445,33 @@ impl Registry {
         if !r.may(who, Right::Read) {
             return Err(none());
         }
-        let g = match generation {
+        let (backend, fabric) = (r.backend, r.fabric);
+        let number = match generation {
             None => r
                 .current
-                .and_then(|n| r.generations.get_mut(&n))
+                .filter(|n| r.generations.contains_key(n))
                 .ok_or_else(none)?,
-            Some(n) => r
-                .generations
-                .get_mut(&n)
-                .ok_or_else(|| Refusal::NoSuchGeneration {
+            Some(n) if r.generations.contains_key(&n) => n,
+            Some(n) => {
+                return Err(Refusal::NoSuchGeneration {
                     region: region.to_owned(),
                     generation: n,
-                })?,
+                });
+            }
+        };
+        // A wake after a discard sleep: the memory is made again, zeroed.
+        self.remake_if_discarded(&mut state, region, number)?;
+        let g = state
+            .regions
+            .get_mut(region)
+            .and_then(|r| r.generations.get_mut(&number))
+            .expect("found above");
+        let fabric_handles = match as_fabric {
+            false => None,
+            true => Some(fabric_handles(g).ok_or_else(|| Refusal::FabricUnavailable {
+                region: region.to_owned(),
+                generation: number,
+            })?),
         };
         let chunks = g.dup_fds()?.into_iter().zip(g.sizes()).collect();
         g.leases.insert(
@@ -493,6 +487,9 @@ impl Registry {
             generation: g.number,
             chunks,
             meta: g.meta.clone(),
+            backend,
+            fabric,
+            fabric_handles,
         })
     }
 
@@ -666,29 +663,24 @@ fn prune(state: &mut State, retain: usize) {
         refund(state, generation);
     }
     state.deleted.retain(|r| !r.generations.is_empty());
+    discard::free_discarded(state);
 }
 
-/// Have the keeper hold `region`'s committed generation `number`.
-fn keep(state: &mut State, region: &str, number: u64) {
-    let (Some(keeper), Some(r)) = (state.keeper.as_mut(), state.regions.get(region)) else {
-        return;
-    };
-    let Some(g) = r.generations.get(&number) else {
-        return;
-    };
-    let record = GenerationRecord {
-        region: region.to_owned(),
-        generation: number,
-        owner: r.owner,
-        acl: r.acl.clone(),
-        charged_to: g.charged_to,
-        meta: g.meta.clone(),
-        chunks: g.sizes(),
-    };
-    let fds: Vec<_> = g.chunks.iter().map(|c| c.fd.as_fd()).collect();
-    // A failure marks the keeper lost; the service's keeper thread replaces it and sends
-    // it everything.
-    let _ = keeper.keep(&record, &fds);
+/// Every chunk of `g` exported as fabric handles, if every chunk has the service's own
+/// fabric-shareable allocation.
+fn fabric_handles(g: &Generation) -> Option<Vec<FabricDescriptor>> {
+    g.chunks
+        .iter()
+        .map(|c| c.origin.as_ref().and_then(|b| b.export_fabric().ok()))
+        .collect()
+}
+
+/// The refusal of a request for another backend than `region`'s, `found`.
+fn backend_refusal(region: &str, found: Backend) -> Refusal {
+    Refusal::InvalidRequest {
+        rule: RequestRule::Backend,
+        detail: format!("region {region:?} lives on {found:?}"),
+    }
 }
 
 /// Free retired generations charged to `uid` that no lease holds (kept only by the

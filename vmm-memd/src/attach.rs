@@ -1,0 +1,319 @@
+//! Attaching a committed generation: the reply, its metadata pages, then the chunks mapped
+//! read-only: memfds with `mmap` (host), or GPU chunks imported read-only for their device
+//! (see [`GpuChunks`]). With a placement (a wake), only a generation of the slept layout is
+//! mapped, at the slept addresses.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use vmm_core::cuda::FabricDescriptor;
+use vmm_core::peer::{Descriptor, PeerMessage};
+
+use crate::client::{Client, unexpected};
+use crate::error::{MemdError, Result};
+use crate::gpu_mapping::GpuChunks;
+use crate::mapping::ReadOnlyChunk;
+use crate::protocol::{Backend, MAX_CHUNKS, MAX_META_ENTRIES, Request, Response, TensorMeta};
+use crate::sleep::{Placement, layout_hash_on};
+
+impl Client {
+    /// Attach `region`'s generation `generation` (`None`: the current one) as fabric handles,
+    /// to import here or to forward to a process on another node of the fabric (which needs
+    /// an IMEX channel): a lease held by this connection, the metadata, and one
+    /// [`FabricDescriptor`] for all chunks (back to back; import it with
+    /// `VirtualMemoryResource::import_fabric`, read-only with
+    /// `ResourceOptions::read_only`). A fabric handle does not keep memory alive: keep the
+    /// lease (this connection) until every importer has imported.
+    /// [`Refusal::FabricUnavailable`](crate::Refusal::FabricUnavailable) where the chunks
+    /// cannot be shared so (a host region, no fabric support, a generation the service took
+    /// back from its keeper after a restart).
+    pub fn attach_fabric(&self, region: &str, generation: Option<u64>) -> Result<FabricAttached> {
+        let reply = self.request(&Request::AttachFabric {
+            region: region.to_owned(),
+            generation,
+        })?;
+        let Response::AttachedGpu {
+            lease,
+            generation,
+            chunks,
+            meta_pages,
+            ttl_ms,
+            device,
+            ..
+        } = reply
+        else {
+            return Err(unexpected("AttachedGpu", &reply));
+        };
+        if chunks.len() > MAX_CHUNKS || meta_pages as usize > MAX_META_ENTRIES {
+            return Err(MemdError::BadReply(format!(
+                "{} chunks and {meta_pages} metadata pages announced",
+                chunks.len()
+            )));
+        }
+        let meta = self.meta_pages(meta_pages)?;
+        let mut handles = Vec::with_capacity(chunks.len());
+        for &size in &chunks {
+            match self.session().recv_message()? {
+                PeerMessage::Descriptor(Descriptor::Fabric(d))
+                    if d.size() as u64 == size && d.handles().len() == 1 =>
+                {
+                    handles.extend_from_slice(d.handles())
+                }
+                other => {
+                    return Err(MemdError::BadReply(format!(
+                        "expected a one-chunk fabric descriptor of {size} bytes, got {other:?}"
+                    )));
+                }
+            }
+        }
+        let sizes: Vec<usize> = chunks.iter().map(|&c| c as usize).collect();
+        let descriptor =
+            FabricDescriptor::from_handles(&handles, &sizes, sizes.iter().sum(), device)?;
+        Ok(FabricAttached {
+            region: region.to_owned(),
+            lease,
+            generation,
+            meta,
+            ttl: Duration::from_millis(ttl_ms),
+            descriptor,
+        })
+    }
+
+    /// Read `pages` metadata pages.
+    fn meta_pages(&self, pages: u32) -> Result<BTreeMap<String, TensorMeta>> {
+        let mut meta = BTreeMap::new();
+        for _ in 0..pages {
+            match self.reply()? {
+                Response::MetaPage(entries) if meta.len() + entries.len() <= MAX_META_ENTRIES => {
+                    meta.extend(entries)
+                }
+                other => return Err(unexpected("MetaPage", &other)),
+            }
+        }
+        Ok(meta)
+    }
+
+    /// Attach; with `place`, only a generation of its layout, mapped at its reservations
+    /// (which come back in `place` when it fails, and are used up when it succeeds).
+    pub(crate) fn attach_placed(
+        &self,
+        region: &str,
+        generation: Option<u64>,
+        place: &mut Option<Placement>,
+    ) -> Result<Attached> {
+        let reply = self.request(&Request::Attach {
+            region: region.to_owned(),
+            generation,
+        })?;
+        let (lease, generation, chunks, meta_pages, ttl_ms, gpu) = match reply {
+            Response::Attached {
+                lease,
+                generation,
+                chunks,
+                meta_pages,
+                ttl_ms,
+            } => (lease, generation, chunks, meta_pages, ttl_ms, None),
+            Response::AttachedGpu {
+                lease,
+                generation,
+                chunks,
+                meta_pages,
+                ttl_ms,
+                device,
+                fabric,
+            } => (
+                lease,
+                generation,
+                chunks,
+                meta_pages,
+                ttl_ms,
+                Some((device, fabric)),
+            ),
+            other => return Err(unexpected("Attached", &other)),
+        };
+        if chunks.len() > MAX_CHUNKS || meta_pages as usize > MAX_META_ENTRIES {
+            return Err(MemdError::BadReply(format!(
+                "{} chunks and {meta_pages} metadata pages announced",
+                chunks.len()
+            )));
+        }
+        let meta = self.meta_pages(meta_pages)?;
+        let backend = gpu.map_or(Backend::Host, |(uuid, _)| Backend::Gpu { uuid });
+        if let Some(p) = place.as_ref() {
+            let found = layout_hash_on(&chunks, &meta, backend);
+            if found != p.layout {
+                // Read the descriptors (closing them) to stay in step, and give the lease up.
+                match gpu {
+                    Some(_) => drop(self.gpu_descriptors(&chunks)?),
+                    None => {
+                        for &size in &chunks {
+                            self.descriptor(size)?;
+                        }
+                    }
+                }
+                let _ = self.request(&Request::Detach { lease });
+                return Err(MemdError::StaleLayout {
+                    region: region.to_owned(),
+                    generation,
+                    expected: p.layout,
+                    found,
+                });
+            }
+        }
+        let ttl = Duration::from_millis(ttl_ms);
+        if let Some((device, fabric)) = gpu {
+            let hint = place.as_ref().and_then(|p| p.gpu_address);
+            let mapped = self
+                .gpu_descriptors(&chunks)
+                .and_then(|fds| GpuChunks::import(device, &fds, &chunks, (true, fabric), hint));
+            let wrong_place = |m: &GpuChunks| hint.filter(|&want| m.device_ptr() != want);
+            let error = match mapped {
+                Ok(m) => match wrong_place(&m) {
+                    None => {
+                        return Ok(Attached {
+                            region: region.to_owned(),
+                            lease,
+                            generation,
+                            chunks: Vec::new(),
+                            gpu: Some(m),
+                            meta,
+                            ttl,
+                        });
+                    }
+                    Some(wanted) => MemdError::AddressTaken {
+                        region: region.to_owned(),
+                        wanted,
+                        got: m.device_ptr(),
+                    },
+                },
+                Err(e) => e,
+            };
+            // Best effort: the lease is of no use. (After a bad descriptor the rest of the
+            // reply is not read: the connection is out of step, drop it.)
+            if matches!(error, MemdError::Core(_) | MemdError::AddressTaken { .. }) {
+                let _ = self.request(&Request::Detach { lease });
+            }
+            return Err(error);
+        }
+        let mut mapped = Vec::with_capacity(chunks.len());
+        let mut spare = place
+            .as_mut()
+            .map(|p| std::mem::take(&mut p.reservations).into_iter());
+        for (i, &size) in chunks.iter().enumerate() {
+            let chunk = self.descriptor(size).and_then(|descriptor| {
+                let fd = descriptor
+                    .fd()
+                    .ok_or_else(|| MemdError::BadReply("an empty chunk".into()))?;
+                match spare.as_mut().map(|s| s.next()) {
+                    None => ReadOnlyChunk::map(fd, size as usize),
+                    Some(Some(r)) => {
+                        ReadOnlyChunk::map_into(fd, size as usize, r).map_err(|(e, r)| {
+                            // Back where it was, for the rest to follow it.
+                            if let Some(p) = place.as_mut() {
+                                p.reservations.push(r);
+                            }
+                            e
+                        })
+                    }
+                    Some(None) => Err(MemdError::BadReply(format!("no reservation for chunk {i}"))),
+                }
+            });
+            match chunk {
+                Ok(chunk) => mapped.push(chunk),
+                Err(e) => {
+                    if let (Some(p), Some(rest)) = (place.as_mut(), spare.take()) {
+                        // The reservations in order: the mapped ones given up again, the
+                        // failed one (pushed above), the rest.
+                        let failed = std::mem::take(&mut p.reservations);
+                        p.reservations = mapped
+                            .drain(..)
+                            .filter_map(|c: ReadOnlyChunk| c.into_reservation().ok())
+                            .chain(failed)
+                            .chain(rest)
+                            .collect();
+                    }
+                    // Best effort: the lease is of no use. (The rest of the reply, if any,
+                    // is not read: the connection is out of step, drop it.)
+                    if matches!(e, MemdError::BadDescriptor(_) | MemdError::Os { .. }) {
+                        let _ = self.request(&Request::Detach { lease });
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Attached {
+            region: region.to_owned(),
+            lease,
+            generation,
+            chunks: mapped,
+            gpu: None,
+            meta,
+            ttl,
+        })
+    }
+}
+
+/// A committed generation attached: a lease, the metadata, the chunks mapped read-only.
+///
+/// The lease is the service's count of this reader: it ends with [`Client::detach`], with the
+/// connection (this process's exit included), or when its TTL runs out without
+/// [`Client::renew`]. Expiry only stops the service counting this reader (a retired
+/// generation may then be freed by the service and its quota given back); the mapping here
+/// stays valid and unchanged, because the kernel keeps the pages while any mapping holds them.
+#[derive(Debug)]
+pub struct Attached {
+    /// The region.
+    pub region: String,
+    /// The lease number.
+    pub lease: u64,
+    /// The generation.
+    pub generation: u64,
+    /// The chunks, mapped read-only (a host region's; empty for a GPU region).
+    pub chunks: Vec<ReadOnlyChunk>,
+    /// A GPU region's chunks, mapped read-only for the device, back to back (`None` for a
+    /// host region). Read-only is this client's choice: see [`GpuChunks`].
+    pub gpu: Option<GpuChunks>,
+    /// The metadata.
+    pub meta: BTreeMap<String, TensorMeta>,
+    /// The lease's TTL.
+    pub ttl: Duration,
+}
+
+impl Attached {
+    /// The device address of tensor `key` of a GPU region (`None` for a host region: see
+    /// [`tensor`](Self::tensor)).
+    pub fn tensor_device_ptr(&self, key: &str) -> Option<u64> {
+        let meta = self.meta.get(key)?;
+        let gpu = self.gpu.as_ref()?;
+        Some(gpu.device_ptr() + gpu.chunk_offset(meta.chunk as usize)? + meta.offset)
+    }
+
+    /// The bytes of tensor `key` of a host region (`None` for a GPU region: its bytes are on
+    /// the device, see [`tensor_device_ptr`](Self::tensor_device_ptr)).
+    pub fn tensor(&self, key: &str) -> Option<&[u8]> {
+        let meta = self.meta.get(key)?;
+        let chunk = self.chunks.get(meta.chunk as usize)?.as_slice();
+        let start = usize::try_from(meta.offset).ok()?;
+        let end = start.checked_add(usize::try_from(meta.len).ok()?)?;
+        chunk.get(start..end)
+    }
+}
+
+/// A GPU generation attached as fabric handles ([`Client::attach_fabric`]): the lease (held
+/// by the connection), the metadata, and the descriptor to import or forward.
+#[derive(Debug)]
+pub struct FabricAttached {
+    /// The region.
+    pub region: String,
+    /// The lease number.
+    pub lease: u64,
+    /// The generation.
+    pub generation: u64,
+    /// The metadata.
+    pub meta: BTreeMap<String, TensorMeta>,
+    /// The lease's TTL.
+    pub ttl: Duration,
+    /// Every chunk, back to back, as fabric handles (bearer tokens: whoever has them and an
+    /// IMEX channel can map the memory, read-write if it likes).
+    pub descriptor: FabricDescriptor,
+}

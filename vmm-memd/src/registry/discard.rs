@@ -1,0 +1,130 @@
+//! The discard sleep: a reader that sleeps with discard gives its lease up and asks the
+//! service to free the generation's memory once no lease holds it (every mapper asleep or
+//! gone). It needs the region's write right: it replaces the contents. The generation stays
+//! (its number, metadata, chunk sizes and quota charge); the keeper keeps its record without
+//! chunks; the next attach (a wake) makes the chunks again,
+//! zeroed, so a sleeper's layout hash still matches and it maps them at its old addresses.
+
+use super::{Registry, State, generations_mut, keep, prune};
+use crate::error::{Refusal, RequestRule, Right};
+use crate::generation::{Chunk, Generation};
+use crate::identity::Identity;
+use crate::memfd;
+use crate::protocol::Backend;
+
+impl Registry {
+    /// End `conn`'s lease `lease` as a discard sleep: its generation's memory goes once no
+    /// lease holds it. Discarding replaces the contents (with zeros, at the next attach), so
+    /// it needs the region's write right: a reader that may only read is refused
+    /// (`AccessDenied`, its lease kept). `NoSuchLease`: no such lease of this connection.
+    pub(crate) fn discard(&self, conn: u64, who: &Identity, lease: u64) -> Result<(), Refusal> {
+        let mut state = self.lock();
+        let mine = |g: &Generation| g.leases.get(&lease).is_some_and(|l| l.conn == conn);
+        // The live region holding the lease, and whether the caller may write it.
+        let found = state.regions.iter().find_map(|(name, r)| {
+            r.generations
+                .values()
+                .any(&mine)
+                .then(|| (name.clone(), r.may(who, Right::Write)))
+        });
+        match found {
+            Some((region, false)) => {
+                return Err(Refusal::AccessDenied {
+                    region,
+                    right: Right::Write,
+                    uid: who.uid,
+                });
+            }
+            Some((region, true)) => {
+                let r = state.regions.get_mut(&region).expect("found above");
+                if let Some(g) = r.generations.values_mut().find(|g| mine(g)) {
+                    g.leases.remove(&lease);
+                    g.discard_wanted = true;
+                }
+            }
+            // A deleted region's generation: the lease just ends.
+            None => {
+                let ended = generations_mut(&mut state)
+                    .any(|g| mine(g) && g.leases.remove(&lease).is_some());
+                if !ended {
+                    return Err(Refusal::InvalidRequest {
+                        rule: RequestRule::NoSuchLease,
+                        detail: format!("this connection holds no lease {lease}"),
+                    });
+                }
+            }
+        }
+        prune(&mut state, self.policy.retain);
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Make a discarded generation's chunks again, zeroed (host: fresh memfds sealed at once;
+    /// GPU: fresh chunks filled with zeros, with the digests of zeros), and tell the keeper.
+    pub(super) fn remake_if_discarded(
+        &self,
+        state: &mut State,
+        region: &str,
+        number: u64,
+    ) -> Result<(), Refusal> {
+        let Some(r) = state.regions.get_mut(region) else {
+            return Ok(());
+        };
+        let backend = r.backend;
+        let Some(g) = r.generations.get_mut(&number) else {
+            return Ok(());
+        };
+        let Some(sizes) = g.discarded.clone() else {
+            return Ok(());
+        };
+        let mut chunks = Vec::with_capacity(sizes.len());
+        for &len in &sizes {
+            let (fd, origin) = match backend {
+                Backend::Host => {
+                    let fd = memfd::create(len)?;
+                    memfd::seal_writes(std::os::fd::AsFd::as_fd(&fd)).map_err(|e| {
+                        Refusal::ServiceFailed {
+                            op: "F_ADD_SEALS(write) of a remade chunk".into(),
+                            errno: e.raw_os_error().unwrap_or(0),
+                        }
+                    })?;
+                    (fd, None)
+                }
+                Backend::Gpu { uuid } => self.gpus.create(&uuid, len, true)?,
+            };
+            chunks.push(Chunk { fd, len, origin });
+        }
+        g.digests = match backend {
+            Backend::Host => Vec::new(),
+            Backend::Gpu { .. } => sizes
+                .iter()
+                .map(|&len| crate::gpu::zero_digest(len))
+                .collect(),
+        };
+        g.chunks = chunks;
+        g.discarded = None;
+        keep(state, region, number);
+        Ok(())
+    }
+}
+
+/// Free the memory of every generation of a live region that a discard sleep asked for and
+/// no lease holds (its fds close: the kernel or the driver frees the memory once no client
+/// maps it), and tell the keeper (its record alone).
+pub(super) fn free_discarded(state: &mut State) {
+    let mut freed = Vec::new();
+    for (name, r) in state.regions.iter_mut() {
+        for g in r.generations.values_mut() {
+            if g.discard_wanted && g.leases.is_empty() && g.discarded.is_none() {
+                g.discarded = Some(g.sizes());
+                g.chunks.clear();
+                g.digests.clear();
+                g.discard_wanted = false;
+                freed.push((name.clone(), g.number));
+            }
+        }
+    }
+    for (region, number) in freed {
+        keep(state, &region, number);
+    }
+}
