@@ -185,6 +185,41 @@ fn the_role_variable_alone_grants_nothing_when_the_peer_is_not_the_parent() {
     assert_ignored(&output, "not the parent");
 }
 
+/// A child of ours whose parent died before its hook ran: its channel was made by the pid the
+/// variable names, and the kernel gave it another parent. It must exit without running its
+/// `main` (a test binary's `main` with no filter runs the whole suite, whose children could
+/// end the same way: this ran away once, a thousand processes deep).
+#[test]
+fn an_orphaned_child_exits_without_running_main() {
+    // The channel is ours (this process made it), and the variable names us; the target's
+    // parent is a shell between us, as if we had died and it had been given to another.
+    let (ours, theirs) = seqpacket_pair();
+    let role = format!("spawn:{}:{}", theirs.as_raw_fd(), std::process::id());
+    let output = run_with_role(
+        &[
+            "sh",
+            "-c",
+            "\"$0\" --list; exit $?",
+            this_exe().to_str().unwrap(),
+        ],
+        &role,
+        theirs,
+        Some(ours),
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        output.status.code(),
+        Some(120),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(
+        !stdout.contains("the_role_variable_alone_grants_nothing"),
+        "the orphan ran its main:\n{stdout}"
+    );
+    assert!(stderr.contains("exiting without running main"), "{stderr}");
+}
+
 #[test]
 fn the_role_variable_alone_grants_nothing_when_the_parent_named_is_not_the_parent() {
     let (ours, theirs) = seqpacket_pair();

@@ -14,8 +14,14 @@
 //!   an unmapped user).
 //!
 //! Otherwise the variable is ignored (one line on stderr says why) and the fd is left alone:
-//! the program runs as if it were not there. A process that takes a role still runs only the
-//! entry points its own executable registered (`entries`), whatever its parent sends.
+//! the program runs as if it were not there. One case is not a stray variable but a child of
+//! ours whose parent died before this hook ran (the kernel gave it another parent): the fd is
+//! a channel made by the pid the variable names, running as this uid, and that pid is no
+//! longer the parent. Such a child exits at once (status 120) without running `main`: a
+//! program's `main` run by an orphaned child would be a second instance of the program, with
+//! no arguments (a test binary would run its whole suite, whose children could end the same
+//! way). A process that takes a role still runs only the entry points its own executable
+//! registered (`entries`), whatever its parent sends.
 
 use std::ffi::OsStr;
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -68,6 +74,10 @@ extern "C" fn before_main() {
     }
     let accepted = match accept(&value) {
         Ok(accepted) => accepted,
+        Err(why @ Refusal::Orphaned { .. }) => {
+            eprintln!("vmm-ipc: {why}");
+            std::process::exit(child_runtime::EXIT_ORPHANED);
+        }
         Err(why) => {
             eprintln!("vmm-ipc: ignoring {ROLE_VAR}: {why}");
             return;
@@ -116,6 +126,12 @@ enum Refusal {
     Malformed(String),
     #[error("it names pid {named} as the parent, and this process's parent is {actual}")]
     NotTheParent { named: Pid, actual: Pid },
+    /// Not ignored: the process exits (see the module docs).
+    #[error(
+        "this child's parent (pid {parent}, whose channel it holds) exited before it started: \
+         exiting without running main"
+    )]
+    Orphaned { parent: Pid },
     #[error("fd {0} is not open")]
     NotOpen(i32),
     #[error("fd {0} is not a socket")]
@@ -184,14 +200,26 @@ fn accept(value: &OsStr) -> Result<Accepted, Refusal> {
 
 /// `Ok` when fd `fd` is a Unix `SOCK_SEQPACKET` socket whose peer (by `SO_PEERCRED`) is
 /// `parent`, which is this process's parent and runs as this process's effective uid (not
-/// the overflow uid). Only reads the fd's metadata.
+/// the overflow uid). Only reads the fd's metadata. [`Refusal::Orphaned`] when all of it holds
+/// but `parent` is no longer this process's parent.
 fn check_channel(fd: i32, parent: Pid) -> Result<(), Refusal> {
-    if getppid() != parent {
-        return Err(Refusal::NotTheParent {
-            named: parent,
-            actual: getppid(),
+    let channel = check_socket(fd, parent);
+    let actual = getppid();
+    if actual != parent {
+        return Err(match channel {
+            Ok(()) => Refusal::Orphaned { parent },
+            Err(_) => Refusal::NotTheParent {
+                named: parent,
+                actual,
+            },
         });
     }
+    channel
+}
+
+/// `Ok` when fd `fd` is a Unix `SOCK_SEQPACKET` socket whose peer (by `SO_PEERCRED`) is
+/// `parent`, running as this process's effective uid (not the overflow uid).
+fn check_socket(fd: i32, parent: Pid) -> Result<(), Refusal> {
     // SAFETY: F_GETFD on any number only reads the fd table (EBADF for one not open).
     if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
         return Err(Refusal::NotOpen(fd));
