@@ -106,10 +106,29 @@ impl Fixture {
             writer.commit().expect("commit");
         }
         let raw = service.raw_connect();
-        Fixture {
+        let fixture = Fixture {
             service,
             client,
             raw,
+        };
+        fixture.warm();
+        fixture
+    }
+
+    /// A few untimed rounds of each figure's work: the figure that starts the fixture would
+    /// otherwise time a cold first iteration, and criterion, whose warm-up ends after that
+    /// one iteration when the start took longer than the warm-up time, would plan the whole
+    /// figure from it (11 iterations in a quick run instead of hundreds).
+    fn warm(&self) {
+        for _ in 0..3 {
+            for k in CHUNK_COUNTS {
+                let attached = self.client.attach(&region(k)).expect("attach");
+                self.client.detach(&attached).expect("detach");
+                raw_unmap(raw_attach(&self.raw, k));
+            }
+            let client = Client::connect(&self.service.name).expect("connect");
+            drop(client.attach(&region(FOUR)).expect("attach"));
+            raw_unmap(raw_attach(&self.service.raw_connect(), FOUR));
         }
     }
 }
@@ -290,11 +309,14 @@ impl Readers {
         for _ in 0..n {
             acks.get(CHILD_WAIT).expect("a reader connected");
         }
-        Readers {
+        let readers = Readers {
             processes,
             shares,
             acks,
-        }
+        };
+        // Untimed: each reader's first attaches (see `Fixture::warm`).
+        readers.round();
+        readers
     }
 
     /// One round of [`ROUND`] attaches, shared evenly; its time.
