@@ -127,8 +127,12 @@ const NAME_CHARS: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ
 /// Region names and keys: valid ones (up to `max` + 1 bytes: one past the cap, which only the
 /// service's checks refuse), and any characters at all.
 fn name(max: usize) -> impl Strategy<Value = String> {
-    let valid = proptest::collection::vec(proptest::sample::select(NAME_CHARS), 0..=max + 1)
-        .prop_map(|b| String::from_utf8(b).expect("ASCII"));
+    let chars = |n: std::ops::RangeInclusive<usize>| {
+        proptest::collection::vec(proptest::sample::select(NAME_CHARS), n)
+            .prop_map(|b| String::from_utf8(b).expect("ASCII"))
+    };
+    // Mostly short (cheap to make), sometimes any length up to one past the cap.
+    let valid = prop_oneof![4 => chars(0..=16), 1 => chars(0..=max + 1)];
     let any = proptest::collection::vec(any::<char>(), 0..24).prop_map(String::from_iter);
     let edges = prop_oneof![
         Just(String::new()),
