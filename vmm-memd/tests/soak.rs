@@ -13,9 +13,10 @@
 //! resident memory (`VmRSS` of `/proc/PID/status`), and its keeper's fds, twice a second.
 //!
 //! It asserts: no reader ever saw an uncommitted (partly filled) generation or a generation
-//! older than one it saw before; the highest fd count and RSS of the last third of the run
-//! are no higher than those of the first third (plus a slack of [`FD_SLACK`] fds and
-//! [`RSS_SLACK_KB`]); and once the writer and readers have exited, the service and its
+//! older than one it saw before; the median fd counts (service and keeper) and RSS of the
+//! last third of the run are no higher than those of the first third (plus a slack of
+//! [`FD_SLACK`] fds and [`RSS_SLACK_KB`]); and once the writer and readers have exited, the
+//! service and its
 //! keeper hold exactly the fds they held before they started.
 
 mod common;
@@ -35,12 +36,12 @@ const CHUNK: u64 = 512 << 10;
 /// How many reader processes.
 const READERS: usize = 16;
 
-/// How much the highest fd count of the last third may pass the first third's: the
+/// How much the median fd count of the last third may pass the first third's: the
 /// generations a moment holds vary (current, pending, retired ones still leased: two fds
 /// each), so a few generations' worth.
 const FD_SLACK: usize = 8;
 
-/// How much the highest RSS of the last third may pass the first third's, in KiB (allocator
+/// How much the median RSS of the last third may pass the first third's, in KiB (allocator
 /// noise; a leak of a generation's bookkeeping at 10 Hz for minutes is far more).
 const RSS_SLACK_KB: u64 = 2048;
 
@@ -169,6 +170,23 @@ fn quiet(service: &ServiceProc, keeper: i32) -> Sample {
     least
 }
 
+/// The medians of fds, keeper fds and RSS of `samples`: medians, not peaks, because a
+/// reader the loaded machine does not schedule for a while holds its lease on an older
+/// generation, and the service and its keeper hold that generation's fds until it ends (a
+/// 5-minute run on a 2-core machine under a load of 100 saw the keeper's peak go from 16 fds
+/// in the first third to 28 in the last, and back to its start after the load).
+fn medians(samples: &[Sample]) -> (usize, usize, u64) {
+    fn median<T: Ord + Copy>(mut v: Vec<T>) -> T {
+        v.sort_unstable();
+        v[v.len() / 2]
+    }
+    (
+        median(samples.iter().map(|s| s.fds).collect()),
+        median(samples.iter().map(|s| s.keeper_fds).collect()),
+        median(samples.iter().map(|s| s.rss_kb).collect()),
+    )
+}
+
 /// The highest fds, keeper fds and RSS of `samples`.
 fn highest(samples: &[Sample]) -> (usize, usize, u64) {
     samples.iter().fold((0, 0, 0), |(f, k, r), s| {
@@ -222,8 +240,9 @@ fn soak_republish_at_10_hz_with_16_readers_keeps_fds_and_rss_flat() {
         &samples[..third.max(1)],
         &samples[samples.len() - third.max(1)..],
     );
-    let (first_fds, first_keeper, first_rss) = highest(first);
-    let (last_fds, last_keeper, last_rss) = highest(last);
+    let (first_fds, first_keeper, first_rss) = medians(first);
+    let (last_fds, last_keeper, last_rss) = medians(last);
+    let (peak_fds, peak_keeper, peak_rss) = highest(&samples);
     // Quiet again: the connections' threads end, the last retired generation goes.
     let settled = until(Duration::from_secs(5), || {
         let now = sample(&service, keeper);
@@ -232,10 +251,10 @@ fn soak_republish_at_10_hz_with_16_readers_keeps_fds_and_rss_flat() {
     let after = sample(&service, keeper);
     eprintln!(
         "soak: {secs} s, {published} generations published, {attaches} checked attaches by \
-         {READERS} readers (fewest {fewest}); service fds {} before, highest {first_fds} in \
-         the first third and {last_fds} in the last, {} after; RSS KiB {} before, highest \
-         {first_rss} / {last_rss}, {} after; keeper fds {} before, highest {first_keeper} / \
-         {last_keeper}, {} after; {} samples",
+         {READERS} readers (fewest {fewest}); medians of the first and last thirds, peak: \
+         service fds {} before, {first_fds} / {last_fds}, peak {peak_fds}, {} after; RSS KiB \
+         {} before, {first_rss} / {last_rss}, peak {peak_rss}, {} after; keeper fds {} \
+         before, {first_keeper} / {last_keeper}, peak {peak_keeper}, {} after; {} samples",
         before.fds,
         after.fds,
         before.rss_kb,
