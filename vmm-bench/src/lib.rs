@@ -16,6 +16,8 @@ pub mod endpoint;
 pub mod fabric;
 pub mod handoff;
 pub mod host;
+pub mod memd;
+pub mod memd_service;
 pub mod pool;
 pub mod raw;
 pub mod record;
@@ -33,7 +35,8 @@ use vmm_core::cuda::Unavailable;
 
 /// Set in a baseline process the bench starts from its own executable: `cuda-init` runs
 /// `cuInit` + primary context and exits, `noop` exits at once, `peer-socket` sends a socket
-/// over stdout (see [`role_check`]). Checked by
+/// over stdout (see [`role_check`]), `memd-service` plays `vmm-memd` (see [`memd_service`]).
+/// Checked by
 /// [`baseline_child_main`] right after `init()`.
 pub const BASELINE_VAR: &str = "VMM_BENCH_BASELINE";
 
@@ -86,6 +89,7 @@ pub fn baseline_child_main() {
             }
         },
         role_check::PEER_SOCKET => role_check::peer_socket_main(),
+        memd_service::SERVICE_ROLE => memd_service::service_main(),
         other => {
             eprintln!("vmm-bench: unknown {BASELINE_VAR}={other:?}");
             2
@@ -294,6 +298,7 @@ pub fn run(c: &mut Criterion, gpu: &Result<(), Unavailable>) {
     start::child_start(c);
     child_drop::host_drop(c);
     tls::host_tls(c);
+    memd::host_memd(c);
     if gpu.is_ok() {
         let cuda = raw::RawCuda::init().unwrap_or_else(|e| {
             panic!("vmm-core sees a usable GPU but the raw baseline cannot start: {e}")
