@@ -89,6 +89,17 @@ class Replies(unittest.TestCase):
             0, 1, 2, (p.RegionStatus("r", 0, (p.GenerationStatus(1, 8, True, (5, -1)),),
                                      (3, 4, 6), 1),), 5, 6, True))
 
+    def test_the_gpu_replies_decode(self):
+        uuid = bytes(range(16))
+        self.assertEqual(p.decode_response(reply(10, b"\x03\x01\x80\x01" + uuid + b"\x01")),
+                         p.BeganGpu(3, (128,), uuid, True))
+        self.assertEqual(
+            p.decode_response(reply(11, b"\x05\x03\x01\x80\x01\x02\x10" + uuid + b"\x00")),
+            p.AttachedGpuReply(5, 3, (128,), 2, 16, uuid, False))
+        self.assertEqual(p.decode_response(reply(12, b"\x03\x01" + b"\xcc" * 32)),
+                         p.Verified(3, (b"\xcc" * 32,)))
+        self.assertEqual(p.decode_response(reply(12, b"\x03\x00")), p.Verified(3, ()))
+
     def test_every_refusal_decodes_to_its_exception(self):
         cases = [
             (b"\x00\x07\x01\x02\x03", e.QuotaExceeded(7, 1, 2, 3)),
@@ -101,6 +112,12 @@ class Replies(unittest.TestCase):
             (b"\x07" + string("r") + b"\x02", e.StillMapped("r", 2)),
             (b"\x08\x01\x02\x03", e.FdsInFlight("Uid", 2, 3)),
             (b"\x09" + string("memfd_create") + b"\x17", e.ServiceFailed("memfd_create", -12)),
+            (b"\x0a" + bytes(range(16)), e.NoSuchDevice(bytes(range(16)))),
+            (b"\x0b" + b"\x01" * 16 + b"\x02" + string("oom"),
+             e.DeviceFailed(b"\x01" * 16, "Read", "oom")),
+            (b"\x0c" + string("r") + b"\x02\x03" + b"\xaa" * 32 + b"\xbb" * 32,
+             e.DigestMismatch("r", 2, 3, b"\xaa" * 32, b"\xbb" * 32)),
+            (b"\x0d" + string("r") + b"\x02", e.FabricUnavailable("r", 2)),
         ]
         for body, expected in cases:
             got = p.decode_response(reply(0, body))
@@ -133,12 +150,16 @@ class Replies(unittest.TestCase):
         self.assertRefused(reply(4, b"\x00"), "trailing")
         self.assertRefused(reply(5, b"\x07\x07"), "trailing")
         # Unknown variants: of the reply, of a refusal, of a dtype, of a rule.
-        self.assertRefused(reply(10), "unknown variant 10")
+        self.assertRefused(reply(13), "unknown variant 13")
         self.assertRefused(reply(2**32 - 1), "unknown variant")
-        self.assertRefused(reply(0, b"\x0a"), "unknown variant 10")
+        self.assertRefused(reply(0, b"\x0e"), "unknown variant 14")
+        self.assertRefused(reply(0, b"\x0b" + b"\x01" * 16 + b"\x03" + string("x")),
+                           "unknown variant 3")
+        # A fixed-size byte array cut short.
+        self.assertRefused(reply(0, b"\x0a" + bytes(15)), "end inside")
         self.assertRefused(reply(7, b"\x01" + string("k") + b"\x00\x00\x01\x0d\x00"),
                            "unknown variant 13")
-        self.assertRefused(reply(0, b"\x06\x08" + string("x")), "unknown variant 8")
+        self.assertRefused(reply(0, b"\x06\x09" + string("x")), "unknown variant 9")
         # Varints: overlong (not shortest), longer than the type, past the type's range.
         self.assertRefused(reply(5, b"\x80\x00"), "overlong")
         self.assertRefused(b"\x84\x00", "overlong")

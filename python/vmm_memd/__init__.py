@@ -20,7 +20,8 @@ breaks the protocol as ``BadReply``.
 from .errors import (  # noqa: F401
     AccessDenied, BadDescriptor, BadReply, DecodeError, FdsInFlight, InvalidRequest, MemdError,
     NoSuchGeneration, NoSuchRegion, Os, QuotaExceeded, Refused, ServiceFailed, ServiceGone,
-    StillMapped, TooLarge, Transport, WriterBusy,
+    StillMapped, TooLarge, Transport, WriterBusy, NoSuchDevice, DeviceFailed, DigestMismatch,
+    FabricUnavailable, GpuRegion,
 )
 from .protocol import Acl, Dtype, Gid, TensorMeta, Uid  # noqa: F401
 from .tensor import Tensor  # noqa: F401
@@ -34,4 +35,5 @@ __all__ = [
     "TensorMeta", "Uid", "MemdError", "Refused", "ServiceGone", "BadReply", "DecodeError", "BadDescriptor",
     "Transport", "Os", "QuotaExceeded", "AccessDenied", "NoSuchRegion", "NoSuchGeneration",
     "WriterBusy", "TooLarge", "InvalidRequest", "StillMapped", "FdsInFlight", "ServiceFailed",
+    "NoSuchDevice", "DeviceFailed", "DigestMismatch", "FabricUnavailable", "GpuRegion",
 ]

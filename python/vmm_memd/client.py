@@ -9,7 +9,7 @@ import vmm_ipc_peer as peer
 from vmm_ipc_peer.decoding import _discard
 
 from . import protocol as p
-from .errors import BadReply, MemdError, Refused, ServiceGone, Transport
+from .errors import BadReply, GpuRegion, MemdError, Refused, ServiceGone, Transport
 from .mapping import ReadOnlyChunk
 from .writer import Writer
 from .attached import Attached
@@ -136,7 +136,10 @@ class Client:
     def attach(self, region, generation=None):
         """A lease on ``region``'s current committed generation (or ``generation``, if the
         service still holds it), its metadata, and its chunks mapped read-only: an Attached."""
-        reply = self.request(p.encode_attach(region, generation), p.AttachedReply)
+        reply = self.request_raw(p.encode_attach(region, generation))
+        if isinstance(reply, p.AttachedGpuReply):
+            self._give_back_gpu(region, reply)
+        reply = self._expect(reply, p.AttachedReply)
         if len(reply.chunks) > p.MAX_CHUNKS or reply.meta_pages > p.MAX_META_ENTRIES:
             raise BadReply(f"{len(reply.chunks)} chunks and {reply.meta_pages} metadata pages "
                            f"announced")
@@ -165,6 +168,25 @@ class Client:
                 raise
         return Attached(self, region, reply.lease, reply.generation, chunks, meta,
                         reply.ttl_ms / 1000.0)
+
+    def _give_back_gpu(self, region, reply):
+        """A GPU region's attach: read what follows its reply (the metadata pages, one
+        descriptor per chunk, each closed), give the lease back, raise GpuRegion."""
+        if len(reply.chunks) > p.MAX_CHUNKS or reply.meta_pages > p.MAX_META_ENTRIES:
+            raise BadReply(f"{len(reply.chunks)} chunks and {reply.meta_pages} metadata pages "
+                           f"announced")
+        for _ in range(reply.meta_pages):
+            self._expect(self.reply(), p.MetaPage)
+        for _ in reply.chunks:
+            with _Transport():
+                _discard(self.conn.recv())
+        self._detach_quietly(reply.lease)
+        raise GpuRegion(region, reply.device)
+
+    def verify(self, region, generation=None):
+        """Check a committed generation against the digests taken at its commit (GPU
+        regions; a host region is sealed and has none): Verified, or DigestMismatch raised."""
+        return self.request(p.encode_verify(region, generation), p.Verified)
 
     def _skip_descriptors(self, sizes):
         for size in sizes:

@@ -111,9 +111,42 @@ class ServiceFailed(Refused):
     FIELDS = ("op", "errno")
 
 
+class NoSuchDevice(Refused):
+    """The service has no usable CUDA device with this UUID (16 bytes); nothing allocated."""
+    FIELDS = ("uuid",)
+
+
+class DeviceFailed(Refused):
+    """The CUDA driver refused the service an operation (``op``: ``"Allocate"``,
+    ``"Import"``, ``"Read"``) on ``device`` (a UUID); ``error`` is vmm-core's account."""
+    FIELDS = ("device", "op", "error")
+
+
+class DigestMismatch(Refused):
+    """A GPU generation's chunk no longer matches the SHA-256 taken at its commit: someone
+    wrote it through a writable mapping of their own."""
+    FIELDS = ("region", "generation", "chunk", "expected", "found")
+
+
+class FabricUnavailable(Refused):
+    """The generation's chunks cannot be given as fabric handles here."""
+    FIELDS = ("region", "generation")
+
+
 #: The Refusal variants in declaration order: the index is the variant's wire tag.
 REFUSALS = (QuotaExceeded, AccessDenied, NoSuchRegion, NoSuchGeneration, WriterBusy, TooLarge,
-            InvalidRequest, StillMapped, FdsInFlight, ServiceFailed)
+            InvalidRequest, StillMapped, FdsInFlight, ServiceFailed, NoSuchDevice, DeviceFailed,
+            DigestMismatch, FabricUnavailable)
+
+
+class GpuRegion(MemdError):
+    """The region lives in GPU memory, which this client does not map yet (host regions
+    only): its lease was given back and its descriptors closed."""
+
+    def __init__(self, region, device):
+        self.region, self.device = region, device
+        super().__init__(f"region {region!r} lives on GPU {device.hex()}: this client maps "
+                         f"host regions only")
 
 
 class Os(MemdError):

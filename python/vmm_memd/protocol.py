@@ -163,10 +163,35 @@ class RegionList:
     regions: Tuple[RegionSummary, ...]
 
 
+@dataclass(frozen=True)
+class BeganGpu:
+    generation: int
+    chunks: Tuple[int, ...]
+    device: bytes
+    fabric: bool
+
+
+@dataclass(frozen=True)
+class AttachedGpuReply:
+    lease: int
+    generation: int
+    chunks: Tuple[int, ...]
+    meta_pages: int
+    ttl_ms: int
+    device: bytes
+    fabric: bool
+
+
+@dataclass(frozen=True)
+class Verified:
+    generation: int
+    digests: Tuple[bytes, ...]
+
+
 # ---- requests -------------------------------------------------------------------------------
 
 (_LIST, _STATUS, _BEGIN, _PUT_META, _COMMIT, _ABORT, _ATTACH, _DETACH, _RENEW, _DELETE,
- _METRICS) = range(11)
+ _METRICS, _BEGIN_ON, _VERIFY, _DISCARD, _ATTACH_FABRIC) = range(15)
 
 
 def _request(index, body=None):
@@ -251,6 +276,17 @@ def encode_attach(region, generation=None):
     return _request(_ATTACH, body)
 
 
+def encode_verify(region, generation=None):
+    def body(w):
+        w.str(region)
+        if generation is None:
+            w.bool(False)
+        else:
+            w.bool(True)
+            w.u64(generation)
+    return _request(_VERIFY, body)
+
+
 def encode_detach(lease):
     return _request(_DETACH, lambda w: w.u64(lease))
 
@@ -284,10 +320,16 @@ def meta_pages(entries):
 
 _RIGHTS = ("Read", "Write", "Delete")
 _RULES = ("Decode", "RegionName", "Chunks", "Metadata", "NotWriting", "AlreadyWriting", "Acl",
-          "NoSuchLease")
+          "NoSuchLease", "Backend")
+_GPU_OPS = ("Allocate", "Import", "Read")
 _SCOPES = ("Connection", "Uid", "All")
 _REPLIES = ("Refused", "List", "Status", "Began", "Done", "Committed", "Attached", "MetaPage",
-            "Renewed", "Metrics")
+            "Renewed", "Metrics", "BeganGpu", "AttachedGpu", "Verified")
+
+
+def _fixed(r, n, what):
+    """A `[u8; n]`: n bytes, each its own byte."""
+    return bytes(r.u8(what) for _ in range(n))
 
 
 def _region(r):
@@ -311,6 +353,13 @@ def _refusal(r):
         "StillMapped": lambda: (_region(r), r.u64()),
         "FdsInFlight": lambda: (_SCOPES[r.variant(_SCOPES, "a scope")], r.u64(), r.u64()),
         "ServiceFailed": lambda: (text("a refusal's operation"), r.i32()),
+        "NoSuchDevice": lambda: (_fixed(r, 16, "a device UUID"),),
+        "DeviceFailed": lambda: (_fixed(r, 16, "a device UUID"),
+                                 _GPU_OPS[r.variant(_GPU_OPS, "a GPU operation")],
+                                 text("a refusal's detail")),
+        "DigestMismatch": lambda: (_region(r), r.u64(), r.u32(), _fixed(r, 32, "a digest"),
+                                   _fixed(r, 32, "a digest")),
+        "FabricUnavailable": lambda: (_region(r), r.u64()),
     }
     return kind(*readers[kind.__name__]())
 
@@ -376,8 +425,16 @@ def decode_response(data):
                                      lambda: _meta_entry(r))))
     elif name == "Renewed":
         value = Renewed(r.u32())
-    else:
+    elif name == "Metrics":
         value = Metrics(r.str(_BY_MESSAGE, "metrics text"))
+    elif name == "BeganGpu":
+        value = BeganGpu(r.u64(), _chunks(r), _fixed(r, 16, "a device UUID"), r.bool())
+    elif name == "AttachedGpu":
+        value = AttachedGpuReply(r.u64(), r.u64(), _chunks(r), r.u32(), r.u64(),
+                                 _fixed(r, 16, "a device UUID"), r.bool())
+    else:
+        value = Verified(r.u64(), tuple(r.seq(MAX_CHUNKS, "digests",
+                                              lambda: _fixed(r, 32, "a digest"))))
     r.finish(f"a {name} reply")
     return value
 
@@ -385,6 +442,7 @@ def decode_response(data):
 __all__ = [
     "Dtype", "TensorMeta", "Uid", "Gid", "Acl", "RegionSummary", "GenerationStatus",
     "RegionStatus", "Status", "Began", "Done", "Committed", "AttachedReply", "MetaPage",
-    "Renewed", "Metrics", "RegionList", "decode_response", "meta_pages", "MAX_REQUEST",
+    "Renewed", "Metrics", "RegionList", "BeganGpu", "AttachedGpuReply", "Verified",
+    "decode_response", "encode_verify", "meta_pages", "MAX_REQUEST",
     "MAX_DATA", "MAX_CHUNKS", "MAX_META_ENTRIES", "MAX_KEY_LEN", "MAX_REGION_NAME",
 ]
