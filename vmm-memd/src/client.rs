@@ -12,7 +12,8 @@ use crate::attach::Attached;
 use crate::error::{MemdError, Result};
 use crate::gpu_mapping::GpuChunks;
 use crate::protocol::{
-    Acl, Backend, ChunkDigest, RegionSummary, Request, Response, Status, TensorMeta, meta_pages,
+    Acl, Backend, ChunkDigest, REQUEST_META_PAGE_BYTES, RegionSummary, Request, Response, Status,
+    TensorMeta, meta_pages,
 };
 
 /// A connection to the service.
@@ -386,7 +387,7 @@ impl Writer<'_> {
         self.chunks.clear();
         // The GPU mapping goes before the commit, whose digests then see the final bytes.
         self.gpu = None;
-        for page in meta_pages(&std::mem::take(&mut self.meta)) {
+        for page in meta_pages(&std::mem::take(&mut self.meta), REQUEST_META_PAGE_BYTES) {
             if let Err(e) = self.client.request(&Request::PutMeta(page)) {
                 if matches!(e, MemdError::Refused(_)) {
                     let _ = self.client.request(&Request::Abort);

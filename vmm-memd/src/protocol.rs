@@ -25,9 +25,13 @@ pub const MAX_REGION_NAME: usize = 128;
 /// The most uid or gid entries in one ACL list.
 pub const MAX_ACL_ENTRIES: usize = 64;
 
-/// A reply's metadata page is cut once its encoding passes this many bytes (below the peer
-/// protocol's `MAX_DATA`, 16 KiB, with room for one more entry).
-pub(crate) const META_PAGE_BYTES: usize = 12 * 1024;
+/// The most bytes of entries in a reply's metadata page (below the peer protocol's
+/// `MAX_DATA`, 16 KiB).
+pub(crate) const REPLY_META_PAGE_BYTES: usize = 12 * 1024;
+
+/// The most bytes of entries in one `PutMeta` request: [`MAX_REQUEST`] less room for the
+/// request's tag and the list's length.
+pub(crate) const REQUEST_META_PAGE_BYTES: usize = MAX_REQUEST - 16;
 
 /// The element type of a tensor in a region's metadata.
 #[allow(missing_docs)]
@@ -410,18 +414,23 @@ pub fn check_region_name(name: &str) -> Result<(), Refusal> {
     }
 }
 
-/// Metadata entries cut into pages that each fit one `DATA` message.
-pub(crate) fn meta_pages(entries: &[(String, TensorMeta)]) -> Vec<Vec<(String, TensorMeta)>> {
+/// Metadata entries cut into pages of at most `budget` bytes of encoded entries each
+/// ([`REPLY_META_PAGE_BYTES`] for replies, [`REQUEST_META_PAGE_BYTES`] for `PutMeta`); an
+/// entry larger than the budget alone is a page of its own (and its message is refused).
+pub(crate) fn meta_pages(
+    entries: &[(String, TensorMeta)],
+    budget: usize,
+) -> Vec<Vec<(String, TensorMeta)>> {
     let mut pages = Vec::new();
     let (mut page, mut bytes) = (Vec::new(), 0usize);
     for entry in entries {
-        // key + shape dominate; 48 bytes covers the varints and the enum.
-        bytes += entry.0.len() + 10 * entry.1.shape.len() + 48;
-        page.push(entry.clone());
-        if bytes >= META_PAGE_BYTES {
+        let size = postcard::to_allocvec(entry).map_or(budget, |encoded| encoded.len());
+        if !page.is_empty() && bytes + size > budget {
             pages.push(std::mem::take(&mut page));
             bytes = 0;
         }
+        page.push(entry.clone());
+        bytes += size;
     }
     if !page.is_empty() {
         pages.push(page);
@@ -510,11 +519,18 @@ mod tests {
                 )
             })
             .collect();
-        let pages = meta_pages(&entries);
+        let pages = meta_pages(&entries, REPLY_META_PAGE_BYTES);
         assert_eq!(pages.iter().map(Vec::len).sum::<usize>(), 2000);
         for page in pages {
             let bytes = postcard::to_allocvec(&Response::MetaPage(page)).unwrap();
             assert!(bytes.len() <= vmm_core::peer::MAX_DATA, "{}", bytes.len());
+        }
+        // A writer's pages are requests, which the service decodes only up to MAX_REQUEST.
+        let pages = meta_pages(&entries, REQUEST_META_PAGE_BYTES);
+        assert_eq!(pages.iter().map(Vec::len).sum::<usize>(), 2000);
+        for page in pages {
+            let bytes = postcard::to_allocvec(&Request::PutMeta(page)).unwrap();
+            assert!(decode_request(&bytes).is_ok(), "{} bytes", bytes.len());
         }
     }
 }

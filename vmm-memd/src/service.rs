@@ -515,7 +515,7 @@ impl Connection<'_> {
             registry.detach(conn, grant.lease);
             return Err(refusal.into());
         }
-        let pages = protocol::meta_pages(&grant.meta);
+        let pages = protocol::meta_pages(&grant.meta, protocol::REPLY_META_PAGE_BYTES);
         let (lease, generation) = (grant.lease, grant.generation);
         let chunks = grant.chunks.iter().map(|(_, len)| *len).collect();
         let meta_pages = pages.len() as u32;
