@@ -158,17 +158,10 @@ fn check(locator: &Locator, descriptor: &FabricDescriptor) -> Result<(), FetchEr
     Ok(())
 }
 
-/// A device UUID as `nvidia-smi -L` prints it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+/// A device UUID as `nvidia-smi -L` prints it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`
+/// (vmm-core's [`format_uuid`](vmm_core::cuda::format_uuid), the form locators carry).
 pub fn gpu_uuid(uuid: &[u8; 16]) -> String {
-    let hex: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "GPU-{}-{}-{}-{}-{}",
-        &hex[0..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..32]
-    )
+    vmm_core::cuda::format_uuid(uuid)
 }
 
 /// A failed connection: nothing answering is a gone exporter; a TLS refusal is typed by its

@@ -28,19 +28,6 @@ fn open_fds() -> usize {
     vmm_core::testing::open_fds().unwrap()
 }
 
-/// A UUID the way `nvidia-smi -L` (and vmm-core's messages) print it.
-fn uuid_string(uuid: &[u8; 16]) -> String {
-    let hex: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "GPU-{}-{}-{}-{}-{}",
-        &hex[0..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..32]
-    )
-}
-
 /// A descriptor's wire form, field for field: what a peer process sends, and so what it can
 /// forge. Decoded from a real descriptor's message, edited, and decoded again as an
 /// `IpcDescriptor` by `vmm_core::wire::decode`, exactly as an arriving descriptor is.
@@ -102,7 +89,7 @@ fn forged_fields_arrive_as_forged() {
     assert_eq!(edited.location(), Location::HostNuma(1));
     assert_eq!(edited.chunk_sizes(), &[g, g]);
     assert_eq!(
-        uuid_string(&identity.uuid),
+        vmm_core::cuda::format_uuid(&identity.uuid),
         "GPU-a5a5a5a5-a5a5-a5a5-a5a5-a5a5a5a5a5a5"
     );
 }
@@ -152,7 +139,7 @@ fn refuse_forged_origin(descriptor: IpcDescriptor) {
             "invalid IpcDescriptor: its chunks live on the exporter's device 3 ({}), but this \
              resource is on device 0 ({}, {}); import with a VirtualMemoryResource for that \
              device",
-            uuid_string(&uuid),
+            vmm_core::cuda::format_uuid(&uuid),
             device.name(),
             device.uuid_string()
         )
@@ -171,7 +158,7 @@ fn refuse_forged_origin(descriptor: IpcDescriptor) {
         m,
         format!(
             "no CUDA device in this process has UUID {}; check CUDA_VISIBLE_DEVICES",
-            uuid_string(&uuid)
+            vmm_core::cuda::format_uuid(&uuid)
         )
     );
 

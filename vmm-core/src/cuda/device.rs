@@ -228,7 +228,9 @@ impl Drop for CurrentContext {
     }
 }
 
-pub(crate) fn format_uuid(uuid: &[u8; 16]) -> String {
+/// A device UUID as `nvidia-smi -L` (and vmm-core's messages) print it:
+/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+pub fn format_uuid(uuid: &[u8; 16]) -> String {
     let hex: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
     format!(
         "GPU-{}-{}-{}-{}-{}",

@@ -57,7 +57,7 @@ mod resource_options;
 /// Why CUDA cannot be used here ([`availability`], [`fabric_availability`]).
 pub use crate::error::Unavailable;
 pub use buffer::VirtualMemoryBuffer;
-pub use device::{Device, availability};
+pub use device::{Device, availability, format_uuid};
 pub use fabric::{FabricDescriptor, FabricHandle};
 pub use fabric_support::fabric_availability;
 pub use importer::{importer, set_importer};
