@@ -129,12 +129,7 @@ fn begin_on_the_host_backend_is_begin() {
     assert_eq!(writer.commit().unwrap(), 1);
     let attached = client.attach("host").unwrap();
     assert!(attached.gpu.is_none());
-    assert!(
-        attached.chunks[1]
-            .as_slice()
-            .iter()
-            .all(|&b| b == fill_byte(1))
-    );
+    assert!(common::holds(&attached.chunks[1], 1));
     assert!(attached.tensor_device_ptr("t0").is_none());
     // A host region is sealed: nothing to verify, no digests.
     assert_eq!(client.verify("host", None).unwrap(), Vec::<[u8; 32]>::new());
@@ -190,12 +185,7 @@ fn a_region_keeps_its_backend() {
     }
     let attached = client.attach("host-only").unwrap();
     assert_eq!(attached.generation, 1);
-    assert!(
-        attached.chunks[0]
-            .as_slice()
-            .iter()
-            .all(|&b| b == fill_byte(1))
-    );
+    assert!(common::holds(&attached.chunks[0], 1));
 }
 
 /// A GPU `Begin` with a malformed chunk list is refused by the same rules as a host one,

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{ServiceProc, fill_byte, program, publish};
+use common::{ServiceProc, program, publish};
 use vmm_memd::{MemdError, Refusal};
 
 /// Run `cmd` with `args`; its output.
@@ -102,12 +102,7 @@ fn sigterm_stops_within_2_s_and_leaves_mapped_memory_intact() {
         waiting.join().unwrap().is_err(),
         "the waiting writer got no slot"
     );
-    assert!(
-        attached.chunks[0]
-            .as_slice()
-            .iter()
-            .all(|&b| b == fill_byte(1))
-    );
+    assert!(common::holds(&attached.chunks[0], 1));
     let err = client.status().unwrap_err();
     assert!(matches!(err, MemdError::ServiceGone(_)), "{err:?}");
     let err = service.try_connect().unwrap_err();

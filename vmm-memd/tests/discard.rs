@@ -43,7 +43,7 @@ fn role_entry() {
                 Err(failed) => match (failed.error, failed.attached) {
                     (MemdError::Refused(Refusal::AccessDenied { right, .. }), Some(kept)) => {
                         // Untouched: still mapped, still leased.
-                        assert!(kept.chunks[0].as_slice().iter().all(|&x| x == fill_byte(1)));
+                        assert!(common::holds(&kept.chunks[0], 1));
                         client.detach(&kept).unwrap();
                         say(&format!("DENIED {right}"))
                     }
@@ -52,10 +52,7 @@ fn role_entry() {
                 Ok(_) => say("SLEPT"),
             }
             let again = client.attach(&args[0]).unwrap();
-            let intact = again.chunks[0]
-                .as_slice()
-                .iter()
-                .all(|&x| x == fill_byte(generation));
+            let intact = common::holds(&again.chunks[0], generation);
             say(&format!("INTACT {intact}"));
         }
         other => panic!("unknown role {other}"),
@@ -114,12 +111,7 @@ fn memory_goes_once_every_mapper_sleeps_and_a_wake_makes_it_again_zeroed() {
     let slept_a = a.sleep_discard(held_a).unwrap();
     // B still maps it: nothing is freed.
     assert_eq!(service.fd_count(), service_fds);
-    assert!(
-        held_b
-            .chunks
-            .iter()
-            .all(|c| { c.as_slice().iter().all(|&x| x == fill_byte(1)) })
-    );
+    assert!(held_b.chunks.iter().all(|c| common::holds(c, 1)));
     let slept_b = b.sleep_discard(held_b).unwrap();
     // Every mapper sleeps: the service and its keeper let both chunks go.
     assert_eq!(service.fd_count(), service_fds - 2);
@@ -170,12 +162,7 @@ fn a_discard_sleep_never_frees_memory_a_reader_still_maps() {
     let slept = sleeper.sleep_discard(attached).unwrap();
     assert_eq!(settled_fds(keeper), keeper_fds, "the holder still maps it");
     let check = sleeper.attach("kv").unwrap();
-    assert!(
-        check.chunks[0]
-            .as_slice()
-            .iter()
-            .all(|&x| x == fill_byte(1))
-    );
+    assert!(common::holds(&check.chunks[0], 1));
     sleeper.detach(&check).unwrap();
     drop(check);
     holder.signal(libc::SIGKILL);
@@ -245,10 +232,5 @@ fn a_reader_without_the_write_right_cannot_discard() {
     assert_eq!(reader.expect_line(), "INTACT true");
     assert!(reader.wait_success());
     let attached = owner.attach("weights").unwrap();
-    assert!(
-        attached.chunks[0]
-            .as_slice()
-            .iter()
-            .all(|&x| x == fill_byte(1))
-    );
+    assert!(common::holds(&attached.chunks[0], 1));
 }

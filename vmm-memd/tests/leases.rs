@@ -135,10 +135,5 @@ fn renewal_keeps_a_lease_past_its_ttl_and_an_expired_one_is_not_renewed() {
     assert!(readers_of(&writer, 1).is_empty());
     assert_eq!(reader.renew().unwrap(), 0, "an expired lease is gone");
     // Expiry does not touch the mapping: the bytes are the kernel's to keep.
-    assert!(
-        attached.chunks[0]
-            .as_slice()
-            .iter()
-            .all(|&b| b == common::fill_byte(1))
-    );
+    assert!(common::holds(&attached.chunks[0], 1));
 }

@@ -115,12 +115,7 @@ fn publish_then_attach_round_trip() {
     assert_eq!(attached.tensor("a"), Some(&b"hello"[..]));
     let again = reader.attach("weights").unwrap();
     assert_eq!(again.generation, 2);
-    assert!(
-        again.chunks[0]
-            .as_slice()
-            .iter()
-            .all(|&b| b == fill_byte(2))
-    );
+    assert!(common::holds(&again.chunks[0], 2));
 }
 
 #[test]
@@ -189,12 +184,7 @@ fn a_writer_killed_mid_fill_leaves_the_current_generation_and_its_partial_one_is
         .unwrap_or_else(|| panic!("{} fds, {baseline} before", service.fd_count()));
     let attached = client.attach("weights").unwrap();
     assert_eq!(attached.generation, 1);
-    assert!(
-        attached.chunks[0]
-            .as_slice()
-            .iter()
-            .all(|&b| b == fill_byte(1))
-    );
+    assert!(common::holds(&attached.chunks[0], 1));
     // And the slot is free: the next writer gets generation 2.
     assert_eq!(publish(&client, "weights", 1, 4096), 2);
 }
@@ -308,7 +298,7 @@ fn retention_keeps_retired_generations_until_the_quota_needs_them() {
     );
     let old = client.attach_generation("r", Some(1)).unwrap();
     assert_eq!(old.generation, 1);
-    assert!(old.chunks[0].as_slice().iter().all(|&b| b == fill_byte(1)));
+    assert!(common::holds(&old.chunks[0], 1));
     client.detach(&old).unwrap();
     // Generation 4 needs room: the oldest retired one (1) is freed for it, and 2 and 3
     // stay retained.

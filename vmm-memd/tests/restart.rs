@@ -177,12 +177,7 @@ fn the_service_sigkilled_mid_traffic_and_restarted_serves_everything_again() {
         assert!(line.starts_with("GONE "), "{line}");
     }
     // The mapping outlives the service.
-    assert!(
-        attached
-            .chunks
-            .iter()
-            .all(|c| c.as_slice().iter().all(|&b| b == fill_byte(2)))
-    );
+    assert!(attached.chunks.iter().all(|c| common::holds(c, 2)));
 
     let restarted = Instant::now();
     service.restart();
@@ -191,12 +186,7 @@ fn the_service_sigkilled_mid_traffic_and_restarted_serves_everything_again() {
     let attach_after = restarted.elapsed();
     assert_eq!(service.keeper_pid(), Some(keeper), "the same keeper");
     assert_eq!(first.generation, 2);
-    assert!(
-        first
-            .chunks
-            .iter()
-            .all(|c| c.as_slice().iter().all(|&b| b == fill_byte(2)))
-    );
+    assert!(first.chunks.iter().all(|c| common::holds(c, 2)));
     for r in readers {
         let mut r = r;
         assert_eq!(r.expect_line(), "REATTACHED 2");
@@ -220,11 +210,7 @@ fn the_service_sigkilled_mid_traffic_and_restarted_serves_everything_again() {
     }
     assert_eq!(after, expected);
     let old = client.attach_generation("weights", Some(1)).unwrap();
-    assert!(
-        old.chunks
-            .iter()
-            .all(|c| c.as_slice().iter().all(|&b| b == fill_byte(1)))
-    );
+    assert!(old.chunks.iter().all(|c| common::holds(c, 1)));
     // ACLs: uid 65534 reads "weights" and does not see "private".
     if is_root() {
         let mut r = Role::spawn("attach", &service, &["weights"], true);
@@ -379,12 +365,7 @@ fn a_keepers_death_is_survived_by_starting_another_and_telling_it_everything() {
     service.restart();
     let attached = service.connect().attach("weights").unwrap();
     assert_eq!(attached.generation, 1);
-    assert!(
-        attached
-            .chunks
-            .iter()
-            .all(|c| c.as_slice().iter().all(|&b| b == fill_byte(1)))
-    );
+    assert!(attached.chunks.iter().all(|c| common::holds(c, 1)));
     println!("keeper replaced {replaced:?} after its SIGKILL");
 }
 
@@ -406,12 +387,7 @@ fn a_graceful_stop_lets_the_keeper_go() {
     });
     assert!(gone.is_some(), "the keeper lingers after a graceful stop");
     // Service and keeper gone, the reader's mapping is intact.
-    assert!(
-        attached.chunks[0]
-            .as_slice()
-            .iter()
-            .all(|&b| b == fill_byte(1))
-    );
+    assert!(common::holds(&attached.chunks[0], 1));
     service.restart();
     assert!(service.connect().list().unwrap().is_empty());
 }

@@ -372,6 +372,11 @@ pub fn fill_byte(generation: u64) -> u8 {
     (generation % 251) as u8 + 1
 }
 
+/// Whether every byte of `chunk` is [`fill_byte`] of `generation`: what [`publish`] wrote.
+pub fn holds(chunk: &vmm_memd::ReadOnlyChunk, generation: u64) -> bool {
+    chunk.as_slice().iter().all(|&b| b == fill_byte(generation))
+}
+
 /// Publish one generation of `region`: `chunks` chunks of `size` bytes, each filled with
 /// [`fill_byte`] of its generation, with one tensor per chunk. Returns the generation.
 pub fn publish(client: &Client, region: &str, chunks: usize, size: u64) -> u64 {
