@@ -136,11 +136,22 @@ impl ServiceProc {
             .expect("start vmm-memd")
     }
 
+    /// Wait until the service answers, and until it has closed its side of the probe
+    /// connection (socket and pidfd): tests that count the service's fds take their baseline
+    /// right after `start`, and a probe still open there would inflate it.
     fn wait_up(&self) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             match self.try_connect() {
-                Ok(_) => return,
+                Ok(probe) => {
+                    // One round trip: the connection's thread runs and holds its pidfd.
+                    probe.status().expect("status of a fresh service");
+                    let open = self.fd_count();
+                    drop(probe);
+                    until(Duration::from_secs(10), || self.fd_count() <= open - 2)
+                        .expect("the service closes a connection that ended");
+                    return;
+                }
                 Err(MemdError::ServiceGone(_)) if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(10))
                 }
