@@ -55,8 +55,13 @@ pub fn run(name: &Name, linger: Option<Duration>) -> i32 {
                 Ok(s)
             }) {
                 // The newest service wins: a restarted one replaces a dead one whose hangup
-                // may not have been seen yet.
-                Ok(s) => service = Some(s),
+                // may not have been seen yet. What the old one sent before it died is
+                // served first (a commit it reported is in it).
+                Ok(s) => {
+                    if let Some(old) = service.replace(s) {
+                        drain(old.as_fd(), &mut held);
+                    }
+                }
                 Err(e) => eprintln!("vmm-memd keeper: refused a connection: {e}"),
             }
             continue;
@@ -77,6 +82,25 @@ pub fn run(name: &Name, linger: Option<Duration>) -> i32 {
                 service = None;
                 alone_since = Instant::now();
             }
+        }
+    }
+}
+
+/// Serve what a replaced service's connection still holds, up to its end (a `Quit` in it
+/// is ignored: the new service decides).
+fn drain(socket: BorrowedFd<'_>, held: &mut BTreeMap<(String, u64), Vec<OwnedFd>>) {
+    loop {
+        let mut pending = libc::pollfd {
+            fd: socket.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, a live local; no wait.
+        if unsafe { libc::poll(&mut pending, 1, 0) } <= 0 || pending.revents & libc::POLLIN == 0 {
+            return;
+        }
+        if serve_one(socket, held).is_err() {
+            return;
         }
     }
 }

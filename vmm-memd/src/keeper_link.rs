@@ -135,14 +135,22 @@ impl KeeperLink {
             }
         };
         let pidfd = keeper_wire::authenticate(socket.as_fd())?;
-        Ok(KeeperLink {
+        let mut link = KeeperLink {
             name,
             linger,
             socket,
             pidfd,
             child: Some(child),
             broken: false,
-        })
+        };
+        // One round trip before anything is sent: the keeper answers only a service it has
+        // authenticated, and it authenticates only a live one. Without it, a service that
+        // sent everything and died before the keeper accepted its connection would be
+        // refused as dead, and everything it sent lost.
+        if !link.take_back()?.is_empty() {
+            return Err(KeeperError::Protocol("a new keeper holds generations"));
+        }
+        Ok(link)
     }
 
     /// Whether the keeper has exited or a send to it failed.

@@ -343,6 +343,8 @@ fn a_keepers_death_is_survived_by_starting_another_and_telling_it_everything() {
     let client = service.connect();
     publish(&client, "weights", 2, 1 << 20);
     let first = service.keeper_pid().expect("a keeper runs");
+    // A keeper holding that generation holds three memfds: its record and two chunks.
+    until(Duration::from_secs(5), || memfds(first) == 3).expect("the keeper holds it");
     // SAFETY: kill of the keeper's pid, which lives (found just now).
     assert_eq!(unsafe { libc::kill(first, libc::SIGKILL) }, 0);
     let replaced = until(Duration::from_secs(5), || {
@@ -360,13 +362,59 @@ fn a_keepers_death_is_survived_by_starting_another_and_telling_it_everything() {
     };
     // Serving went on meanwhile; then a crash of the service finds everything in the new one.
     assert_eq!(client.list().unwrap().len(), 1);
-    std::thread::sleep(Duration::from_millis(50));
+    let new = service.keeper_pid().expect("the new keeper runs");
+    until(Duration::from_secs(5), || memfds(new) == 3)
+        .expect("the new keeper is sent the generation");
     sigkill_and_reap(&mut service);
     service.restart();
     let attached = service.connect().attach("weights").unwrap();
     assert_eq!(attached.generation, 1);
     assert!(attached.chunks.iter().all(|c| common::holds(c, 1)));
     println!("keeper replaced {replaced:?} after its SIGKILL");
+}
+
+/// How many memfds process `pid` has open.
+fn memfds(pid: i32) -> usize {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return 0;
+    };
+    fds.flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter(|target| target.to_string_lossy().starts_with("/memfd:"))
+        .count()
+}
+
+/// A commit the keeper has not read yet when the service dies, and a restarted service that
+/// connects before the keeper reads it: the keeper serves the dead service's connection to
+/// its end before it turns to the new one, so the commit is not lost.
+#[test]
+fn a_commit_the_keeper_had_not_read_when_the_service_died_survives_its_restart() {
+    let mut service = ServiceProc::start(&[]);
+    publish(&service.connect(), "weights", 1, 4096);
+    let keeper = service.keeper_pid().expect("a keeper runs");
+    // SAFETY: signals to the keeper's pid, which lives (found just now).
+    let signal = move |sig| assert_eq!(unsafe { libc::kill(keeper, sig) }, 0);
+    signal(libc::SIGSTOP);
+    // Committed while the keeper sleeps: its Keep waits in the socket.
+    assert_eq!(publish(&service.connect(), "kv", 1, 4096), 1);
+    sigkill_and_reap(&mut service);
+    // The restarted service connects (and waits for its answer) before the keeper wakes.
+    let waker = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        signal(libc::SIGCONT);
+    });
+    service.restart();
+    waker.join().unwrap();
+    let client = service.connect();
+    let mut regions: Vec<String> = client
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.region)
+        .collect();
+    regions.sort();
+    assert_eq!(regions, ["kv", "weights"]);
+    assert!(common::holds(&client.attach("kv").unwrap().chunks[0], 1));
 }
 
 #[test]
