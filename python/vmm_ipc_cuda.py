@@ -87,11 +87,14 @@ class Context:
 
 
 class Mapping:
-    """Chunks mapped back to back in one reservation, read-write for the context's device.
-    ``close()`` unmaps, frees the reservation and releases the chunk handles."""
+    """Chunks mapped back to back in one reservation, read-write for the context's device, or
+    with ``read_only=True`` read-only (``CU_MEM_ACCESS_FLAGS_PROT_READ``: the device faults on
+    a write, and ``write`` refuses). ``close()`` unmaps, frees the reservation and releases the
+    chunk handles."""
 
-    def __init__(self, ctx, handles, chunk_sizes, size):
+    def __init__(self, ctx, handles, chunk_sizes, size, read_only=False):
         self.ctx, self.handles, self.chunk_sizes, self.size = ctx, list(handles), list(chunk_sizes), size
+        self.read_only = read_only
         total = sum(self.chunk_sizes)
         self.va = None
         self.mapped = []
@@ -106,13 +109,16 @@ class Mapping:
             access = cu.CUmemAccessDesc()
             access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
             access.location.id = ctx.ordinal
-            access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            access.flags = (cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ if read_only
+                            else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
             check(cu.cuMemSetAccess(self.va, total, [access], 1), "cuMemSetAccess")
         except BaseException:
             self.close()
             raise
 
     def write(self, offset, data):
+        if self.read_only:
+            raise PermissionError("this mapping is read-only for the device")
         if offset < 0 or offset + len(data) > self.size:
             raise ValueError("write out of bounds")
         host = ctypes.create_string_buffer(bytes(data), len(data))
@@ -191,10 +197,23 @@ class Allocation(Mapping):
                                      owner_uuid=self.ctx.uuid, owner_ordinal=self.ctx.ordinal)
 
 
-def import_descriptor(ctx, descriptor):
+def context_for_uuid(uuid):
+    """A Context on the device whose UUID is ``uuid`` (16 bytes), or None if this process
+    sees no such device (``CUDA_VISIBLE_DEVICES`` may hide it)."""
+    check(cu.cuInit(0), "cuInit")
+    get_uuid = getattr(cu, "cuDeviceGetUuid_v2", None) or cu.cuDeviceGetUuid
+    for ordinal in range(check(cu.cuDeviceGetCount(), "cuDeviceGetCount")):
+        device = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        if bytes(check(get_uuid(device), "cuDeviceGetUuid").bytes) == bytes(uuid):
+            return Context(ordinal)
+    return None
+
+
+def import_descriptor(ctx, descriptor, read_only=False):
     """Import a received VmmDescriptor into ``ctx``'s device: cuMemImportFromShareableHandle per
     fd (the fd is passed by value and stays the descriptor's: close the descriptor after),
-    then reserve, map and set access. Checks the descriptor names this device, if it names one."""
+    then reserve, map and set access (read-only with ``read_only``). Checks the descriptor
+    names this device, if it names one."""
     if descriptor.location != ("device", 0):
         raise ValueError(f"this helper imports device memory, not {descriptor.location}")
     if descriptor.device_uuid is not None and descriptor.device_uuid != ctx.uuid:
@@ -208,7 +227,7 @@ def import_descriptor(ctx, descriptor):
         for handle in handles:
             cu.cuMemRelease(handle)
         raise
-    return Mapping(ctx, handles, descriptor.chunk_sizes, descriptor.size)
+    return Mapping(ctx, handles, descriptor.chunk_sizes, descriptor.size, read_only=read_only)
 
 
 def _import_fabric_handle(data):

@@ -1,5 +1,5 @@
 """A minimal PEP 517 (and PEP 660) build backend, standard library only, for this directory's
-packages: it builds a pure-Python wheel of ``PACKAGES`` and an sdist, with no build
+packages: it builds a pure-Python wheel of ``PACKAGES`` and ``MODULES`` and an sdist, with no build
 requirement, so ``pip install ./python`` works offline on any Python 3.9+.
 
 The name and version come from pyproject.toml's ``[project]`` table (``tomllib`` where there is
@@ -15,6 +15,9 @@ import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("vmm_ipc_peer", "vmm_memd")
+# Top-level modules: the CUDA helper (it imports cuda.bindings, so only the GPU path of
+# vmm_memd imports it, when a GPU region is attached).
+MODULES = ("vmm_ipc_cuda",)
 SUMMARY = "vmm-ipc peer protocol and vmm-memd client: shared memory by name, zero-copy"
 EXTRAS = {"numpy": ["numpy>=2.1"], "cuda": ["cuda-python>=12"]}
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # fixed timestamps: the same sources give the same wheel
@@ -40,8 +43,11 @@ def _dist():
 
 
 def _sources():
-    """(path relative to ROOT, bytes) of every module of PACKAGES, sorted."""
+    """(path relative to ROOT, bytes) of every module of PACKAGES, and of MODULES, sorted."""
     out = []
+    for module in MODULES:
+        with open(os.path.join(ROOT, module + ".py"), "rb") as f:
+            out.append((module + ".py", f.read()))
     for package in PACKAGES:
         for directory, dirs, files in os.walk(os.path.join(ROOT, package)):
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")
@@ -73,7 +79,7 @@ def _dist_info_files(dist_info):
     wheel = ("Wheel-Version: 1.0\nGenerator: vmm_ipc_wheel\nRoot-Is-Purelib: true\n"
              "Tag: py3-none-any\n").encode()
     return [(f"{dist_info}/METADATA", _metadata()), (f"{dist_info}/WHEEL", wheel),
-            (f"{dist_info}/top_level.txt", "".join(p + "\n" for p in PACKAGES).encode())]
+            (f"{dist_info}/top_level.txt", "".join(p + "\n" for p in PACKAGES + MODULES).encode())]
 
 
 def _write_wheel(wheel_directory, files):

@@ -94,6 +94,7 @@ class FreshVenv(unittest.TestCase):
         shown = run([self.python, "-m", "pip", "show", "-f", "vmm-ipc"], env=self.env)
         self.assertIn("vmm_memd/client.py", shown.stdout)
         self.assertIn("vmm_ipc_peer/endpoint.py", shown.stdout)
+        self.assertIn("vmm_ipc_cuda.py", shown.stdout)
 
     def test_an_editable_install(self):
         self.pip_install("-e", self.source)

@@ -21,7 +21,7 @@ from .errors import (  # noqa: F401
     AccessDenied, BadDescriptor, BadReply, DecodeError, FdsInFlight, InvalidRequest, MemdError,
     NoSuchGeneration, NoSuchRegion, Os, QuotaExceeded, Refused, ServiceFailed, ServiceGone,
     StillMapped, TooLarge, Transport, WriterBusy, NoSuchDevice, DeviceFailed, DigestMismatch,
-    FabricUnavailable, GpuRegion,
+    FabricUnavailable, GpuImportFailed, GpuRegion,
 )
 from .protocol import Acl, Dtype, Gid, TensorMeta, Uid  # noqa: F401
 from .tensor import Tensor  # noqa: F401
@@ -36,4 +36,5 @@ __all__ = [
     "Transport", "Os", "QuotaExceeded", "AccessDenied", "NoSuchRegion", "NoSuchGeneration",
     "WriterBusy", "TooLarge", "InvalidRequest", "StillMapped", "FdsInFlight", "ServiceFailed",
     "NoSuchDevice", "DeviceFailed", "DigestMismatch", "FabricUnavailable", "GpuRegion",
+    "GpuImportFailed",
 ]

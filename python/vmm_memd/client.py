@@ -9,7 +9,8 @@ import vmm_ipc_peer as peer
 from vmm_ipc_peer.decoding import _discard
 
 from . import protocol as p
-from .errors import BadReply, GpuRegion, MemdError, Refused, ServiceGone, Transport
+from . import gpu
+from .errors import BadReply, GpuImportFailed, GpuRegion, MemdError, Refused, ServiceGone, Transport
 from .mapping import ReadOnlyChunk
 from .writer import Writer
 from .attached import Attached
@@ -44,6 +45,7 @@ class Client:
 
     def __init__(self, conn, name):
         self.conn, self.name = conn, name
+        self._contexts = {}  # device UUID -> vmm_ipc_cuda.Context (GPU regions)
 
     @classmethod
     def connect(cls, name, expect_uids=None, expect_gids=(), timeout=10.0):
@@ -133,13 +135,26 @@ class Client:
         """The service's metrics (Prometheus text) as this uid may see them."""
         return self.request(p.encode_metrics(), p.Metrics).text
 
+    def vmm_descriptor(self, size, uuid):
+        """The next message: a CUDA_VMM descriptor of one ``size``-byte chunk (one fd) of the
+        device ``uuid`` (the caller closes it); BadReply (its fds closed) for anything else."""
+        with _Transport():
+            message = self.conn.recv()
+        if isinstance(message, peer.VmmDescriptor) and len(message.fds) == 1 \
+                and message.chunk_sizes == [size] and message.size == size \
+                and message.device_uuid == uuid and message.location == ("device", 0):
+            return message
+        _discard(message)
+        raise BadReply(f"expected a GPU chunk of {size} bytes on {uuid.hex()}, got {message!r}")
+
     def attach(self, region, generation=None):
         """A lease on ``region``'s current committed generation (or ``generation``, if the
-        service still holds it), its metadata, and its chunks mapped read-only: an Attached."""
+        service still holds it), its metadata, and its chunks mapped read-only: an Attached.
+        A GPU region's chunks are imported into this process's device of the same UUID
+        (cuda.bindings needed: GpuRegion without it, or without that device)."""
         reply = self.request_raw(p.encode_attach(region, generation))
-        if isinstance(reply, p.AttachedGpuReply):
-            self._give_back_gpu(region, reply)
-        reply = self._expect(reply, p.AttachedReply)
+        if not isinstance(reply, p.AttachedGpuReply):
+            reply = self._expect(reply, p.AttachedReply)
         if len(reply.chunks) > p.MAX_CHUNKS or reply.meta_pages > p.MAX_META_ENTRIES:
             raise BadReply(f"{len(reply.chunks)} chunks and {reply.meta_pages} metadata pages "
                            f"announced")
@@ -154,6 +169,10 @@ class Client:
                 self._skip_descriptors(reply.chunks)
                 self._detach_quietly(reply.lease)
                 raise BadReply(f"tensor {key!r} lies outside its chunk ({m})")
+        if isinstance(reply, p.AttachedGpuReply):
+            chunks = self._gpu_chunks(region, reply)
+            return Attached(self, region, reply.lease, reply.generation, chunks, meta,
+                            reply.ttl_ms / 1000.0)
         chunks = []
         for i, size in enumerate(reply.chunks):
             try:
@@ -169,19 +188,45 @@ class Client:
         return Attached(self, region, reply.lease, reply.generation, chunks, meta,
                         reply.ttl_ms / 1000.0)
 
-    def _give_back_gpu(self, region, reply):
-        """A GPU region's attach: read what follows its reply (the metadata pages, one
-        descriptor per chunk, each closed), give the lease back, raise GpuRegion."""
-        if len(reply.chunks) > p.MAX_CHUNKS or reply.meta_pages > p.MAX_META_ENTRIES:
-            raise BadReply(f"{len(reply.chunks)} chunks and {reply.meta_pages} metadata pages "
-                           f"announced")
-        for _ in range(reply.meta_pages):
-            self._expect(self.reply(), p.MetaPage)
-        for _ in reply.chunks:
-            with _Transport():
-                _discard(self.conn.recv())
-        self._detach_quietly(reply.lease)
-        raise GpuRegion(region, reply.device)
+    def _gpu_chunks(self, region, reply):
+        """A GPU generation's descriptors (one per chunk, after its metadata), imported and
+        mapped read-only; each GpuChunk of the result. On any failure the descriptors are
+        read and closed and the lease given back (unless the service is gone)."""
+        descriptors = []
+        try:
+            for i, size in enumerate(reply.chunks):
+                try:
+                    descriptors.append(self.vmm_descriptor(size, reply.device))
+                except MemdError as e:
+                    if not isinstance(e, ServiceGone):
+                        self._skip_descriptors(reply.chunks[i + 1:])
+                        self._detach_quietly(reply.lease)
+                    raise
+            try:
+                chunks = self._import_gpu(region, reply, descriptors)
+            except MemdError:
+                self._detach_quietly(reply.lease)
+                raise
+        finally:
+            for d in descriptors:
+                d.close()
+        return [chunks.chunk(i) for i in range(len(reply.chunks))]
+
+    def _import_gpu(self, region, reply, descriptors):
+        cuda = gpu._cuda()
+        if cuda is None:
+            raise GpuRegion(region, reply.device, "cuda.bindings is not installed")
+        try:
+            ctx = self._contexts.get(reply.device)
+            if ctx is None:
+                ctx = cuda.context_for_uuid(reply.device)
+                if ctx is None:
+                    raise GpuRegion(region, reply.device, "no device of this process has it")
+                self._contexts[reply.device] = ctx
+            return gpu.GpuChunks(cuda, ctx, [d.fds[0] for d in descriptors], reply.chunks,
+                                 reply.device)
+        except (RuntimeError, ValueError) as e:
+            raise GpuImportFailed(region, str(e)) from e
 
     def verify(self, region, generation=None):
         """Check a committed generation against the digests taken at its commit (GPU

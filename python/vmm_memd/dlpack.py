@@ -21,6 +21,7 @@ import threading
 from .protocol import Dtype
 
 KDL_CPU = 1
+KDL_CUDA = 2
 (KDL_INT, KDL_UINT, KDL_FLOAT, KDL_BFLOAT, KDL_BOOL) = (0, 1, 2, 4, 6)
 FLAG_READ_ONLY = 1
 DLPACK_VERSION = (1, 0)
@@ -117,16 +118,17 @@ def dl_dtype(dtype):
     return DLDataType(code, bits, 1)
 
 
-def capsule(owner, address, shape, dtype, versioned):
+def capsule(owner, address, shape, dtype, versioned, device=(KDL_CPU, 0)):
     """A DLPack capsule over ``address`` (in a mapping ``owner`` keeps alive): a C-contiguous
-    tensor of ``shape`` and ``dtype`` on the CPU; ``versioned`` marks it read-only."""
+    tensor of ``shape`` and ``dtype`` on ``device`` (a DLPack (type, id) pair: the CPU, or a
+    GPU's ordinal in this process); ``versioned`` marks it read-only."""
     ndim = len(shape)
     shape_array = (ctypes.c_int64 * max(ndim, 1))(*shape)
     strides = [1] * ndim
     for i in range(ndim - 2, -1, -1):
         strides[i] = strides[i + 1] * shape[i + 1]
     strides_array = (ctypes.c_int64 * max(ndim, 1))(*strides)
-    tensor = DLTensor(address, DLDevice(KDL_CPU, 0), ndim, dl_dtype(dtype),
+    tensor = DLTensor(address, DLDevice(*device), ndim, dl_dtype(dtype),
                       ctypes.cast(shape_array, ctypes.POINTER(ctypes.c_int64)),
                       ctypes.cast(strides_array, ctypes.POINTER(ctypes.c_int64)), 0)
     if versioned:

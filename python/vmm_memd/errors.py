@@ -140,13 +140,22 @@ REFUSALS = (QuotaExceeded, AccessDenied, NoSuchRegion, NoSuchGeneration, WriterB
 
 
 class GpuRegion(MemdError):
-    """The region lives in GPU memory, which this client does not map yet (host regions
-    only): its lease was given back and its descriptors closed."""
+    """The region lives in GPU memory that this process cannot map: ``why`` says whether
+    cuda.bindings is missing or no device of this process has the region's UUID (see
+    ``CUDA_VISIBLE_DEVICES``). Its lease was given back and its descriptors closed."""
 
-    def __init__(self, region, device):
-        self.region, self.device = region, device
-        super().__init__(f"region {region!r} lives on GPU {device.hex()}: this client maps "
-                         f"host regions only")
+    def __init__(self, region, device, why):
+        self.region, self.device, self.why = region, device, why
+        super().__init__(f"region {region!r} lives on GPU {device.hex()}: {why}")
+
+
+class GpuImportFailed(MemdError):
+    """The CUDA driver refused to import or map a GPU region's chunks (``why`` is the
+    driver's error): its lease was given back and its descriptors closed."""
+
+    def __init__(self, region, why):
+        self.region, self.why = region, why
+        super().__init__(f"region {region!r}: importing its chunks failed: {why}")
 
 
 class Os(MemdError):

@@ -19,6 +19,7 @@ import weakref
 from vmm_ipc_peer.constants import TMPFS_MAGIC
 from vmm_ipc_peer.memfd import _filesystem_type
 
+from .dlpack import KDL_CPU
 from .errors import BadDescriptor, Os
 
 COMMITTED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -66,7 +67,12 @@ class ReadOnlyChunk:
         if address is None or address == _MAP_FAILED:
             raise Os("mmap(chunk, PROT_READ)", ctypes.get_errno())
         self.address, self.length = address, length
+        self.dlpack_device = (KDL_CPU, 0)
         self._unmap = weakref.finalize(self, _unmap, address, length)
+
+    def read(self, offset, length):
+        """``length`` bytes from ``offset``, copied."""
+        return bytes(self.view(offset, length))
 
     def view(self, offset=0, length=None):
         """A read-only memoryview of ``length`` bytes from ``offset`` (default: to the end);

@@ -10,6 +10,8 @@
 //! runs) asks for a failure instead.
 
 mod common;
+#[path = "common/gpu.rs"]
+mod gpu_common;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -24,7 +26,7 @@ const PEER: [(&str, &str); 14] = include!("../../python/vmm_ipc_peer_files.rs");
 
 /// The `vmm_memd` package, the packaging, and the tests. A module missing here fails the
 /// first `import vmm_memd`.
-const FILES: [(&str, &str); 19] = [
+const FILES: [(&str, &str); 26] = [
     (
         "vmm_memd/__init__.py",
         include_str!("../../python/vmm_memd/__init__.py"),
@@ -70,6 +72,14 @@ const FILES: [(&str, &str); 19] = [
         include_str!("../../python/vmm_memd/writer.py"),
     ),
     (
+        "vmm_memd/gpu.py",
+        include_str!("../../python/vmm_memd/gpu.py"),
+    ),
+    (
+        "vmm_ipc_cuda.py",
+        include_str!("../../python/vmm_ipc_cuda.py"),
+    ),
+    (
         "pyproject.toml",
         include_str!("../../python/pyproject.toml"),
     ),
@@ -97,6 +107,26 @@ const FILES: [(&str, &str); 19] = [
     (
         "test_memd_install.py",
         include_str!("../../python/tests/test_memd_install.py"),
+    ),
+    (
+        "test_memd_gpu_fake.py",
+        include_str!("../../python/tests/test_memd_gpu_fake.py"),
+    ),
+    (
+        "test_memd_gpu_torch.py",
+        include_str!("../../python/tests/test_memd_gpu_torch.py"),
+    ),
+    (
+        "fake_cuda/cuda/__init__.py",
+        include_str!("../../python/tests/fake_cuda/cuda/__init__.py"),
+    ),
+    (
+        "fake_cuda/cuda/bindings/__init__.py",
+        include_str!("../../python/tests/fake_cuda/cuda/bindings/__init__.py"),
+    ),
+    (
+        "fake_cuda/cuda/bindings/driver.py",
+        include_str!("../../python/tests/fake_cuda/cuda/bindings/driver.py"),
     ),
 ];
 
@@ -246,7 +276,12 @@ fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
         ),
     ];
     let (ok, out) = py.unittest(
-        &["test_memd_codec", "test_memd_client", "test_memd_hostile"],
+        &[
+            "test_memd_codec",
+            "test_memd_client",
+            "test_memd_hostile",
+            "test_memd_gpu_fake",
+        ],
         &env,
     );
     assert!(ok && out.contains("\nOK"), "{out}");
@@ -266,6 +301,10 @@ fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
             "test_a_chunk_not_sealed_against_writes_is_not_mapped",
             "test_a_truncated_reply_is_refused",
             "test_unknown_variants_are_refused",
+            "test_chunks_are_imported_read_only_and_exported_by_dlpack_on_the_device",
+            "test_another_device_or_a_mismatched_chunk_is_refused_and_the_lease_given_back",
+            "test_a_driver_refusal_is_typed_and_leaves_nothing",
+            "test_without_cuda_bindings_a_gpu_region_is_GpuRegion",
         ],
     );
     // Another uid's view needs root (and a python3 that uid 65534 can run): where CI asks for
@@ -351,4 +390,40 @@ fn a_python_reader_sees_service_gone_and_reattaches_after_a_restart() {
         &out,
         &["test_a_restart_is_service_gone_and_the_mapping_stays"],
     );
+}
+
+/// A GPU region published from Rust, attached from Python on the real driver and given to
+/// torch by DLPack (`test_memd_gpu_torch.py`): zero-copy, the bytes Rust wrote, read-only for
+/// the device, valid after the lease. Needs a GPU, and `python3` with torch (CUDA) and
+/// cuda.bindings: SKIP otherwise, a failure under `VMM_REQUIRE_GPU=1`.
+#[test]
+fn torch_attaches_a_gpu_region_zero_copy_from_python() {
+    let test = "torch_attaches_a_gpu_region_zero_copy_from_python";
+    let service = ServiceProc::start(&[]);
+    if !vmm_core::testing::skip_unless(vmm_core::testing::cuda_vmm_ipc()) {
+        return;
+    }
+    let torch = python3_can(
+        "import torch, numpy; from cuda.bindings import driver; assert torch.cuda.is_available()",
+        "python3 has no torch with CUDA, numpy or cuda.bindings",
+    );
+    if !run_unless(test, torch) {
+        return;
+    }
+    let rust = service.connect();
+    let region = format!("gpu-for-torch-{}", std::process::id());
+    let uuid = gpu_common::parse_uuid(&gpu_common::uuid_hex(0));
+    let generation = gpu_common::publish_gpu(&rust, &region, uuid, 2, 3 << 20);
+    let py = PythonDir::new("torch");
+    let env = [
+        ("VMM_MEMD_SOCKET", service.socket.clone()),
+        ("VMM_MEMD_GPU_REGION", format!("{region}:{generation}")),
+    ];
+    let (ok, out) = py.unittest(&["test_memd_gpu_torch"], &env);
+    assert!(ok && out.contains("\nOK"), "{out}");
+    assert_passed(
+        &out,
+        &["test_torch_gets_the_mapping_zero_copy_with_what_rust_published"],
+    );
+    println!("{out}");
 }

@@ -21,6 +21,7 @@ class CUresult(enum.IntEnum):
     CUDA_SUCCESS = 0
     CUDA_ERROR_INVALID_VALUE = 1
     CUDA_ERROR_NOT_INITIALIZED = 3
+    CUDA_ERROR_INVALID_DEVICE = 101
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_INVALID_HANDLE = 400
     CUDA_ERROR_NOT_PERMITTED = 800
@@ -99,7 +100,7 @@ _state = {"init": False, "current": False}
 _allocations = {}  # handle -> (memfd, size, requested handle type: NONE when imported)
 _fabric = {}  # fabric handle bytes -> the allocation's handle, while it lives
 _reservations = {}  # va -> size
-_mappings = {}  # va -> (size, handle, mmap, accessible)
+_mappings = {}  # va -> (size, handle, mmap, access: None, "read" or "rw")
 _next = {"handle": 1, "va": 1 << 40}
 UUID = bytes(range(16))
 
@@ -125,9 +126,17 @@ def cuInit(flags):
     return _ok()
 
 
+def cuDeviceGetCount():
+    if not _state["init"]:
+        return _err(CUresult.CUDA_ERROR_NOT_INITIALIZED)
+    return _ok(1)
+
+
 def cuDeviceGet(ordinal):
     if not _state["init"]:
         return _err(CUresult.CUDA_ERROR_NOT_INITIALIZED)
+    if ordinal != 0:
+        return _err(CUresult.CUDA_ERROR_INVALID_DEVICE)
     return _ok(ordinal)
 
 
@@ -257,7 +266,7 @@ def cuMemMap(ptr, size, offset, handle, flags):
     if entry is None or not inside or offset or flags or size != entry[1]:
         return _err(CUresult.CUDA_ERROR_INVALID_VALUE)
     view = mmap.mmap(entry[0], size)
-    _mappings[ptr] = (size, int(handle), view, False)
+    _mappings[ptr] = (size, int(handle), view, None)
     return _ok()
 
 
@@ -277,22 +286,28 @@ def cuMemSetAccess(ptr, size, desc, count):
     for va in sorted(_mappings):
         chunk, handle, view, _ = _mappings[va]
         if ptr <= va and va + chunk <= ptr + size:
-            rw = any(d.flags == CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE for d in desc)
-            _mappings[va] = (chunk, handle, view, rw)
+            flags = {d.flags for d in desc}
+            access = ("rw" if CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE in flags
+                      else "read" if CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ in flags
+                      else None)
+            _mappings[va] = (chunk, handle, view, access)
             covered += chunk
     if covered != size:
         return _err(CUresult.CUDA_ERROR_INVALID_VALUE)
     return _ok()
 
 
-def _pieces(ptr, length):
-    """(view, offset, length) for each mapped, accessible chunk the range crosses."""
+def _pieces(ptr, length, write):
+    """(view, offset, length) for each mapped, accessible chunk the range crosses (for a
+    ``write``: accessible read-write; the real device faults on a write to a read-only one)."""
     ptr, pieces = int(ptr), []
     while length:
-        for va, (chunk, _, view, rw) in _mappings.items():
+        for va, (chunk, _, view, access) in _mappings.items():
             if va <= ptr < va + chunk:
-                if not rw:
+                if access is None:
                     raise AssertionError("access to memory without cuMemSetAccess")
+                if write and access != "rw":
+                    raise AssertionError("a write to memory mapped read-only")
                 n = min(length, va + chunk - ptr)
                 pieces.append((view, ptr - va, n))
                 ptr, length = ptr + n, length - n
@@ -306,7 +321,7 @@ def cuMemcpyHtoD(dst, src, count):
     if not isinstance(src, int):
         raise TypeError("this fake takes host addresses as ints")
     done = 0
-    for view, offset, n in _pieces(dst, count):
+    for view, offset, n in _pieces(dst, count, write=True):
         view[offset:offset + n] = ctypes.string_at(src + done, n)
         done += n
     return _ok()
@@ -316,7 +331,7 @@ def cuMemcpyDtoH(dst, src, count):
     if not isinstance(dst, int):
         raise TypeError("this fake takes host addresses as ints")
     done = 0
-    for view, offset, n in _pieces(src, count):
+    for view, offset, n in _pieces(src, count, write=False):
         ctypes.memmove(dst + done, bytes(view[offset:offset + n]), n)
         done += n
     return _ok()

@@ -1,0 +1,66 @@
+"""A GPU region published from Rust, attached from Python on the real driver and handed to
+torch by DLPack: the CUDA tensor's data pointer is our mapping, its bytes are what Rust
+wrote, our mapping is read-only for the device, and the tensor outlives the lease.
+
+Run by vmm-memd's python_client test on a GPU machine (it publishes the region and sets
+VMM_MEMD_SOCKET and VMM_MEMD_GPU_REGION=name:generation); skipped anywhere else."""
+
+import os
+import unittest
+
+try:
+    import torch
+    from cuda.bindings import driver as cu
+except ImportError:  # the Rust test checks both are there before it runs this module
+    torch = cu = None
+
+import vmm_memd
+
+
+def pattern(generation, chunk, length):
+    """What the Rust writer put in chunk ``chunk`` (vmm-memd/tests/common/gpu.rs)."""
+    return bytes(((i * 31) ^ (generation * 7 + chunk * 13)) & 0xFF for i in range(length))
+
+
+@unittest.skipUnless(torch is not None and "VMM_MEMD_GPU_REGION" in os.environ,
+                     "needs torch, cuda.bindings and a GPU region (run by python_client.rs)")
+class TorchOnTheGpu(unittest.TestCase):
+    def test_torch_gets_the_mapping_zero_copy_with_what_rust_published(self):
+        region, generation = os.environ["VMM_MEMD_GPU_REGION"].rsplit(":", 1)
+        generation = int(generation)
+        client = vmm_memd.Client.connect(os.environ["VMM_MEMD_SOCKET"])
+        attached = client.attach(region)
+        self.assertEqual(attached.generation, generation)
+        tensors = []
+        for i in range(len(attached.chunks)):
+            t = attached[f"t{i}"]
+            x = torch.from_dlpack(t)
+            self.assertEqual(x.device.type, "cuda")
+            self.assertEqual(x.device.index, t.__dlpack_device__()[1])
+            self.assertEqual(x.data_ptr(), t.address, "zero-copy: the tensor is the mapping")
+            expected = pattern(generation, i, t.nbytes)
+            self.assertEqual(bytes(x.cpu().numpy()), expected)
+            self.assertEqual(t.tobytes(), expected)
+            # A kernel reads it.
+            self.assertEqual(int(x.to(torch.int64).sum()), sum(expected))
+            tensors.append((x, expected))
+        # Our mapping is read-only for the device.
+        location = cu.CUmemLocation()
+        location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        location.id = attached["t0"].__dlpack_device__()[1]
+        err, flags = cu.cuMemGetAccess(location, attached["t0"].address)
+        self.assertEqual(err, cu.CUresult.CUDA_SUCCESS)
+        self.assertEqual(int(flags), int(cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ))
+        # The lease ends, the tensors stay valid (they keep the mapping).
+        attached.detach()
+        del attached
+        for x, expected in tensors:
+            torch.cuda.synchronize()
+            self.assertEqual(bytes(x.cpu().numpy()), expected)
+        # Nothing was written: the digests taken at commit still match.
+        client.verify(region)
+        client.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
