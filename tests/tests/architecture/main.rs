@@ -61,8 +61,13 @@ fn every_module_imports_only_what_the_readme_table_allows() {
 
 #[test]
 fn no_two_modules_import_each_other_around_a_circle() {
-    let graph = module_graph(SOURCES);
-    if let Some(cycle) = find_cycle(&graph) {
+    assert_no_cycle(&module_graph(SOURCES), "import cycle");
+}
+
+/// Panic with `what` and each step of a cycle of `graph` (with where each import stands), if
+/// it has one.
+fn assert_no_cycle(graph: &Graph, what: &str) {
+    if let Some(cycle) = find_cycle(graph) {
         let steps: Vec<String> = cycle
             .windows(2)
             .map(|pair| {
@@ -70,7 +75,7 @@ fn no_two_modules_import_each_other_around_a_circle() {
                 format!("{} -> {} (at {})", pair[0], pair[1], places(evidence))
             })
             .collect();
-        panic!("import cycle:\n{}", steps.join("\n"));
+        panic!("{what}:\n{}", steps.join("\n"));
     }
 }
 
@@ -485,17 +490,7 @@ fn same_names<'a>(paths: impl Iterator<Item = &'a str>) -> Vec<(String, Vec<Stri
 
 #[test]
 fn no_two_files_inside_a_module_import_each_other_around_a_circle() {
-    let graph = file_graph(SOURCES);
-    if let Some(cycle) = find_cycle(&graph) {
-        let steps: Vec<String> = cycle
-            .windows(2)
-            .map(|pair| {
-                let evidence = &graph[&pair[0]][&pair[1]];
-                format!("{} -> {} (at {})", pair[0], pair[1], places(evidence))
-            })
-            .collect();
-        panic!("import cycle between files:\n{}", steps.join("\n"));
-    }
+    assert_no_cycle(&file_graph(SOURCES), "import cycle between files");
 }
 
 #[test]
