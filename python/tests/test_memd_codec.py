@@ -42,6 +42,12 @@ class Requests(unittest.TestCase):
         meta = p.TensorMeta(1, 256, 8, p.Dtype.BF16, (2, 2))
         self.assertEqual(p.encode_put_meta([("k", meta)]),
                          b"\x03\x01\x01k\x01\x80\x02\x08\x09\x02\x02\x02")
+        # BeginOn, Backend::Gpu: the UUID's 16 bytes as they are (vmm-memd's python_client
+        # test checks these bytes against postcard).
+        self.assertEqual(p.encode_begin_gpu("r", [4096], bytes(range(16)), p.Acl(), 5),
+                         b"\x0b\x01r\x01\x80\x20\x00\x00\x00\x05\x01" + bytes(range(16)))
+        with self.assertRaises(ValueError):
+            p.encode_begin_gpu("r", [4096], bytes(15))
 
     def test_values_outside_their_types_are_not_encoded(self):
         for bad in (-1, 2**64):

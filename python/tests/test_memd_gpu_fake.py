@@ -3,7 +3,8 @@
 read, and exported by DLPack as CUDA memory whose data pointer is the mapping; everything is
 released with the last reference. A descriptor of another device, a driver refusal and a
 process without cuda.bindings each end in a typed exception with the lease given back and no
-fd, import or mapping left. The real driver runs the same code on the GPU machine
+fd, import or mapping left. A GPU writer (``publish_gpu``) copies host and CUDA arrays into
+its pending chunk, describes them and commits; a reply with smaller chunks aborts. The real driver runs the same code on the GPU machine
 (test_memd_gpu_torch.py, from vmm-memd's python_client test)."""
 
 import ctypes
@@ -188,6 +189,88 @@ class GpuAttach(unittest.TestCase):
             sys.modules["vmm_ipc_cuda"] = saved
         self.assertEqual(service.requests, [ATTACH, DETACH])
         self.assert_nothing_left()
+
+
+def began_gpu(chunks, uuid, generation=4):
+    w = Writer()
+    w.variant(10)  # BeganGpu
+    w.u64(generation)
+    w.usize(len(chunks))
+    for c in chunks:
+        w.u64(c)
+    for b in uuid:
+        w.u8(b)
+    w.bool(False)
+    return w.bytes()
+
+
+def committed(generation):
+    return reply(5, [("u64", generation)])
+
+
+class CudaArray:
+    """A CUDA array as torch and CuPy describe theirs (__cuda_array_interface__), over device
+    memory of the fake driver."""
+
+    def __init__(self, address, shape, typestr):
+        self.__cuda_array_interface__ = {"data": (address, False), "shape": shape,
+                                         "typestr": typestr, "version": 3}
+
+
+class GpuPublish(unittest.TestCase):
+    def setUp(self):
+        self.exported = Exported()
+        self.fds, self.imports, self.mapped = open_fds(), imports(), len(fake._mappings)
+
+    def tearDown(self):
+        self.exported.close()
+
+    def served(self):
+        """Answers to BeginOn (the pending chunk: the exporter's first chunk, writable), then
+        PutMeta (Done) and Commit (Committed 4)."""
+        def send_chunk(conn):
+            with self.exported.owned.export() as whole:
+                conn.send_descriptor(peer.VmmDescriptor([whole.fds[0]], [G], G,
+                                                        device_uuid=fake.UUID))
+        return [[send_data(began_gpu([G], fake.UUID)), send_chunk],
+                [send_data(reply(4))], [send_data(committed(4))]]
+
+    def test_host_and_cuda_arrays_are_copied_in_described_and_committed(self):
+        # The source on the device: the exporter's second chunk, 64 float32s.
+        source = self.exported.owned.va + G
+        on_device = CudaArray(source, (4, 16), "<f4")
+        on_host = bytes(range(100))
+        with HostileService(*self.served()) as service:
+            generation = vmm_memd.publish_gpu(service.client, "weights",
+                                              {"h": on_host, "d": on_device})
+        self.assertEqual(generation, 4)
+        self.assertEqual(service.requests, [11, 3, 4])  # BeginOn, PutMeta, Commit
+        self.assertEqual(service.raw[0], vmm_memd.protocol.encode_begin_gpu(
+            "weights", [512], fake.UUID))
+        metas = [("h", TensorMeta(0, 0, 100, Dtype.U8, (100,))),
+                 ("d", TensorMeta(0, 256, 256, Dtype.F32, (4, 16)))]
+        self.assertEqual(service.raw[1], vmm_memd.protocol.encode_put_meta(metas))
+        # What the service's chunk holds now.
+        self.assertEqual(self.exported.owned.read(0, 100), on_host)
+        self.assertEqual(self.exported.owned.read(256, 256), self.exported.data[G:G + 256])
+        # The writer's mapping went before the commit.
+        self.assert_nothing_left()
+
+    def test_a_reply_with_smaller_chunks_aborts_and_a_non_contiguous_array_is_refused(self):
+        with HostileService([send_data(began_gpu([G // 2], fake.UUID))],
+                            [send_data(reply(4))]) as service:
+            with self.assertRaises(vmm_memd.BadReply):
+                service.client.begin_gpu("weights", [G])
+        self.assertEqual(service.requests, [11, 5])  # BeginOn, Abort
+        strided = CudaArray(self.exported.owned.va, (4, 4), "<f4")
+        strided.__cuda_array_interface__["strides"] = (32, 4)
+        with self.assertRaises(ValueError):
+            vmm_memd.publishing.describe_device(strided)
+        with self.assertRaises(TypeError):
+            vmm_memd.publishing.describe_device(CudaArray(0, (1,), "<c8"))
+        self.assert_nothing_left()
+
+    assert_nothing_left = GpuAttach.assert_nothing_left
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """A GPU region published from Rust, attached from Python on the real driver and handed to
 torch by DLPack: the CUDA tensor's data pointer is our mapping, its bytes are what Rust
-wrote, our mapping is read-only for the device, and the tensor outlives the lease.
+wrote, our mapping is read-only for the device, and the tensor outlives the lease. And torch
+tensors published from Python (``publish_gpu``: device to device copies, bfloat16 by the
+tuple form) come back equal.
 
 Run by vmm-memd's python_client test on a GPU machine (it publishes the region and sets
 VMM_MEMD_SOCKET and VMM_MEMD_GPU_REGION=name:generation); skipped anywhere else."""
@@ -58,6 +60,27 @@ class TorchOnTheGpu(unittest.TestCase):
             torch.cuda.synchronize()
             self.assertEqual(bytes(x.cpu().numpy()), expected)
         # Nothing was written: the digests taken at commit still match.
+        client.verify(region)
+        client.close()
+
+    def test_torch_tensors_published_from_python_come_back_equal(self):
+        region = os.environ["VMM_MEMD_GPU_REGION"].rsplit(":", 1)[0] + "-from-python"
+        client = vmm_memd.Client.connect(os.environ["VMM_MEMD_SOCKET"])
+        weights = torch.arange(4096, dtype=torch.float32, device="cuda").reshape(64, 64)
+        half = (torch.linspace(-1, 1, 1000, device="cuda")).to(torch.bfloat16)
+        torch.cuda.synchronize()
+        generation = vmm_memd.publish_gpu(client, region, {
+            "weights": weights,
+            "half": (half, vmm_memd.Dtype.BF16, half.shape),
+            "host": bytes(range(256)),
+        })
+        attached = client.attach(region)
+        self.assertEqual(attached.generation, generation)
+        self.assertTrue(torch.equal(torch.from_dlpack(attached["weights"]), weights))
+        got = attached["half"]
+        self.assertEqual(got.dtype, vmm_memd.Dtype.BF16)
+        self.assertEqual(got.tobytes(), bytes(half.view(torch.uint8).cpu().numpy()))
+        self.assertEqual(attached["host"].tobytes(), bytes(range(256)))
         client.verify(region)
         client.close()
 

@@ -72,7 +72,7 @@ class HostileService:
         _N[0] += 1
         self.name = f"@vmm-memd-hostile-{os.getpid()}-{_N[0]}"
         self.listener = peer.Listener(self.name, log=False)
-        self.answers, self.requests = list(answers), []
+        self.answers, self.requests, self.raw = list(answers), [], []
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -85,6 +85,7 @@ class HostileService:
                 except (peer.PeerClosed, OSError):
                     return
                 self.requests.append(Reader(request).u32())
+                self.raw.append(bytes(request))
                 for step in next(answers, []):
                     step(conn)
 

@@ -28,10 +28,10 @@ from .tensor import Tensor  # noqa: F401
 from .client import Client  # noqa: F401
 from .attached import Attached  # noqa: F401
 from .writer import Writer  # noqa: F401
-from .publishing import ALIGNMENT, publish  # noqa: F401
+from .publishing import ALIGNMENT, publish, publish_gpu  # noqa: F401
 
 __all__ = [
-    "Client", "Attached", "Writer", "Tensor", "publish", "ALIGNMENT", "Acl", "Dtype", "Gid",
+    "Client", "Attached", "Writer", "Tensor", "publish", "publish_gpu", "ALIGNMENT", "Acl", "Dtype", "Gid",
     "TensorMeta", "Uid", "MemdError", "Refused", "ServiceGone", "BadReply", "DecodeError", "BadDescriptor",
     "Transport", "Os", "QuotaExceeded", "AccessDenied", "NoSuchRegion", "NoSuchGeneration",
     "WriterBusy", "TooLarge", "InvalidRequest", "StillMapped", "FdsInFlight", "ServiceFailed",

@@ -46,6 +46,7 @@ class Client:
     def __init__(self, conn, name):
         self.conn, self.name = conn, name
         self._contexts = {}  # device UUID -> vmm_ipc_cuda.Context (GPU regions)
+        self._devices = {}  # device ordinal -> vmm_ipc_cuda.Context (GPU writers)
 
     @classmethod
     def connect(cls, name, expect_uids=None, expect_gids=(), timeout=10.0):
@@ -257,18 +258,66 @@ class Client:
 
     # ---- writing -------------------------------------------------------------------------
 
-    def begin(self, region, chunks, acl=p.Acl(), wait=0.0):
-        """Begin the next generation of ``region`` with chunks of these sizes (bytes); wait up
-        to ``wait`` seconds for another writer to finish. A Writer, its chunks mapped writable."""
-        chunks = [int(c) for c in chunks]
-        wait_ms = int(wait * 1000)
+    def _begin_request(self, data, expect, wait):
+        """A Begin or BeginOn request, whose reply may take ``wait`` seconds more."""
         timeout = self.conn.sock.gettimeout()
         if timeout is not None:
             self.conn.sock.settimeout(timeout + wait)
         try:
-            reply = self.request(p.encode_begin(region, chunks, acl, wait_ms), p.Began)
+            return self.request(data, expect)
         finally:
             self.conn.sock.settimeout(timeout)
+
+    def begin_gpu(self, region, chunks, device=0, acl=p.Acl(), wait=0.0):
+        """Begin the next generation of GPU region ``region`` on device ``device`` (an ordinal
+        of this process; the region is created there if new) with chunks of at least these
+        sizes (the service rounds each up to the device's granularity). A Writer whose ``gpu``
+        maps the chunks writable here. Needs cuda.bindings (GpuRegion otherwise, before
+        anything is sent)."""
+        chunks = [int(c) for c in chunks]
+        cuda = gpu._cuda()
+        if cuda is None:
+            raise GpuRegion(region, b"", "cuda.bindings is not installed")
+        ctx = self._devices.get(device)
+        if ctx is None:
+            try:
+                ctx = self._devices[device] = cuda.Context(device)
+            except (RuntimeError, ValueError) as e:
+                raise GpuImportFailed(region, str(e)) from e
+        reply = self._begin_request(
+            p.encode_begin_gpu(region, chunks, ctx.uuid, acl, int(wait * 1000)), p.BeganGpu,
+            wait)
+        if reply.device != ctx.uuid or len(reply.chunks) != len(chunks) or any(
+                got < asked for got, asked in zip(reply.chunks, chunks)):
+            self.abort_pending_quietly()
+            raise BadReply(f"asked for chunks {chunks} on {ctx.uuid.hex()}, the service "
+                           f"announced {list(reply.chunks)} on {reply.device.hex()}")
+        descriptors, received = [], 0
+        try:
+            for size in reply.chunks:
+                received += 1
+                descriptors.append(self.vmm_descriptor(size, ctx.uuid))
+            try:
+                mapped = gpu.GpuChunks(cuda, ctx, [d.fds[0] for d in descriptors],
+                                       reply.chunks, ctx.uuid, writable=True)
+            except (RuntimeError, ValueError) as e:
+                raise GpuImportFailed(region, str(e)) from e
+        except MemdError as e:
+            if not isinstance(e, ServiceGone):
+                self._skip_descriptors(reply.chunks[received:])
+                self.abort_pending_quietly()
+            raise
+        finally:
+            for d in descriptors:
+                d.close()
+        return Writer(self, region, reply.generation, [], gpu=mapped)
+
+    def begin(self, region, chunks, acl=p.Acl(), wait=0.0):
+        """Begin the next generation of ``region`` with chunks of these sizes (bytes); wait up
+        to ``wait`` seconds for another writer to finish. A Writer, its chunks mapped writable."""
+        chunks = [int(c) for c in chunks]
+        reply = self._begin_request(p.encode_begin(region, chunks, acl, int(wait * 1000)),
+                                    p.Began, wait)
         if list(reply.chunks) != chunks:
             raise BadReply(f"asked for chunks {chunks}, the service announced "
                            f"{list(reply.chunks)}")

@@ -236,16 +236,31 @@ def encode_metrics():
     return _request(_METRICS)
 
 
+def _begin_body(w, region, chunks, acl, wait_ms):
+    w.str(region)
+    w.usize(len(chunks))
+    for c in chunks:
+        w.u64(c)
+    for entries in (acl.read, acl.write, acl.delete):
+        _principals(w, entries)
+    w.u64(wait_ms)
+
+
 def encode_begin(region, chunks, acl=Acl(), wait_ms=0):
+    return _request(_BEGIN, lambda w: _begin_body(w, region, chunks, acl, wait_ms))
+
+
+def encode_begin_gpu(region, chunks, device_uuid, acl=Acl(), wait_ms=0):
+    """``BeginOn`` with ``Backend::Gpu { uuid }``: the region lives on that device."""
+    if len(device_uuid) != 16:
+        raise ValueError(f"a device UUID is 16 bytes, not {len(device_uuid)}")
+
     def body(w):
-        w.str(region)
-        w.usize(len(chunks))
-        for c in chunks:
-            w.u64(c)
-        for entries in (acl.read, acl.write, acl.delete):
-            _principals(w, entries)
-        w.u64(wait_ms)
-    return _request(_BEGIN, body)
+        _begin_body(w, region, chunks, acl, wait_ms)
+        w.variant(1)  # Backend::Gpu
+        for b in device_uuid:
+            w.u8(b)
+    return _request(_BEGIN_ON, body)
 
 
 def encode_put_meta(entries):
@@ -443,6 +458,6 @@ __all__ = [
     "Dtype", "TensorMeta", "Uid", "Gid", "Acl", "RegionSummary", "GenerationStatus",
     "RegionStatus", "Status", "Began", "Done", "Committed", "AttachedReply", "MetaPage",
     "Renewed", "Metrics", "RegionList", "BeganGpu", "AttachedGpuReply", "Verified",
-    "decode_response", "encode_verify", "meta_pages", "MAX_REQUEST",
+    "decode_response", "encode_verify", "encode_begin_gpu", "meta_pages", "MAX_REQUEST",
     "MAX_DATA", "MAX_CHUNKS", "MAX_META_ENTRIES", "MAX_KEY_LEN", "MAX_REGION_NAME",
 ]

@@ -6,23 +6,39 @@ from .errors import MemdError, Refused
 
 class Writer:
     """Generation ``generation`` of ``region``, pending: fill ``chunks`` (``mmap.mmap``
-    objects, writable), describe tensors with :meth:`put`, then :meth:`commit`. Used as a
-    context manager, it aborts the generation unless it was committed.
+    objects, writable; for a GPU region ``gpu``, a writable GpuChunks, filled with
+    :meth:`write` or :meth:`copy_from_device`), describe tensors with :meth:`put`, then
+    :meth:`commit`. Used as a context manager, it aborts the generation unless it was
+    committed.
 
     Commit unmaps the chunks here first, since the service cannot seal a memfd against writes
     while any process maps it writable: a memoryview of a chunk still alive keeps it mapped,
     and the service then refuses the commit with StillMapped (the generation stays pending:
     release the view and call :meth:`commit` again, or :meth:`abort`)."""
 
-    def __init__(self, client, region, generation, chunks):
+    def __init__(self, client, region, generation, chunks, gpu=None):
         self.client, self.region, self.generation = client, region, generation
-        self.chunks = chunks
+        self.chunks, self.gpu = chunks, gpu
         self._meta = []
         self._meta_sent = False
         self.finished = False
 
     def chunk(self, index):
         return self.chunks[index]
+
+    def write(self, chunk, offset, data):
+        """Copy ``data`` (bytes-like) to ``offset`` in chunk ``chunk``."""
+        if self.gpu is not None:
+            self.gpu.write(chunk, offset, bytes(data))
+        else:
+            self.chunks[chunk][offset:offset + len(data)] = data
+
+    def copy_from_device(self, chunk, offset, source, length):
+        """GPU regions: copy ``length`` bytes from device address ``source`` (see
+        GpuChunks.copy_from_device for the stream it runs on)."""
+        if self.gpu is None:
+            raise TypeError("a host region is filled from the host (write)")
+        self.gpu.copy_from_device(chunk, offset, source, length)
 
     def put(self, key, meta):
         """Describe tensor ``key`` (a TensorMeta); sent at commit, and checked by the service
@@ -32,6 +48,11 @@ class Writer:
         self._meta.append((key, meta))
 
     def _unmap(self):
+        # The GPU mapping goes first: the service's digests at commit then see the final
+        # bytes, and nothing of ours can write after.
+        if self.gpu is not None:
+            self.gpu.close()
+            self.gpu = None
         kept = []
         for m in self.chunks:
             try:

@@ -305,6 +305,8 @@ fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
             "test_another_device_or_a_mismatched_chunk_is_refused_and_the_lease_given_back",
             "test_a_driver_refusal_is_typed_and_leaves_nothing",
             "test_without_cuda_bindings_a_gpu_region_is_GpuRegion",
+            "test_host_and_cuda_arrays_are_copied_in_described_and_committed",
+            "test_a_reply_with_smaller_chunks_aborts_and_a_non_contiguous_array_is_refused",
         ],
     );
     // Another uid's view needs root (and a python3 that uid 65534 can run): where CI asks for
@@ -423,7 +425,54 @@ fn torch_attaches_a_gpu_region_zero_copy_from_python() {
     assert!(ok && out.contains("\nOK"), "{out}");
     assert_passed(
         &out,
-        &["test_torch_gets_the_mapping_zero_copy_with_what_rust_published"],
+        &[
+            "test_torch_gets_the_mapping_zero_copy_with_what_rust_published",
+            "test_torch_tensors_published_from_python_come_back_equal",
+        ],
     );
     println!("{out}");
+}
+
+/// The request bytes the Python codec's tests expect (`test_memd_codec.py`) are what postcard
+/// writes for the same values here.
+#[test]
+fn the_python_codecs_golden_requests_are_postcards() {
+    use vmm_memd::protocol::{Acl, Backend, Principal, Request, TensorMeta};
+    let bytes = |r: &Request| postcard::to_allocvec(r).unwrap();
+    let begin = Request::Begin {
+        region: "r".into(),
+        chunks: vec![4096, 1],
+        acl: Acl {
+            read: vec![Principal::Uid(7)],
+            write: vec![],
+            delete: vec![Principal::Gid(128)],
+        },
+        wait_ms: 5,
+    };
+    assert_eq!(
+        bytes(&begin),
+        b"\x02\x01r\x02\x80\x20\x01\x01\x00\x07\x00\x01\x01\x80\x01\x05"
+    );
+    let meta = TensorMeta {
+        chunk: 1,
+        offset: 256,
+        len: 8,
+        dtype: Dtype::BF16,
+        shape: vec![2, 2],
+    };
+    assert_eq!(
+        bytes(&Request::PutMeta(vec![("k".into(), meta)])),
+        b"\x03\x01\x01k\x01\x80\x02\x08\x09\x02\x02\x02"
+    );
+    let uuid: [u8; 16] = std::array::from_fn(|i| i as u8);
+    let begin_on = Request::BeginOn {
+        region: "r".into(),
+        chunks: vec![4096],
+        acl: Acl::default(),
+        wait_ms: 5,
+        backend: Backend::Gpu { uuid },
+    };
+    let mut expected = b"\x0b\x01r\x01\x80\x20\x00\x00\x00\x05\x01".to_vec();
+    expected.extend_from_slice(&uuid);
+    assert_eq!(bytes(&begin_on), expected);
 }

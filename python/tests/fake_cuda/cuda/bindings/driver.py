@@ -327,6 +327,17 @@ def cuMemcpyHtoD(dst, src, count):
     return _ok()
 
 
+def cuMemcpyDtoD(dst, src, count):
+    data = bytearray()
+    for view, offset, n in _pieces(src, count, write=False):
+        data += view[offset:offset + n]
+    done = 0
+    for view, offset, n in _pieces(dst, count, write=True):
+        view[offset:offset + n] = data[done:done + n]
+        done += n
+    return _ok()
+
+
 def cuMemcpyDtoH(dst, src, count):
     if not isinstance(dst, int):
         raise TypeError("this fake takes host addresses as ints")
