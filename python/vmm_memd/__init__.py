@@ -21,8 +21,9 @@ from .errors import (  # noqa: F401
     AccessDenied, BadDescriptor, BadReply, DecodeError, FdsInFlight, InvalidRequest, MemdError,
     NoSuchGeneration, NoSuchRegion, Os, QuotaExceeded, Refused, ServiceFailed, ServiceGone,
     StillMapped, TooLarge, Transport, WriterBusy, NoSuchDevice, DeviceFailed, DigestMismatch,
-    FabricUnavailable, GpuImportFailed, GpuRegion,
+    FabricUnavailable, GpuImportFailed, GpuRegion, StaleLayout,
 )
+from .sleep import Sleeping, layout_hash  # noqa: F401
 from .protocol import Acl, Dtype, Gid, TensorMeta, Uid  # noqa: F401
 from .tensor import Tensor  # noqa: F401
 from .client import Client  # noqa: F401
@@ -36,5 +37,5 @@ __all__ = [
     "Transport", "Os", "QuotaExceeded", "AccessDenied", "NoSuchRegion", "NoSuchGeneration",
     "WriterBusy", "TooLarge", "InvalidRequest", "StillMapped", "FdsInFlight", "ServiceFailed",
     "NoSuchDevice", "DeviceFailed", "DigestMismatch", "FabricUnavailable", "GpuRegion",
-    "GpuImportFailed",
+    "GpuImportFailed", "StaleLayout", "Sleeping", "layout_hash",
 ]

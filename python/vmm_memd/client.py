@@ -10,8 +10,10 @@ from vmm_ipc_peer.decoding import _discard
 
 from . import protocol as p
 from . import gpu
-from .errors import BadReply, GpuImportFailed, GpuRegion, MemdError, Refused, ServiceGone, Transport
+from .errors import (BadReply, GpuImportFailed, GpuRegion, InvalidRequest, MemdError, Refused,
+                     ServiceGone, StaleLayout, Transport)
 from .mapping import ReadOnlyChunk
+from .sleep import Sleeping, layout_hash
 from .writer import Writer
 from .attached import Attached
 
@@ -153,6 +155,12 @@ class Client:
         service still holds it), its metadata, and its chunks mapped read-only: an Attached.
         A GPU region's chunks are imported into this process's device of the same UUID
         (cuda.bindings needed: GpuRegion without it, or without that device)."""
+        return self._attach(region, generation, None)
+
+    def _attach(self, region, generation, sleeping):
+        """``attach``, mapping a host generation over ``sleeping``'s reservations if it is
+        given (StaleLayout, with nothing mapped and the lease given back, for another
+        layout)."""
         reply = self.request_raw(p.encode_attach(region, generation))
         if not isinstance(reply, p.AttachedGpuReply):
             reply = self._expect(reply, p.AttachedReply)
@@ -171,23 +179,84 @@ class Client:
                 self._detach_quietly(reply.lease)
                 raise BadReply(f"tensor {key!r} lies outside its chunk ({m})")
         if isinstance(reply, p.AttachedGpuReply):
+            if sleeping is not None:
+                self._skip_descriptors(reply.chunks)
+                self._detach_quietly(reply.lease)
+                raise GpuRegion(region, reply.device, "a sleep of a GPU region from Python is "
+                                                      "not written yet")
             chunks = self._gpu_chunks(region, reply)
-            return Attached(self, region, reply.lease, reply.generation, chunks, meta,
-                            reply.ttl_ms / 1000.0)
+        elif sleeping is None:
+            chunks = self._host_chunks(reply, lambda i, d, size: ReadOnlyChunk(d.fd, size))
+        else:
+            layout = layout_hash(reply.chunks, meta)
+            if layout != sleeping.layout:
+                self._skip_descriptors(reply.chunks)
+                self._detach_quietly(reply.lease)
+                raise StaleLayout(region, sleeping.layout, layout)
+            try:
+                chunks = self._host_chunks(reply,
+                                           lambda i, d, size: _remapped(sleeping, i, d, size))
+            except MemdError:
+                for chunk in sleeping.chunks:  # those remapped already go back to sleep
+                    chunk.reserve()
+                raise
+        return Attached(self, region, reply.lease, reply.generation, chunks, meta,
+                        reply.ttl_ms / 1000.0)
+
+    def _host_chunks(self, reply, place):
+        """Each host chunk's descriptor given to ``place(index, descriptor, size)``, which
+        maps it; what it made. On a failure the reply's other descriptors are read and closed
+        and the lease given back (unless the service is gone)."""
         chunks = []
         for i, size in enumerate(reply.chunks):
             try:
                 with self.descriptor(size) as d:
-                    chunks.append(ReadOnlyChunk(d.fd, size))
+                    chunks.append(place(i, d, size))
             except MemdError as e:
                 if not isinstance(e, ServiceGone):
-                    # Stay in step with the reply (its other descriptors read and closed),
-                    # and give the useless lease back.
                     self._skip_descriptors(reply.chunks[i + 1:])
                     self._detach_quietly(reply.lease)
                 raise
-        return Attached(self, region, reply.lease, reply.generation, chunks, meta,
-                        reply.ttl_ms / 1000.0)
+        return chunks
+
+    # ---- sleep and wake (host regions) -----------------------------------------------------
+
+    def sleep(self, attached, discard=False):
+        """Give ``attached``'s memory up, keeping its addresses reserved, and end its lease: a
+        Sleeping for :meth:`wake`. With ``discard`` (needs the region's write right: for
+        memory whose contents need not survive, such as a KV cache) the service frees the
+        generation's memory once every lease on it has ended, and the wake gets it again,
+        zeroed. A discard refused (AccessDenied) leaves ``attached`` untouched. A lease the
+        service no longer has (expired, the service gone) is no failure."""
+        if not all(isinstance(c, ReadOnlyChunk) for c in attached.chunks):
+            raise GpuRegion(attached.region, b"", "a sleep of a GPU region from Python is not "
+                                                  "written yet")
+        lease_gone = False
+        if discard:
+            try:
+                self.request(p.encode_discard(attached.lease), p.Done)
+                lease_gone = True
+            except ServiceGone:
+                lease_gone = True
+            except InvalidRequest as e:
+                if e.rule != "NoSuchLease":
+                    raise
+                lease_gone = True
+        layout = layout_hash([c.length for c in attached.chunks], attached.meta)
+        for chunk in attached.chunks:
+            chunk.reserve()
+        if not lease_gone:
+            try:
+                self.detach(attached.lease)
+            except (ServiceGone, Refused):
+                pass
+        return Sleeping(attached.region, attached.generation, layout, list(attached.chunks))
+
+    def wake(self, sleeping):
+        """Attach ``sleeping``'s region's current generation and map it at the slept
+        addresses: an Attached whose chunks are the slept ones. StaleLayout if the layout
+        changed (nothing mapped, the lease given back, ``sleeping`` still reserved)."""
+        return self._attach(sleeping.region, None, sleeping)
 
     def _gpu_chunks(self, region, reply):
         """A GPU generation's descriptors (one per chunk, after its metadata), imported and
@@ -361,3 +430,12 @@ class Client:
         """Delete ``region`` (needs the delete right)."""
         self.request(p.encode_delete(region), p.Done)
 
+
+def _remapped(sleeping, index, descriptor, size):
+    """Chunk ``index`` of ``sleeping`` with ``descriptor``'s memory mapped over its
+    reservation."""
+    if index >= len(sleeping.chunks):
+        raise BadReply(f"a chunk {index} for a region that slept with {len(sleeping.chunks)}")
+    chunk = sleeping.chunks[index]
+    chunk.remap(descriptor.fd, size)
+    return chunk

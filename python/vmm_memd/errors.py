@@ -149,6 +149,17 @@ class GpuRegion(MemdError):
         super().__init__(f"region {region!r} lives on GPU {device.hex()}: {why}")
 
 
+class StaleLayout(MemdError):
+    """A wake found the region's current generation laid out differently (chunk sizes or
+    metadata) from the one that slept: nothing was mapped, the lease was given back, and the
+    region stays asleep (its reservations kept)."""
+
+    def __init__(self, region, slept, now):
+        self.region, self.slept, self.now = region, slept, now
+        super().__init__(f"region {region!r}: its layout changed while asleep "
+                         f"({slept:#018x} slept, {now:#018x} now)")
+
+
 class GpuImportFailed(MemdError):
     """The CUDA driver refused to import or map a GPU region's chunks (``why`` is the
     driver's error): its lease was given back and its descriptors closed."""

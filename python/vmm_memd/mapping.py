@@ -31,7 +31,8 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_PROT_READ, _MAP_SHARED = 0x1, 0x01
+_PROT_NONE, _PROT_READ, _MAP_SHARED, _MAP_PRIVATE = 0x0, 0x1, 0x01, 0x02
+_MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x10, 0x20, 0x4000
 
 
 def check_committed(fd, length):
@@ -59,7 +60,9 @@ def _unmap(address, length):
 
 class ReadOnlyChunk:
     """``length`` bytes of a committed chunk mapped ``PROT_READ``, ``MAP_SHARED`` at
-    ``address``; unmapped once nothing refers to this object."""
+    ``address``; unmapped once nothing refers to this object. Asleep (``reserve``), the same
+    addresses hold a ``PROT_NONE`` reservation instead, until ``remap`` maps a chunk there
+    again."""
 
     def __init__(self, fd, length):
         check_committed(fd, length)
@@ -69,6 +72,24 @@ class ReadOnlyChunk:
         self.address, self.length = address, length
         self.dlpack_device = (KDL_CPU, 0)
         self._unmap = weakref.finalize(self, _unmap, address, length)
+
+    def reserve(self):
+        """Replace the mapping by a ``PROT_NONE`` reservation of the same addresses (one
+        ``mmap(MAP_FIXED)``: no other mapping can take them meanwhile). The memory is given
+        up; a view or array of it faults until ``remap``."""
+        got = _libc.mmap(self.address, self.length, _PROT_NONE,
+                         _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
+        if got != self.address:
+            raise Os("mmap(PROT_NONE, MAP_FIXED)", ctypes.get_errno())
+
+    def remap(self, fd, length):
+        """Map committed chunk ``fd`` (checked as a fresh mapping is) over the reservation."""
+        if length != self.length:
+            raise BadDescriptor(f"a chunk of {length} bytes for a reservation of {self.length}")
+        check_committed(fd, length)
+        got = _libc.mmap(self.address, length, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, 0)
+        if got != self.address:
+            raise Os("mmap(chunk, MAP_FIXED)", ctypes.get_errno())
 
     def read(self, offset, length):
         """``length`` bytes from ``offset``, copied."""

@@ -306,12 +306,30 @@ def encode_detach(lease):
     return _request(_DETACH, lambda w: w.u64(lease))
 
 
+def encode_discard(lease):
+    return _request(_DISCARD, lambda w: w.u64(lease))
+
+
 def encode_renew():
     return _request(_RENEW)
 
 
 def encode_delete(region):
     return _request(_DELETE, lambda w: w.str(region))
+
+
+def encode_layout(chunks, meta):
+    """The bytes a generation's layout hash is taken of: postcard of (chunk sizes, metadata
+    entries in key order), as vmm-memd's ``layout_hash`` encodes them."""
+    w = Writer()
+    w.usize(len(chunks))
+    for c in chunks:
+        w.u64(c)
+    w.usize(len(meta))
+    for key in sorted(meta):
+        w.str(key)
+        _tensor_meta(w, meta[key])
+    return w.bytes()
 
 
 def meta_pages(entries):
@@ -458,6 +476,6 @@ __all__ = [
     "Dtype", "TensorMeta", "Uid", "Gid", "Acl", "RegionSummary", "GenerationStatus",
     "RegionStatus", "Status", "Began", "Done", "Committed", "AttachedReply", "MetaPage",
     "Renewed", "Metrics", "RegionList", "BeganGpu", "AttachedGpuReply", "Verified",
-    "decode_response", "encode_verify", "encode_begin_gpu", "meta_pages", "MAX_REQUEST",
+    "decode_response", "encode_verify", "encode_begin_gpu", "encode_layout", "encode_discard", "meta_pages", "MAX_REQUEST",
     "MAX_DATA", "MAX_CHUNKS", "MAX_META_ENTRIES", "MAX_KEY_LEN", "MAX_REGION_NAME",
 ]

@@ -26,7 +26,7 @@ const PEER: [(&str, &str); 14] = include!("../../python/vmm_ipc_peer_files.rs");
 
 /// The `vmm_memd` package, the packaging, and the tests. A module missing here fails the
 /// first `import vmm_memd`.
-const FILES: [(&str, &str); 26] = [
+const FILES: [(&str, &str); 28] = [
     (
         "vmm_memd/__init__.py",
         include_str!("../../python/vmm_memd/__init__.py"),
@@ -76,6 +76,10 @@ const FILES: [(&str, &str); 26] = [
         include_str!("../../python/vmm_memd/gpu.py"),
     ),
     (
+        "vmm_memd/sleep.py",
+        include_str!("../../python/vmm_memd/sleep.py"),
+    ),
+    (
         "vmm_ipc_cuda.py",
         include_str!("../../python/vmm_ipc_cuda.py"),
     ),
@@ -107,6 +111,10 @@ const FILES: [(&str, &str); 26] = [
     (
         "test_memd_install.py",
         include_str!("../../python/tests/test_memd_install.py"),
+    ),
+    (
+        "test_memd_sleep.py",
+        include_str!("../../python/tests/test_memd_sleep.py"),
     ),
     (
         "test_memd_gpu_fake.py",
@@ -281,6 +289,7 @@ fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
             "test_memd_client",
             "test_memd_hostile",
             "test_memd_gpu_fake",
+            "test_memd_sleep",
         ],
         &env,
     );
@@ -307,6 +316,10 @@ fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
             "test_without_cuda_bindings_a_gpu_region_is_GpuRegion",
             "test_host_and_cuda_arrays_are_copied_in_described_and_committed",
             "test_a_reply_with_smaller_chunks_aborts_and_a_non_contiguous_array_is_refused",
+            "test_the_layout_hash_is_vmm_memds",
+            "test_wake_maps_the_next_generation_at_the_same_addresses",
+            "test_another_layout_is_stale_and_the_region_stays_asleep",
+            "test_a_discard_sleep_wakes_to_zeroed_memory",
         ],
     );
     // Another uid's view needs root (and a python3 that uid 65534 can run): where CI asks for
@@ -475,4 +488,27 @@ fn the_python_codecs_golden_requests_are_postcards() {
     let mut expected = b"\x0b\x01r\x01\x80\x20\x00\x00\x00\x05\x01".to_vec();
     expected.extend_from_slice(&uuid);
     assert_eq!(bytes(&begin_on), expected);
+}
+
+/// The layout hash the Python client takes before a sleep (`vmm_memd.layout_hash`, checked
+/// with this value in `test_memd_sleep.py`) is vmm-memd's.
+#[test]
+fn the_python_layout_hash_is_vmm_memds() {
+    use std::collections::BTreeMap;
+    use vmm_memd::protocol::TensorMeta;
+    let tensor = |chunk, offset, len, dtype, shape: &[u64]| TensorMeta {
+        chunk,
+        offset,
+        len,
+        dtype,
+        shape: shape.to_vec(),
+    };
+    let meta = BTreeMap::from([
+        ("b".to_owned(), tensor(1, 16, 8, Dtype::F32, &[2])),
+        ("a".to_owned(), tensor(0, 0, 4096, Dtype::U8, &[4096])),
+    ]);
+    assert_eq!(
+        vmm_memd::layout_hash(&[4096, 8192], &meta),
+        16_243_066_540_437_555_579
+    );
 }

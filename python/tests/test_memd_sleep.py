@@ -1,0 +1,108 @@
+"""Sleep and wake from Python against a real vmm-memd (``VMM_MEMD_SOCKET``; run by
+``vmm-memd/tests/python_client.rs``): the memory is given up while the addresses stay reserved,
+a wake maps the next generation of the same layout at the same addresses (an array made before
+the sleep reads the new bytes), another layout is StaleLayout with the region still asleep, and
+a discard sleep wakes to zeroed memory."""
+
+import os
+import unittest
+
+import vmm_memd
+from vmm_memd.protocol import Dtype, TensorMeta
+
+SOCKET = os.environ.get("VMM_MEMD_SOCKET")
+_N = [0]
+
+
+def fresh(tag):
+    _N[0] += 1
+    return f"py-{tag}-{os.getpid()}-{_N[0]}"
+
+
+def mapping_of(address):
+    """The /proc/self/maps line of the mapping that holds ``address``."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return line
+    return None
+
+
+class LayoutHash(unittest.TestCase):
+    def test_the_layout_hash_is_vmm_memds(self):
+        # The same value is checked against vmm-memd's layout_hash in python_client.rs.
+        meta = {"b": TensorMeta(1, 16, 8, Dtype.F32, (2,)),
+                "a": TensorMeta(0, 0, 4096, Dtype.U8, (4096,))}
+        self.assertEqual(vmm_memd.layout_hash([4096, 8192], meta), 16243066540437555579)
+        moved = dict(meta, b=TensorMeta(1, 24, 8, Dtype.F32, (2,)))
+        self.assertNotEqual(vmm_memd.layout_hash([4096, 8192], moved), 16243066540437555579)
+
+
+@unittest.skipUnless(SOCKET, "VMM_MEMD_SOCKET names no running vmm-memd")
+class SleepAndWake(unittest.TestCase):
+    def setUp(self):
+        self.client = vmm_memd.Client.connect(SOCKET)
+
+    def tearDown(self):
+        self.client.close()
+
+    def publish(self, region, fill, size=8192):
+        return vmm_memd.publish(self.client, region, {"w": bytes([fill]) * size})
+
+    def test_wake_maps_the_next_generation_at_the_same_addresses(self):
+        region = fresh("sleep")
+        self.publish(region, 1)
+        attached = self.client.attach(region)
+        tensor = attached["w"]
+        view = tensor.memoryview()  # made before the sleep: it must see the wake's bytes
+        address = tensor.address
+        self.assertEqual(view[0], 1)
+        sleeping = self.client.sleep(attached)
+        self.assertEqual(sleeping.addresses(), [c.address for c in attached.chunks])
+        # The memory is gone, the addresses are reserved (PROT_NONE, anonymous).
+        line = mapping_of(address)
+        self.assertIsNotNone(line)
+        self.assertTrue(line.split()[1].startswith("---"), line)
+        self.assertNotIn("memfd", line)
+        # The lease ended with the sleep.
+        status = self.client.status()
+        generation = [r for r in status.regions if r.region == region][0].generations[0]
+        self.assertEqual(list(generation.readers), [])
+        self.assertEqual(self.publish(region, 2), 2)
+        woken = self.client.wake(sleeping)
+        self.assertEqual(woken.generation, 2)
+        self.assertEqual(woken["w"].address, address)
+        self.assertEqual(view[0], 2, "an old view reads the new generation")
+        self.assertEqual(bytes(view), bytes([2]) * 8192)
+        self.assertTrue(mapping_of(address).split()[1].startswith("r--"))
+
+    def test_another_layout_is_stale_and_the_region_stays_asleep(self):
+        region = fresh("stale")
+        self.publish(region, 1)
+        sleeping = self.client.sleep(self.client.attach(region))
+        address = sleeping.addresses()[0]
+        self.publish(region, 3, size=4096)  # another layout
+        with self.assertRaises(vmm_memd.StaleLayout) as caught:
+            self.client.wake(sleeping)
+        self.assertEqual(caught.exception.slept, sleeping.layout)
+        self.assertTrue(mapping_of(address).split()[1].startswith("---"))
+        status = self.client.status()
+        current = [r for r in status.regions if r.region == region][0]
+        self.assertTrue(all(list(g.readers) == [] for g in current.generations),
+                        "the refused wake gave its lease back")
+        # The same layout again: the wake maps it where it slept.
+        self.publish(region, 4)
+        self.assertEqual(self.client.wake(sleeping)["w"].address, address)
+
+    def test_a_discard_sleep_wakes_to_zeroed_memory(self):
+        region = fresh("discard")
+        self.publish(region, 9)
+        sleeping = self.client.sleep(self.client.attach(region), discard=True)
+        woken = self.client.wake(sleeping)
+        self.assertEqual(woken.generation, 1, "the same generation, made again")
+        self.assertEqual(woken["w"].tobytes(), bytes(8192))
+
+
+if __name__ == "__main__":
+    unittest.main()
