@@ -220,7 +220,8 @@ fn a_service_sigkilled_and_restarted_under_the_publisher_stays_served() {
     else {
         return;
     };
-    let mut service = Service::start("a");
+    // A short service lease TTL (1.5 s): the publisher must renew (every TTL/3) to keep it.
+    let mut service = Service::start_with("a", &["--lease-ttl-ms", "1500"]);
     write_region(
         &service.client().expect("writer"),
         "weights",
@@ -236,6 +237,12 @@ fn a_service_sigkilled_and_restarted_under_the_publisher_stays_served() {
         .expect("resolve")
         .expect("published");
     let engine_b = fetcher(&world.pki, "engine-b");
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(
+        service.readers("weights"),
+        [(1, vec![publisher.pid()])],
+        "the publisher's lease, renewed over more than two TTLs"
+    );
 
     service.kill();
     publisher.expect_line("service-gone", Duration::from_secs(5));
@@ -252,8 +259,11 @@ fn a_service_sigkilled_and_restarted_under_the_publisher_stays_served() {
     assert_eq!(after.locator, before.locator);
     let bytes = import(&engine_b, &after.locator).expect("import after the restart");
     assert_eq!(bytes, vmm_tests::pattern(1, SIZE));
+    // Attached again, under a lease of the new service.
+    assert_eq!(service.readers("weights"), [(1, vec![publisher.pid()])]);
 
-    // Attached again: the restarted service's next commit is followed.
+    // The restarted service's next commit is followed, and the old lease given back (the
+    // retired generation is freed).
     let generation = write_region(
         &service.client().expect("writer again"),
         "weights",
@@ -272,6 +282,38 @@ fn a_service_sigkilled_and_restarted_under_the_publisher_stays_served() {
     assert_eq!(updated.locator.generation, generation);
     let bytes = import(&engine_b, &updated.locator).expect("import the new generation");
     assert_eq!(bytes, vmm_tests::pattern(3, SIZE));
+    assert_eq!(
+        service.readers("weights"),
+        [(generation, vec![publisher.pid()])]
+    );
+}
+
+#[test]
+fn a_lost_registry_lease_stops_the_publisher_with_status_1() {
+    let Some(world) = World::start("a_lost_registry_lease_stops_the_publisher_with_status_1")
+    else {
+        return;
+    };
+    let service = Service::start("a");
+    write_region(
+        &service.client().expect("writer"),
+        "weights",
+        SIZE,
+        1,
+        Acl::default(),
+    );
+    let observer = world.open("engine-b");
+    let mut publisher = Publisher::start(&world, &service, &spec("node-a", &["engine-b"]));
+    publisher.expect_line("published weights 1", Duration::from_secs(10));
+    // An operator (or an outage longer than the TTL) takes the lease away.
+    world.raw_revoke(publisher.lease);
+    assert_eq!(publisher.wait_exit(Duration::from_secs(5)), Some(1));
+    assert!(
+        observer
+            .resolve("node-a", "weights")
+            .expect("resolve")
+            .is_none()
+    );
 }
 
 #[test]

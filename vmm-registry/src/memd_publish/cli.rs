@@ -52,7 +52,8 @@ client of the service: it publishes what the service lets its uid read, no more.
   --reconnect-ms MS    how long the service may be gone before giving up (default 60000)
   -h, --help           this text
 
-Prints one line per change on stdout (published, updated, unpublished, served, ...).
+Prints `listening ADDR lease ID` once started, then one line per change on stdout
+(published, updated, unpublished, served, failed, service-gone, reconnected).
 Exit status: 0 stopped by SIGINT or SIGTERM (its locators removed at once), 1 the registry
 lease lost or the service gone past --reconnect-ms, 2 usage error, 3 could not start.";
 
@@ -268,7 +269,11 @@ pub fn main(args: &[String]) -> i32 {
             return EXIT_START;
         }
     };
-    println!("listening {}", publisher.local_addr());
+    println!(
+        "listening {} lease {}",
+        publisher.local_addr(),
+        publisher.registry().lease_id()
+    );
     let ran = publisher.run(&STOP, |event| println!("{event}"));
     match ran {
         Ok(()) => match publisher.close() {

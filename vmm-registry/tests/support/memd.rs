@@ -125,27 +125,39 @@ fn reap(child: &mut Child) {
 pub struct Service {
     pub child: Child,
     pub socket: String,
+    extra: Vec<String>,
 }
 
 impl Service {
     pub fn start(node: &str) -> Service {
+        Service::start_with(node, &[])
+    }
+
+    /// [`start`](Self::start) with `extra` options (kept for a restart).
+    pub fn start_with(node: &str, extra: &[&str]) -> Service {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let socket = format!(
             "@vmm-registry-memd-{node}-{}-{}",
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         );
-        let child = Service::spawn(&socket);
-        let service = Service { child, socket };
+        let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
+        let child = Service::spawn(&socket, &extra);
+        let service = Service {
+            child,
+            socket,
+            extra,
+        };
         service.wait_up();
         service
     }
 
-    fn spawn(socket: &str) -> Child {
+    fn spawn(socket: &str, extra: &[String]) -> Child {
         program("vmm-memd", false)
             .args(["--socket", socket, "--quota-bytes", "1073741824"])
             .args(["--allow-uid", &NOBODY.to_string()])
             .args(["--keeper-linger-ms", "20000"])
+            .args(extra)
             .stdin(Stdio::null())
             .spawn()
             .expect("start vmm-memd")
@@ -173,6 +185,18 @@ impl Service {
         Client::connect(&self.name())
     }
 
+    /// The generations of `region` the service holds, each with the pids holding a lease.
+    pub fn readers(&self, region: &str) -> Vec<(u64, Vec<i32>)> {
+        let status = self.client().expect("connect").status().expect("status");
+        status
+            .regions
+            .into_iter()
+            .filter(|r| r.region == region)
+            .flat_map(|r| r.generations)
+            .map(|g| (g.generation, g.readers))
+            .collect()
+    }
+
     /// SIGKILL the service (its keeper keeps the regions) and reap it.
     pub fn kill(&mut self) {
         self.child.kill().expect("SIGKILL vmm-memd");
@@ -181,7 +205,7 @@ impl Service {
 
     /// Start it again on the same socket.
     pub fn restart(&mut self) {
-        self.child = Service::spawn(&self.socket);
+        self.child = Service::spawn(&self.socket, &self.extra);
         self.wait_up();
     }
 }
@@ -217,6 +241,8 @@ pub fn write_region(client: &Client, region: &str, size: usize, seed: u8, acl: A
 #[derive(Debug)]
 pub struct Publisher {
     pub child: Child,
+    /// Its registry lease (from its first line, `listening ADDR lease ID`).
+    pub lease: i64,
     lines: mpsc::Receiver<String>,
 }
 
@@ -272,8 +298,17 @@ impl Publisher {
                 }
             }
         });
-        let publisher = Publisher { child, lines };
-        publisher.expect_line("listening ", Duration::from_secs(15));
+        let mut publisher = Publisher {
+            child,
+            lease: 0,
+            lines,
+        };
+        let listening = publisher.expect_line("listening ", Duration::from_secs(15));
+        publisher.lease = listening
+            .rsplit(' ')
+            .next()
+            .and_then(|id| id.parse().ok())
+            .expect("listening ADDR lease ID");
         publisher
     }
 
@@ -289,6 +324,23 @@ impl Publisher {
                 Err(_) => panic!("the publisher never said {prefix:?} within {timeout:?}"),
             }
         }
+    }
+
+    /// Its pid.
+    pub fn pid(&self) -> i32 {
+        i32::try_from(self.child.id()).expect("a pid")
+    }
+
+    /// Its exit status's code, if it exits within `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
     }
 
     /// SIGKILL it and reap it.
