@@ -74,6 +74,7 @@ fn spec<'s>(name: &'s str, admit: &'s [&'s str]) -> PublisherSpec<'s> {
         owner: name,
         admit,
         nobody: false,
+        regions: &[],
     }
 }
 
@@ -286,6 +287,57 @@ fn a_service_sigkilled_and_restarted_under_the_publisher_stays_served() {
         service.readers("weights"),
         [(generation, vec![publisher.pid()])]
     );
+}
+
+#[test]
+fn only_the_regions_asked_for_are_published_and_sigterm_unpublishes_at_once() {
+    let Some(world) =
+        World::start("only_the_regions_asked_for_are_published_and_sigterm_unpublishes_at_once")
+    else {
+        return;
+    };
+    let service = Service::start("a");
+    let writer = service.client().expect("writer");
+    write_region(&writer, "weights", SIZE, 1, Acl::default());
+    write_region(&writer, "scratch", SIZE, 2, Acl::default());
+    let observer = world.open("engine-b");
+    let watch = observer.watch().expect("watch");
+    let mut publisher = Publisher::start(
+        &world,
+        &service,
+        &PublisherSpec {
+            regions: &["weights", "not-there-yet"],
+            ..spec("node-a", &["engine-b"])
+        },
+    );
+    publisher.expect_line("published weights 1", Duration::from_secs(10));
+    // A region asked for that appears later is published then.
+    write_region(&writer, "not-there-yet", SIZE, 3, Acl::default());
+    publisher.expect_line("published not-there-yet 1", Duration::from_secs(5));
+    let mut names: Vec<String> = observer
+        .list()
+        .expect("list")
+        .entries
+        .into_iter()
+        .map(|entry| entry.name)
+        .collect();
+    names.sort();
+    assert_eq!(names, ["not-there-yet", "weights"]);
+
+    // SIGTERM: the lease is revoked, the locators go at once. (With a TTL of 2 s kept alive
+    // every 0.67 s, at least 1.33 s of it is left at any moment: a delete sooner than that is
+    // the revoke, not the expiry.)
+    next_put(&watch, "node-a", "not-there-yet", Duration::from_secs(5));
+    publisher.terminate();
+    let stopped = Instant::now();
+    assert_eq!(publisher.wait_exit(Duration::from_secs(5)), Some(0));
+    next_delete(&watch, "node-a", "weights", Duration::from_secs(1));
+    assert!(
+        stopped.elapsed() < Duration::from_millis(1300),
+        "{:?}",
+        stopped.elapsed()
+    );
+    assert!(observer.list().expect("list").entries.is_empty());
 }
 
 #[test]

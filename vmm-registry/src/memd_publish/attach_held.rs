@@ -47,7 +47,14 @@ pub(crate) fn attach(client: &Client, region: &str) -> Result<Attachment, Region
             for &size in &chunks {
                 fds.push((host_fd(client, size)?, to_usize(size)?));
             }
-            let held = Held::host(generation, lease, fds).map_err(RegionError::StandIn)?;
+            let held = match Held::host(generation, lease, fds) {
+                Ok(held) => held,
+                Err(e) => {
+                    // Of no use: give the lease back (best effort: the connection's end would).
+                    let _ = detach(client, lease);
+                    return Err(RegionError::StandIn(e));
+                }
+            };
             Ok(Attachment {
                 held,
                 ttl: Duration::from_millis(ttl_ms),

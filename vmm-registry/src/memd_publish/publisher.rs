@@ -25,6 +25,22 @@ use super::service_link::ServiceLink;
 /// connects then).
 const WHILE_DOWN: Duration = Duration::from_millis(50);
 
+/// Why the connection to the service is dropped.
+#[derive(Debug)]
+enum Dropped {
+    /// The service is gone (it died, or stops).
+    Gone,
+    /// A reply broke off part way: what comes next on the connection cannot be trusted.
+    OutOfStep,
+}
+
+impl From<MemdError> for Dropped {
+    fn from(_: MemdError) -> Dropped {
+        // Any failure of a request that is not a refusal leaves the connection unusable.
+        Dropped::Gone
+    }
+}
+
 /// A region offered and, once the registry took it, published.
 #[derive(Debug)]
 struct Slot {
@@ -191,7 +207,7 @@ impl MemdPublisher {
         client: &Client,
         fresh: bool,
         events: &mut Vec<PublishEvent>,
-    ) -> Result<(), MemdError> {
+    ) -> Result<(), Dropped> {
         if fresh {
             // The leases ended with the old connection; attach everything again.
             for slot in self.slots.values_mut() {
@@ -231,10 +247,10 @@ impl MemdPublisher {
         for region in gone {
             if let Some(slot) = self.slots.remove(&region)
                 && let Some(lease) = slot.held.lease
-                && let Err(e @ MemdError::ServiceGone(_)) = detach(client, lease)
+                && let Err(MemdError::ServiceGone(_)) = detach(client, lease)
             {
                 self.withdraw(region, Withdrawal::Gone, events);
-                return Err(e);
+                return Err(Dropped::Gone);
             }
             self.withdraw(region, Withdrawal::Gone, events);
         }
@@ -246,12 +262,7 @@ impl MemdPublisher {
             if due {
                 match attach(client, &region) {
                     Ok(attachment) => self.offer(client, &region, attachment, events),
-                    Err(e) if e.is_service_gone() => {
-                        if let RegionError::Memd(e) = e {
-                            return Err(e);
-                        }
-                        continue;
-                    }
+                    Err(e) if e.is_service_gone() => return Err(Dropped::Gone),
                     Err(RegionError::Memd(MemdError::Refused(Refusal::FabricUnavailable {
                         ..
                     }))) => {
@@ -270,6 +281,15 @@ impl MemdPublisher {
                     Err(RegionError::Memd(MemdError::Refused(
                         Refusal::NoSuchRegion { .. } | Refusal::NoSuchGeneration { .. },
                     ))) => continue,
+                    // The reply broke off part way: the connection is out of step, so it is
+                    // made again (and every region attached again).
+                    Err(RegionError::Memd(e)) if !matches!(e, MemdError::Refused(_)) => {
+                        events.push(PublishEvent::Failed {
+                            region,
+                            error: RegionError::Memd(e),
+                        });
+                        return Err(Dropped::OutOfStep);
+                    }
                     Err(error) => {
                         events.push(PublishEvent::Failed { region, error });
                         continue;
@@ -401,10 +421,17 @@ impl MemdPublisher {
         }
     }
 
-    /// The service is gone: its leases with it. Host memory stays offered (the fds hold it);
-    /// fabric handles die with the service's allocation, so those are withdrawn.
-    fn service_gone(&mut self, _why: MemdError, events: &mut Vec<PublishEvent>) {
+    /// The connection is dropped, and the leases with it. When the service is gone, host
+    /// memory stays offered (the fds hold it); fabric handles die with the service's
+    /// allocation, so those are withdrawn.
+    fn service_gone(&mut self, why: Dropped, events: &mut Vec<PublishEvent>) {
         self.link.lost();
+        for slot in self.slots.values_mut() {
+            slot.held.lease = None;
+        }
+        if let Dropped::OutOfStep = why {
+            return;
+        }
         events.push(PublishEvent::ServiceGone);
         let fabric: Vec<String> = self
             .slots
@@ -414,9 +441,6 @@ impl MemdPublisher {
             .collect();
         for region in fabric {
             self.withdraw(region, Withdrawal::NotShareable, events);
-        }
-        for slot in self.slots.values_mut() {
-            slot.held.lease = None;
         }
     }
 }

@@ -257,6 +257,8 @@ pub struct PublisherSpec<'s> {
     pub admit: &'s [&'s str],
     /// Run as uid 65534.
     pub nobody: bool,
+    /// The regions it publishes (`--region`; none: every readable one).
+    pub regions: &'s [&'s str],
 }
 
 impl Publisher {
@@ -282,6 +284,9 @@ impl Publisher {
         }
         if spec.nobody {
             command.args(["--service-uid", "0"]);
+        }
+        for region in spec.regions {
+            command.args(["--region", region]);
         }
         let mut child = command
             .stdin(Stdio::null())
@@ -341,6 +346,11 @@ impl Publisher {
             std::thread::sleep(Duration::from_millis(20));
         }
         None
+    }
+
+    /// Send it SIGTERM.
+    pub fn terminate(&self) {
+        signal(&self.child, nix::sys::signal::Signal::SIGTERM);
     }
 
     /// SIGKILL it and reap it.
