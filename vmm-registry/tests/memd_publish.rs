@@ -487,3 +487,93 @@ fn the_program_s_usage_errors_exit_2_and_help_exits_0() {
     assert_eq!(status(&["--etcd"]), Some(2));
     assert_eq!(status(&[]), Some(2));
 }
+
+/// A GPU region (GPU with fabric support and an IMEX channel; one `SKIP` line otherwise, a
+/// failure under `VMM_REQUIRE_GPU=1`): published as the service's fabric handles with its
+/// device's UUID, imported read-only here with the written bytes; withdrawn when the service
+/// dies (its fabric handles die with its allocation); after the restart the generation taken
+/// back from the keeper has no fabric handles and stays unpublished; the next commit is
+/// published again.
+#[test]
+fn a_gpu_region_is_published_as_fabric_handles_and_withdrawn_with_its_service() {
+    use vmm_core::cuda::{Device, ResourceOptions, VirtualMemoryResource};
+    use vmm_memd::BeginOptions;
+    use vmm_memd::protocol::Backend;
+
+    if !vmm_core::testing::skip_unless(vmm_core::testing::cuda_fabric()) {
+        return;
+    }
+    let Some(world) =
+        World::start("a_gpu_region_is_published_as_fabric_handles_and_withdrawn_with_its_service")
+    else {
+        return;
+    };
+    let device = Device::new(0).expect("device 0");
+    let mut service = Service::start("a");
+    let commit = |client: &vmm_memd::Client, seed: u8| -> (u64, Vec<u8>) {
+        let options = BeginOptions {
+            backend: Backend::Gpu {
+                uuid: *device.uuid(),
+            },
+            ..BeginOptions::default()
+        };
+        let writer = client
+            .begin("gpu-weights", &[SIZE as u64], options)
+            .expect("begin on the GPU");
+        let gpu = writer.gpu().expect("a GPU writer");
+        // Rounded up to the device's granularity.
+        let len = usize::try_from(gpu.chunk_sizes()[0]).expect("a size");
+        let bytes = vmm_tests::pattern(seed, len);
+        gpu.buffer().write_at(0, &bytes).expect("fill the chunk");
+        (writer.commit().expect("commit"), bytes)
+    };
+    let (generation, bytes) = commit(&service.client().expect("writer"), 4);
+    let observer = world.open("engine-b");
+    let publisher = Publisher::start(&world, &service, &spec("node-a", &["engine-b"]));
+    publisher.expect_line(
+        &format!("published gpu-weights {generation}"),
+        Duration::from_secs(10),
+    );
+    let entry = observer
+        .resolve("node-a", "gpu-weights")
+        .expect("resolve")
+        .expect("published");
+    assert_eq!(entry.locator.handle, HandleKind::Fabric);
+    assert_eq!(
+        entry.locator.device_uuid,
+        Some(vmm_registry::gpu_uuid(device.uuid()))
+    );
+    assert_eq!(entry.locator.size, bytes.len() as u64);
+    let fetched = fetcher(&world.pki, "engine-b")
+        .fetch(&entry.locator)
+        .expect("fetch the fabric handles");
+    let reader = VirtualMemoryResource::new(&device, ResourceOptions::default().read_only(true))
+        .expect("a read-only importer");
+    let mapped = reader
+        .import_fabric(fetched.descriptor())
+        .expect("import the fabric handles");
+    let mut read = vec![0u8; bytes.len()];
+    mapped.read_at(0, &mut read).expect("read the region");
+    assert_eq!(read, bytes);
+    fetched.acknowledge().expect("acknowledge");
+    drop((mapped, reader));
+
+    service.kill();
+    publisher.expect_line(
+        "unpublished gpu-weights not-shareable",
+        Duration::from_secs(5),
+    );
+    assert!(
+        observer
+            .resolve("node-a", "gpu-weights")
+            .expect("resolve")
+            .is_none()
+    );
+    service.restart();
+    publisher.expect_line("reconnected", Duration::from_secs(10));
+    let (next, _) = commit(&service.client().expect("writer again"), 6);
+    publisher.expect_line(
+        &format!("published gpu-weights {next}"),
+        Duration::from_secs(5),
+    );
+}
