@@ -188,4 +188,43 @@ mod tests {
         trailing[40] = b'x';
         assert_eq!(parse_path(&trailing), None);
     }
+
+    #[test]
+    fn a_hostile_descriptor_opens_nothing_and_a_writable_memfd_is_not_read_only() {
+        // A descriptor naming another file is refused before anything is opened.
+        let mut bytes = [0u8; 64];
+        bytes[..11].copy_from_slice(b"/etc/passwd");
+        let hostile = FabricDescriptor::from_handles(
+            &[FabricHandle::from_bytes(bytes)],
+            &[64],
+            64,
+            STAND_IN_UUID,
+        )
+        .expect("a descriptor");
+        assert!(matches!(
+            import_read_only(&hostile),
+            Err(StandInError::NotAnFdPath { chunk: 0 })
+        ));
+        assert!(matches!(
+            import(&hostile),
+            Err(StandInError::NotAnFdPath { chunk: 0 })
+        ));
+        // A memfd anyone may still write is no committed chunk: not mapped read-only.
+        let buf = HostBuffer::new(4096).expect("a host buffer");
+        let exported = buf.export().expect("export");
+        let fd = exported.fd().expect("its fd");
+        let descriptor = describe(&[(fd, 4096)]).expect("describe");
+        assert!(matches!(
+            import_read_only(&descriptor),
+            Err(StandInError::MapReadOnly { .. })
+        ));
+        // It is a plain exported buffer, which the read-write import maps.
+        buf.write_at(0, b"seen").expect("write");
+        let mut seen = [0u8; 4];
+        import(&descriptor)
+            .expect("the read-write import")
+            .read_at(0, &mut seen)
+            .expect("read");
+        assert_eq!(&seen, b"seen");
+    }
 }
