@@ -266,10 +266,11 @@ impl MemdPublisher {
                     Err(RegionError::Memd(MemdError::Refused(Refusal::FabricUnavailable {
                         ..
                     }))) => {
+                        // Reported once per generation (by the withdrawal, if it was offered).
+                        let first = self.reported.insert((region.clone(), generation));
                         if self.slots.contains_key(&region) {
-                            self.withdraw(region.clone(), Withdrawal::NotShareable, events);
-                        }
-                        if self.reported.insert((region.clone(), generation)) {
+                            self.withdraw(region, Withdrawal::NotShareable, events);
+                        } else if first {
                             events.push(PublishEvent::Unpublished {
                                 region,
                                 why: Withdrawal::NotShareable,
