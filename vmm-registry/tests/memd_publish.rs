@@ -341,6 +341,36 @@ fn only_the_regions_asked_for_are_published_and_sigterm_unpublishes_at_once() {
 }
 
 #[test]
+fn a_sigstopped_publisher_s_keys_go_and_it_exits_1_when_continued() {
+    let Some(world) =
+        World::start("a_sigstopped_publisher_s_keys_go_and_it_exits_1_when_continued")
+    else {
+        return;
+    };
+    let service = Service::start("a");
+    write_region(
+        &service.client().expect("writer"),
+        "weights",
+        SIZE,
+        1,
+        Acl::default(),
+    );
+    let observer = world.open("engine-b");
+    let watch = observer.watch().expect("watch");
+    let mut publisher = Publisher::start(&world, &service, &spec("node-a", &["engine-b"]));
+    next_put(&watch, "node-a", "weights", Duration::from_secs(10));
+    // Stopped, it keeps nothing alive: its key goes within TTL + 1 s.
+    publisher.stop(true);
+    let stopped = Instant::now();
+    next_delete(&watch, "node-a", "weights", Duration::from_secs(3));
+    assert!(stopped.elapsed() < Duration::from_secs(3));
+    // Continued, it finds its lease gone and stops rather than serve what no one can find.
+    publisher.stop(false);
+    assert_eq!(publisher.wait_exit(Duration::from_secs(5)), Some(1));
+    assert!(observer.list().expect("list").entries.is_empty());
+}
+
+#[test]
 fn a_lost_registry_lease_stops_the_publisher_with_status_1() {
     let Some(world) = World::start("a_lost_registry_lease_stops_the_publisher_with_status_1")
     else {

@@ -353,6 +353,12 @@ impl Publisher {
         signal(&self.child, nix::sys::signal::Signal::SIGTERM);
     }
 
+    /// Stop it (SIGSTOP) or let it go on (SIGCONT).
+    pub fn stop(&self, stopped: bool) {
+        use nix::sys::signal::Signal::{SIGCONT, SIGSTOP};
+        signal(&self.child, if stopped { SIGSTOP } else { SIGCONT });
+    }
+
     /// SIGKILL it and reap it.
     pub fn kill(&mut self) {
         self.child.kill().expect("SIGKILL the publisher");
