@@ -14,8 +14,8 @@ use vmm_core::peer::{Descriptor, PeerMessage};
 use vmm_memd::protocol::{MAX_CHUNKS, MAX_META_ENTRIES, Request, Response};
 use vmm_memd::{Client, MemdError};
 
-use super::error::RegionError;
 use super::held::Held;
+use super::publish_error::RegionError;
 
 /// What an attach found: the generation held, and the lease's TTL.
 #[derive(Debug)]

@@ -11,9 +11,9 @@ use vmm_core::wire::tls::{PeerCheck, TlsOptions};
 
 use crate::config::{RegistryConfig, TlsMaterial};
 
-use super::config::{PublisherConfig, Regions};
-use super::error::PublishError;
+use super::publish_error::PublishError;
 use super::publisher::MemdPublisher;
+use super::publisher_config::{PublisherConfig, Regions};
 
 /// Exit status: stopped by SIGINT or SIGTERM (the lease revoked: every locator gone).
 pub const EXIT_STOPPED: i32 = 0;

@@ -5,7 +5,7 @@ use std::fmt;
 
 use crate::serve::{Outcome, Served};
 
-use super::error::RegionError;
+use super::publish_error::RegionError;
 
 /// Why a region's locator was taken down.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -19,16 +19,16 @@
 
 mod attach_held;
 pub mod cli;
-mod config;
-mod error;
 mod event;
 mod held;
+mod publish_error;
 mod publisher;
+mod publisher_config;
 mod service_link;
 
-pub use config::{
+pub use event::{PublishEvent, Withdrawal};
+pub use publish_error::{PublishError, RegionError};
+pub use publisher::MemdPublisher;
+pub use publisher_config::{
     DEFAULT_HANDOFF_TIMEOUT, DEFAULT_POLL, DEFAULT_RECONNECT_WITHIN, PublisherConfig, Regions,
 };
-pub use error::{PublishError, RegionError};
-pub use event::{PublishEvent, Withdrawal};
-pub use publisher::MemdPublisher;

@@ -15,10 +15,10 @@ use crate::registry::Registry;
 use crate::serve::ExportServer;
 
 use super::attach_held::{Attachment, attach, detach};
-use super::config::{PublisherConfig, Regions};
-use super::error::{PublishError, RegionError};
 use super::event::{PublishEvent, Withdrawal};
 use super::held::Held;
+use super::publish_error::{PublishError, RegionError};
+use super::publisher_config::{PublisherConfig, Regions};
 use super::service_link::ServiceLink;
 
 /// How often a publisher whose service is gone looks again (its backoff decides whether it

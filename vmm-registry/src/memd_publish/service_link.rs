@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use vmm_core::wire::endpoint::{ConnectOptions, Name};
 use vmm_memd::{Client, MemdError};
 
-use super::error::PublishError;
+use super::publish_error::PublishError;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(10);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
