@@ -42,6 +42,11 @@ impl AsyncRegistry {
         self.core.publish(name, locator).await
     }
 
+    /// As [`Registry::update`](crate::Registry::update).
+    pub async fn update(&self, name: &str, locator: &Locator) -> Result<Published, RegistryError> {
+        self.core.update(name, locator).await
+    }
+
     /// As [`Registry::unpublish`](crate::Registry::unpublish).
     pub async fn unpublish(&self, name: &str) -> Result<bool, RegistryError> {
         self.core.unpublish(name).await

@@ -144,6 +144,40 @@ impl Core {
         Ok(Published { key, revision })
     }
 
+    /// Replace the value of this process's locator `name` with `locator`, still under the
+    /// process's lease, by a transaction that compares the key's lease with ours: a key that
+    /// is absent, or another process's, is left alone ([`RegistryError::NotPublishedHere`]).
+    pub(crate) async fn update(
+        &self,
+        name: &str,
+        locator: &Locator,
+    ) -> Result<Published, RegistryError> {
+        self.lease.check()?;
+        if locator.owner != self.owner {
+            return Err(RegistryError::NotOurOwner {
+                ours: self.owner.clone(),
+                in_locator: locator.owner.clone(),
+            });
+        }
+        let key = self.own_key(name)?;
+        let value = locator.encode()?;
+        // An absent key compares as lease 0, which no granted lease is.
+        let txn = Txn::new()
+            .when([Compare::lease(key.clone(), CompareOp::Equal, self.lease_id)])
+            .and_then([TxnOp::put(
+                key.clone(),
+                value,
+                Some(PutOptions::new().with_lease(self.lease_id)),
+            )]);
+        let mut kv = self.client.kv_client();
+        let response = bounded(Op::Update, self.call_timeout, kv.txn(txn)).await?;
+        if !response.succeeded() {
+            return Err(RegistryError::NotPublishedHere { key });
+        }
+        let revision = response.header().map_or(0, |h| h.revision());
+        Ok(Published { key, revision })
+    }
+
     /// Remove this process's locator `name`; `false` when there was none on its lease.
     pub(crate) async fn unpublish(&self, name: &str) -> Result<bool, RegistryError> {
         let key = self.own_key(name)?;

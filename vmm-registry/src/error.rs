@@ -13,6 +13,8 @@ pub enum Op {
     Publish,
     /// Removing one of this process's locators.
     Unpublish,
+    /// Replacing the value of one of this process's locators.
+    Update,
     /// Reading one locator.
     Resolve,
     /// Reading every locator of the domain.
@@ -31,6 +33,7 @@ impl std::fmt::Display for Op {
             Op::Open => "open",
             Op::Publish => "publish",
             Op::Unpublish => "unpublish",
+            Op::Update => "update",
             Op::Resolve => "resolve",
             Op::List => "list",
             Op::Watch => "watch",
@@ -186,6 +189,13 @@ pub enum RegistryError {
     /// The name is already published (by this process or another one of the same owner).
     #[error("{key} is already published")]
     Duplicate {
+        /// The key.
+        key: String,
+    },
+    /// An update of a key this process did not publish: it is absent, or attached to another
+    /// lease (another process of the same owner published it).
+    #[error("{key} is not published by this process")]
+    NotPublishedHere {
         /// The key.
         key: String,
     },

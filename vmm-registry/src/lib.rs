@@ -19,6 +19,8 @@
 //!   certificate name (the importer: the locator's `exporter_name`), and the importer
 //!   acknowledges its import. A stale locator fails with a typed error
 //!   ([`FetchError::is_stale`]).
+//! - [`memd_publish`]: a vmm-memd service's regions published by a client of it
+//!   ([`MemdPublisher`](memd_publish::MemdPublisher), the `vmm-memd-publish` program).
 //! - Feature `async`: `AsyncRegistry` and `AsyncWatch`, the same operations as `async fn`s
 //!   on the caller's tokio runtime.
 
@@ -32,9 +34,11 @@ mod error;
 mod fetch;
 mod handoff;
 mod handoff_error;
+pub mod host_stand_in;
 mod keys;
 mod lease;
 mod locator;
+pub mod memd_publish;
 mod registry;
 mod serve;
 mod tls_probe;

@@ -69,6 +69,17 @@ impl Registry {
         })
     }
 
+    /// Replace the value of this process's locator `name` (a new generation, say), under its
+    /// lease; [`RegistryError::NotPublishedHere`] when this process did not publish `name`
+    /// (absent, or another process's), which is left alone. A watcher sees a `Put` with the
+    /// new value.
+    pub fn update(&self, name: &str, locator: &Locator) -> Result<Published, RegistryError> {
+        let (name, locator) = (name.to_owned(), locator.clone());
+        self.run(Op::Update, move |core| async move {
+            core.update(&name, &locator).await
+        })
+    }
+
     /// Remove this process's locator `name`; `false` when there was none.
     pub fn unpublish(&self, name: &str) -> Result<bool, RegistryError> {
         let name = name.to_owned();

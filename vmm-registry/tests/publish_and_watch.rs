@@ -377,3 +377,48 @@ fn calls_end_by_their_deadline_while_etcd_is_stopped_and_recover() {
         .expect("publish after SIGCONT");
     assert_eq!(alice.lease_lost(), None);
 }
+
+#[test]
+fn update_replaces_only_this_process_s_key_and_the_watch_sees_it() {
+    let Some(world) = World::start("update_replaces_only_this_process_s_key_and_the_watch_sees_it")
+    else {
+        return;
+    };
+    let first = world.open("alice");
+    let second = world.open("alice");
+    let bob = world.open("bob");
+    let watch = bob.watch().expect("watch");
+    let published = first.publish("kv0", &locator("alice", 1)).expect("publish");
+    let updated = first.update("kv0", &locator("alice", 2)).expect("update");
+    assert!(updated.revision > published.revision);
+    for expected in [1, 2] {
+        match next_event(&watch, Duration::from_secs(5)) {
+            WatchEvent::Put(entry) => assert_eq!(entry.locator.generation, expected),
+            other => panic!("expected a put, got {other:?}"),
+        }
+    }
+    // Another process of the same owner may not replace it, nor create a key by updating.
+    for (registry, name) in [(&second, "kv0"), (&first, "kv-absent")] {
+        match registry.update(name, &locator("alice", 3)) {
+            Err(RegistryError::NotPublishedHere { key }) => {
+                assert_eq!(key, export_key(DOMAIN, "alice", name))
+            }
+            other => panic!("expected NotPublishedHere, got {other:?}"),
+        }
+    }
+    assert!(matches!(
+        first.update("kv0", &locator("mallory", 3)),
+        Err(RegistryError::NotOurOwner { .. })
+    ));
+    let found = second
+        .resolve("alice", "kv0")
+        .expect("resolve")
+        .expect("found");
+    assert_eq!(found.locator.generation, 2);
+    // Still on the first process's lease: its close takes it.
+    first.close().expect("close");
+    match next_event(&watch, Duration::from_secs(5)) {
+        WatchEvent::Deleted { name, .. } => assert_eq!(name, "kv0"),
+        other => panic!("expected the delete, got {other:?}"),
+    }
+}
