@@ -45,6 +45,8 @@ pub enum RequestRule {
     NoSuchLease,
     /// A `BeginOn` for another backend than the one the region lives on.
     Backend,
+    /// A `Wake` of a generation that is awake (no sleep asked, none to call off).
+    NotAsleep,
 }
 
 /// A refusal by the service: sent as the reply to the request it refuses, so a client matches

@@ -37,6 +37,7 @@
 
 #![cfg(target_os = "linux")]
 
+mod admin;
 mod attach;
 pub mod cli;
 mod client;
@@ -58,6 +59,7 @@ mod registry;
 mod service;
 mod sleep;
 
+pub use admin::{RegionSlept, RegionWoke};
 pub use attach::{Attached, FabricAttached};
 pub use client::{BeginOptions, Client, Writer};
 pub use error::{GpuOp, MemdError, Refusal, RequestRule, Result, Right};

@@ -474,6 +474,14 @@ impl Connection<'_> {
                 registry.delete(who, &region)?;
                 Response::Done
             }
+            Request::Sleep { region } => {
+                let (generation, leases) = registry.sleep_region(who, &region)?;
+                Response::Slept { generation, leases }
+            }
+            Request::Wake { region } => {
+                let (generation, zeroed) = registry.wake_region(who, &region)?;
+                Response::Woke { generation, zeroed }
+            }
             Request::Verify { region, generation } => {
                 let (generation, backend, chunks, digests) =
                     registry.verify_target(who, &region, generation)?;

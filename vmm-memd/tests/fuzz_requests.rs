@@ -252,6 +252,8 @@ fn request() -> impl Strategy<Value = Request> {
         2 => attach,
         1 => number().prop_map(|lease| Request::Detach { lease }),
         1 => name(MAX_REGION_NAME).prop_map(|region| Request::Delete { region }),
+        1 => name(MAX_REGION_NAME).prop_map(|region| Request::Sleep { region }),
+        1 => name(MAX_REGION_NAME).prop_map(|region| Request::Wake { region }),
     ]
 }
 
@@ -582,7 +584,10 @@ fn the_request_decoder_never_panics_or_allocates_past_its_bound() {
 fn harmless(request: &Request, region: &str) -> bool {
     match request {
         Request::Begin { .. } => false,
-        Request::Attach { region: r, .. } | Request::Delete { region: r } => r != region,
+        Request::Attach { region: r, .. }
+        | Request::Delete { region: r }
+        | Request::Sleep { region: r }
+        | Request::Wake { region: r } => r != region,
         _ => true,
     }
 }

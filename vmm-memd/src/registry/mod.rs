@@ -18,7 +18,7 @@ use crate::keeper_link::KeeperLink;
 use crate::memfd;
 use crate::protocol::{
     Acl, Backend, ChunkDigest, GenerationStatus, MAX_CHUNKS, Principal, RegionStatus,
-    RegionSummary, Status, TensorMeta, check_region_name,
+    RegionSummary, SleepState, Status, TensorMeta, check_region_name,
 };
 
 mod discard;
@@ -160,6 +160,7 @@ impl Registry {
                     region: name.clone(),
                     generation: r.current.unwrap_or(0),
                     bytes: current.map_or(0, Generation::bytes),
+                    sleep: current.map_or(SleepState::Awake, Generation::sleep_state),
                 }
             })
             .collect()
@@ -183,6 +184,7 @@ impl Registry {
                         bytes: g.bytes(),
                         current: r.current == Some(g.number),
                         readers: g.leases.values().map(|l| l.pid).collect(),
+                        sleep: g.sleep_state(),
                     })
                     .collect(),
                 pending: r
