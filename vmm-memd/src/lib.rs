@@ -39,6 +39,7 @@
 
 mod admin;
 mod attach;
+mod capped;
 pub mod cli;
 mod client;
 pub mod ctl;

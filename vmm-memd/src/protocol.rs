@@ -154,8 +154,9 @@ pub enum Request {
         /// How long to wait for the writer slot, in ms.
         wait_ms: u64,
     },
-    /// Add metadata entries to the pending generation.
-    PutMeta(Vec<(String, TensorMeta)>),
+    /// Add metadata entries to the pending generation (decoded without trusting the
+    /// announced count: see `capped.rs`).
+    PutMeta(#[serde(deserialize_with = "crate::capped::metadata_list")] Vec<(String, TensorMeta)>),
     /// Seal the pending generation against writes and make it the current one.
     Commit,
     /// Free the pending generation.
@@ -370,8 +371,8 @@ pub enum Response {
         /// The lease's TTL in ms (renew before it runs out).
         ttl_ms: u64,
     },
-    /// Metadata entries (a page of an `Attached` reply).
-    MetaPage(Vec<(String, TensorMeta)>),
+    /// Metadata entries (a page of an `Attached` reply; decoded as `PutMeta` is).
+    MetaPage(#[serde(deserialize_with = "crate::capped::metadata_list")] Vec<(String, TensorMeta)>),
     /// How many leases `Renew` renewed.
     Renewed(u32),
     /// The reply to [`Request::Metrics`]: Prometheus text (cut to fit one message).
