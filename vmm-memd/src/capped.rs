@@ -2,8 +2,9 @@
 //! count a peer wrote (when it is at most the bytes left), and serde's `Vec` reserves that many
 //! elements at once, up to 1 MiB: a `PutMeta` of 8 KiB announcing 8,000 entries of 72 bytes
 //! reserved 590 KB before its first entry failed to decode. [`metadata_list`] reserves at most
-//! [`PREALLOC`] entries and grows as entries actually decode (each takes at least
-//! 6 bytes of input: an empty key, five one-byte fields, an empty shape), so the heap stays within a small multiple of the input.
+//! [`PREALLOC`] entries and grows as entries actually decode (each takes at least 6 bytes
+//! of input: an empty key, five one-byte fields, an empty shape), so the heap stays within a
+//! small multiple of the input.
 
 use std::fmt;
 
