@@ -59,6 +59,7 @@ pub mod protocol;
 mod registry;
 mod service;
 mod sleep;
+mod trace;
 
 pub use admin::{RegionSlept, RegionWoke};
 pub use attach::{Attached, FabricAttached};

@@ -16,6 +16,7 @@ use crate::generation::{Chunk, Generation};
 use crate::identity::Identity;
 use crate::memfd;
 use crate::protocol::Backend;
+use crate::trace::event;
 
 impl Registry {
     /// End `conn`'s lease `lease` as a discard sleep: its generation's memory goes once no
@@ -45,6 +46,17 @@ impl Registry {
                 if let Some(g) = r.generations.values_mut().find(|g| mine(g)) {
                     g.leases.remove(&lease);
                     g.discard_wanted = true;
+                    event!(
+                        INFO,
+                        "memd.discard",
+                        region,
+                        generation = g.number,
+                        lease,
+                        conn,
+                        uid = who.uid,
+                        pid = who.pid,
+                        leases = g.leases.len()
+                    );
                 }
             }
             // A deleted region's generation: the lease just ends.
@@ -75,6 +87,16 @@ impl Registry {
             g.discard_wanted = true;
         }
         let leases = g.leases.len() as u32;
+        event!(
+            INFO,
+            "memd.sleep",
+            region,
+            generation = number,
+            uid = who.uid,
+            pid = who.pid,
+            leases,
+            outcome = if leases == 0 { "asleep" } else { "falling" }
+        );
         prune(&mut state, self.policy.retain);
         self.changed.notify_all();
         Ok((number, leases))
@@ -103,6 +125,15 @@ impl Registry {
         if zeroed {
             self.remake_if_discarded(&mut state, region, number)?;
         }
+        event!(
+            INFO,
+            "memd.wake",
+            region,
+            generation = number,
+            uid = who.uid,
+            pid = who.pid,
+            outcome = if zeroed { "zeroed" } else { "called off" }
+        );
         self.changed.notify_all();
         Ok((number, zeroed))
     }
@@ -151,6 +182,14 @@ impl Registry {
         };
         g.chunks = chunks;
         g.discarded = None;
+        event!(
+            INFO,
+            "memd.remade",
+            region,
+            generation = number,
+            bytes = g.bytes(),
+            backend = ?backend
+        );
         keep(state, region, number);
         Ok(())
     }
@@ -197,6 +236,14 @@ pub(super) fn free_discarded(state: &mut State) {
     for (name, r) in state.regions.iter_mut() {
         for g in r.generations.values_mut() {
             if g.discard_wanted && g.leases.is_empty() && g.discarded.is_none() {
+                event!(
+                    INFO,
+                    "memd.discard.freed",
+                    region = name.as_str(),
+                    generation = g.number,
+                    bytes = g.bytes(),
+                    uid = g.charged_to
+                );
                 g.discarded = Some(g.sizes());
                 g.chunks.clear();
                 g.digests.clear();

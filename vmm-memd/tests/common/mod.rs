@@ -131,6 +131,12 @@ impl ServiceProc {
             .args(["--allow-uid", &NOBODY.to_string()])
             .args(["--keeper-linger-ms", "20000"])
             .args(extra)
+            // Built with the `tracing` feature, the program prints its events: only warnings
+            // in these tests unless the environment asks for more.
+            .env(
+                "VMM_MEMD_LOG",
+                std::env::var("VMM_MEMD_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdin(Stdio::null())
             .spawn()
             .expect("start vmm-memd")
