@@ -3,7 +3,8 @@
 //! the current generation's memory once the last lease ends (the service's fd count), never
 //! while a reader holds one; a reader that still maps it keeps what it maps; the quota charge
 //! and the metadata stay; a wake makes the chunks again, zeroed, before anyone attaches; a
-//! wake calls off a sleep still waiting for leases; `status`, `list` and `metrics` show it.
+//! wake calls off a sleep still waiting for leases; a reader SIGKILLed while the sleep waits
+//! for it lets the memory go; `status`, `list` and `metrics` show it.
 //! Refusals: a uid without the write right (`AccessDenied`, nothing changes), a region it may
 //! not read or that does not exist (`NoSuchRegion`), a wake of an awake one (`NotAsleep`).
 //! `vmm-memctl`'s side (output, exit statuses) is in `ctl.rs`.
@@ -13,16 +14,51 @@ mod common;
 use std::process::{Output, Stdio};
 use std::time::Duration;
 
-use common::{NOBODY, ServiceProc, is_root, program_as_nobody, publish, until};
+use common::{
+    NOBODY, Role, ServiceProc, is_root, program_as_nobody, publish, role_args, role_client, say,
+    until,
+};
 use vmm_memd::protocol::{Acl, Principal, SleepState, Status};
 use vmm_memd::{BeginOptions, Client, MemdError, Refusal, RegionSlept, RegionWoke, RequestRule};
 
 const CHUNK: u64 = 64 << 10;
 
+/// The entry of role processes (does nothing in a plain test run).
+#[test]
+fn role_entry() {
+    let Ok(role) = std::env::var("MEMD_ROLE") else {
+        return;
+    };
+    match role.as_str() {
+        // Attach ARGS[0] and hold it until killed.
+        "holder" => {
+            let client = role_client();
+            let attached = client.attach(&role_args()[0]).unwrap();
+            say(&format!("HOLDING {}", attached.generation));
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
 /// The sleep state of `region`'s current generation in `status`.
 fn sleep_of(status: &Status, region: &str) -> SleepState {
     let r = status.regions.iter().find(|r| r.region == region).unwrap();
     r.generations.iter().find(|g| g.current).unwrap().sleep
+}
+
+/// The service's fd count once it stops changing (the same over 4 looks 25 ms apart, within
+/// 3 s): a reply's descriptors are closed by the service just after the client has read them.
+fn settled_fds(service: &ServiceProc) -> usize {
+    let (mut last, mut same) = (service.fd_count(), 0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    while same < 4 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(25));
+        let now = service.fd_count();
+        same = if now == last { same + 1 } else { 0 };
+        last = now;
+    }
+    last
 }
 
 fn zeroed(attached: &vmm_memd::Attached) -> bool {
@@ -46,7 +82,7 @@ fn a_sleep_frees_the_memory_once_the_last_reader_detaches_and_a_wake_makes_it_ze
     publish(&owner, "kv", 2, CHUNK);
     let reader = service.connect();
     let attached = reader.attach("kv").unwrap();
-    let service_fds = service.fd_count();
+    let service_fds = settled_fds(&service);
     let used = owner.status().unwrap().used;
 
     // A reader holds a lease: the sleep waits for it, and nothing is freed yet.
@@ -58,7 +94,7 @@ fn a_sleep_frees_the_memory_once_the_last_reader_detaches_and_a_wake_makes_it_ze
             leases: 1
         }
     );
-    assert_eq!(service.fd_count(), service_fds);
+    assert_eq!(settled_fds(&service), service_fds);
     assert_eq!(
         sleep_of(&owner.status().unwrap(), "kv"),
         SleepState::Falling
@@ -102,7 +138,7 @@ fn a_sleep_frees_the_memory_once_the_last_reader_detaches_and_a_wake_makes_it_ze
             zeroed: true
         }
     );
-    assert_eq!(service.fd_count(), service_fds);
+    assert_eq!(settled_fds(&service), service_fds);
     assert_eq!(sleep_of(&owner.status().unwrap(), "kv"), SleepState::Awake);
     assert!(
         owner
@@ -136,10 +172,37 @@ fn a_sleep_frees_the_memory_once_the_last_reader_detaches_and_a_wake_makes_it_ze
     // No lease: a sleep frees at once, and the next attach wakes it (the attach path).
     let slept = owner.sleep_region("kv").unwrap();
     assert_eq!(slept.leases, 0);
-    assert_eq!(service.fd_count(), service_fds - 2);
+    assert_eq!(settled_fds(&service), service_fds - 2);
     let woken_by_attach = reader.attach("kv").unwrap();
     assert!(zeroed(&woken_by_attach));
-    assert_eq!(service.fd_count(), service_fds);
+    assert_eq!(settled_fds(&service), service_fds);
+}
+
+/// The last lease ends by the reader's death (SIGKILL while the sleep waits for it): the
+/// service lets the memory go then, and a wake makes it again.
+#[test]
+fn a_sleep_waiting_for_a_reader_that_is_killed_frees_the_memory() {
+    let service = ServiceProc::start(&[]);
+    let owner = service.connect();
+    publish(&owner, "kv", 2, CHUNK);
+    let mut holder = Role::spawn("holder", &service, &["kv"], false);
+    assert_eq!(holder.expect_line(), "HOLDING 1");
+    let service_fds = settled_fds(&service);
+    assert_eq!(owner.sleep_region("kv").unwrap().leases, 1);
+    assert_eq!(
+        settled_fds(&service),
+        service_fds,
+        "the holder's lease keeps it"
+    );
+    holder.signal(libc::SIGKILL);
+    // Its connection (socket and pidfd) and both chunks go.
+    let freed = until(Duration::from_secs(2), || {
+        service.fd_count() == service_fds - 4
+    });
+    assert!(freed.is_some(), "{} fds", service.fd_count());
+    assert_eq!(sleep_of(&owner.status().unwrap(), "kv"), SleepState::Asleep);
+    assert!(owner.wake_region("kv").unwrap().zeroed);
+    assert!(zeroed(&owner.attach("kv").unwrap()));
 }
 
 #[test]
@@ -149,7 +212,7 @@ fn a_wake_calls_off_a_sleep_still_waiting_for_leases() {
     publish(&owner, "kv", 1, CHUNK);
     let reader = service.connect();
     let attached = reader.attach("kv").unwrap();
-    let service_fds = service.fd_count();
+    let service_fds = settled_fds(&service);
     assert_eq!(owner.sleep_region("kv").unwrap().leases, 1);
     let woke = owner.wake_region("kv").unwrap();
     assert_eq!(
@@ -161,8 +224,7 @@ fn a_wake_calls_off_a_sleep_still_waiting_for_leases() {
     );
     assert_eq!(sleep_of(&owner.status().unwrap(), "kv"), SleepState::Awake);
     reader.detach(&attached).unwrap();
-    std::thread::sleep(Duration::from_millis(50));
-    assert_eq!(service.fd_count(), service_fds, "nothing freed");
+    assert_eq!(settled_fds(&service), service_fds, "nothing freed");
     let again = reader.attach("kv").unwrap();
     assert!(common::holds(&again.chunks[0], 1), "the contents stayed");
 }
@@ -244,7 +306,7 @@ fn another_uid_without_the_write_right_is_refused_and_nothing_changes() {
         ..Default::default()
     };
     begin_with(&owner, "shared-kv", writable);
-    let service_fds = service.fd_count();
+    let service_fds = settled_fds(&service);
     let before = owner.status().unwrap();
 
     for command in ["sleep", "wake"] {
@@ -259,7 +321,7 @@ fn another_uid_without_the_write_right_is_refused_and_nothing_changes() {
         after.regions, before.regions,
         "a refused sleep changed something"
     );
-    assert_eq!(service.fd_count(), service_fds);
+    assert_eq!(settled_fds(&service), service_fds);
     let attached = owner.attach("weights").unwrap();
     assert!(common::holds(&attached.chunks[0], 1));
     owner.detach(&attached).unwrap();
