@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use common::{NOBODY, euid, is_root, program, program_as_nobody, until};
+use common::{NOBODY, euid, is_root, keeper_pid_of, program, program_as_nobody, until};
 use tracing::field::{Field, Visit};
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 use tracing_subscriber::registry::Registry;
@@ -207,12 +207,14 @@ fn an_in_process_service_emits_its_events_and_a_refusal_names_the_uid_and_the_re
 }
 
 /// The program, built with the feature, prints its events on stderr through the fmt
-/// subscriber (`VMM_MEMD_LOG=info`), and its own lines as before.
+/// subscriber (`VMM_MEMD_LOG=info`), and its own lines as before: a refusal with the uid and
+/// the reason, its keeper SIGKILLed and replaced, its stop.
 #[test]
 fn the_program_prints_its_events_on_stderr() {
     let socket = format!("@vmm-memd-tracing-program-{}", std::process::id());
     let mut service = program("vmm-memd")
-        .args(["--socket", &socket, "--quota-bytes", "4096", "--no-keeper"])
+        .args(["--socket", &socket, "--quota-bytes", "4096"])
+        .args(["--keeper-linger-ms", "20000"])
         .env("VMM_MEMD_LOG", "info")
         .stdin(Stdio::null())
         .stderr(Stdio::piped())
@@ -232,6 +234,13 @@ fn the_program_prints_its_events_on_stderr() {
         Err(MemdError::Refused(Refusal::NoSuchRegion { .. }))
     ));
     drop(client);
+    let keeper = keeper_pid_of(&socket).expect("a keeper");
+    // SAFETY: kill of the keeper our child started (found by its command line just now).
+    unsafe { libc::kill(keeper, libc::SIGKILL) };
+    let replaced = until(Duration::from_secs(5), || {
+        keeper_pid_of(&socket).is_some_and(|pid| pid != keeper)
+    });
+    assert!(replaced.is_some(), "the keeper was not replaced");
     // SAFETY: kill of our own child's pid (not reaped yet).
     unsafe { libc::kill(service.id() as i32, libc::SIGTERM) };
     let mut stderr = String::new();
@@ -249,5 +258,11 @@ fn the_program_prints_its_events_on_stderr() {
         .unwrap_or_else(|| panic!("no refusal event in\n{stderr}"));
     assert!(line.contains(&format!("uid={}", euid())), "{line}");
     assert!(line.contains("NoSuchRegion"), "{line}");
+    assert!(stderr.contains("memd.keeper.lost"), "{stderr}");
+    let restart = stderr
+        .lines()
+        .find(|l| l.contains("memd.keeper.restart"))
+        .unwrap_or_else(|| panic!("no keeper restart event in\n{stderr}"));
+    assert!(restart.contains("outcome=\"restarted\""), "{restart}");
     assert!(stderr.contains("memd.stop"), "{stderr}");
 }
