@@ -39,6 +39,8 @@ class Requests(unittest.TestCase):
             p.encode_begin("r", [4096, 1], p.Acl(read=(p.Uid(7),), delete=(p.Gid(128),)), 5),
             b"\x02\x01r\x02\x80\x20\x01" + b"\x01\x00\x07" + b"\x00" + b"\x01\x01\x80\x01"
             + b"\x05")
+        self.assertEqual(p.encode_sleep("kv"), b"\x0f\x02kv")
+        self.assertEqual(p.encode_wake("kv"), b"\x10\x02kv")
         meta = p.TensorMeta(1, 256, 8, p.Dtype.BF16, (2, 2))
         self.assertEqual(p.encode_put_meta([("k", meta)]),
                          b"\x03\x01\x01k\x01\x80\x02\x08\x09\x02\x02\x02")
@@ -79,21 +81,27 @@ class Replies(unittest.TestCase):
                          p.Began(2, (4096, 1)))
         self.assertEqual(p.decode_response(reply(8, b"\x03")), p.Renewed(3))
         self.assertEqual(p.decode_response(reply(9, string("a 1\n"))), p.Metrics("a 1\n"))
-        self.assertEqual(p.decode_response(reply(1, b"\x01" + string("r") + b"\x02\x03")),
+        self.assertEqual(p.decode_response(reply(1, b"\x01" + string("r") + b"\x02\x03\x00")),
                          p.RegionList((p.RegionSummary("r", 2, 3),)))
+        self.assertEqual(p.decode_response(reply(1, b"\x01" + string("r") + b"\x02\x03\x02")),
+                         p.RegionList((p.RegionSummary("r", 2, 3, "Asleep"),)))
         self.assertEqual(p.decode_response(reply(6, b"\x09\x02\x01\x80\x20\x01\xe8\x07")),
                          p.AttachedReply(9, 2, (4096,), 1, 1000))
         page = reply(7, b"\x01" + string("k") + b"\x00\x10\x04\x0a\x01\x01")
         self.assertEqual(p.decode_response(page),
                          p.MetaPage((("k", p.TensorMeta(0, 16, 4, p.Dtype.F32, (1,))),)))
         # Status: uid 0, used 1, quota 2, one region with one generation (readers pid 5 and
-        # -1 zigzagged), pending (3, 4, pid 6), 1 waiting writer; counters; truncated.
+        # -1 zigzagged, falling asleep), pending (3, 4, pid 6), 1 waiting writer; counters;
+        # truncated.
         status = reply(2, b"\x00\x01\x02\x01" + string("r") + b"\x00"
-                       + b"\x01" + b"\x01\x08\x01" + b"\x02\x0a\x01"
+                       + b"\x01" + b"\x01\x08\x01" + b"\x02\x0a\x01" + b"\x01"
                        + b"\x01\x03\x04\x0c" + b"\x01" + b"\x05\x06\x01")
         self.assertEqual(p.decode_response(status), p.Status(
-            0, 1, 2, (p.RegionStatus("r", 0, (p.GenerationStatus(1, 8, True, (5, -1)),),
+            0, 1, 2, (p.RegionStatus("r", 0, (p.GenerationStatus(1, 8, True, (5, -1),
+                                                                 "Falling"),),
                                      (3, 4, 6), 1),), 5, 6, True))
+        self.assertEqual(p.decode_response(reply(13, b"\x03\x02")), p.Slept(3, 2))
+        self.assertEqual(p.decode_response(reply(14, b"\x03\x01")), p.Woke(3, True))
 
     def test_the_gpu_replies_decode(self):
         uuid = bytes(range(16))
@@ -156,7 +164,9 @@ class Replies(unittest.TestCase):
         self.assertRefused(reply(4, b"\x00"), "trailing")
         self.assertRefused(reply(5, b"\x07\x07"), "trailing")
         # Unknown variants: of the reply, of a refusal, of a dtype, of a rule.
-        self.assertRefused(reply(13), "unknown variant 13")
+        self.assertRefused(reply(15), "unknown variant 15")
+        self.assertRefused(reply(1, b"\x01" + string("r") + b"\x02\x03\x03"),
+                           "unknown variant 3")
         self.assertRefused(reply(2**32 - 1), "unknown variant")
         self.assertRefused(reply(0, b"\x0e"), "unknown variant 14")
         self.assertRefused(reply(0, b"\x0b" + b"\x01" * 16 + b"\x03" + string("x")),
@@ -165,7 +175,7 @@ class Replies(unittest.TestCase):
         self.assertRefused(reply(0, b"\x0a" + bytes(15)), "end inside")
         self.assertRefused(reply(7, b"\x01" + string("k") + b"\x00\x00\x01\x0d\x00"),
                            "unknown variant 13")
-        self.assertRefused(reply(0, b"\x06\x09" + string("x")), "unknown variant 9")
+        self.assertRefused(reply(0, b"\x06\x0a" + string("x")), "unknown variant 10")
         # Varints: overlong (not shortest), longer than the type, past the type's range.
         self.assertRefused(reply(5, b"\x80\x00"), "overlong")
         self.assertRefused(b"\x84\x00", "overlong")

@@ -87,6 +87,7 @@ class RegionSummary:
     region: str
     generation: int
     bytes: int
+    sleep: str = "Awake"  # the current generation's: "Awake", "Falling" or "Asleep"
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class GenerationStatus:
     bytes: int
     current: bool
     readers: Tuple[int, ...]
+    sleep: str = "Awake"  # "Awake", "Falling" (asleep once its leases end) or "Asleep"
 
 
 @dataclass(frozen=True)
@@ -188,10 +190,22 @@ class Verified:
     digests: Tuple[bytes, ...]
 
 
+@dataclass(frozen=True)
+class Slept:
+    generation: int
+    leases: int
+
+
+@dataclass(frozen=True)
+class Woke:
+    generation: int
+    zeroed: bool
+
+
 # ---- requests -------------------------------------------------------------------------------
 
 (_LIST, _STATUS, _BEGIN, _PUT_META, _COMMIT, _ABORT, _ATTACH, _DETACH, _RENEW, _DELETE,
- _METRICS, _BEGIN_ON, _VERIFY, _DISCARD, _ATTACH_FABRIC) = range(15)
+ _METRICS, _BEGIN_ON, _VERIFY, _DISCARD, _ATTACH_FABRIC, _SLEEP, _WAKE) = range(17)
 
 
 def _request(index, body=None):
@@ -332,6 +346,16 @@ def encode_layout(chunks, meta):
     return w.bytes()
 
 
+def encode_sleep(region):
+    """An operator's sleep of the region's current generation (needs the write right)."""
+    return _request(_SLEEP, lambda w: w.str(region))
+
+
+def encode_wake(region):
+    """An operator's wake of the region's current generation (needs the write right)."""
+    return _request(_WAKE, lambda w: w.str(region))
+
+
 def meta_pages(entries):
     """``PutMeta`` requests carrying ``entries`` (key, TensorMeta), each at most MAX_REQUEST
     bytes: cut by their exact encoded size."""
@@ -353,11 +377,12 @@ def meta_pages(entries):
 
 _RIGHTS = ("Read", "Write", "Delete")
 _RULES = ("Decode", "RegionName", "Chunks", "Metadata", "NotWriting", "AlreadyWriting", "Acl",
-          "NoSuchLease", "Backend")
+          "NoSuchLease", "Backend", "NotAsleep")
 _GPU_OPS = ("Allocate", "Import", "Read")
 _SCOPES = ("Connection", "Uid", "All")
 _REPLIES = ("Refused", "List", "Status", "Began", "Done", "Committed", "Attached", "MetaPage",
-            "Renewed", "Metrics", "BeganGpu", "AttachedGpu", "Verified")
+            "Renewed", "Metrics", "BeganGpu", "AttachedGpu", "Verified", "Slept", "Woke")
+_SLEEP_STATES = ("Awake", "Falling", "Asleep")
 
 
 def _fixed(r, n, what):
@@ -414,7 +439,11 @@ def _chunks(r):
 
 def _generation_status(r):
     return GenerationStatus(r.u64(), r.u64(), r.bool(),
-                            tuple(r.seq(_BY_MESSAGE, "readers", r.i32)))
+                            tuple(r.seq(_BY_MESSAGE, "readers", r.i32)), _sleep_state(r))
+
+
+def _sleep_state(r):
+    return _SLEEP_STATES[r.variant(_SLEEP_STATES, "a sleep state")]
 
 
 def _region_status(r):
@@ -442,7 +471,8 @@ def decode_response(data):
         value = _refusal(r)
     elif name == "List":
         value = RegionList(tuple(r.seq(_BY_MESSAGE, "a region list",
-                                       lambda: RegionSummary(_region(r), r.u64(), r.u64()))))
+                                       lambda: RegionSummary(_region(r), r.u64(), r.u64(),
+                                                             _sleep_state(r)))))
     elif name == "Status":
         value = _status(r)
     elif name == "Began":
@@ -465,6 +495,10 @@ def decode_response(data):
     elif name == "AttachedGpu":
         value = AttachedGpuReply(r.u64(), r.u64(), _chunks(r), r.u32(), r.u64(),
                                  _fixed(r, 16, "a device UUID"), r.bool())
+    elif name == "Slept":
+        value = Slept(r.u64(), r.u32())
+    elif name == "Woke":
+        value = Woke(r.u64(), r.bool())
     else:
         value = Verified(r.u64(), tuple(r.seq(MAX_CHUNKS, "digests",
                                               lambda: _fixed(r, 32, "a digest"))))
@@ -476,6 +510,7 @@ __all__ = [
     "Dtype", "TensorMeta", "Uid", "Gid", "Acl", "RegionSummary", "GenerationStatus",
     "RegionStatus", "Status", "Began", "Done", "Committed", "AttachedReply", "MetaPage",
     "Renewed", "Metrics", "RegionList", "BeganGpu", "AttachedGpuReply", "Verified",
-    "decode_response", "encode_verify", "encode_begin_gpu", "encode_layout", "encode_discard", "meta_pages", "MAX_REQUEST",
+    "Slept", "Woke", "decode_response", "encode_verify", "encode_begin_gpu", "encode_layout",
+    "encode_discard", "encode_sleep", "encode_wake", "meta_pages", "MAX_REQUEST",
     "MAX_DATA", "MAX_CHUNKS", "MAX_META_ENTRIES", "MAX_KEY_LEN", "MAX_REGION_NAME",
 ]

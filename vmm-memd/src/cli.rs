@@ -36,7 +36,8 @@ A keeper process (this program, `vmm-memd --keeper NAME`) holds every committed 
 that the service, restarted after a crash, serves them again; SIGINT/SIGTERM let it go.
 
 Exit status: 0 after SIGINT/SIGTERM, 1 when serving fails, 2 on a usage error.
-Logs go to stderr.";
+Logs go to stderr; built with the `tracing` feature, so do its events, at the level
+$VMM_MEMD_LOG names (error, warn, info, debug, trace, off; default info).";
 
 /// A command line `vmm-memd` does not take.
 #[derive(Debug, thiserror::Error)]
@@ -178,6 +179,10 @@ pub fn main(args: &[String]) -> i32 {
             return 2;
         }
     };
+    // With the `tracing` feature the program prints its events on stderr too (the lines
+    // below stay as they are).
+    #[cfg(feature = "tracing")]
+    crate::trace::install_stderr_subscriber();
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGINT, on_stop as *const () as libc::sighandler_t);

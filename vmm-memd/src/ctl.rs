@@ -1,5 +1,5 @@
 //! The `vmm-memctl` program: `status`, `list`, `metrics` (reading: they change nothing in the
-//! service) and `delete`, as text or JSON (`src/bin/vmm-memctl.rs` is a thin `main` over
+//! service), and `sleep`, `wake` and `delete` for a region's admins, as text or JSON (`src/bin/vmm-memctl.rs` is a thin `main` over
 //! [`main`]).
 
 use std::io::Write;
@@ -9,7 +9,7 @@ use vmm_core::wire::endpoint::{Allow, ConnectOptions, Name};
 use crate::cli::UsageError;
 use crate::client::Client;
 use crate::error::MemdError;
-use crate::protocol::Status;
+use crate::protocol::{SleepState, Status};
 
 /// The usage text (`--help`).
 pub const USAGE: &str = "\
@@ -19,10 +19,17 @@ Operate a vmm-memd service (see vmm-memd/README.md).
 
 Commands (status, list and metrics change nothing):
   status          per region you may read: its generations (current, bytes, the pid of each
-                  reader's lease), the writer's pending generation, waiting writers; your
-                  uid's quota use; refusals and expired leases since the service started
-  list            regions you may read: name, current generation, bytes
+                  reader's lease, asleep or falling asleep), the writer's pending generation,
+                  waiting writers; your uid's quota use; refusals and expired leases since
+                  the service started
+  list            regions you may read: name, current generation, bytes, and whether it
+                  is awake, falling asleep (leases still hold it) or asleep
   metrics         the same in the Prometheus text format
+  sleep REGION    put the current generation to a discard sleep: its memory goes once no
+                  lease holds it; number, metadata and quota charge stay (its owner, or
+                  whom its ACL lets write)
+  wake REGION     make an asleep generation's memory again now, zeroed, or call off a sleep
+                  still waiting for leases (the same admins)
   delete REGION   delete a region (its owner, or whom its ACL lets delete)
 
 Options:
@@ -54,6 +61,10 @@ pub enum Command {
     Metrics,
     /// `delete REGION`.
     Delete(String),
+    /// `sleep REGION`.
+    Sleep(String),
+    /// `wake REGION`.
+    Wake(String),
 }
 
 /// A parsed command line.
@@ -92,6 +103,8 @@ fn parse(args: &[String]) -> Result<Option<Invocation>, UsageError> {
         [c] if c == "list" => Command::List,
         [c] if c == "metrics" => Command::Metrics,
         [c, region] if c == "delete" => Command::Delete(region.clone()),
+        [c, region] if c == "sleep" => Command::Sleep(region.clone()),
+        [c, region] if c == "wake" => Command::Wake(region.clone()),
         [] => return Err(UsageError::Missing("a command")),
         other => return Err(UsageError::Unknown(other.join(" "))),
     };
@@ -164,7 +177,10 @@ fn run(invocation: &Invocation) -> Result<(), MemdError> {
                 true => to_json(serde_json::json!(list)),
                 false => list
                     .iter()
-                    .map(|r| format!("{}\t{}\t{}\n", r.region, r.generation, r.bytes))
+                    .map(|r| {
+                        let sleep = sleep_word(r.sleep);
+                        format!("{}\t{}\t{}\t{sleep}\n", r.region, r.generation, r.bytes)
+                    })
                     .collect(),
             }
         }
@@ -173,6 +189,34 @@ fn run(invocation: &Invocation) -> Result<(), MemdError> {
             match json {
                 true => to_json(serde_json::json!({ "metrics": metrics })),
                 false => metrics,
+            }
+        }
+        Command::Sleep(region) => {
+            let slept = client.sleep_region(region)?;
+            let (generation, leases) = (slept.generation, slept.leases);
+            match (json, leases) {
+                (true, _) => to_json(serde_json::json!({
+                    "slept": region, "generation": generation, "leases": leases
+                })),
+                (false, 0) => format!("{region} generation {generation} asleep: memory freed\n"),
+                (false, n) => format!(
+                    "{region} generation {generation} falling asleep: memory freed once {n} \
+                     leases end\n"
+                ),
+            }
+        }
+        Command::Wake(region) => {
+            let woke = client.wake_region(region)?;
+            let (generation, zeroed) = (woke.generation, woke.zeroed);
+            match (json, zeroed) {
+                (true, _) => to_json(serde_json::json!({
+                    "woke": region, "generation": generation, "zeroed": zeroed
+                })),
+                (false, true) => format!("{region} generation {generation} awake: zeroed\n"),
+                (false, false) => format!(
+                    "{region} generation {generation} awake: the sleep was called off, \
+                     contents kept\n"
+                ),
             }
         }
         Command::Delete(region) => {
@@ -207,10 +251,15 @@ fn status_text(status: &Status) -> String {
         );
         for g in &r.generations {
             let readers: Vec<String> = g.readers.iter().map(i32::to_string).collect();
+            let state = match (g.current, g.sleep) {
+                (true, SleepState::Awake) => " (current)".to_owned(),
+                (false, SleepState::Awake) => String::new(),
+                (true, sleep) => format!(" (current, {})", sleep_word(sleep)),
+                (false, sleep) => format!(" ({})", sleep_word(sleep)),
+            };
             out += &format!(
-                "  generation {}{}: {} bytes, {} leases, readers [{}]\n",
+                "  generation {}{state}: {} bytes, {} leases, readers [{}]\n",
                 g.generation,
-                if g.current { " (current)" } else { "" },
                 g.bytes,
                 g.readers.len(),
                 readers.join(" ")
@@ -221,4 +270,13 @@ fn status_text(status: &Status) -> String {
         }
     }
     out
+}
+
+/// A generation's sleep in words, as `list` and `status` print it.
+fn sleep_word(sleep: SleepState) -> &'static str {
+    match sleep {
+        SleepState::Awake => "awake",
+        SleepState::Falling => "falling asleep",
+        SleepState::Asleep => "asleep",
+    }
 }

@@ -45,6 +45,8 @@ pub enum RequestRule {
     NoSuchLease,
     /// A `BeginOn` for another backend than the one the region lives on.
     Backend,
+    /// A `Wake` of a generation that is awake (no sleep asked, none to call off).
+    NotAsleep,
 }
 
 /// A refusal by the service: sent as the reply to the request it refuses, so a client matches
@@ -198,6 +200,43 @@ pub enum Refusal {
         /// The generation.
         generation: u64,
     },
+}
+
+impl Refusal {
+    /// The variant's name (`"AccessDenied"`, `"QuotaExceeded"`, ...): what logs and the
+    /// `tracing` events call the reason.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Refusal::QuotaExceeded { .. } => "QuotaExceeded",
+            Refusal::AccessDenied { .. } => "AccessDenied",
+            Refusal::NoSuchRegion { .. } => "NoSuchRegion",
+            Refusal::NoSuchGeneration { .. } => "NoSuchGeneration",
+            Refusal::WriterBusy { .. } => "WriterBusy",
+            Refusal::TooLarge { .. } => "TooLarge",
+            Refusal::InvalidRequest { .. } => "InvalidRequest",
+            Refusal::StillMapped { .. } => "StillMapped",
+            Refusal::FdsInFlight { .. } => "FdsInFlight",
+            Refusal::ServiceFailed { .. } => "ServiceFailed",
+            Refusal::NoSuchDevice { .. } => "NoSuchDevice",
+            Refusal::DeviceFailed { .. } => "DeviceFailed",
+            Refusal::DigestMismatch { .. } => "DigestMismatch",
+            Refusal::FabricUnavailable { .. } => "FabricUnavailable",
+        }
+    }
+
+    /// The region the refusal names, if it names one.
+    pub fn region(&self) -> Option<&str> {
+        match self {
+            Refusal::AccessDenied { region, .. }
+            | Refusal::NoSuchRegion { region }
+            | Refusal::NoSuchGeneration { region, .. }
+            | Refusal::WriterBusy { region, .. }
+            | Refusal::StillMapped { region, .. }
+            | Refusal::DigestMismatch { region, .. }
+            | Refusal::FabricUnavailable { region, .. } => Some(region),
+            _ => None,
+        }
+    }
 }
 
 /// What the service was doing on a device when the driver refused ([`Refusal::DeviceFailed`]).

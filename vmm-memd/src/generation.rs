@@ -7,7 +7,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::time::Instant;
 
 use crate::error::{Refusal, RequestRule};
-use crate::protocol::{ChunkDigest, MAX_KEY_LEN, MAX_META_ENTRIES, TensorMeta};
+use crate::protocol::{ChunkDigest, MAX_KEY_LEN, MAX_META_ENTRIES, SleepState, TensorMeta};
 
 /// One chunk: its fd (a memfd, or a GPU chunk's exported POSIX fd) and size.
 #[derive(Debug)]
@@ -55,6 +55,15 @@ impl Generation {
     /// make it again).
     pub(crate) fn bytes(&self) -> u64 {
         self.sizes().iter().sum()
+    }
+
+    /// Whether its memory is there, going once its leases end, or gone (a discard sleep).
+    pub(crate) fn sleep_state(&self) -> SleepState {
+        match (self.discarded.is_some(), self.discard_wanted) {
+            (true, _) => SleepState::Asleep,
+            (false, true) => SleepState::Falling,
+            (false, false) => SleepState::Awake,
+        }
     }
 
     /// Its chunk sizes.

@@ -37,7 +37,9 @@
 
 #![cfg(target_os = "linux")]
 
+mod admin;
 mod attach;
+mod capped;
 pub mod cli;
 mod client;
 pub mod ctl;
@@ -57,7 +59,9 @@ pub mod protocol;
 mod registry;
 mod service;
 mod sleep;
+mod trace;
 
+pub use admin::{RegionSlept, RegionWoke};
 pub use attach::{Attached, FabricAttached};
 pub use client::{BeginOptions, Client, Writer};
 pub use error::{GpuOp, MemdError, Refusal, RequestRule, Result, Right};

@@ -4,7 +4,7 @@
 
 use std::fmt::Write;
 
-use crate::protocol::Status;
+use crate::protocol::{SleepState, Status};
 
 /// The metrics text, at most `cap` bytes: regions are left out from the end until it fits.
 pub(crate) fn render(status: &Status, cap: usize) -> String {
@@ -78,6 +78,28 @@ fn render_all(status: &Status) -> String {
         "vmm_memd_region_waiting_writers",
         "Writers waiting for a region's writer slot.",
         &|i| u64::from(regions[i].waiting_writers),
+    );
+    per_region(
+        &mut out,
+        "vmm_memd_region_asleep",
+        "1 when a region's current generation sleeps (its memory let go), else 0.",
+        &|i| {
+            let current = regions[i].generations.iter().find(|g| g.current);
+            u64::from(current.is_some_and(|g| g.sleep == SleepState::Asleep))
+        },
+    );
+    per_region(
+        &mut out,
+        "vmm_memd_region_asleep_bytes",
+        "Bytes of a region's generations asleep (charged to the quota, memory let go).",
+        &|i| {
+            regions[i]
+                .generations
+                .iter()
+                .filter(|g| g.sleep == SleepState::Asleep)
+                .map(|g| g.bytes)
+                .sum()
+        },
     );
     let uid = status.uid;
     family(

@@ -154,8 +154,9 @@ pub enum Request {
         /// How long to wait for the writer slot, in ms.
         wait_ms: u64,
     },
-    /// Add metadata entries to the pending generation.
-    PutMeta(Vec<(String, TensorMeta)>),
+    /// Add metadata entries to the pending generation (decoded without trusting the
+    /// announced count: see `capped.rs`).
+    PutMeta(#[serde(deserialize_with = "crate::capped::metadata_list")] Vec<(String, TensorMeta)>),
     /// Seal the pending generation against writes and make it the current one.
     Commit,
     /// Free the pending generation.
@@ -236,6 +237,25 @@ pub enum Request {
         /// A generation still held; `None`: the current one.
         generation: Option<u64>,
     },
+    /// An operator's sleep of `region`'s current generation (`vmm-memctl sleep`): a discard
+    /// sleep without a lease of the caller's. The service frees the generation's memory once
+    /// no lease holds it (at once if none does); its number, metadata, chunk sizes and quota
+    /// charge stay, as for [`Request::Discard`]. Needs the region's write right (its owner
+    /// has it). The reply is [`Response::Slept`]; a sleep of a generation already asleep (or
+    /// falling asleep) changes nothing and answers the same.
+    Sleep {
+        /// The region.
+        region: String,
+    },
+    /// An operator's wake of `region`'s current generation (`vmm-memctl wake`): the chunks
+    /// of a generation asleep are made again now, zeroed (as the next `Attach` would), so the
+    /// next attach does not wait for it; a sleep still waiting for leases to end is called
+    /// off (the contents stay). Needs the write right. The reply is [`Response::Woke`];
+    /// `InvalidRequest` with rule `NotAsleep` for a generation that is awake.
+    Wake {
+        /// The region.
+        region: String,
+    },
 }
 
 /// One generation's view in [`Status`].
@@ -249,6 +269,22 @@ pub struct GenerationStatus {
     pub current: bool,
     /// The pids (from SO_PEERCRED) that hold a lease on it, one per lease.
     pub readers: Vec<i32>,
+    /// Whether it sleeps (appended: the Python client decodes it too).
+    pub sleep: SleepState,
+}
+
+/// Whether a generation's memory is there ([`GenerationStatus::sleep`],
+/// [`RegionSummary::sleep`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SleepState {
+    /// Its memory is there.
+    #[default]
+    Awake,
+    /// A discard sleep was asked (by a reader's `Discard` or an operator's `Sleep`) and
+    /// leases still hold it: its memory goes when the last one ends.
+    Falling,
+    /// Its memory was let go; the next attach or a `Wake` makes it again, zeroed.
+    Asleep,
 }
 
 /// One region's view in [`Status`].
@@ -295,6 +331,8 @@ pub struct RegionSummary {
     pub generation: u64,
     /// The current generation's bytes.
     pub bytes: u64,
+    /// Whether the current generation sleeps (appended; `Awake` when there is none).
+    pub sleep: SleepState,
 }
 
 /// A reply.
@@ -333,8 +371,8 @@ pub enum Response {
         /// The lease's TTL in ms (renew before it runs out).
         ttl_ms: u64,
     },
-    /// Metadata entries (a page of an `Attached` reply).
-    MetaPage(Vec<(String, TensorMeta)>),
+    /// Metadata entries (a page of an `Attached` reply; decoded as `PutMeta` is).
+    MetaPage(#[serde(deserialize_with = "crate::capped::metadata_list")] Vec<(String, TensorMeta)>),
     /// How many leases `Renew` renewed.
     Renewed(u32),
     /// The reply to [`Request::Metrics`]: Prometheus text (cut to fit one message).
@@ -377,6 +415,21 @@ pub enum Response {
         generation: u64,
         /// The digests, one per chunk (SHA-256 of its bytes).
         digests: Vec<ChunkDigest>,
+    },
+    /// The reply to [`Request::Sleep`].
+    Slept {
+        /// The generation put to sleep (the region's current one).
+        generation: u64,
+        /// Leases that still hold it: its memory goes when they end (0: gone now).
+        leases: u32,
+    },
+    /// The reply to [`Request::Wake`].
+    Woke {
+        /// The generation woken (the region's current one).
+        generation: u64,
+        /// Whether its chunks were made again, zeroed (`false`: a sleep still waiting for
+        /// leases was called off, and the contents stayed).
+        zeroed: bool,
     },
 }
 

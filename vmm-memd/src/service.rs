@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use vmm_core::cuda::{HandleType, IpcDescriptor};
 use vmm_core::peer::{MAX_DATA, PeerMessage, Session};
 use vmm_core::shm::HostDescriptor;
-use vmm_core::wire::endpoint::Listener;
+use vmm_core::wire::endpoint::{Credentials, Listener};
 
 use crate::error::{Refusal, RequestRule};
 use crate::identity::{self, Identity};
@@ -19,6 +19,7 @@ use crate::inflight::{Charge, FdBudget, InFlightScope};
 use crate::keeper_link::Keeper;
 use crate::protocol::{self, Backend, Request, Response, Status};
 use crate::registry::{Policy, Registry};
+use crate::trace::event;
 
 /// Connections served at once unless told otherwise: 256.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
@@ -145,11 +146,18 @@ impl Service {
         if let Some(keeper) = keeper {
             let n = registry.adopt_keeper(keeper.link, keeper.restored);
             eprintln!("vmm-memd: {n} committed generations taken back from the keeper");
+            event!(INFO, "memd.keeper.adopted", generations = n);
         }
         let served = self.serve_registry(listener, halt, &registry, kept);
         if served.is_ok() {
             registry.quit_keeper();
         }
+        event!(
+            INFO,
+            "memd.stop",
+            outcome = if served.is_ok() { "stopped" } else { "failed" },
+            keeper = kept
+        );
         served
     }
 
@@ -190,7 +198,7 @@ impl Service {
                     &mut |peer| {
                         admit(
                             &lock(),
-                            peer.uid,
+                            peer,
                             self.max_connections,
                             self.max_connections_per_uid,
                         )
@@ -213,6 +221,13 @@ impl Service {
                 let uid = session.peer().uid;
                 *lock().entry(uid).or_default() += 1;
                 let conn = next_conn.fetch_add(1, Ordering::Relaxed);
+                event!(
+                    DEBUG,
+                    "memd.conn.accepted",
+                    conn,
+                    uid,
+                    pid = session.peer().pid
+                );
                 let lock = &lock;
                 let started = std::thread::Builder::new()
                     .name("vmm-memd-conn".into())
@@ -227,9 +242,22 @@ impl Service {
                             halt,
                             charge: budget.charge(uid),
                         };
-                        if let Err(e) = served.converse() {
+                        let conversed = served.converse();
+                        if let Err(e) = &conversed {
                             eprintln!("vmm-memd: connection of {}: {e}", session.peer());
                         }
+                        event!(
+                            DEBUG,
+                            "memd.conn.ended",
+                            conn,
+                            uid,
+                            pid = identity.pid,
+                            outcome = if conversed.is_ok() {
+                                "closed"
+                            } else {
+                                "failed"
+                            }
+                        );
                         registry.release(conn, served.writing.as_deref());
                         let mut held = lock();
                         if let Some(n) = held.get_mut(&uid) {
@@ -268,21 +296,27 @@ impl Halt<'_> {
 /// The connection caps, checked on the accepting thread before `HELLO`.
 fn admit(
     held: &MutexGuard<'_, HashMap<u32, usize>>,
-    uid: u32,
+    peer: &Credentials,
     total: usize,
     per_uid: usize,
 ) -> Result<(), String> {
     let all: usize = held.values().sum();
-    let mine = held.get(&uid).copied().unwrap_or(0);
-    if all >= total {
-        return Err(format!("the service holds {all} connections, its cap"));
-    }
-    if mine >= per_uid {
-        return Err(format!(
-            "this uid holds {mine} connections, the cap per uid"
-        ));
-    }
-    Ok(())
+    let mine = held.get(&peer.uid).copied().unwrap_or(0);
+    let refused = if all >= total {
+        format!("the service holds {all} connections, its cap")
+    } else if mine >= per_uid {
+        format!("this uid holds {mine} connections, the cap per uid")
+    } else {
+        return Ok(());
+    };
+    event!(
+        WARN,
+        "memd.conn.refused",
+        uid = peer.uid,
+        pid = peer.pid,
+        reason = %refused
+    );
+    Err(refused)
 }
 
 /// What the next wait on a connection found.
@@ -391,6 +425,16 @@ impl Connection<'_> {
 
     fn refuse(&self, refusal: Refusal) -> vmm_core::Result<()> {
         self.registry.refused();
+        event!(
+            INFO,
+            "memd.refused",
+            conn = self.conn,
+            uid = self.identity.uid,
+            pid = self.identity.pid,
+            reason = refusal.kind(),
+            region = refusal.region().unwrap_or(""),
+            detail = %refusal
+        );
         self.send(&Response::Refused(refusal))
     }
 
@@ -473,6 +517,14 @@ impl Connection<'_> {
             Request::Delete { region } => {
                 registry.delete(who, &region)?;
                 Response::Done
+            }
+            Request::Sleep { region } => {
+                let (generation, leases) = registry.sleep_region(who, &region)?;
+                Response::Slept { generation, leases }
+            }
+            Request::Wake { region } => {
+                let (generation, zeroed) = registry.wake_region(who, &region)?;
+                Response::Woke { generation, zeroed }
             }
             Request::Verify { region, generation } => {
                 let (generation, backend, chunks, digests) =

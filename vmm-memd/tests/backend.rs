@@ -7,7 +7,7 @@
 mod common;
 
 use common::{ServiceProc, fill_byte, publish};
-use vmm_memd::protocol::{Acl, Backend, Request, Response};
+use vmm_memd::protocol::{Acl, Backend, Request, Response, SleepState};
 use vmm_memd::{BeginOptions, MemdError, Refusal, RequestRule};
 
 /// The postcard tag (first byte) of a value.
@@ -54,6 +54,8 @@ fn existing_variants_keep_their_tags_and_new_ones_are_appended() {
             region: region(),
             generation: None,
         },
+        Request::Sleep { region: region() },
+        Request::Wake { region: region() },
     ];
     for (i, request) in requests.iter().enumerate() {
         assert_eq!(tag(request) as usize, i, "{request:?}");
@@ -78,6 +80,14 @@ fn existing_variants_keep_their_tags_and_new_ones_are_appended() {
             generation: 0,
             digests: vec![],
         },
+        Response::Slept {
+            generation: 0,
+            leases: 0,
+        },
+        Response::Woke {
+            generation: 0,
+            zeroed: false,
+        },
     ];
     assert_eq!(tag(&Response::Metrics(String::new())), 9);
     for (i, response) in appended.iter().enumerate() {
@@ -98,6 +108,13 @@ fn existing_variants_keep_their_tags_and_new_ones_are_appended() {
     assert_eq!(tag(&fabric), 13);
     assert_eq!(tag(&RequestRule::NoSuchLease), 7);
     assert_eq!(tag(&RequestRule::Backend), 8);
+    assert_eq!(tag(&RequestRule::NotAsleep), 9);
+    for (i, sleep) in [SleepState::Awake, SleepState::Falling, SleepState::Asleep]
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(tag(sleep) as usize, i);
+    }
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! `vmm-memctl`: usage and exit codes, status/list/metrics as text and JSON that change
 //! nothing in the service, delete for whom the ACL lets delete, metrics in the Prometheus
-//! text format.
+//! text format, sleep and wake (their output and exit statuses; the semantics and the other
+//! uid's refusals are in `admin_sleep.rs`).
 
 mod common;
 
@@ -37,6 +38,9 @@ fn help_usage_errors_and_no_service_have_their_exit_codes() {
         &["status", "--frob"],
         &["delete"],
         &["list", "x"],
+        &["sleep"],
+        &["wake"],
+        &["sleep", "a", "b"],
     ] {
         let out = memctl("@x", bad, false);
         assert_eq!(out.status.code(), Some(2), "{bad:?}");
@@ -86,7 +90,7 @@ fn reading_commands_show_regions_readers_and_quota_and_change_nothing() {
         "{}",
         outputs[0]
     );
-    assert_eq!(outputs[1], "weights\t2\t2097152\n");
+    assert_eq!(outputs[1], "weights\t2\t2097152\tawake\n");
     // JSON: the same status the client library reads.
     let status: Status = serde_json::from_str(&outputs[3]).unwrap();
     assert_eq!(status, before);
@@ -163,4 +167,57 @@ fn delete_is_for_whom_the_acl_lets_delete() {
     assert!(client.list().unwrap().is_empty());
     let out = memctl(&service.socket, &["delete", "weights"], false);
     assert_eq!(out.status.code(), Some(1), "nothing to delete");
+}
+
+#[test]
+fn sleep_and_wake_say_what_they_did_with_their_exit_statuses() {
+    let service = ServiceProc::start(&[]);
+    let client = service.connect();
+    publish(&client, "kv", 1, 4096);
+    let reader = service.connect();
+    let attached = reader.attach("kv").unwrap();
+    let run = |args: &[&str]| memctl(&service.socket, args, false);
+
+    // A reader holds it: falling asleep.
+    let out = run(&["sleep", "kv"]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert_eq!(
+        stdout(&out),
+        "kv generation 1 falling asleep: memory freed once 1 leases end\n"
+    );
+    assert!(stdout(&run(&["list"])).ends_with("\tfalling asleep\n"));
+    reader.detach(&attached).unwrap();
+    let status = stdout(&run(&["status"]));
+    assert!(
+        status.contains("generation 1 (current, asleep): 4096 bytes, 0 leases"),
+        "{status}"
+    );
+    assert_eq!(stdout(&run(&["list"])), "kv\t1\t4096\tasleep\n");
+    let out = run(&["--json", "sleep", "kv"]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(
+        doc,
+        serde_json::json!({"slept": "kv", "generation": 1, "leases": 0})
+    );
+    let json_status: Status = serde_json::from_str(&stdout(&run(&["--json", "status"]))).unwrap();
+    assert_eq!(
+        json_status.regions[0].generations[0].sleep,
+        vmm_memd::protocol::SleepState::Asleep
+    );
+
+    let out = run(&["wake", "kv"]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert_eq!(stdout(&out), "kv generation 1 awake: zeroed\n");
+    // Awake: refused (exit 1), with the refusal in JSON.
+    let out = run(&["--json", "wake", "kv"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let refused: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(refused["refused"]["InvalidRequest"]["rule"], "NotAsleep");
+    // No such region: exit 1; no service: exit 3.
+    assert_eq!(run(&["sleep", "nothing-here"]).status.code(), Some(1));
+    let out = memctl("@vmm-memctl-test-nothing-here", &["wake", "kv"], false);
+    assert_eq!(out.status.code(), Some(3));
+    let help = stdout(&memctl("@x", &["--help"], false));
+    assert!(help.contains("sleep REGION") && help.contains("wake REGION"));
 }

@@ -2,7 +2,8 @@
 //! process and attached by another; the service SIGKILLed and restarted, the region attached
 //! again with its contents and no reload; sleep and wake at the same device address; a
 //! region per device (device 1 where there is one); readers mapped read-only; the digest
-//! taken at commit catching a write through a writable mapping of a hostile reader's own.
+//! taken at commit catching a write through a writable mapping of a hostile reader's own;
+//! an operator's sleep and wake of a region.
 //!
 //! Every test but the last needs a GPU: without one it prints one `SKIP` line and passes,
 //! and fails instead under `VMM_REQUIRE_GPU=1`. The last checks that a host-only service
@@ -289,6 +290,31 @@ fn gpu_discard_sleep_frees_and_wake_makes_zeroed_memory_at_the_same_address() {
     let woke = client.wake(sleeping).unwrap();
     let gpu = woke.gpu.as_ref().unwrap();
     assert_eq!((woke.generation, gpu.device_ptr()), (1, address));
+    let mut bytes = vec![1u8; gpu.buffer().size()];
+    gpu.buffer().read_at(0, &mut bytes).unwrap();
+    assert!(bytes.iter().all(|&b| b == 0));
+    assert_eq!(client.verify("kv", None).unwrap().len(), 2);
+}
+
+/// An operator's sleep and wake of a GPU region (`vmm-memctl sleep`/`wake`; the same shared
+/// code as on the host): the sleep lets the chunks go at once (no lease), the wake makes them
+/// again before anyone attaches, and the next attach reads zeros that verify.
+#[test]
+fn an_operators_sleep_and_wake_of_a_gpu_region() {
+    let service = ServiceProc::start(&[]);
+    if !skip_unless(cuda_vmm_ipc()) {
+        return;
+    }
+    let uuid = parse_uuid(&uuid_hex(0));
+    let client = service.connect();
+    publish_gpu(&client, "kv", uuid, 2, SIZE);
+    let fds = service.fd_count();
+    assert_eq!(client.sleep_region("kv").unwrap().leases, 0);
+    assert_eq!(service.fd_count(), fds - 2, "both chunks let go");
+    assert!(client.wake_region("kv").unwrap().zeroed);
+    assert_eq!(service.fd_count(), fds, "made again before any attach");
+    let attached = client.attach("kv").unwrap();
+    let gpu = attached.gpu.as_ref().unwrap();
     let mut bytes = vec![1u8; gpu.buffer().size()];
     gpu.buffer().read_at(0, &mut bytes).unwrap();
     assert!(bytes.iter().all(|&b| b == 0));

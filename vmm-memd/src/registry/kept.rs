@@ -10,6 +10,7 @@ use crate::generation::{Chunk, Generation};
 use crate::keeper_link::{GenerationRecord, KeeperLink, Restored};
 use crate::memfd;
 use crate::protocol::{Backend, check_region_name};
+use crate::trace::event;
 
 impl Registry {
     /// Take `keeper` on, with what it held when this service started: those generations are
@@ -86,8 +87,10 @@ impl Registry {
         if !keeper.lost() {
             return true;
         }
+        event!(WARN, "memd.keeper.lost");
         if let Err(e) = keeper.restart() {
             eprintln!("vmm-memd: cannot start a keeper: {e}");
+            event!(ERROR, "memd.keeper.restart", outcome = "failed", error = %e);
             return false;
         }
         let held: Vec<(String, u64)> = state
@@ -99,6 +102,12 @@ impl Registry {
             keep(&mut state, region, *number);
         }
         eprintln!("vmm-memd: a new keeper holds {} generations", held.len());
+        event!(
+            INFO,
+            "memd.keeper.restart",
+            outcome = "restarted",
+            generations = held.len()
+        );
         true
     }
 

@@ -18,14 +18,17 @@ use crate::keeper_link::KeeperLink;
 use crate::memfd;
 use crate::protocol::{
     Acl, Backend, ChunkDigest, GenerationStatus, MAX_CHUNKS, Principal, RegionStatus,
-    RegionSummary, Status, TensorMeta, check_region_name,
+    RegionSummary, SleepState, Status, TensorMeta, check_region_name,
 };
 
 mod discard;
 mod gpu_requests;
 mod kept;
+mod leases;
 
+use crate::trace::event;
 use kept::keep;
+use leases::generations_mut;
 
 /// The service's limits that the registry applies.
 #[derive(Debug, Clone)]
@@ -160,6 +163,7 @@ impl Registry {
                     region: name.clone(),
                     generation: r.current.unwrap_or(0),
                     bytes: current.map_or(0, Generation::bytes),
+                    sleep: current.map_or(SleepState::Awake, Generation::sleep_state),
                 }
             })
             .collect()
@@ -183,6 +187,7 @@ impl Registry {
                         bytes: g.bytes(),
                         current: r.current == Some(g.number),
                         readers: g.leases.values().map(|l| l.pid).collect(),
+                        sleep: g.sleep_state(),
                     })
                     .collect(),
                 pending: r
@@ -348,6 +353,17 @@ impl Registry {
         let fabric = r.fabric;
         r.pending = Some((conn, who.pid, generation));
         *state.used.entry(who.uid).or_default() += asked;
+        event!(
+            INFO,
+            "memd.begin",
+            region,
+            generation = number,
+            uid = who.uid,
+            pid = who.pid,
+            conn,
+            bytes = asked,
+            backend = ?backend
+        );
         Ok(Began {
             generation: number,
             chunks: fds.into_iter().zip(chunks.iter().copied()).collect(),
@@ -402,6 +418,15 @@ impl Registry {
         let r = state.regions.get_mut(region).expect("pending_of found it");
         let (_, _, generation) = r.pending.take().expect("pending_of found it");
         let number = generation.number;
+        event!(
+            INFO,
+            "memd.commit",
+            region,
+            generation = number,
+            conn,
+            uid = generation.charged_to,
+            bytes = generation.bytes()
+        );
         r.generations.insert(number, generation);
         r.current = Some(number);
         keep(&mut state, region, number);
@@ -419,6 +444,15 @@ impl Registry {
             .get_mut(region)
             .and_then(|r| r.pending.take())
             .expect("pending_of found it");
+        event!(
+            INFO,
+            "memd.abort",
+            region,
+            generation = generation.number,
+            conn,
+            bytes = generation.bytes(),
+            outcome = "aborted"
+        );
         refund(&mut state, &generation);
         drop_if_unused(&mut state, region);
         self.changed.notify_all();
@@ -482,6 +516,18 @@ impl Registry {
                 expires,
             },
         );
+        event!(
+            DEBUG,
+            "memd.attach",
+            region,
+            generation = g.number,
+            lease,
+            uid = who.uid,
+            pid = who.pid,
+            conn,
+            bytes = g.bytes(),
+            fabric = as_fabric
+        );
         Ok(Grant {
             lease,
             generation: g.number,
@@ -491,32 +537,6 @@ impl Registry {
             fabric,
             fabric_handles,
         })
-    }
-
-    /// End `conn`'s lease `lease` (a lease of another connection is not found).
-    pub(crate) fn detach(&self, conn: u64, lease: u64) -> bool {
-        let mut state = self.lock();
-        let found = generations_mut(&mut state).any(|g| {
-            g.leases.get(&lease).is_some_and(|l| l.conn == conn)
-                && g.leases.remove(&lease).is_some()
-        });
-        prune(&mut state, self.policy.retain);
-        self.changed.notify_all();
-        found
-    }
-
-    /// Renew every lease of `conn` for another TTL; how many.
-    pub(crate) fn renew(&self, conn: u64) -> u32 {
-        let mut state = self.lock();
-        let expires = Instant::now() + self.policy.lease_ttl;
-        let mut n = 0;
-        for g in generations_mut(&mut state) {
-            for l in g.leases.values_mut().filter(|l| l.conn == conn) {
-                l.expires = expires;
-                n += 1;
-            }
-        }
-        n
     }
 
     /// Delete `region`: its name goes now; its generations go as their leases end.
@@ -547,6 +567,14 @@ impl Registry {
             });
         }
         let mut r = state.regions.remove(region).expect("found above");
+        event!(
+            INFO,
+            "memd.delete",
+            region,
+            uid = who.uid,
+            pid = who.pid,
+            generations = r.generations.len()
+        );
         r.current = None;
         if let Some(keeper) = state.keeper.as_mut() {
             for &number in r.generations.keys() {
@@ -558,51 +586,6 @@ impl Registry {
         self.changed.notify_all();
         Ok(())
     }
-
-    /// Connection `conn` ended: its leases end, its pending generation (of `writing`, if any)
-    /// is freed, and it leaves every writer queue.
-    pub(crate) fn release(&self, conn: u64, writing: Option<&str>) {
-        let mut state = self.lock();
-        for g in generations_mut(&mut state) {
-            g.leases.retain(|_, l| l.conn != conn);
-        }
-        if let Some(region) = writing
-            && let Some(r) = state.regions.get_mut(region)
-            && r.pending.as_ref().is_some_and(|(c, _, _)| *c == conn)
-        {
-            let (_, _, generation) = r.pending.take().expect("checked");
-            refund(&mut state, &generation);
-            drop_if_unused(&mut state, region);
-        }
-        prune(&mut state, self.policy.retain);
-        self.changed.notify_all();
-    }
-
-    /// End leases past their TTL; how many.
-    pub(crate) fn expire(&self, now: Instant) -> usize {
-        let mut state = self.lock();
-        let mut n = 0;
-        for g in generations_mut(&mut state) {
-            let before = g.leases.len();
-            g.leases.retain(|_, l| l.expires > now);
-            n += before - g.leases.len();
-        }
-        if n > 0 {
-            state.expired_leases += n as u64;
-            prune(&mut state, self.policy.retain);
-            self.changed.notify_all();
-        }
-        n
-    }
-}
-
-/// Every committed generation, of live and deleted regions.
-fn generations_mut(state: &mut State) -> impl Iterator<Item = &mut Generation> {
-    state
-        .regions
-        .values_mut()
-        .chain(state.deleted.iter_mut())
-        .flat_map(|r| r.generations.values_mut())
 }
 
 /// `conn`'s pending generation of `region`.
@@ -656,7 +639,17 @@ fn prune(state: &mut State, retain: usize) {
             if let (Some(name), Some(keeper)) = (name, state.keeper.as_mut()) {
                 keeper.forget(name, n);
             }
-            freed.extend(r.generations.remove(&n));
+            if let Some(g) = r.generations.remove(&n) {
+                event!(
+                    DEBUG,
+                    "memd.freed",
+                    region = name.map_or("(deleted)", String::as_str),
+                    generation = n,
+                    bytes = g.bytes(),
+                    uid = g.charged_to
+                );
+                freed.push(g);
+            }
         }
     }
     for generation in &freed {
@@ -711,6 +704,15 @@ fn evict_retained(state: &mut State, uid: u32, target: u64) {
             if let Some(keeper) = state.keeper.as_mut() {
                 keeper.forget(&name, number);
             }
+            event!(
+                INFO,
+                "memd.freed",
+                region = name.as_str(),
+                generation = number,
+                bytes = g.bytes(),
+                uid,
+                outcome = "evicted for the quota"
+            );
             refund(state, &g);
         }
     }

@@ -131,6 +131,12 @@ impl ServiceProc {
             .args(["--allow-uid", &NOBODY.to_string()])
             .args(["--keeper-linger-ms", "20000"])
             .args(extra)
+            // Built with the `tracing` feature, the program prints its events: only warnings
+            // in these tests unless the environment asks for more.
+            .env(
+                "VMM_MEMD_LOG",
+                std::env::var("VMM_MEMD_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdin(Stdio::null())
             .spawn()
             .expect("start vmm-memd")
@@ -169,19 +175,7 @@ impl ServiceProc {
     /// The pid of the keeper of this service (a `vmm-memd --keeper` process for its name),
     /// if one runs.
     pub fn keeper_pid(&self) -> Option<i32> {
-        let name = format!("@vmm-memd-keeper:{}", &self.socket[1..]);
-        std::fs::read_dir("/proc")
-            .ok()?
-            .flatten()
-            .find_map(|entry| {
-                let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
-                let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
-                let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
-                let state = std::fs::read_to_string(entry.path().join("stat")).ok()?;
-                let zombie = state.rsplit(')').next()?.trim_start().starts_with('Z');
-                (!zombie && args.len() >= 3 && args[1] == b"--keeper" && args[2] == name.as_bytes())
-                    .then_some(pid)
-            })
+        keeper_pid_of(&self.socket)
     }
 
     pub fn name(&self) -> Name {
@@ -202,6 +196,24 @@ impl ServiceProc {
     pub fn connect(&self) -> Client {
         self.try_connect().expect("connect to vmm-memd")
     }
+}
+
+/// The pid of the keeper of the service on abstract socket `socket` (a `vmm-memd --keeper`
+/// process for its name), if one runs.
+pub fn keeper_pid_of(socket: &str) -> Option<i32> {
+    let name = format!("@vmm-memd-keeper:{}", &socket[1..]);
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+            let state = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            let zombie = state.rsplit(')').next()?.trim_start().starts_with('Z');
+            (!zombie && args.len() >= 3 && args[1] == b"--keeper" && args[2] == name.as_bytes())
+                .then_some(pid)
+        })
 }
 
 impl Drop for ServiceProc {

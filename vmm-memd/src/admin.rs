@@ -1,0 +1,55 @@
+//! The operator's requests on a whole region, for [`Client`]: [`Client::sleep_region`] and
+//! [`Client::wake_region`] (what `vmm-memctl sleep` and `wake` send). Kept apart from
+//! `client.rs`, which is about writers and readers.
+
+use crate::client::{Client, unexpected};
+use crate::error::Result;
+use crate::protocol::{Request, Response};
+
+/// What [`Client::sleep_region`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionSlept {
+    /// The generation put to sleep (the region's current one).
+    pub generation: u64,
+    /// Leases that still hold it: its memory goes when they end (0: it is gone now).
+    pub leases: u32,
+}
+
+/// What [`Client::wake_region`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionWoke {
+    /// The generation woken (the region's current one).
+    pub generation: u64,
+    /// Whether its chunks were made again, zeroed (`false`: a sleep still waiting for leases
+    /// was called off and the contents stayed).
+    pub zeroed: bool,
+}
+
+impl Client {
+    /// Put `region`'s current generation to a discard sleep without holding a lease (needs
+    /// the region's write right; its owner has it): the service frees its memory once no
+    /// lease holds it; its number, metadata, chunk sizes and quota charge stay, and the next
+    /// attach (or [`wake_region`](Self::wake_region)) makes it again, zeroed. Readers that
+    /// still map it keep what they map. A generation already asleep stays so.
+    pub fn sleep_region(&self, region: &str) -> Result<RegionSlept> {
+        match self.request(&Request::Sleep {
+            region: region.to_owned(),
+        })? {
+            Response::Slept { generation, leases } => Ok(RegionSlept { generation, leases }),
+            other => Err(unexpected("Slept", &other)),
+        }
+    }
+
+    /// Wake `region`'s current generation now (needs the write right): a generation asleep
+    /// gets its chunks again, zeroed, so that the next attach does not wait for them; a
+    /// sleep still waiting for leases is called off. Refused with
+    /// [`RequestRule::NotAsleep`](crate::RequestRule::NotAsleep) for one that is awake.
+    pub fn wake_region(&self, region: &str) -> Result<RegionWoke> {
+        match self.request(&Request::Wake {
+            region: region.to_owned(),
+        })? {
+            Response::Woke { generation, zeroed } => Ok(RegionWoke { generation, zeroed }),
+            other => Err(unexpected("Woke", &other)),
+        }
+    }
+}
