@@ -19,7 +19,7 @@ use vmm_core::wire::endpoint::Name;
 const ARGS_VAR: &str = "VMM_DEMO_ROLE_ARGS";
 const PEER: [(&str, &str); 14] = include!("../../python/vmm_ipc_peer_files.rs");
 /// The `vmm_memd` package and the Python demo (a module missing here fails the import).
-const PYTHON: [(&str, &str); 12] = [
+const PYTHON: [(&str, &str); 14] = [
     (
         "vmm_memd/__init__.py",
         include_str!("../../python/vmm_memd/__init__.py"),
@@ -63,6 +63,14 @@ const PYTHON: [(&str, &str); 12] = [
     (
         "vmm_memd/writer.py",
         include_str!("../../python/vmm_memd/writer.py"),
+    ),
+    (
+        "vmm_memd/gpu.py",
+        include_str!("../../python/vmm_memd/gpu.py"),
+    ),
+    (
+        "vmm_memd/sleep.py",
+        include_str!("../../python/vmm_memd/sleep.py"),
     ),
     ("memd_demo.py", include_str!("../python/memd_demo.py")),
 ];
