@@ -1,6 +1,6 @@
 // The modules of the `vmm_ipc_peer` package (python/vmm_ipc_peer/), embedded: each as its
 // path under a PYTHONPATH directory and its text. The Rust suites that run the Python peer
-// (tests/tests/peer_python, examples/tests/daemon.rs) `include!` this one list and write the
+// (tests/tests/peer_python, examples/tests/memd_demo.rs) `include!` this one list and write the
 // files out, since a test executable may not read the build machine's paths; a module missing
 // here fails their first `import vmm_ipc_peer` (the package's __init__ imports every module).
 [

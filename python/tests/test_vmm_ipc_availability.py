@@ -91,8 +91,8 @@ def _kill(proc):
 
 
 # A listener under test: serves every admitted connection DATA "served" (after reading one
-# request when argv[2] is "request"), from a pool of 64 worker threads (the daemon's slot
-# count); starts accepting when a line arrives on stdin. argv[3]: extra Listener arguments
+# request when argv[2] is "request"), from a pool of 64 worker threads (the Listener's
+# MAX_CONNECTIONS); starts accepting when a line arrives on stdin. argv[3]: extra Listener arguments
 # (JSON).
 SERVER = r"""
 import json, queue, sys, threading, vmm_ipc_peer as peer

@@ -2,8 +2,7 @@
 export travels over an endpoint to an importer that reads and writes it across the chunk
 boundary; a descriptor of another device and a failed import leave nothing behind; a fabric
 export travels over an endpoint and over TCP and is imported, and a failed fabric import rolls
-back. The real driver runs the same code on the GPU machine (peer_python's GPU tests, the
-daemon example)."""
+back. The real driver runs the same code on the GPU machine (peer_python's GPU tests)."""
 
 import os
 import socket

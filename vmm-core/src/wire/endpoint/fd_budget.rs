@@ -1,6 +1,6 @@
 //! How many descriptor fds a server has sent that its clients have not read yet, capped per
-//! connection, per client uid and in all: the one implementation that the example daemon and
-//! vmm-memd share.
+//! connection, per client uid and in all: one implementation for every server (vmm-memd
+//! uses it).
 //!
 //! An fd sent over a Unix socket is "in flight" until the receiver reads its message, and the
 //! kernel charges it to the sender's uid: past the sender's `RLIMIT_NOFILE` of them, every send

@@ -196,7 +196,7 @@ impl Listener {
     /// `admit` is asked about each, before it is sent the greeting's admission, and a peer it
     /// answers `Err(reason)` is refused as the allow-list refuses (the greeting's refusal,
     /// naming `reason`; logged and remembered). It is how a server bounds its connections per
-    /// uid (the example daemon's `--max-connections-per-uid`): the peer hears at once that it
+    /// uid (vmm-memd's `--max-connections-per-uid`): the peer hears at once that it
     /// may not connect now, instead of waiting in the backlog. `admit` runs on the accepting
     /// thread and should not block.
     pub fn accept_admitting(

@@ -113,13 +113,14 @@
 //! - **An admitted peer holding every connection a server allows**, or a foreign one filling
 //!   the listen backlog: the kernel bounds the backlog, and a server bounds its connections
 //!   (in all, and per uid through [`Listener::accept_admitting`], which refuses a peer at
-//!   once with the server's reason; the example daemon also closes idle connections);
+//!   once with the server's reason; a server may also close idle connections, as the Python
+//!   `Listener` does);
 //!   clients beyond that wait, within their connect timeout.
 //! - **An admitted peer that never reads** what it is sent: every fd sent to it stays in
 //!   flight, charged by the kernel to the sender's uid (`ETOOMANYREFS` past its
 //!   `RLIMIT_NOFILE`). Sends are bounded by the connection's timeout; how many fds a server
 //!   lets one peer leave unread is the server's to cap ([`FdBudget`]: per connection, per uid
-//!   and in all, from `SIOCOUTQ`; the example daemon and vmm-memd use it).
+//!   and in all, from `SIOCOUTQ`; vmm-memd uses it).
 //! - **What an admitted peer does with memory it was given**: it may read and write it for as
 //!   long as it keeps the mapping.
 //! - **Races inside the listener's own uid**: between the stale-file check and `bind`, only

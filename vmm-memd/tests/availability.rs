@@ -1,0 +1,520 @@
+//! Availability under users who would starve the service, ported from the example daemon's
+//! tests (`examples/tests/daemon*.rs`, retired with it) to the real `vmm-memd` program:
+//!
+//! - running out of fds (the service under `prlimit --nofile=64` and 100 idle connections)
+//!   pauses accepting instead of ending the service, which serves a normal client once the
+//!   idle ones are gone;
+//! - one uid holding 300 idle connections (never past the handshake) does not starve another
+//!   uid: the cap per uid (64) keeps slots free below the cap in all (256);
+//! - SIGTERM stops the service within 2 s while clients chat with it (a request always
+//!   waiting on every connection), and memory a client mapped stays intact;
+//! - a client that asks for descriptors and never reads them on many connections does not
+//!   bring the service's uid to the kernel's limit on fds in flight (`ETOOMANYREFS`, which
+//!   applies to an unprivileged sender past its `RLIMIT_NOFILE`): every one of its requests is
+//!   answered with its descriptors or a typed refusal, and others are served once it reads;
+//! - clients that exit while a forked child holds their socket, descriptors unread, stay
+//!   charged (the daemon parked such connections): ignored, vmm-memd does not yet;
+//! - attaches waiting for room in that budget hold no fds (ignored: they hold a dup of every
+//!   chunk, and eight of them run the service out of fds).
+//!
+//! The three ignored tests fail against vmm-memd as it is (each says why and what would fix
+//! it); run them with `--ignored`.
+//!
+//! `availability_gpu.rs` has the daemon's two-GPU case. Roles are fresh execs of this test
+//! binary (see `common`); tests that need another uid or `prlimit` print one `SKIP` line
+//! without them.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+use common::{NOBODY, PROGRAM_VAR, Role, ServiceProc, holds, is_root, publish, role_args};
+use common::{role_client, say, test_exe, until};
+use vmm_core::wire::endpoint::{Allow, ConnectOptions, Name};
+use vmm_memd::protocol::{Request, Response};
+use vmm_memd::{Client, InFlightScope, MemdError, Refusal};
+
+/// The entry of role processes (does nothing in a plain test run).
+#[test]
+fn role_entry() {
+    let Ok(role) = std::env::var("MEMD_ROLE") else {
+        return;
+    };
+    let args = role_args();
+    match role.as_str() {
+        // Attach ARGS[0], check, detach, again and again; say CHATTY after the first round and
+        // GONE once the service is gone.
+        "chatty" => {
+            let client = role_client();
+            let mut first = true;
+            loop {
+                let round = client.attach(&args[0]).and_then(|attached| {
+                    assert!(holds(&attached.chunks[0], attached.generation));
+                    client.detach(&attached)
+                });
+                match round {
+                    Ok(()) if std::mem::take(&mut first) => say("CHATTY"),
+                    Ok(()) => {}
+                    Err(MemdError::ServiceGone(_)) => break say("GONE"),
+                    Err(e) => panic!("chatty: {e:?}"),
+                }
+            }
+        }
+        // Publish a region of its own, attach and check it: say SERVED.
+        "served" => {
+            let client = role_client();
+            let generation = publish(&client, "mine", 1, 4096);
+            let attached = client.attach("mine").unwrap();
+            assert!(holds(&attached.chunks[0], generation));
+            say("SERVED");
+        }
+        // Ask for ARGS[0]'s chunks and never read them; once they are in flight, fork a child
+        // that holds the socket (and so the descriptors, unread) and exit: say its pid first.
+        "forker" => {
+            let client = role_client();
+            let attach = Request::Attach {
+                region: args[0].clone(),
+                generation: None,
+            };
+            let bytes = postcard::to_allocvec(&attach).unwrap();
+            client.session().send_data(&bytes).unwrap();
+            until(Duration::from_secs(10), || {
+                answered_session(client.session())
+            })
+            .unwrap();
+            // SAFETY: the child only calls close() and pause(), which are async-signal-safe.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                // Its stdio is the test's pipes: let them go (the socket is what it holds).
+                for fd in 0..3 {
+                    // SAFETY: closing this process's own stdio fds.
+                    unsafe { libc::close(fd) };
+                }
+                loop {
+                    // SAFETY: no preconditions.
+                    unsafe { libc::pause() };
+                }
+            }
+            say(&format!("FORKED {pid}"));
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// Whether `prlimit` works here.
+fn prlimit_works() -> bool {
+    Command::new("prlimit")
+        .args(["--nofile=64:64", "true"])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// A raw connection to `name` that never reads or says anything (no handshake), or `None`
+/// when the service's backlog is full.
+fn idle_connection(name: &Name) -> Option<OwnedFd> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        None,
+    )
+    .unwrap();
+    let Name::Abstract(bytes) = name else {
+        panic!("abstract names only")
+    };
+    connect(fd.as_raw_fd(), &UnixAddr::new_abstract(bytes).unwrap())
+        .ok()
+        .map(|()| fd)
+}
+
+/// Whether the service has answered this connection (`HELLO` or `REFUSED` waiting, or its
+/// end): it was accepted.
+fn answered(fd: &OwnedFd) -> bool {
+    use nix::sys::socket::{MsgFlags, recv};
+    let mut byte = [0u8; 1];
+    let peek = MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT;
+    !matches!(
+        recv(fd.as_raw_fd(), &mut byte, peek),
+        Err(nix::errno::Errno::EAGAIN)
+    )
+}
+
+/// A `vmm-memd` started through `wrapper` (this test executable playing it), its stderr read
+/// line by line; killed and reaped on drop.
+struct Wrapped {
+    child: Child,
+    log: Receiver<String>,
+    seen: Vec<String>,
+    name: Name,
+}
+
+impl Wrapped {
+    /// Start `WRAPPER... vmm-memd --socket @fresh ARGS...`; returns once it serves.
+    fn start(wrapper: &[&str], args: &[&str]) -> Wrapped {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let next = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let socket = format!("@vmm-memd-avail-{}-{next}", std::process::id());
+        let mut child = Command::new(wrapper[0])
+            .args(&wrapper[1..])
+            .arg(test_exe())
+            .env(PROGRAM_VAR, "vmm-memd")
+            .args(["--socket", &socket, "--quota-bytes", "1073741824"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, log) = channel();
+        let stderr = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut service = Wrapped {
+            child,
+            log,
+            seen: Vec::new(),
+            name: Name::from(socket.as_str()),
+        };
+        service.wait_for("serving on");
+        service
+    }
+
+    /// Wait (30 s at most) for a log line containing `words`.
+    fn wait_for(&mut self, words: &str) {
+        while let Ok(line) = self.log.recv_timeout(Duration::from_secs(30)) {
+            self.seen.push(line);
+            if self.seen.last().unwrap().contains(words) {
+                return;
+            }
+        }
+        panic!("vmm-memd never said {words:?}: {:#?}", self.seen);
+    }
+
+    fn running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    /// SIGTERM, then its exit status (within 10 s).
+    fn stop(mut self) -> std::process::ExitStatus {
+        // SAFETY: kill of our own child (not reaped yet).
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        until(Duration::from_secs(10), || !self.running()).expect("stops after SIGTERM");
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for Wrapped {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn the_service_keeps_serving_after_running_out_of_fds() {
+    if !prlimit_works() {
+        println!("SKIP the_service_keeps_serving_after_running_out_of_fds: no prlimit here");
+        return;
+    }
+    let mut service = Wrapped::start(&["prlimit", "--nofile=64:64"], &["--no-keeper"]);
+    // More idle connections than the service has fds for (one uid may hold 64).
+    let idle: Vec<_> = (0..100)
+        .filter_map(|_| idle_connection(&service.name))
+        .collect();
+    assert!(idle.len() > 64, "only {} connections", idle.len());
+    service.wait_for("pausing accepts");
+    assert!(service.running(), "it exited: {:#?}", service.seen);
+    drop(idle);
+    // A normal client is served once the idle ones are gone (the service accepts, and drops,
+    // the dead ones left in its backlog first).
+    let mut client = None;
+    until(Duration::from_secs(10), || {
+        client = Client::connect(&service.name).ok();
+        client.is_some()
+    })
+    .unwrap_or_else(|| panic!("no connection: {:#?}", service.seen));
+    let client = client.unwrap();
+    let generation = publish(&client, "weights", 2, 65536);
+    let attached = client.attach("weights").unwrap();
+    assert!(attached.chunks.iter().all(|c| holds(c, generation)));
+    assert!(service.running(), "it exited: {:#?}", service.seen);
+    drop((attached, client));
+    let status = service.stop();
+    assert_eq!(status.code(), Some(0));
+}
+
+#[test]
+fn one_uid_with_300_idle_connections_does_not_starve_another_uid() {
+    if !is_root() {
+        println!("SKIP one_uid_with_300_idle_connections_does_not_starve_another_uid: needs root");
+        return;
+    }
+    let service = ServiceProc::start(&[]);
+    // This uid opens 300 connections and never says a word on any.
+    let mut idle = Vec::new();
+    let opening = Instant::now();
+    while idle.len() < 300 {
+        match idle_connection(&service.name()) {
+            Some(fd) => idle.push(fd),
+            None => std::thread::sleep(Duration::from_millis(1)),
+        }
+        assert!(opening.elapsed() < Duration::from_secs(60), "backlog full");
+    }
+    // The service has taken every one of them (admitted, or refused at its cap per uid).
+    until(Duration::from_secs(30), || idle.iter().all(answered))
+        .expect("the service answers every connection");
+    // Another uid is served (within its connect timeout, 10 s: availability, not speed).
+    let mut other = Role::spawn("served", &service, &[], true);
+    assert_eq!(other.expect_line(), "SERVED");
+    assert!(other.wait_success());
+    // Once the idle connections are gone, this uid is served again.
+    drop(idle);
+    until(Duration::from_secs(5), || service.try_connect().is_ok())
+        .expect("this uid's slots come back");
+}
+
+/// Fails until the service's connection threads look at the stop flag when a request is
+/// waiting too, not only when idle (`Connection::converse` in `src/service.rs`: a
+/// `Woke::Request if self.halt.is_set() => return Ok(())` arm): a client that always has a
+/// request queued holds its thread, and so the stop, for as long as it chats.
+#[test]
+#[ignore = "vmm-memd does not stop while a client chats (see the comment): remove once fixed"]
+fn sigterm_stops_the_service_within_2_s_while_clients_chat() {
+    let service = ServiceProc::start(&[]);
+    let client = service.connect();
+    publish(&client, "weights", 1, 65536);
+    let held = client.attach("weights").unwrap();
+    let mut chatty: Vec<Role> = (0..3)
+        .map(|_| Role::spawn("chatty", &service, &["weights"], false))
+        .collect();
+    for role in &mut chatty {
+        assert_eq!(role.expect_line(), "CHATTY");
+    }
+    // Chatting for a while, then told to stop.
+    std::thread::sleep(Duration::from_millis(300));
+    service.signal(libc::SIGTERM);
+    let mut service = service;
+    // A bound for stopping at all, not a speed target (the daemon once waited 31 s for its
+    // chatty clients).
+    let took = until(Duration::from_secs(2), || {
+        service.child.try_wait().unwrap().is_some()
+    });
+    assert!(took.is_some(), "still running 2 s after SIGTERM");
+    assert_eq!(service.child.wait().unwrap().code(), Some(0));
+    for mut role in chatty {
+        assert_eq!(role.expect_line(), "GONE");
+        assert!(role.wait_success());
+    }
+    // Memory a client mapped is its own: still there, still the same bytes.
+    assert!(holds(&held.chunks[0], 1));
+}
+
+/// Chunks of the region the reader-less connections ask for: one descriptor fd each.
+const CHUNKS: usize = 32;
+
+#[test]
+fn many_connections_that_never_read_their_descriptors_stay_below_the_kernels_limit() {
+    if !is_root() || !prlimit_works() {
+        println!(
+            "SKIP many_connections_that_never_read_their_descriptors_stay_below_the_kernels_\
+             limit: needs root (setpriv) and prlimit"
+        );
+        return;
+    }
+    // The service runs as uid 65534 without privileges, so the kernel refuses its sends past
+    // 128 fds in flight (its RLIMIT_NOFILE); it admits this uid (root) too.
+    let nobody = [
+        &format!("--reuid={NOBODY}"),
+        &format!("--regid={NOBODY}"),
+        "--clear-groups",
+    ];
+    let mut wrapper = vec!["prlimit", "--nofile=128:128", "setpriv"];
+    wrapper.extend(nobody);
+    let service = Wrapped::start(&wrapper, &["--no-keeper", "--allow-uid", "0"]);
+    let options = ConnectOptions::default().expect(Allow::none().uid(NOBODY));
+    let connect = || Client::connect_with(&service.name, &options).unwrap();
+    let writer = connect();
+    publish(&writer, "w", CHUNKS, 4096);
+    // Six connections each ask for the region's 32 descriptors and read nothing: 192 fds,
+    // more than the kernel lets the service's uid have in flight. One after another, each
+    // answered before the next asks: the service holds a waiting attach's chunk fds while it
+    // waits for room (up to 1 s), and several waiting at once would run it out of fds instead.
+    let attach = postcard::to_allocvec(&Request::Attach {
+        region: "w".into(),
+        generation: None,
+    })
+    .unwrap();
+    let hogs: Vec<Client> = (0..6).map(|_| connect()).collect();
+    for hog in &hogs {
+        hog.session().send_data(&attach).unwrap();
+        until(Duration::from_secs(10), || answered_session(hog.session()))
+            .expect("the request is answered");
+    }
+    let (mut attached, mut refused) = (0, 0);
+    for hog in &hogs {
+        let session = hog.session();
+        match postcard::from_bytes(&session.recv_data().unwrap()).unwrap() {
+            Response::Attached { meta_pages, .. } => {
+                for _ in 0..meta_pages {
+                    session.recv_data().unwrap();
+                }
+                for _ in 0..CHUNKS {
+                    session.recv_descriptor().unwrap();
+                }
+                attached += 1;
+            }
+            // The cap per uid is clamped to the one in all here: either may speak.
+            Response::Refused(Refusal::FdsInFlight {
+                scope: InFlightScope::Uid | InFlightScope::All,
+                ..
+            }) => refused += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    // At most half the service's limit in flight: 64 fds, 2 replies.
+    assert_eq!((attached, refused), (2, 4));
+    // Read up: served again.
+    assert_eq!(connect().attach("w").unwrap().chunks.len(), CHUNKS);
+    drop((hogs, writer));
+    assert_eq!(service.stop().code(), Some(0));
+}
+
+/// Whether something waits to be read on `session` (a reply, or its end).
+fn answered_session(session: &vmm_core::peer::Session) -> bool {
+    use std::os::fd::AsFd;
+    let mut pfd = libc::pollfd {
+        fd: session.as_fd().as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one pollfd, a live local; no wait.
+    unsafe { libc::poll(&mut pfd, 1, 0) > 0 }
+}
+
+/// Fails until the service keeps a connection's fds in flight charged after the connection
+/// ends while its descriptors are still unread (what the example daemon did, parking such
+/// connections until `FdWindow::unread` said they were read): a client that exits while a
+/// forked child holds its socket is forgotten by vmm-memd at once (its pidfd), and its charge
+/// given back, while the kernel still counts the fds against the service's uid. Five such
+/// clients put 160 fds in flight, and the next send to anyone fails with `ETOOMANYREFS`.
+#[test]
+#[ignore = "vmm-memd gives back the charge of a connection whose unread fds are still in \
+            flight (see the comment): remove once fixed"]
+fn clients_that_exit_with_descriptors_unread_stay_charged() {
+    if !is_root() || !prlimit_works() {
+        println!(
+            "SKIP clients_that_exit_with_descriptors_unread_stay_charged: needs root (setpriv) \
+             and prlimit"
+        );
+        return;
+    }
+    let nobody = [
+        &format!("--reuid={NOBODY}"),
+        &format!("--regid={NOBODY}"),
+        "--clear-groups",
+    ];
+    let mut wrapper = vec!["prlimit", "--nofile=128:128", "setpriv"];
+    wrapper.extend(nobody);
+    let service = Wrapped::start(&wrapper, &["--no-keeper", "--allow-uid", "0"]);
+    let options = ConnectOptions::default().expect(Allow::none().uid(NOBODY));
+    let client = Client::connect_with(&service.name, &options).unwrap();
+    publish(&client, "w", CHUNKS, 4096);
+    let mut children = Vec::new();
+    for _ in 0..5 {
+        let mut forker = Command::new(test_exe())
+            .args([
+                "--exact",
+                "role_entry",
+                "--nocapture",
+                "--test-threads=1",
+                "-q",
+            ])
+            .env("MEMD_ROLE", "forker")
+            .env("MEMD_SOCKET", service.name.to_string())
+            .env("MEMD_SERVICE_UID", NOBODY.to_string())
+            .env("MEMD_ARGS", "w")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(forker.stdout.take().unwrap()).lines();
+        let said = lines
+            .by_ref()
+            .map_while(Result::ok)
+            .find_map(|line| line.strip_prefix("MEMD FORKED ").map(str::to_owned));
+        // The rest of its output (libtest's), to its end.
+        lines.for_each(drop);
+        let pid: i32 = said.expect("the forker says its child").parse().unwrap();
+        children.push(KillOnDrop(pid));
+        assert!(forker.wait().unwrap().success());
+    }
+    // Give the service a few ticks to see the exits.
+    std::thread::sleep(Duration::from_millis(100));
+    match client.attach("w") {
+        Ok(_) | Err(MemdError::Refused(Refusal::FdsInFlight { .. })) => {}
+        Err(e) => panic!("a send past the kernel's limit: {e:?}"),
+    }
+}
+
+/// A process this test forked (through a role), killed and reaped on drop.
+struct KillOnDrop(i32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: kill of a pid a role of this test forked; the role exited, so the child is
+        // reparented (to init or a subreaper) and reaped there.
+        unsafe { libc::kill(self.0, libc::SIGKILL) };
+    }
+}
+
+/// Fails until the service holds no fds for an attach that waits for room in the fds in
+/// flight budget: `Connection::attach` (`src/service.rs`) takes the grant, one dup of every
+/// chunk's memfd, before `drained` waits up to 1 s, so every waiting attach holds its chunk
+/// count in fds. Eight connections of one uid asking at once for a 32-chunk region (two
+/// replies fit the budget of 64 under `--nofile=128`) run the service out of fds: the others
+/// are answered `ServiceFailed { op: "dup(chunk memfd)", errno: EMFILE }` instead of a typed
+/// `FdsInFlight`, and anyone else's `Begin` or connection fails meanwhile. Reserving the
+/// budget (the chunk count is known) before taking the fds would fix it.
+#[test]
+#[ignore = "vmm-memd holds a waiting attach's fds (see the comment): remove once fixed"]
+fn attaches_waiting_for_room_hold_no_fds() {
+    if !prlimit_works() {
+        println!("SKIP attaches_waiting_for_room_hold_no_fds: no prlimit here");
+        return;
+    }
+    let service = Wrapped::start(&["prlimit", "--nofile=128:128"], &["--no-keeper"]);
+    let client = Client::connect(&service.name).unwrap();
+    publish(&client, "w", CHUNKS, 4096);
+    let attach = postcard::to_allocvec(&Request::Attach {
+        region: "w".into(),
+        generation: None,
+    })
+    .unwrap();
+    let hogs: Vec<Client> = (0..8)
+        .map(|_| Client::connect(&service.name).unwrap())
+        .collect();
+    for hog in &hogs {
+        hog.session().send_data(&attach).unwrap();
+    }
+    until(Duration::from_secs(30), || {
+        hogs.iter().all(|hog| answered_session(hog.session()))
+    })
+    .expect("every request is answered");
+    for hog in &hogs {
+        match postcard::from_bytes(&hog.session().recv_data().unwrap()).unwrap() {
+            Response::Attached { .. } | Response::Refused(Refusal::FdsInFlight { .. }) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+}
