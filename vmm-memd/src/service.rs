@@ -344,9 +344,14 @@ impl Connection<'_> {
     fn converse(&mut self) -> vmm_core::Result<()> {
         loop {
             self.charge.settle(self.session.as_fd());
-            match self.wait(TICK) {
+            let woke = self.wait(TICK);
+            // A stop is heeded between requests whether or not one waits: a client that
+            // always has a request queued must not keep the service from stopping.
+            if self.halt.is_set() {
+                return Ok(());
+            }
+            match woke {
                 Woke::PeerGone => return Ok(()),
-                Woke::Idle if self.halt.is_set() => return Ok(()),
                 Woke::Idle => continue,
                 Woke::Request => {}
             }

@@ -284,12 +284,10 @@ fn one_uid_with_300_idle_connections_does_not_starve_another_uid() {
         .expect("this uid's slots come back");
 }
 
-/// Fails until the service's connection threads look at the stop flag when a request is
-/// waiting too, not only when idle (`Connection::converse` in `src/service.rs`: a
-/// `Woke::Request if self.halt.is_set() => return Ok(())` arm): a client that always has a
-/// request queued holds its thread, and so the stop, for as long as it chats.
+/// The service's connection threads heed the stop flag with a request waiting too, not only
+/// when idle (`Connection::converse`): a client that always has a request queued would hold
+/// its thread, and so the stop, for as long as it chats (it did, before the fix).
 #[test]
-#[ignore = "vmm-memd does not stop while a client chats (see the comment): remove once fixed"]
 fn sigterm_stops_the_service_within_2_s_while_clients_chat() {
     let service = ServiceProc::start(&[]);
     let client = service.connect();
