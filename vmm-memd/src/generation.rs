@@ -3,16 +3,22 @@
 //! digests (GPU), and its leases.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::error::{Refusal, RequestRule};
 use crate::protocol::{ChunkDigest, MAX_KEY_LEN, MAX_META_ENTRIES, SleepState, TensorMeta};
 
+/// A chunk's fd, shared (not duplicated) with the replies that send it: a reply waiting for
+/// room in the fds-in-flight budget holds no fd of its own, and the fd stays open until the
+/// last reply that sends it is done, even if its generation is freed meanwhile.
+pub(crate) type ChunkFd = Arc<OwnedFd>;
+
 /// One chunk: its fd (a memfd, or a GPU chunk's exported POSIX fd) and size.
 #[derive(Debug)]
 pub(crate) struct Chunk {
-    pub(crate) fd: OwnedFd,
+    pub(crate) fd: ChunkFd,
     pub(crate) len: u64,
     /// The service's own allocation of a fabric-shareable GPU chunk it made (not one taken
     /// back from the keeper): what fabric handles are exported from (an fd import cannot be
@@ -74,19 +80,9 @@ impl Generation {
         }
     }
 
-    /// Duplicates of its chunks' fds, to send.
-    pub(crate) fn dup_fds(&self) -> Result<Vec<OwnedFd>, Refusal> {
-        self.chunks
-            .iter()
-            .map(|c| {
-                c.fd.as_fd()
-                    .try_clone_to_owned()
-                    .map_err(|e| Refusal::ServiceFailed {
-                        op: "dup(chunk memfd)".into(),
-                        errno: e.raw_os_error().unwrap_or(0),
-                    })
-            })
-            .collect()
+    /// Its chunks' fds, shared, to send (no fd is made).
+    pub(crate) fn chunk_fds(&self) -> Vec<ChunkFd> {
+        self.chunks.iter().map(|c| Arc::clone(&c.fd)).collect()
     }
 
     /// Add metadata entries, each checked: a key of at most [`MAX_KEY_LEN`] bytes, at most

@@ -14,6 +14,7 @@ use vmm_core::cuda::{
 };
 
 use crate::error::{GpuOp, Refusal};
+use crate::generation::ChunkFd;
 use crate::protocol::ChunkDigest;
 
 /// How much of a chunk one copy to the host reads while hashing: 16 MiB.
@@ -122,7 +123,7 @@ impl Gpus {
     pub(crate) fn digests(
         &self,
         uuid: &[u8; 16],
-        chunks: &[(OwnedFd, u64)],
+        chunks: &[(ChunkFd, u64)],
     ) -> Result<Vec<ChunkDigest>, Refusal> {
         let resources = self.resources(uuid)?;
         chunks

@@ -3,7 +3,7 @@
 //! that ends leases past their TTL.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -14,6 +14,7 @@ use vmm_core::shm::HostDescriptor;
 use vmm_core::wire::endpoint::{Credentials, Listener};
 
 use crate::error::{Refusal, RequestRule};
+use crate::generation::ChunkFd;
 use crate::identity::{self, Identity};
 use crate::inflight::{Charge, FdBudget, InFlightScope};
 use crate::keeper_link::Keeper;
@@ -658,7 +659,7 @@ impl Connection<'_> {
 
     /// One descriptor per chunk: `HOST_MEMFD` (host), `CUDA_VMM` with one fd (GPU; the
     /// device's UUID travels in the reply before).
-    fn send_chunks(&self, backend: Backend, chunks: &[(OwnedFd, u64)]) -> vmm_core::Result<()> {
+    fn send_chunks(&self, backend: Backend, chunks: &[(ChunkFd, u64)]) -> vmm_core::Result<()> {
         for (fd, len) in chunks {
             match backend {
                 Backend::Host => {

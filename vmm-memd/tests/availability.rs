@@ -476,16 +476,14 @@ impl Drop for KillOnDrop {
     }
 }
 
-/// Fails until the service holds no fds for an attach that waits for room in the fds in
-/// flight budget: `Connection::attach` (`src/service.rs`) takes the grant, one dup of every
-/// chunk's memfd, before `drained` waits up to 1 s, so every waiting attach holds its chunk
-/// count in fds. Eight connections of one uid asking at once for a 32-chunk region (two
-/// replies fit the budget of 64 under `--nofile=128`) run the service out of fds: the others
-/// are answered `ServiceFailed { op: "dup(chunk memfd)", errno: EMFILE }` instead of a typed
-/// `FdsInFlight`, and anyone else's `Begin` or connection fails meanwhile. Reserving the
-/// budget (the chunk count is known) before taking the fds would fix it.
+/// The service holds no fds for an attach that waits for room in the fds-in-flight budget:
+/// a reply shares its chunks' fds with their generation instead of duplicating them. Before
+/// that, every waiting attach held a dup of each chunk's memfd, so eight connections of one
+/// uid asking at once for a 32-chunk region (two replies fit the budget of 64 under
+/// `--nofile=128`) ran the service out of fds: the others were answered
+/// `ServiceFailed { op: "dup(chunk memfd)", errno: EMFILE }` instead of a typed
+/// `FdsInFlight`.
 #[test]
-#[ignore = "vmm-memd holds a waiting attach's fds (see the comment): remove once fixed"]
 fn attaches_waiting_for_room_hold_no_fds() {
     if !prlimit_works() {
         println!("SKIP attaches_waiting_for_room_hold_no_fds: no prlimit here");

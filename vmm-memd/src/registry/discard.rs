@@ -10,8 +10,11 @@
 //! makes its chunks again now as the next attach would (or calls off a sleep that waits for
 //! leases). Both need the region's write right, as a discard does.
 
+use std::sync::Arc;
+
 use super::{Registry, State, generations_mut, keep, prune};
 use crate::error::{Refusal, RequestRule, Right};
+
 use crate::generation::{Chunk, Generation};
 use crate::identity::Identity;
 use crate::memfd;
@@ -171,7 +174,11 @@ impl Registry {
                 }
                 Backend::Gpu { uuid } => self.gpus.create(&uuid, len, true)?,
             };
-            chunks.push(Chunk { fd, len, origin });
+            chunks.push(Chunk {
+                fd: Arc::new(fd),
+                len,
+                origin,
+            });
         }
         g.digests = match backend {
             Backend::Host => Vec::new(),

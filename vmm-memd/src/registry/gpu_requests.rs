@@ -3,17 +3,16 @@
 //! digests to verify. Hashing runs outside the registry's lock (it copies every byte to the
 //! host); these only hand out duplicates of the fds.
 
-use std::os::fd::OwnedFd;
-
 use super::{Registry, backend_refusal, pending_of};
 use crate::error::Refusal;
+use crate::generation::ChunkFd;
 use crate::gpu::Gpus;
 use crate::identity::Identity;
 use crate::protocol::{Backend, ChunkDigest};
 
 /// What [`Registry::verify_target`] hands out: the generation's number, backend, chunks and
 /// the digests taken at its commit.
-pub(crate) type VerifyTarget = (u64, Backend, Vec<(OwnedFd, u64)>, Vec<ChunkDigest>);
+pub(crate) type VerifyTarget = (u64, Backend, Vec<(ChunkFd, u64)>, Vec<ChunkDigest>);
 
 impl Registry {
     /// The GPU backend.
@@ -35,14 +34,14 @@ impl Registry {
         &self,
         conn: u64,
         region: &str,
-    ) -> Result<(Backend, Vec<(OwnedFd, u64)>), Refusal> {
+    ) -> Result<(Backend, Vec<(ChunkFd, u64)>), Refusal> {
         let mut state = self.lock();
         let backend = state
             .regions
             .get(region)
             .map_or(Backend::Host, |r| r.backend);
         let g = pending_of(&mut state, conn, region)?;
-        let chunks = g.dup_fds()?.into_iter().zip(g.sizes()).collect();
+        let chunks = g.chunk_fds().into_iter().zip(g.sizes()).collect();
         Ok((backend, chunks))
     }
 
@@ -75,7 +74,7 @@ impl Registry {
                     generation: n,
                 })?,
         };
-        let chunks = g.dup_fds()?.into_iter().zip(g.sizes()).collect();
+        let chunks = g.chunk_fds().into_iter().zip(g.sizes()).collect();
         Ok((g.number, r.backend, chunks, g.digests.clone()))
     }
 }

@@ -54,7 +54,7 @@ impl Registry {
                     .into_iter()
                     .zip(&record.chunks)
                     .map(|(fd, &len)| Chunk {
-                        fd,
+                        fd: fd.into(),
                         len,
                         origin: None,
                     })

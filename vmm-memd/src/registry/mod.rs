@@ -4,14 +4,13 @@
 //! identity of its peer; nothing here reads a socket.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::os::fd::OwnedFd;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vmm_core::cuda::FabricDescriptor;
 
 use crate::error::{Refusal, RequestRule, Right};
-use crate::generation::{Chunk, Generation, Lease};
+use crate::generation::{Chunk, ChunkFd, Generation, Lease};
 use crate::gpu::Gpus;
 use crate::identity::Identity;
 use crate::keeper_link::KeeperLink;
@@ -99,7 +98,7 @@ struct State {
 pub(crate) struct Grant {
     pub(crate) lease: u64,
     pub(crate) generation: u64,
-    pub(crate) chunks: Vec<(OwnedFd, u64)>,
+    pub(crate) chunks: Vec<(ChunkFd, u64)>,
     pub(crate) meta: Vec<(String, TensorMeta)>,
     pub(crate) backend: Backend,
     pub(crate) fabric: bool,
@@ -112,7 +111,7 @@ pub(crate) struct Grant {
 #[derive(Debug)]
 pub(crate) struct Began {
     pub(crate) generation: u64,
-    pub(crate) chunks: Vec<(OwnedFd, u64)>,
+    pub(crate) chunks: Vec<(ChunkFd, u64)>,
     pub(crate) backend: Backend,
     pub(crate) fabric: bool,
 }
@@ -329,7 +328,11 @@ impl Registry {
                 Backend::Gpu { uuid } => self.gpus.create(&uuid, len, false),
             };
             match created {
-                Ok((fd, origin)) => made.push(Chunk { fd, len, origin }),
+                Ok((fd, origin)) => made.push(Chunk {
+                    fd: Arc::new(fd),
+                    len,
+                    origin,
+                }),
                 Err(e) => {
                     drop_if_unused(&mut state, region);
                     self.changed.notify_all();
@@ -348,7 +351,7 @@ impl Registry {
             discard_wanted: false,
             discarded: None,
         };
-        let fds = generation.dup_fds()?;
+        let fds = generation.chunk_fds();
         let number = generation.number;
         let fabric = r.fabric;
         r.pending = Some((conn, who.pid, generation));
@@ -507,7 +510,7 @@ impl Registry {
                 generation: number,
             })?),
         };
-        let chunks = g.dup_fds()?.into_iter().zip(g.sizes()).collect();
+        let chunks = g.chunk_fds().into_iter().zip(g.sizes()).collect();
         g.leases.insert(
             lease,
             Lease {
