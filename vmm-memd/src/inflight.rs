@@ -40,6 +40,12 @@ impl Charge<'_> {
         self.0.settle(socket)
     }
 
+    /// [`settle`](Self::settle), then whether fds sent on `socket` may still be unread (the
+    /// charge is kept while they may).
+    pub(crate) fn unread(&mut self, socket: BorrowedFd<'_>) -> bool {
+        self.0.unread(socket)
+    }
+
     /// Charge `fds` more, or say which cap it would pass: (scope, in flight now, cap).
     pub(crate) fn reserve(&mut self, fds: usize) -> Result<(), (InFlightScope, usize, usize)> {
         self.0

@@ -173,11 +173,21 @@ impl Service {
         let held: Mutex<HashMap<u32, usize>> = Mutex::new(HashMap::new());
         let lock = || held.lock().unwrap_or_else(|e| e.into_inner());
         let next_conn = AtomicU64::new(0);
+        // Connections that ended with descriptor fds unread: the kernel counts those fds
+        // against this uid until the peer's socket reads or closes them (a forked child may
+        // hold it after the client exits), so each keeps its charge, and its socket open to
+        // ask, until then.
+        let parked: Mutex<Vec<(Session, Charge<'_>)>> = Mutex::new(Vec::new());
         std::thread::scope(|scope| {
             let budget = &budget;
+            let parked = &parked;
             scope.spawn(move || {
                 while !halt.is_set() {
                     registry.expire(Instant::now());
+                    parked
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .retain_mut(|(session, charge)| charge.unread(session.as_fd()));
                     std::thread::sleep(TICK);
                 }
             });
@@ -208,7 +218,13 @@ impl Service {
                 let session = match admitted {
                     Ok(session) => session,
                     Err(vmm_core::Error::Timeout { .. }) => continue,
+                    // This process's fd limit (EMFILE), or the system's (ENFILE): both pass.
                     Err(e @ vmm_core::Error::FdLimit { .. }) => {
+                        eprintln!("vmm-memd: {e}; pausing accepts");
+                        std::thread::sleep(Duration::from_millis(50));
+                        continue;
+                    }
+                    Err(e) if e.raw_os_error() == Some(libc::ENFILE) => {
                         eprintln!("vmm-memd: {e}; pausing accepts");
                         std::thread::sleep(Duration::from_millis(50));
                         continue;
@@ -260,6 +276,13 @@ impl Service {
                             }
                         );
                         registry.release(conn, served.writing.as_deref());
+                        let Connection { mut charge, .. } = served;
+                        if charge.unread(session.as_fd()) {
+                            parked
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .push((session, charge));
+                        }
                         let mut held = lock();
                         if let Some(n) = held.get_mut(&uid) {
                             *n -= 1;
@@ -327,8 +350,9 @@ enum Woke {
     PeerGone,
 }
 
-/// One connection being served.
-struct Connection<'a> {
+/// One connection being served (`'a`: what its thread holds; `'s`: what the service holds,
+/// which its charge may outlive the thread in).
+struct Connection<'a, 's> {
     session: &'a Session,
     identity: &'a Identity,
     registry: &'a Registry,
@@ -338,10 +362,10 @@ struct Connection<'a> {
     /// The service's stop: a wait ends when it is set.
     halt: &'a Halt<'a>,
     /// Its descriptor fds in flight.
-    charge: Charge<'a>,
+    charge: Charge<'s>,
 }
 
-impl Connection<'_> {
+impl Connection<'_, '_> {
     fn converse(&mut self) -> vmm_core::Result<()> {
         loop {
             self.charge.settle(self.session.as_fd());

@@ -400,15 +400,13 @@ fn answered_session(session: &vmm_core::peer::Session) -> bool {
     unsafe { libc::poll(&mut pfd, 1, 0) > 0 }
 }
 
-/// Fails until the service keeps a connection's fds in flight charged after the connection
-/// ends while its descriptors are still unread (what the example daemon did, parking such
-/// connections until `FdWindow::unread` said they were read): a client that exits while a
-/// forked child holds its socket is forgotten by vmm-memd at once (its pidfd), and its charge
-/// given back, while the kernel still counts the fds against the service's uid. Five such
-/// clients put 160 fds in flight, and the next send to anyone fails with `ETOOMANYREFS`.
+/// The service keeps a connection's fds in flight charged after the connection ends while
+/// its descriptors are still unread (it parks the socket until they are read or closed): a
+/// client that exits while a forked child holds its socket is forgotten at once (its pidfd),
+/// but the kernel still counts the fds against the service's uid. Before the fix the charge
+/// went back with the connection: five such clients put 160 fds in flight, and the next send
+/// to anyone failed with `ETOOMANYREFS`.
 #[test]
-#[ignore = "vmm-memd gives back the charge of a connection whose unread fds are still in \
-            flight (see the comment): remove once fixed"]
 fn clients_that_exit_with_descriptors_unread_stay_charged() {
     if !is_root() || !prlimit_works() {
         println!(
