@@ -1,6 +1,6 @@
-//! [`Service`]: the registry served on a [`Listener`], one thread per connection (the shape of
-//! the example daemon), within caps on connections in all and per uid, with one reaper thread
-//! that ends leases past their TTL.
+//! [`Service`]: the registry served on a [`Listener`], one thread per connection, within caps
+//! on connections in all and per uid, with one reaper thread that ends leases past their TTL
+//! and gives back the fds-in-flight charge of ended connections once their fds are read.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd};
