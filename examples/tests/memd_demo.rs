@@ -18,62 +18,10 @@ use vmm_core::wire::endpoint::Name;
 
 const ARGS_VAR: &str = "VMM_DEMO_ROLE_ARGS";
 const PEER: [(&str, &str); 14] = include!("../../python/vmm_ipc_peer_files.rs");
-/// The `vmm_memd` package and the Python demo (a module missing here fails the import).
-const PYTHON: [(&str, &str); 14] = [
-    (
-        "vmm_memd/__init__.py",
-        include_str!("../../python/vmm_memd/__init__.py"),
-    ),
-    (
-        "vmm_memd/attached.py",
-        include_str!("../../python/vmm_memd/attached.py"),
-    ),
-    (
-        "vmm_memd/client.py",
-        include_str!("../../python/vmm_memd/client.py"),
-    ),
-    (
-        "vmm_memd/dlpack.py",
-        include_str!("../../python/vmm_memd/dlpack.py"),
-    ),
-    (
-        "vmm_memd/errors.py",
-        include_str!("../../python/vmm_memd/errors.py"),
-    ),
-    (
-        "vmm_memd/mapping.py",
-        include_str!("../../python/vmm_memd/mapping.py"),
-    ),
-    (
-        "vmm_memd/postcard.py",
-        include_str!("../../python/vmm_memd/postcard.py"),
-    ),
-    (
-        "vmm_memd/protocol.py",
-        include_str!("../../python/vmm_memd/protocol.py"),
-    ),
-    (
-        "vmm_memd/publishing.py",
-        include_str!("../../python/vmm_memd/publishing.py"),
-    ),
-    (
-        "vmm_memd/tensor.py",
-        include_str!("../../python/vmm_memd/tensor.py"),
-    ),
-    (
-        "vmm_memd/writer.py",
-        include_str!("../../python/vmm_memd/writer.py"),
-    ),
-    (
-        "vmm_memd/gpu.py",
-        include_str!("../../python/vmm_memd/gpu.py"),
-    ),
-    (
-        "vmm_memd/sleep.py",
-        include_str!("../../python/vmm_memd/sleep.py"),
-    ),
-    ("memd_demo.py", include_str!("../python/memd_demo.py")),
-];
+/// The `vmm_memd` package (with the CUDA helper it imports for GPU regions).
+const MEMD: [(&str, &str); 14] = include!("../../python/vmm_memd_files.rs");
+/// The Python demo.
+const DEMO: (&str, &str) = ("memd_demo.py", include_str!("../python/memd_demo.py"));
 
 /// The role's arguments (separated by U+001F), when this process plays one.
 fn role_args() -> Option<Vec<String>> {
@@ -191,7 +139,7 @@ fn the_demo_publishes_and_attaches_from_rust_and_python() {
     let ok2 = "OK demo-weights generation 2: 4 tensors, every byte as published with seed 9";
     if python3() {
         let dir = std::env::temp_dir().join(format!("vmm-examples-demo-{}", std::process::id()));
-        for (file, text) in PEER.iter().chain(PYTHON.iter()) {
+        for (file, text) in PEER.iter().chain(MEMD.iter()).chain([&DEMO]) {
             std::fs::create_dir_all(dir.join(file).parent().unwrap()).unwrap();
             std::fs::write(dir.join(file), text).unwrap();
         }

@@ -24,65 +24,11 @@ use vmm_memd::protocol::Dtype;
 /// The `vmm_ipc_peer` package, module by module.
 const PEER: [(&str, &str); 14] = include!("../../python/vmm_ipc_peer_files.rs");
 
-/// The `vmm_memd` package, the packaging, and the tests. A module missing here fails the
-/// first `import vmm_memd`.
-const FILES: [(&str, &str); 28] = [
-    (
-        "vmm_memd/__init__.py",
-        include_str!("../../python/vmm_memd/__init__.py"),
-    ),
-    (
-        "vmm_memd/attached.py",
-        include_str!("../../python/vmm_memd/attached.py"),
-    ),
-    (
-        "vmm_memd/client.py",
-        include_str!("../../python/vmm_memd/client.py"),
-    ),
-    (
-        "vmm_memd/dlpack.py",
-        include_str!("../../python/vmm_memd/dlpack.py"),
-    ),
-    (
-        "vmm_memd/errors.py",
-        include_str!("../../python/vmm_memd/errors.py"),
-    ),
-    (
-        "vmm_memd/mapping.py",
-        include_str!("../../python/vmm_memd/mapping.py"),
-    ),
-    (
-        "vmm_memd/postcard.py",
-        include_str!("../../python/vmm_memd/postcard.py"),
-    ),
-    (
-        "vmm_memd/protocol.py",
-        include_str!("../../python/vmm_memd/protocol.py"),
-    ),
-    (
-        "vmm_memd/publishing.py",
-        include_str!("../../python/vmm_memd/publishing.py"),
-    ),
-    (
-        "vmm_memd/tensor.py",
-        include_str!("../../python/vmm_memd/tensor.py"),
-    ),
-    (
-        "vmm_memd/writer.py",
-        include_str!("../../python/vmm_memd/writer.py"),
-    ),
-    (
-        "vmm_memd/gpu.py",
-        include_str!("../../python/vmm_memd/gpu.py"),
-    ),
-    (
-        "vmm_memd/sleep.py",
-        include_str!("../../python/vmm_memd/sleep.py"),
-    ),
-    (
-        "vmm_ipc_cuda.py",
-        include_str!("../../python/vmm_ipc_cuda.py"),
-    ),
+/// The `vmm_memd` package (with the CUDA helper it imports for GPU regions).
+const MEMD: [(&str, &str); 14] = include!("../../python/vmm_memd_files.rs");
+
+/// The packaging, and the tests.
+const FILES: [(&str, &str); 14] = [
     (
         "pyproject.toml",
         include_str!("../../python/pyproject.toml"),
@@ -191,7 +137,7 @@ impl PythonDir {
     fn new(tag: &str) -> PythonDir {
         let dir = std::env::temp_dir().join(format!("vmm-memd-py-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        for (file, text) in PEER.iter().chain(FILES.iter()) {
+        for (file, text) in PEER.iter().chain(MEMD.iter()).chain(FILES.iter()) {
             let path = dir.join(file);
             std::fs::create_dir_all(path.parent().unwrap()).unwrap();
             std::fs::write(path, text).unwrap();
