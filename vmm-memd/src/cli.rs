@@ -25,6 +25,8 @@ Serve named memory regions with generations to local processes (see vmm-memd/REA
   --retain N               keep N retired generations per region without leases (default 0)
   --max-connections N      connections at once (default 256)
   --max-connections-per-uid N   of one uid (default 64)
+  --idle-timeout-ms MS     close a connection that sent no request for MS while it holds no
+                           lease and no pending generation (default 300000; 0: never)
   --max-fds-in-flight N    descriptor fds sent and not read yet, in all (default 4096)
   --max-fds-in-flight-per-uid N   to one uid (default 1024)
   --no-keeper              no keeper process: a crash of the service loses every region
@@ -72,7 +74,7 @@ pub struct Config {
 pub fn parse(args: &[String]) -> Result<Option<Config>, UsageError> {
     let mut it = args.iter();
     let (mut socket, mut quota, mut allow) = (None, None, Allow::same_user());
-    let (mut quotas, mut ttl, mut wait) = (Vec::new(), None, None);
+    let (mut quotas, mut ttl, mut wait, mut idle) = (Vec::new(), None, None, None);
     let (mut max, mut per_uid, mut retain) = (None, None, None);
     let (mut fds_all, mut fds_uid) = (None, None);
     let (mut keeper, mut keeper_linger) = (true, None);
@@ -110,6 +112,7 @@ pub fn parse(args: &[String]) -> Result<Option<Config>, UsageError> {
             }
             "--lease-ttl-ms" => ttl = Some(number(value("MS")?, "MS")?),
             "--max-wait-ms" => wait = Some(number(value("MS")?, "MS")?),
+            "--idle-timeout-ms" => idle = Some(number(value("MS")?, "MS")?),
             "--max-fds-in-flight" => fds_all = Some(number(value("N")?, "N")? as usize),
             "--max-fds-in-flight-per-uid" => fds_uid = Some(number(value("N")?, "N")? as usize),
             "--no-keeper" => keeper = false,
@@ -140,6 +143,9 @@ pub fn parse(args: &[String]) -> Result<Option<Config>, UsageError> {
     }
     if let Some(ms) = wait {
         service.set_max_wait(Duration::from_millis(ms));
+    }
+    if let Some(ms) = idle {
+        service.set_idle_timeout((ms > 0).then(|| Duration::from_millis(ms)));
     }
     if max.is_some() || per_uid.is_some() {
         service.set_max_connections(

@@ -33,6 +33,10 @@ pub const DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID: usize = 1024;
 /// Descriptor fds in flight in all unless told otherwise: 4096 (and at most half the
 /// service's soft `RLIMIT_NOFILE`).
 pub const DEFAULT_MAX_FDS_IN_FLIGHT: usize = 4096;
+/// How long a connection may stay idle (no request, no lease, no pending generation) before
+/// the service closes it, unless told otherwise: 5 minutes. It frees a slot of its uid's
+/// connection cap; a client that kept it sees `ServiceGone` at its next request.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 /// The longest a writer waits for a region's writer slot, whatever it asks: 60 s.
 pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(60);
 /// How long the service waits for a client to read a previous reply's descriptors before it
@@ -51,6 +55,7 @@ pub struct Service {
     max_connections: usize,
     max_connections_per_uid: usize,
     max_fds_in_flight: (usize, usize),
+    idle_timeout: Option<Duration>,
 }
 
 impl Service {
@@ -67,7 +72,14 @@ impl Service {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_connections_per_uid: DEFAULT_MAX_CONNECTIONS_PER_UID,
             max_fds_in_flight: (DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID, DEFAULT_MAX_FDS_IN_FLIGHT),
+            idle_timeout: Some(DEFAULT_IDLE_TIMEOUT),
         }
+    }
+
+    /// Close a connection that has sent no request for `timeout` while it holds no lease and
+    /// no pending generation (`None`: never). See [`DEFAULT_IDLE_TIMEOUT`].
+    pub fn set_idle_timeout(&mut self, timeout: Option<Duration>) {
+        self.idle_timeout = timeout;
     }
 
     /// Give `uid` a quota of its own.
@@ -258,6 +270,7 @@ impl Service {
                             writing: None,
                             halt,
                             charge: budget.charge(uid),
+                            idle_timeout: self.idle_timeout,
                         };
                         let conversed = served.converse();
                         if let Err(e) = &conversed {
@@ -363,10 +376,13 @@ struct Connection<'a, 's> {
     halt: &'a Halt<'a>,
     /// Its descriptor fds in flight.
     charge: Charge<'s>,
+    /// See [`Service::set_idle_timeout`].
+    idle_timeout: Option<Duration>,
 }
 
 impl Connection<'_, '_> {
     fn converse(&mut self) -> vmm_core::Result<()> {
+        let mut last_request = Instant::now();
         loop {
             self.charge.settle(self.session.as_fd());
             let woke = self.wait(TICK);
@@ -377,8 +393,18 @@ impl Connection<'_, '_> {
             }
             match woke {
                 Woke::PeerGone => return Ok(()),
+                Woke::Idle if self.idle_for(last_request.elapsed()) => {
+                    event!(
+                        INFO,
+                        "memd.conn.idle",
+                        conn = self.conn,
+                        uid = self.identity.uid,
+                        pid = self.identity.pid
+                    );
+                    return Ok(());
+                }
                 Woke::Idle => continue,
-                Woke::Request => {}
+                Woke::Request => last_request = Instant::now(),
             }
             let bytes = match self.session.recv_message() {
                 Ok(PeerMessage::Data(bytes)) => bytes,
@@ -398,6 +424,15 @@ impl Connection<'_, '_> {
                 Err(refusal) => self.refuse(refusal)?,
             }
         }
+    }
+
+    /// Whether the connection, `quiet` since its last request, has been idle too long: it
+    /// writes nothing and holds no lease (a reader renews within its TTL, so a lease holder
+    /// is never quiet that long anyway).
+    fn idle_for(&self, quiet: Duration) -> bool {
+        self.idle_timeout.is_some_and(|limit| quiet >= limit)
+            && self.writing.is_none()
+            && !self.registry.holds_leases(self.conn)
     }
 
     /// Wait up to `tick` for a request, the connection's end, or the peer process's exit.

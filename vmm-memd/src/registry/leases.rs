@@ -38,6 +38,12 @@ impl Registry {
         found
     }
 
+    /// Whether connection `conn` holds a lease.
+    pub(crate) fn holds_leases(&self, conn: u64) -> bool {
+        let mut state = self.lock();
+        generations_mut(&mut state).any(|g| g.leases.values().any(|l| l.conn == conn))
+    }
+
     /// Renew every lease of `conn` for another TTL; how many.
     pub(crate) fn renew(&self, conn: u64) -> u32 {
         let mut state = self.lock();
