@@ -34,6 +34,7 @@ mod error;
 mod fetch;
 mod handoff;
 mod handoff_error;
+mod handoff_metadata;
 pub mod host_stand_in;
 mod keys;
 mod lease;
@@ -52,8 +53,9 @@ pub use error::{
     ConfigError, LeaseLoss, NameRule, Op, RegistryError, Result, TlsFailure, ValueError,
 };
 pub use fetch::{Fetched, Fetcher, gpu_uuid};
-pub use handoff::{MAX_HANDOFF_MESSAGE, MessageError};
+pub use handoff::{HANDOFF_VERSION, MAX_HANDOFF_MESSAGE, MessageError};
 pub use handoff_error::{FetchError, ServeError};
+pub use handoff_metadata::{DEFAULT_MAX_METADATA, MetadataError, PAGE_PAYLOAD, PAGE_TAG, PageRule};
 pub use keys::{MAX_NAME_LEN, domain_prefix, export_key};
 pub use locator::{Entry, ExportedObject, HandleKind, Locator, MAX_LOCATOR_BYTES};
 pub use registry::Registry;
