@@ -87,6 +87,7 @@ impl Fetcher {
             object: locator.object.clone(),
             generation: locator.generation,
             version: HANDOFF_VERSION,
+            max_metadata: Some(self.max_metadata as u64),
         };
         StreamWriter::new(&mut stream)
             .with_timeout(Some(self.timeout))

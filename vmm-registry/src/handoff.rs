@@ -8,7 +8,9 @@
 //!    [`Unsupported`] (`DATA`) when it does not speak the importer's version;
 //! 3. from version 2, after the descriptor: the object's metadata, opaque bytes, as a
 //!    [`MetadataHeader`] (`DATA`: how many bytes, in how many pages) and then that many
-//!    pages (`DATA`, see [`crate::handoff_metadata`]); none announced is `{"bytes":0,"pages":0}`;
+//!    pages (`DATA`, see [`crate::handoff_metadata`]); none announced is `{"bytes":0,"pages":0}`.
+//!    The request said how much the importer takes (`max_metadata`): past that the exporter
+//!    sends the header alone, and the importer refuses it;
 //! 4. the importer says whether it imported ([`Ack`], `DATA`), so the exporter knows when its
 //!    memory is in use elsewhere (a fabric handle does not keep the memory alive).
 //!
@@ -43,6 +45,11 @@ pub(crate) struct Request {
     /// Absent in a version 1 request (before metadata).
     #[serde(default = "version_1")]
     pub(crate) version: u32,
+    /// The most metadata the importer takes (version 2): an exporter with more announces it
+    /// and sends no page of it, so the refusal costs neither side the transfer. The importer
+    /// checks the announcement all the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) max_metadata: Option<u64>,
 }
 
 fn version_1() -> u32 {
@@ -130,6 +137,7 @@ mod tests {
             object: ExportedObject::Region("kv".into()),
             generation: 3,
             version: HANDOFF_VERSION,
+            max_metadata: Some(1 << 20),
         };
         assert_eq!(decode::<Request>(&encode(&request)).unwrap(), request);
         assert!(matches!(

@@ -292,8 +292,11 @@ fn exchange(
             if request.version >= 2 {
                 let (header, pages) = handoff_metadata::encode(&offer.metadata);
                 write(stream, timeout, &encode(&header))?;
-                for page in &pages {
-                    write(stream, timeout, page)?;
+                // More than the importer takes: it refuses the header, and says so.
+                if request.max_metadata.is_none_or(|max| header.bytes <= max) {
+                    for page in &pages {
+                        write(stream, timeout, page)?;
+                    }
                 }
             }
             // The descriptor stays offered: a fabric handle does not keep the memory alive,
