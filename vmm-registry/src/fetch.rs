@@ -169,14 +169,25 @@ impl Fetcher {
     }
 }
 
-/// A descriptor fetched and checked against its locator, and the stream to acknowledge on.
-#[derive(Debug)]
+/// A descriptor fetched and checked against its locator, its metadata, and the stream to
+/// acknowledge on.
 pub struct Fetched {
     descriptor: FabricDescriptor,
     metadata: Vec<u8>,
     stream: TlsStream,
     addr: SocketAddr,
     timeout: Duration,
+}
+
+impl std::fmt::Debug for Fetched {
+    /// The metadata by its length: it may be megabytes.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fetched")
+            .field("descriptor", &self.descriptor)
+            .field("metadata_bytes", &self.metadata.len())
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Fetched {
@@ -187,7 +198,7 @@ impl Fetched {
 
     /// The metadata the exporter offered with the descriptor (opaque bytes, empty when it
     /// offered none): a vmm-memd region's tensors, for one
-    /// ([`region_metadata`](crate::memd_publish::region_metadata)).
+    /// ([`region_metadata`](fn@crate::memd_publish::region_metadata)).
     pub fn metadata(&self) -> &[u8] {
         &self.metadata
     }

@@ -18,9 +18,12 @@
 //!   crosses vmm-core's mutual-TLS descriptor stream, each side admitting only the other's
 //!   certificate name (the importer: the locator's `exporter_name`), and the importer
 //!   acknowledges its import. A stale locator fails with a typed error
-//!   ([`FetchError::is_stale`]).
+//!   ([`FetchError::is_stale`]). An offer may carry metadata, sent after the descriptor in
+//!   checked pages, up to a cap the importer chooses ([`Fetcher::max_metadata`],
+//!   [`Fetched::metadata`]).
 //! - [`memd_publish`]: a vmm-memd service's regions published by a client of it
-//!   ([`MemdPublisher`](memd_publish::MemdPublisher), the `vmm-memd-publish` program).
+//!   ([`MemdPublisher`](memd_publish::MemdPublisher), the `vmm-memd-publish` program), with
+//!   their tensors' metadata ([`memd_publish::region_metadata()`]).
 //! - Feature `async`: `AsyncRegistry` and `AsyncWatch`, the same operations as `async fn`s
 //!   on the caller's tokio runtime.
 

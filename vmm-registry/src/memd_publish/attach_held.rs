@@ -7,7 +7,7 @@
 //! A GPU region is attached as the service's fabric handles (`Client::attach_fabric`); its
 //! POSIX fds, which do not cross a network, are read and closed. Either way the generation's
 //! metadata (the reply's `MetaPage`s) is kept, in the form offered with the descriptor
-//! ([`region_metadata`](super::region_metadata)).
+//! ([`region_metadata`](mod@super::region_metadata)).
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;

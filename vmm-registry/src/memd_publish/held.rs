@@ -23,7 +23,7 @@ pub(crate) struct Held {
     /// How it is shared.
     pub(crate) handle: HandleKind,
     /// Its tensors, in the form offered with the descriptor
-    /// ([`region_metadata`](super::region_metadata)); moved into the offer (empty after).
+    /// ([`region_metadata`](mod@super::region_metadata)); moved into the offer (empty after).
     pub(crate) metadata: Vec<u8>,
     /// A host region's chunk fds, which the stand-in descriptor names (`/proc/<pid>/fd/<n>`):
     /// the names are good while these are open. Empty for a GPU region.

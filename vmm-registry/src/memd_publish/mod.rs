@@ -15,12 +15,9 @@
 //! machine can open: the way tests play two nodes on one machine.
 //!
 //! The region's metadata (its tensors: name, chunk, offset, length, dtype, shape) goes with
-//! the descriptor in the hand-off, in the form [`region_metadata`] documents; an importer
-//! reads it back, every entry checked against the descriptor's chunks, with
-//! [`region_metadata()`].
-//!
-//! See [`MemdPublisher`] for what follows a new generation, a deletion, a restart of the
-//! service and a lost registry lease.
+//! the descriptor in the hand-off, in the form the module
+//! [`region_metadata`](mod@region_metadata) documents; an importer reads it back, every entry
+//! checked against the descriptor's chunks, with [`region_metadata()`].
 
 mod attach_held;
 pub mod cli;
