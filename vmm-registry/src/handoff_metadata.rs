@@ -76,9 +76,19 @@ pub enum PageRule {
     Length(usize),
 }
 
-/// The header and pages of `metadata`, each the bytes of one `DATA` message.
-pub(crate) fn encode(metadata: &[u8]) -> (MetadataHeader, Vec<Vec<u8>>) {
-    let pages: Vec<Vec<u8>> = metadata
+/// The header that announces `metadata`.
+pub(crate) fn header(metadata: &[u8]) -> MetadataHeader {
+    let bytes = metadata.len() as u64;
+    MetadataHeader {
+        bytes,
+        pages: pages_for(bytes),
+    }
+}
+
+/// The pages that carry `metadata`, each the bytes of one `DATA` message, made as they are
+/// sent.
+pub(crate) fn pages(metadata: &[u8]) -> impl Iterator<Item = Vec<u8>> + '_ {
+    metadata
         .chunks(PAGE_PAYLOAD)
         .enumerate()
         .map(|(index, payload)| {
@@ -90,12 +100,6 @@ pub(crate) fn encode(metadata: &[u8]) -> (MetadataHeader, Vec<Vec<u8>>) {
             page.extend_from_slice(payload);
             page
         })
-        .collect();
-    let header = MetadataHeader {
-        bytes: metadata.len() as u64,
-        pages: pages.len() as u64,
-    };
-    (header, pages)
 }
 
 /// The pages `bytes` of metadata take.
@@ -159,8 +163,9 @@ mod tests {
     use crate::handoff::encode as encode_message;
 
     fn round_trip(metadata: &[u8]) -> Vec<u8> {
-        let (header, pages) = encode(metadata);
-        let header = check_header(&encode_message(&header), usize::MAX).expect("the header");
+        let pages: Vec<Vec<u8>> = pages(metadata).collect();
+        let header =
+            check_header(&encode_message(&header(metadata)), usize::MAX).expect("the header");
         assert_eq!(header.pages, pages.len() as u64);
         let mut out = Vec::new();
         for (index, page) in pages.iter().enumerate() {
@@ -187,20 +192,20 @@ mod tests {
 
     #[test]
     fn a_header_past_the_cap_or_with_the_wrong_count_is_refused() {
-        let header = |bytes, pages| encode_message(&MetadataHeader { bytes, pages });
+        let announce = |bytes, pages| encode_message(&MetadataHeader { bytes, pages });
         assert!(matches!(
-            check_header(&header(u64::MAX, pages_for(u64::MAX)), 1 << 20),
+            check_header(&announce(u64::MAX, pages_for(u64::MAX)), 1 << 20),
             Err(MetadataError::TooLarge {
                 announced: u64::MAX,
                 ..
             })
         ));
         assert!(matches!(
-            check_header(&header(10, 2), 1 << 20),
+            check_header(&announce(10, 2), 1 << 20),
             Err(MetadataError::PageCount { expected: 1, .. })
         ));
         assert!(matches!(
-            check_header(&header(0, 1), 1 << 20),
+            check_header(&announce(0, 1), 1 << 20),
             Err(MetadataError::PageCount { expected: 0, .. })
         ));
         assert!(matches!(
@@ -212,7 +217,7 @@ mod tests {
     #[test]
     fn a_page_out_of_its_place_is_refused() {
         let metadata = vec![7u8; PAGE_PAYLOAD + 10];
-        let (header, pages) = encode(&metadata);
+        let (header, pages) = (header(&metadata), pages(&metadata).collect::<Vec<_>>());
         let rule = |page: &[u8], index| match check_page(page, index, &header) {
             Err(MetadataError::Page { rule, .. }) => rule,
             other => panic!("expected a refused page, got {other:?}"),

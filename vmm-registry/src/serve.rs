@@ -290,12 +290,12 @@ fn exchange(
                 .write_descriptor(&offer.descriptor)
                 .map_err(|e| ServeError::Stream(Box::new(e)))?;
             if request.version >= 2 {
-                let (header, pages) = handoff_metadata::encode(&offer.metadata);
+                let header = handoff_metadata::header(&offer.metadata);
                 write(stream, timeout, &encode(&header))?;
                 // More than the importer takes: it refuses the header, and says so.
                 if request.max_metadata.is_none_or(|max| header.bytes <= max) {
-                    for page in &pages {
-                        write(stream, timeout, page)?;
+                    for page in handoff_metadata::pages(&offer.metadata) {
+                        write(stream, timeout, &page)?;
                     }
                 }
             }
