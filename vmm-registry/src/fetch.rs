@@ -16,7 +16,7 @@
 
 use std::io::ErrorKind;
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use vmm_core::cuda::FabricDescriptor;
 use vmm_core::peer::PeerMessage;
@@ -136,27 +136,37 @@ impl Fetcher {
     }
 
     /// The metadata that follows the descriptor: its header (checked against the cap before
-    /// anything is allocated), then each page, checked as it comes. The outer error is the
-    /// stream's (cut, a deadline passed); the inner one a refusal of what was read.
+    /// anything is allocated), then each page, checked as it comes, every page within one
+    /// deadline of the header (an exporter that trickles pages holds the importer no longer
+    /// than one that stops). The outer error is the stream's (cut, a deadline passed); the
+    /// inner one a refusal of what was read.
     fn read_metadata(
         &self,
         stream: &mut TlsStream,
         addr: SocketAddr,
     ) -> Result<Result<Vec<u8>, MetadataError>, FetchError> {
-        let mut reader = StreamReader::new(&mut *stream).with_timeout(Some(self.timeout));
-        let mut next = || match reader.read_message() {
+        let mut next = |timeout: Duration| match StreamReader::new(&mut *stream)
+            .with_timeout(Some(timeout))
+            .read_message()
+        {
             Ok(PeerMessage::Data(bytes)) => Ok(Ok(bytes)),
             Ok(PeerMessage::Descriptor(_)) => Ok(Err(MetadataError::NotData)),
             Err(source) => Err(stream_error(addr, source)),
         };
-        let header = match next()?.and_then(|bytes| check_header(&bytes, self.max_metadata)) {
-            Ok(header) => header,
-            Err(refused) => return Ok(Err(refused)),
-        };
+        let header =
+            match next(self.timeout)?.and_then(|bytes| check_header(&bytes, self.max_metadata)) {
+                Ok(header) => header,
+                Err(refused) => return Ok(Err(refused)),
+            };
+        let deadline = Instant::now() + self.timeout;
         // At most `max_metadata`: checked by `check_header`.
         let mut metadata = Vec::with_capacity(usize::try_from(header.bytes).unwrap_or(0));
         for index in 0..header.pages {
-            let page = match next()? {
+            // What is left of the deadline (a millisecond at least: a read needs a timeout).
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
+            let page = match next(left)? {
                 Ok(page) => page,
                 Err(refused) => return Ok(Err(refused)),
             };

@@ -2,7 +2,7 @@
 //! `ExportServer` (metadata of several pages arrives intact; an importer's cap refuses more),
 //! and hostile exporters written here as raw mutual-TLS peers: one that announces more than
 //! the importer takes (refused before allocating, and told the import failed), malformed
-//! pages, one that stops mid-way (the deadline), an exporter of version 1 (a typed error at
+//! pages, one that stops mid-way or trickles its pages (the deadline), an exporter of version 1 (a typed error at
 //! once, not a hang), and metadata whose tensor lies outside its chunk (refused by
 //! `region_metadata`). Old and future importers against a real exporter too.
 
@@ -303,6 +303,45 @@ fn an_exporter_that_stops_mid_way_holds_the_importer_only_until_its_deadline() {
         other => panic!("expected the deadline, got {other:?}"),
     }
     assert!(took < Duration::from_secs(4), "took {took:?}");
+    exporter.join().expect("the exporter");
+}
+
+#[test]
+fn an_exporter_that_trickles_pages_holds_the_importer_only_until_its_deadline() {
+    let pki = Pki::new("handoff");
+    let (addr, exporter) = hostile(
+        &pki,
+        true,
+        Box::new(|stream| {
+            // Six pages, one every 0.6 s: each within the 1 s deadline of a message, all of
+            // them not within the deadline of the header.
+            let payload = vec![3u8; PAGE_PAYLOAD];
+            send(stream, &[header(6 * PAGE_PAYLOAD as u64, 6)]);
+            for index in 0..6 {
+                std::thread::sleep(Duration::from_millis(600));
+                if StreamWriter::new(&mut *stream)
+                    .write_data(&page(index, &payload))
+                    .is_err()
+                {
+                    break;
+                }
+            }
+            None
+        }),
+    );
+    let fetcher = vmm_registry::Fetcher::new(
+        options(&pki, "importer", &["nobody"]),
+        Duration::from_secs(1),
+    );
+    let started = Instant::now();
+    let result = fetcher.fetch(&locator_at("exporter", "exporter", addr, 1));
+    let took = started.elapsed();
+    match result {
+        Err(FetchError::Stream { source, .. })
+            if matches!(*source, vmm_core::Error::Timeout { .. }) => {}
+        other => panic!("expected the deadline, got {other:?}"),
+    }
+    assert!(took < Duration::from_secs(3), "took {took:?}");
     exporter.join().expect("the exporter");
 }
 
