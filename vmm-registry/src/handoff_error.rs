@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use vmm_core::error::TlsReason;
 
 use crate::handoff::MessageError;
+use crate::handoff_metadata::MetadataError;
 use crate::locator::{ExportedObject, HandleKind};
 
 /// Why fetching a locator's descriptor failed. Nothing was imported in any case.
@@ -73,6 +74,28 @@ pub enum FetchError {
     /// The exporter's answer was not a descriptor nor a refusal it may send.
     #[error("the exporter's answer was refused")]
     Answer(#[source] MessageError),
+    /// The exporter closed the stream without answering the request: it speaks hand-off
+    /// version 1 (before metadata), which refuses a version 2 request so, or it was serving
+    /// [`MAX_IN_FLIGHT`](crate::MAX_IN_FLIGHT) importers already.
+    #[error("the exporter at {addr} closed the stream without answering (an older hand-off?)")]
+    Unanswered {
+        /// The locator's address.
+        addr: SocketAddr,
+        /// How the stream ended.
+        #[source]
+        source: Box<vmm_core::Error>,
+    },
+    /// The exporter does not speak this importer's hand-off version.
+    #[error("the exporter speaks hand-off version {speaks} at most")]
+    Unsupported {
+        /// The highest version it speaks.
+        speaks: u32,
+    },
+    /// The metadata that followed the descriptor was refused (announced past the importer's
+    /// cap, a page out of form): nothing was handed out, and the exporter was told the
+    /// import failed.
+    #[error("the offer's metadata was refused")]
+    Metadata(#[source] MetadataError),
     /// The stream failed (cut, a deadline passed, a message the protocol refuses).
     #[error("the hand-off stream with {addr} failed")]
     Stream {
@@ -111,6 +134,13 @@ pub enum ServeError {
     /// The stream with an importer failed (cut, a deadline passed, a refused message).
     #[error("the hand-off stream failed")]
     Stream(#[source] Box<vmm_core::Error>),
+    /// The importer asked in a version of the hand-off this exporter does not speak (it was
+    /// told the version it does).
+    #[error("the importer asked in hand-off version {asked}")]
+    Version {
+        /// The version it asked in.
+        asked: u32,
+    },
     /// The importer sent a message of the wrong kind (what it sent).
     #[error("the importer sent {0}, not a DATA message")]
     Unexpected(&'static str),

@@ -18,9 +18,12 @@
 //!   crosses vmm-core's mutual-TLS descriptor stream, each side admitting only the other's
 //!   certificate name (the importer: the locator's `exporter_name`), and the importer
 //!   acknowledges its import. A stale locator fails with a typed error
-//!   ([`FetchError::is_stale`]).
+//!   ([`FetchError::is_stale`]). An offer may carry metadata, sent after the descriptor in
+//!   checked pages, up to a cap the importer chooses ([`Fetcher::max_metadata`],
+//!   [`Fetched::metadata`]).
 //! - [`memd_publish`]: a vmm-memd service's regions published by a client of it
-//!   ([`MemdPublisher`](memd_publish::MemdPublisher), the `vmm-memd-publish` program).
+//!   ([`MemdPublisher`](memd_publish::MemdPublisher), the `vmm-memd-publish` program), with
+//!   their tensors' metadata ([`memd_publish::region_metadata()`]).
 //! - Feature `async`: `AsyncRegistry` and `AsyncWatch`, the same operations as `async fn`s
 //!   on the caller's tokio runtime.
 
@@ -34,6 +37,7 @@ mod error;
 mod fetch;
 mod handoff;
 mod handoff_error;
+mod handoff_metadata;
 pub mod host_stand_in;
 mod keys;
 mod lease;
@@ -52,8 +56,9 @@ pub use error::{
     ConfigError, LeaseLoss, NameRule, Op, RegistryError, Result, TlsFailure, ValueError,
 };
 pub use fetch::{Fetched, Fetcher, gpu_uuid};
-pub use handoff::{MAX_HANDOFF_MESSAGE, MessageError};
+pub use handoff::{HANDOFF_VERSION, MAX_HANDOFF_MESSAGE, MessageError};
 pub use handoff_error::{FetchError, ServeError};
+pub use handoff_metadata::{DEFAULT_MAX_METADATA, MetadataError, PAGE_PAYLOAD, PAGE_TAG, PageRule};
 pub use keys::{MAX_NAME_LEN, domain_prefix, export_key};
 pub use locator::{Entry, ExportedObject, HandleKind, Locator, MAX_LOCATOR_BYTES};
 pub use registry::Registry;

@@ -7,6 +7,9 @@
 //! certificate has passed, so a refused importer gets a TLS alert and not one byte of ours.
 //! Each admitted importer is served on a thread of its own (at most [`MAX_IN_FLIGHT`] at
 //! once), every message within the server's deadline, so one that stalls holds only itself.
+//!
+//! An offer may carry metadata, opaque bytes sent after the descriptor to an importer of
+//! hand-off version 2 (an importer of version 1 gets the descriptor alone, as before).
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -20,8 +23,9 @@ use vmm_core::peer::PeerMessage;
 use vmm_core::peer::stream::{StreamReader, StreamWriter};
 use vmm_core::wire::tls::{TlsListener, TlsOptions, TlsRefusal, TlsStream};
 
-use crate::handoff::{Ack, Refusal, Request, decode, encode};
+use crate::handoff::{Ack, HANDOFF_VERSION, Refusal, Request, Unsupported, decode, encode};
 use crate::handoff_error::ServeError;
+use crate::handoff_metadata;
 use crate::locator::ExportedObject;
 
 /// How many importers are served at once; one more is closed at once (and reported).
@@ -58,7 +62,16 @@ pub struct Served {
     pub outcome: Outcome,
 }
 
-type Offers = Arc<Mutex<HashMap<ExportedObject, (u64, FabricDescriptor)>>>;
+/// One object's offer: its generation, its descriptor and its metadata (shared with the
+/// hand-offs under way).
+#[derive(Debug, Clone)]
+struct Offer {
+    generation: u64,
+    descriptor: FabricDescriptor,
+    metadata: Arc<[u8]>,
+}
+
+type Offers = Arc<Mutex<HashMap<ExportedObject, Offer>>>;
 
 /// A listener serving this process's offered descriptors to admitted importers. Dropping it
 /// stops accepting (hand-offs under way end by their deadlines).
@@ -118,9 +131,27 @@ impl ExportServer {
 
     /// Offer `descriptor` as `object` at `generation`, replacing what was offered of it (an
     /// importer holding an older generation's locator is then refused:
-    /// [`FetchError::Stale`](crate::FetchError::Stale)).
+    /// [`FetchError::Stale`](crate::FetchError::Stale)). No metadata goes with it.
     pub fn offer(&self, object: ExportedObject, generation: u64, descriptor: FabricDescriptor) {
-        lock(&self.offers).insert(object, (generation, descriptor));
+        self.offer_with_metadata(object, generation, descriptor, Vec::new());
+    }
+
+    /// [`offer`](Self::offer), with `metadata` sent after the descriptor to each importer
+    /// ([`Fetched::metadata`](crate::Fetched::metadata)), which takes it only up to the cap it
+    /// chose ([`Fetcher::max_metadata`](crate::Fetcher::max_metadata)).
+    pub fn offer_with_metadata(
+        &self,
+        object: ExportedObject,
+        generation: u64,
+        descriptor: FabricDescriptor,
+        metadata: Vec<u8>,
+    ) {
+        let offer = Offer {
+            generation,
+            descriptor,
+            metadata: metadata.into(),
+        };
+        lock(&self.offers).insert(object, offer);
     }
 
     /// Stop offering `object`; whether it was offered.
@@ -239,13 +270,35 @@ fn exchange(
 ) -> Result<Outcome, ServeError> {
     let request: Request = read_data(stream, timeout)?;
     *asked = Some((request.object.clone(), request.generation));
+    if !(1..=HANDOFF_VERSION).contains(&request.version) {
+        write(
+            stream,
+            timeout,
+            &encode(&Unsupported {
+                speaks: HANDOFF_VERSION,
+            }),
+        )?;
+        return Err(ServeError::Version {
+            asked: request.version,
+        });
+    }
     let offered = lock(offers).get(&request.object).cloned();
     match offered {
-        Some((generation, descriptor)) if generation == request.generation => {
+        Some(offer) if offer.generation == request.generation => {
             StreamWriter::new(&mut *stream)
                 .with_timeout(Some(timeout))
-                .write_descriptor(&descriptor)
+                .write_descriptor(&offer.descriptor)
                 .map_err(|e| ServeError::Stream(Box::new(e)))?;
+            if request.version >= 2 {
+                let header = handoff_metadata::header(&offer.metadata);
+                write(stream, timeout, &encode(&header))?;
+                // More than the importer takes: it refuses the header, and says so.
+                if request.max_metadata.is_none_or(|max| header.bytes <= max) {
+                    for page in handoff_metadata::pages(&offer.metadata) {
+                        write(stream, timeout, &page)?;
+                    }
+                }
+            }
             // The descriptor stays offered: a fabric handle does not keep the memory alive,
             // the exporter's buffer does, and the acknowledgement says it is in use.
             let ack: Ack = read_data(stream, timeout)?;
@@ -256,14 +309,19 @@ fn exchange(
             })
         }
         other => {
-            let serving = other.map(|(generation, _)| generation);
-            StreamWriter::new(&mut *stream)
-                .with_timeout(Some(timeout))
-                .write_data(&encode(&Refusal { serving }))
-                .map_err(|e| ServeError::Stream(Box::new(e)))?;
+            let serving = other.map(|offer| offer.generation);
+            write(stream, timeout, &encode(&Refusal { serving }))?;
             Ok(Outcome::Refused { serving })
         }
     }
+}
+
+/// Send `bytes` as a `DATA` message.
+fn write(stream: &mut TlsStream, timeout: Duration, bytes: &[u8]) -> Result<(), ServeError> {
+    StreamWriter::new(&mut *stream)
+        .with_timeout(Some(timeout))
+        .write_data(bytes)
+        .map_err(|e| ServeError::Stream(Box::new(e)))
 }
 
 /// The importer's next message, a `DATA` one decoded as `T`.

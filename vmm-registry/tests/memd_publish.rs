@@ -3,8 +3,9 @@
 //! a real etcd with mutual TLS, client-certificate authentication and RBAC.
 //!
 //! - the normal path: a region written on A is found by an engine process of node B through
-//!   the registry, fetched over mutual TLS from A's publisher, mapped, and read intact; the
-//!   publisher reports the acknowledgement; and the other way round for B's region;
+//!   the registry, fetched over mutual TLS from A's publisher, mapped, and read intact, each
+//!   tensor by its name at its offset (the region's metadata crosses with the descriptor);
+//!   the publisher reports the acknowledgement; and the other way round for B's region;
 //! - a new commit: the watch sees the new generation, the old one is refused as stale, the new
 //!   one imports with the new contents; a deleted region's key goes and a fetch fails cleanly;
 //! - a SIGKILLed publisher's keys go within TTL + 1 s; a SIGKILLed and restarted service is
@@ -21,7 +22,7 @@ mod memd;
 use std::time::{Duration, Instant};
 
 use vmm_core::error::TlsReason;
-use vmm_memd::protocol::{Acl, Principal};
+use vmm_memd::protocol::{Acl, Dtype, Principal, TensorMeta};
 use vmm_registry::memd_publish::{MemdPublisher, PublishEvent, PublisherConfig, RegionError};
 use vmm_registry::{Entry, FetchError, HandleKind, Op, RegistryConfig, RegistryError, WatchEvent};
 use vmm_tests::pki::dns_name;
@@ -68,6 +69,33 @@ fn next_delete(watch: &vmm_registry::Watch, owner: &str, name: &str, timeout: Du
     }
 }
 
+/// The tensors of A's `weights` at generation 1, in key order: at offsets that are not
+/// multiples of the pattern's period, so a tensor read at the wrong offset reads other bytes.
+fn tensors() -> Vec<(&'static str, TensorMeta)> {
+    vec![
+        (
+            "layer0.bias",
+            TensorMeta {
+                chunk: 0,
+                offset: 1000,
+                len: 256,
+                dtype: Dtype::F32,
+                shape: vec![64],
+            },
+        ),
+        (
+            "layer0.weight",
+            TensorMeta {
+                chunk: 0,
+                offset: 4096,
+                len: 8192,
+                dtype: Dtype::BF16,
+                shape: vec![64, 64],
+            },
+        ),
+    ]
+}
+
 fn spec<'s>(name: &'s str, admit: &'s [&'s str]) -> PublisherSpec<'s> {
     PublisherSpec {
         name,
@@ -90,7 +118,7 @@ fn two_nodes_find_fetch_and_follow_each_other_s_regions() {
         service_b.client().expect("writer on B"),
     );
     assert_eq!(
-        write_region(&writer_a, "weights", SIZE, 1, Acl::default()),
+        memd::write_tensors(&writer_a, "weights", SIZE, 1, &tensors()),
         1
     );
     write_region(&writer_b, "kv-b", SIZE, 5, Acl::default());
@@ -107,9 +135,26 @@ fn two_nodes_find_fetch_and_follow_each_other_s_regions() {
     assert_eq!(first.locator.exporter_name, dns_name("node-a"));
 
     // 1. An engine process of node B finds A's region, fetches it from A's publisher over
-    // mutual TLS, maps it and reads what the writer wrote; A's publisher saw the ack.
-    let line = memd::run_engine(&world, "engine-b", "node-a", "weights", 1, SIZE);
-    assert_eq!(line, "engine read node-a/weights 1 ok");
+    // mutual TLS, maps it and reads what the writer wrote, and each tensor by its name at its
+    // offset (the region's metadata came with the descriptor); A's publisher saw the ack.
+    let lines = memd::run_engine_lines(&world, "engine-b", "node-a", "weights", 1, SIZE);
+    let written = vmm_tests::pattern(1, SIZE);
+    let mut expected: Vec<String> = tensors()
+        .iter()
+        .map(|(key, t)| {
+            let bytes = &written[t.offset as usize..(t.offset + t.len) as usize];
+            format!(
+                "engine tensor {key} {:?} {:?} {} {} {:016x}",
+                t.dtype,
+                t.shape,
+                t.offset,
+                t.len,
+                memd::fnv(bytes)
+            )
+        })
+        .collect();
+    expected.push("engine read node-a/weights 1 ok".into());
+    assert_eq!(lines, expected);
     let served = publisher_a.expect_line("served weights 1 ", Duration::from_secs(5));
     assert!(served.ends_with(" acknowledged"), "{served}");
 

@@ -5,17 +5,21 @@
 //! the session's messages) rather than `Client::attach`, which maps the chunks and closes
 //! their fds: the stand-in names the fds, so they are kept (the publisher never maps them).
 //! A GPU region is attached as the service's fabric handles (`Client::attach_fabric`); its
-//! POSIX fds, which do not cross a network, are read and closed.
+//! POSIX fds, which do not cross a network, are read and closed. Either way the generation's
+//! metadata (the reply's `MetaPage`s) is kept, in the form offered with the descriptor
+//! ([`region_metadata`](mod@super::region_metadata)).
 
+use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use vmm_core::peer::{Descriptor, PeerMessage};
-use vmm_memd::protocol::{MAX_CHUNKS, MAX_META_ENTRIES, Request, Response};
+use vmm_memd::protocol::{MAX_CHUNKS, MAX_META_ENTRIES, Request, Response, TensorMeta};
 use vmm_memd::{Client, MemdError};
 
 use super::held::Held;
 use super::publish_error::RegionError;
+use super::region_metadata;
 
 /// What an attach found: the generation held, and the lease's TTL.
 #[derive(Debug)]
@@ -42,12 +46,13 @@ pub(crate) fn attach(client: &Client, region: &str) -> Result<Attachment, Region
             ttl_ms,
         } => {
             check_counts(chunks.len(), meta_pages)?;
-            skip_meta(client, meta_pages)?;
+            let meta = read_meta(client, meta_pages)?;
             let mut fds = Vec::with_capacity(chunks.len());
             for &size in &chunks {
                 fds.push((host_fd(client, size)?, to_usize(size)?));
             }
-            let held = match Held::host(generation, lease, fds) {
+            let metadata = region_metadata::encode(&meta);
+            let held = match Held::host(generation, lease, fds, metadata) {
                 Ok(held) => held,
                 Err(e) => {
                     // Of no use: give the lease back (best effort: the connection's end would).
@@ -69,14 +74,15 @@ pub(crate) fn attach(client: &Client, region: &str) -> Result<Attachment, Region
             // A GPU region: read (and close) what the plain attach sent, give its lease back,
             // and ask for the fabric handles instead.
             check_counts(chunks.len(), meta_pages)?;
-            skip_meta(client, meta_pages)?;
+            read_meta(client, meta_pages)?;
             for _ in &chunks {
                 drop(client.session().recv_message().map_err(MemdError::from)?);
             }
             detach(client, lease)?;
             let fabric = client.attach_fabric(region, None)?;
+            let metadata = region_metadata::encode(&fabric.meta);
             Ok(Attachment {
-                held: Held::fabric(fabric.generation, fabric.lease, fabric.descriptor),
+                held: Held::fabric(fabric.generation, fabric.lease, fabric.descriptor, metadata),
                 ttl: fabric.ttl,
             })
         }
@@ -110,17 +116,18 @@ fn check_counts(chunks: usize, meta_pages: u32) -> Result<(), MemdError> {
     Ok(())
 }
 
-/// Read the metadata pages (the publisher publishes memory, not metadata: an importer that
-/// needs the metadata gets it from the region's writer's own channel).
-fn skip_meta(client: &Client, pages: u32) -> Result<(), MemdError> {
+/// Read the metadata pages: the generation's tensors (a key twice: the later entry, as
+/// vmm-memd's own client keeps it).
+fn read_meta(client: &Client, pages: u32) -> Result<BTreeMap<String, TensorMeta>, MemdError> {
+    let mut meta = BTreeMap::new();
     for _ in 0..pages {
         let bytes = client.session().recv_data()?;
         match postcard::from_bytes(&bytes) {
-            Ok(Response::MetaPage(_)) => {}
+            Ok(Response::MetaPage(entries)) => meta.extend(entries),
             _ => return Err(MemdError::BadReply("expected a MetaPage".into())),
         }
     }
-    Ok(())
+    Ok(meta)
 }
 
 /// The next message: a host chunk's descriptor of `size` bytes; its fd.

@@ -22,6 +22,9 @@ pub(crate) struct Held {
     pub(crate) descriptor: FabricDescriptor,
     /// How it is shared.
     pub(crate) handle: HandleKind,
+    /// Its tensors, in the form offered with the descriptor
+    /// ([`region_metadata`](mod@super::region_metadata)); moved into the offer (empty after).
+    pub(crate) metadata: Vec<u8>,
     /// A host region's chunk fds, which the stand-in descriptor names (`/proc/<pid>/fd/<n>`):
     /// the names are good while these are open. Empty for a GPU region.
     pub(crate) _fds: Vec<OwnedFd>,
@@ -33,6 +36,7 @@ impl Held {
         generation: u64,
         lease: u64,
         chunks: Vec<(OwnedFd, usize)>,
+        metadata: Vec<u8>,
     ) -> Result<Held, crate::host_stand_in::StandInError> {
         let named: Vec<_> = chunks
             .iter()
@@ -44,17 +48,24 @@ impl Held {
             lease: Some(lease),
             descriptor,
             handle: HandleKind::HostMemfd,
+            metadata,
             _fds: chunks.into_iter().map(|(fd, _)| fd).collect(),
         })
     }
 
     /// A GPU region's generation, as the service's fabric handles.
-    pub(crate) fn fabric(generation: u64, lease: u64, descriptor: FabricDescriptor) -> Held {
+    pub(crate) fn fabric(
+        generation: u64,
+        lease: u64,
+        descriptor: FabricDescriptor,
+        metadata: Vec<u8>,
+    ) -> Held {
         Held {
             generation,
             lease: Some(lease),
             descriptor,
             handle: HandleKind::Fabric,
+            metadata,
             _fds: Vec::new(),
         }
     }

@@ -14,8 +14,10 @@
 //! ([`HandleKind::HostMemfd`](crate::HandleKind::HostMemfd)), which only importers on the same
 //! machine can open: the way tests play two nodes on one machine.
 //!
-//! See [`MemdPublisher`] for what follows a new generation, a deletion, a restart of the
-//! service and a lost registry lease.
+//! The region's metadata (its tensors: name, chunk, offset, length, dtype, shape) goes with
+//! the descriptor in the hand-off, in the form the module
+//! [`region_metadata`](mod@region_metadata) documents; an importer reads it back, every entry
+//! checked against the descriptor's chunks, with [`region_metadata()`].
 
 mod attach_held;
 pub mod cli;
@@ -24,6 +26,7 @@ mod held;
 mod publish_error;
 mod publisher;
 mod publisher_config;
+pub mod region_metadata;
 mod service_link;
 
 pub use event::{PublishEvent, Withdrawal};
@@ -32,3 +35,4 @@ pub use publisher::MemdPublisher;
 pub use publisher_config::{
     DEFAULT_HANDOFF_TIMEOUT, DEFAULT_POLL, DEFAULT_RECONNECT_WITHIN, PublisherConfig, Regions,
 };
+pub use region_metadata::{RegionMetadataError, region_metadata};

@@ -318,11 +318,15 @@ impl MemdPublisher {
         attachment: Attachment,
         events: &mut Vec<PublishEvent>,
     ) {
-        let Attachment { held, ttl } = attachment;
+        let Attachment { mut held, ttl } = attachment;
         self.lease_ttl = Some(self.lease_ttl.map_or(ttl, |t| t.min(ttl)));
         let object = ExportedObject::Region(region.to_owned());
-        self.server
-            .offer(object, held.generation, held.descriptor.clone());
+        self.server.offer_with_metadata(
+            object,
+            held.generation,
+            held.descriptor.clone(),
+            std::mem::take(&mut held.metadata),
+        );
         let new = Slot {
             held,
             published: false,

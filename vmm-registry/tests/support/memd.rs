@@ -16,7 +16,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use vmm_core::wire::endpoint::Name;
-use vmm_memd::protocol::Acl;
+use vmm_memd::protocol::{Acl, TensorMeta};
 use vmm_memd::{BeginOptions, Client, MemdError};
 use vmm_registry::{Fetcher, Locator, host_stand_in};
 use vmm_tests::pki::{Pki, dns_name};
@@ -236,6 +236,34 @@ pub fn write_region(client: &Client, region: &str, size: usize, seed: u8, acl: A
     writer.commit().expect("commit")
 }
 
+/// [`write_region`], with `tensors` as the generation's metadata.
+pub fn write_tensors(
+    client: &Client,
+    region: &str,
+    size: usize,
+    seed: u8,
+    tensors: &[(&str, TensorMeta)],
+) -> u64 {
+    let mut writer = client
+        .begin(region, &[size as u64], BeginOptions::default())
+        .expect("begin");
+    writer
+        .chunk(0)
+        .write_at(0, &vmm_tests::pattern(seed, size))
+        .expect("fill the chunk");
+    for (key, meta) in tensors {
+        writer.put(key, meta.clone());
+    }
+    writer.commit().expect("commit")
+}
+
+/// FNV-1a of `bytes`: how the engine child reports a tensor's bytes in one word.
+pub fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
+        (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 /// A running `vmm-memd-publish`, its stdout's lines on a channel; SIGKILLed and reaped on
 /// drop unless stopped before.
 #[derive(Debug)]
@@ -388,6 +416,38 @@ pub fn import(fetcher: &Fetcher, locator: &Locator) -> Result<Vec<u8>, vmm_regis
     Ok(bytes)
 }
 
+/// [`import`], reading the region's metadata too: the first chunk's bytes, and one line per
+/// tensor, `engine tensor <key> <dtype> <shape> <offset> <len> <fnv of its bytes>`, each
+/// read from its chunk at its offset (or `engine metadata refused <error>`).
+pub fn import_with_tensors(
+    fetcher: &Fetcher,
+    locator: &Locator,
+) -> Result<(Vec<u8>, Vec<String>), vmm_registry::FetchError> {
+    let fetched = fetcher.fetch(locator)?;
+    let chunks = host_stand_in::import_read_only(fetched.descriptor()).expect("map the chunks");
+    let lines = match vmm_registry::memd_publish::region_metadata(&fetched) {
+        Ok(tensors) => tensors
+            .iter()
+            .map(|(key, t)| {
+                let chunk = chunks[t.chunk as usize].as_slice();
+                let bytes = &chunk[t.offset as usize..(t.offset + t.len) as usize];
+                format!(
+                    "engine tensor {key} {:?} {:?} {} {} {:016x}",
+                    t.dtype,
+                    t.shape,
+                    t.offset,
+                    t.len,
+                    fnv(bytes)
+                )
+            })
+            .collect(),
+        Err(error) => vec![format!("engine metadata refused {error:?}")],
+    };
+    let bytes = chunks[0].as_slice().to_vec();
+    fetched.acknowledge()?;
+    Ok((bytes, lines))
+}
+
 /// Set in an engine child: `<etcd endpoint> <material dir> <name> <owner> <region> <seed>
 /// <size>`.
 pub const ENGINE_VAR: &str = "VMM_REGISTRY_TEST_MEMD_ENGINE";
@@ -429,7 +489,11 @@ pub fn engine_child() {
         crate::support::handoff::options_from(dir, name, &["nobody"]),
         crate::support::handoff::MESSAGE,
     );
-    let bytes = import(&fetcher, &entry.locator).expect("fetch, map, acknowledge");
+    let (bytes, tensors) =
+        import_with_tensors(&fetcher, &entry.locator).expect("fetch, map, acknowledge");
+    for line in tensors {
+        println!("{line}");
+    }
     let expected = vmm_tests::pattern(seed.parse().expect("a seed"), size.parse().expect("a size"));
     let verdict = if bytes == expected { "ok" } else { "WRONG" };
     println!(
@@ -439,15 +503,16 @@ pub fn engine_child() {
 }
 
 /// Run an engine child called `name` (its certificate written into the world's directory)
-/// that reads `owner`'s `region` and checks it holds `pattern(seed, size)`; its report line.
-pub fn run_engine(
+/// that reads `owner`'s `region` and checks it holds `pattern(seed, size)`; every line it
+/// printed (its tensors', then its report).
+pub fn run_engine_lines(
     world: &World,
     name: &str,
     owner: &str,
     region: &str,
     seed: u8,
     size: usize,
-) -> String {
+) -> Vec<String> {
     let dir = world.write_material(name);
     let output = Command::new(std::env::current_exe().expect("the test executable"))
         .args([
@@ -475,7 +540,7 @@ pub fn run_engine(
     );
     String::from_utf8_lossy(&output.stdout)
         .lines()
-        .find(|line| line.starts_with("engine read"))
-        .unwrap_or_else(|| panic!("the engine said nothing"))
-        .to_owned()
+        .filter(|line| line.starts_with("engine "))
+        .map(str::to_owned)
+        .collect()
 }
