@@ -86,6 +86,12 @@ pub fn program(program: &str, nobody: bool) -> Command {
         Command::new(exe)
     };
     command.env(PROGRAM_VAR, program);
+    // vmm-memd's events (its `tracing` feature is on in the workspace's test builds) at warn
+    // unless asked for: a test's output stays readable.
+    command.env(
+        "VMM_MEMD_LOG",
+        std::env::var("VMM_MEMD_LOG").unwrap_or_else(|_| "warn".into()),
+    );
     command
 }
 
