@@ -71,8 +71,8 @@ pub use keeper_link::Keeper;
 pub use keeper_wire::{ImpostorCheck, KeeperError};
 pub use mapping::{ReadOnlyChunk, Reservation};
 pub use service::{
-    DEFAULT_LEASE_TTL, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_UID,
-    DEFAULT_MAX_FDS_IN_FLIGHT, DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID, DEFAULT_MAX_WAIT, IN_FLIGHT_WAIT,
-    KEEPER_TICK, Service, TICK,
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_LEASE_TTL, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_UID, DEFAULT_MAX_FDS_IN_FLIGHT, DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID,
+    DEFAULT_MAX_WAIT, IN_FLIGHT_WAIT, KEEPER_TICK, Service, TICK,
 };
 pub use sleep::{SleepFailed, Sleeping, WakeFailed, layout_hash, layout_hash_on};
