@@ -4,29 +4,12 @@ a wake maps the next generation of the same layout at the same addresses (an arr
 the sleep reads the new bytes), another layout is StaleLayout with the region still asleep, and
 a discard sleep wakes to zeroed memory."""
 
-import os
 import unittest
 
 import vmm_memd
 from vmm_memd.protocol import Dtype, TensorMeta
 
-SOCKET = os.environ.get("VMM_MEMD_SOCKET")
-_N = [0]
-
-
-def fresh(tag):
-    _N[0] += 1
-    return f"py-{tag}-{os.getpid()}-{_N[0]}"
-
-
-def mapping_of(address):
-    """The /proc/self/maps line of the mapping that holds ``address``."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            start, end = (int(x, 16) for x in line.split()[0].split("-"))
-            if start <= address < end:
-                return line
-    return None
+from test_memd_client import SOCKET, fresh, mapped as mapping_of
 
 
 class LayoutHash(unittest.TestCase):

@@ -119,29 +119,11 @@ impl Core {
         name: &str,
         locator: &Locator,
     ) -> Result<Published, RegistryError> {
-        self.lease.check()?;
-        if locator.owner != self.owner {
-            return Err(RegistryError::NotOurOwner {
-                ours: self.owner.clone(),
-                in_locator: locator.owner.clone(),
-            });
-        }
-        let key = self.own_key(name)?;
-        let value = locator.encode()?;
-        let txn = Txn::new()
-            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(
-                key.clone(),
-                value,
-                Some(PutOptions::new().with_lease(self.lease_id)),
-            )]);
-        let mut kv = self.client.kv_client();
-        let response = bounded(Op::Publish, self.call_timeout, kv.txn(txn)).await?;
-        if !response.succeeded() {
-            return Err(RegistryError::Duplicate { key });
-        }
-        let revision = response.header().map_or(0, |h| h.revision());
-        Ok(Published { key, revision })
+        self.put_if(Op::Publish, name, locator, |key| {
+            Compare::create_revision(key, CompareOp::Equal, 0)
+        })
+        .await?
+        .map_err(|key| RegistryError::Duplicate { key })
     }
 
     /// Replace the value of this process's locator `name` with `locator`, still under the
@@ -152,6 +134,24 @@ impl Core {
         name: &str,
         locator: &Locator,
     ) -> Result<Published, RegistryError> {
+        // An absent key compares as lease 0, which no granted lease is.
+        let lease = self.lease_id;
+        self.put_if(Op::Update, name, locator, |key| {
+            Compare::lease(key, CompareOp::Equal, lease)
+        })
+        .await?
+        .map_err(|key| RegistryError::NotPublishedHere { key })
+    }
+
+    /// Put `locator` as this owner's `name`, on the lease, if `condition` (made for the key)
+    /// holds: what `publish` and `update` share. `Err(key)` when it did not hold.
+    async fn put_if(
+        &self,
+        op: Op,
+        name: &str,
+        locator: &Locator,
+        condition: impl FnOnce(String) -> Compare,
+    ) -> Result<Result<Published, String>, RegistryError> {
         self.lease.check()?;
         if locator.owner != self.owner {
             return Err(RegistryError::NotOurOwner {
@@ -161,21 +161,20 @@ impl Core {
         }
         let key = self.own_key(name)?;
         let value = locator.encode()?;
-        // An absent key compares as lease 0, which no granted lease is.
         let txn = Txn::new()
-            .when([Compare::lease(key.clone(), CompareOp::Equal, self.lease_id)])
+            .when([condition(key.clone())])
             .and_then([TxnOp::put(
                 key.clone(),
                 value,
                 Some(PutOptions::new().with_lease(self.lease_id)),
             )]);
         let mut kv = self.client.kv_client();
-        let response = bounded(Op::Update, self.call_timeout, kv.txn(txn)).await?;
+        let response = bounded(op, self.call_timeout, kv.txn(txn)).await?;
         if !response.succeeded() {
-            return Err(RegistryError::NotPublishedHere { key });
+            return Ok(Err(key));
         }
         let revision = response.header().map_or(0, |h| h.revision());
-        Ok(Published { key, revision })
+        Ok(Ok(Published { key, revision }))
     }
 
     /// Remove this process's locator `name`; `false` when there was none on its lease.
