@@ -81,24 +81,6 @@ pub fn send_raw(socket: BorrowedFd<'_>, bytes: &[u8], fds: &[OwnedFd]) {
     sendmsg::<UnixAddr>(socket.as_raw_fd(), &iov, cmsgs, MsgFlags::empty(), None).expect("sendmsg");
 }
 
-/// How many threads of vmm-core's closer pool run in this process (threads named
-/// `vmm-ipc-closer`: the endpoint closes a hostile peer's non-socket fds on them). The pool is
-/// bounded (8) and lives as long as the process; how many it has started depends on timing (a
-/// closer that has not been scheduled for 100 ms looks stuck, and another is started), so a
-/// test that counts mappings allows each new one its stack and guard page.
-pub fn closer_threads() -> usize {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0;
-    };
-    tasks
-        .filter_map(Result::ok)
-        .filter(|task| {
-            std::fs::read_to_string(task.path().join("comm"))
-                .is_ok_and(|comm| comm.trim_end() == "vmm-ipc-closer")
-        })
-        .count()
-}
-
 /// The fds and mappings this process holds now.
 pub fn holdings() -> (usize, usize) {
     let fds = vmm_core::testing::open_fds().expect("count fds");

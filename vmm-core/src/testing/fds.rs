@@ -10,6 +10,14 @@ pub fn open_fds() -> Result<usize> {
     crate::limits::open_fds().map_err(|e| Error::io("read_dir(/proc/self/fd)", e))
 }
 
+/// How many threads the endpoints' background closer has started so far (closers and the
+/// watcher that starts one when every closer is stuck), ended ones included: each had a stack
+/// mapping, which the C library may keep for reuse after the thread ends, so a test that
+/// counts this process's mappings allows two (stack and guard page) per thread started.
+pub fn closer_threads_started() -> usize {
+    crate::wire::endpoint::closer_threads_started()
+}
+
 /// [`open_fds`] once it has stopped changing: after the [warm pool](crate::process::WarmPool)'s
 /// replacements in flight have been launched (each adds the fds of the child it replaces), the
 /// dropped children's pidfds and channels have been let go (the supervisor's orphan queue has

@@ -23,7 +23,7 @@ mod spec;
 pub mod __private;
 
 pub use exclusive::running_ipc_tests;
-pub use fds::{open_fds, settled_open_fds};
+pub use fds::{closer_threads_started, open_fds, settled_open_fds};
 pub use requirements::{
     Requirement, cuda_devices, cuda_fabric, cuda_vmm_ipc, forkserver_available,
 };

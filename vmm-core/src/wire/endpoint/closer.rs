@@ -84,6 +84,29 @@ static WORK: Condvar = Condvar::new();
 /// Fds handed to [`close_later`] and not closed yet.
 static PENDING: AtomicUsize = AtomicUsize::new(0);
 
+/// Closer and watcher threads started since the process began (each has its own stack, which
+/// the C library may keep mapped for reuse after the thread ends).
+static STARTED: AtomicUsize = AtomicUsize::new(0);
+
+/// How many closer and watcher threads were started so far: what a leak test allows a stack
+/// mapping for, whether the thread still runs or has ended (a watcher ends once nothing waits).
+pub(crate) fn started() -> usize {
+    STARTED.load(Ordering::Acquire)
+}
+
+/// Start a closer or watcher thread running `body`; whether it started.
+fn spawn(body: impl FnOnce() + Send + 'static) -> bool {
+    let started = std::thread::Builder::new()
+        .name(THREAD_NAME.into())
+        .stack_size(STACK_SIZE)
+        .spawn(body)
+        .is_ok();
+    if started {
+        STARTED.fetch_add(1, Ordering::AcqRel);
+    }
+    started
+}
+
 /// How many fds handed to [`close_later`] are not closed yet (a close that blocks counts until
 /// it returns): what `testing::settled_open_fds` waits for.
 pub(crate) fn pending() -> usize {
@@ -158,19 +181,11 @@ pub(crate) fn close_later(fds: Vec<OwnedFd>) {
         }
         if state.short() {
             let me = state.busy.len();
-            let started = std::thread::Builder::new()
-                .name(THREAD_NAME.into())
-                .stack_size(STACK_SIZE)
-                .spawn(move || closer(me));
-            if started.is_ok() {
+            if spawn(move || closer(me)) {
                 state.busy.push(None);
             }
         } else if state.waiting() && !state.watching {
-            let started = std::thread::Builder::new()
-                .name(THREAD_NAME.into())
-                .stack_size(STACK_SIZE)
-                .spawn(watch);
-            state.watching = started.is_ok();
+            state.watching = spawn(watch);
         }
         if state.busy.is_empty() {
             // No closer could be started: close them here.

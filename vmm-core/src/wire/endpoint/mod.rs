@@ -138,6 +138,7 @@ mod peer_process;
 
 pub(crate) use closer::close_later;
 pub(crate) use closer::pending as closing_fds;
+pub(crate) use closer::started as closer_threads_started;
 pub use connection::{ConnectOptions, Connection, DEFAULT_TIMEOUT};
 pub(crate) use creds::maybe_overflow_uid;
 pub use creds::{Allow, Credentials};
