@@ -80,34 +80,24 @@ fn publish(criterion: &mut Criterion, world: &World) {
     let mut group = criterion.benchmark_group(GROUP);
     let mut n = 0u64;
     group.bench_function("publish", |b| {
-        b.iter_custom(|iters| {
-            let mut spent = Duration::ZERO;
-            for _ in 0..iters {
-                n += 1;
-                let name = format!("kv{n}");
-                let started = Instant::now();
-                black_box(registry.publish(&name, &locator).expect("publish"));
-                spent += started.elapsed();
-            }
-            spent
+        numbered(b, &mut n, |n| {
+            let name = format!("kv{n}");
+            let started = Instant::now();
+            black_box(registry.publish(&name, &locator).expect("publish"));
+            started.elapsed()
         })
     });
     let mut m = 0u64;
     group.bench_function("etcd-put", |b| {
-        b.iter_custom(|iters| {
-            let mut spent = Duration::ZERO;
-            for _ in 0..iters {
-                m += 1;
-                let key = format!("/bench/put/{m}");
-                let started = Instant::now();
-                black_box(
-                    runtime
-                        .block_on(client.put(key, value.clone(), None))
-                        .expect("put"),
-                );
-                spent += started.elapsed();
-            }
-            spent
+        numbered(b, &mut m, |m| {
+            let key = format!("/bench/put/{m}");
+            let started = Instant::now();
+            black_box(
+                runtime
+                    .block_on(client.put(key, value.clone(), None))
+                    .expect("put"),
+            );
+            started.elapsed()
         })
     });
     group.finish();
@@ -136,28 +126,24 @@ fn watch_to_imported(criterion: &mut Criterion, world: &World) {
     let mut group = criterion.benchmark_group(GROUP);
     let mut n = 0u64;
     group.bench_function("watch-to-imported", |b| {
-        b.iter_custom(|iters| {
-            let mut spent = Duration::ZERO;
-            for _ in 0..iters {
-                n += 1;
-                exporter
-                    .publish(&format!("kv{n}"), &locator)
-                    .expect("publish");
-                let entry = match watch.next_timeout(Duration::from_secs(5)).expect("watch") {
-                    Some(WatchEvent::Put(entry)) => entry,
-                    other => panic!("expected a put, got {other:?}"),
-                };
-                let started = Instant::now();
-                let fetched = fetcher.fetch(&entry.locator).expect("fetch");
-                let imported =
-                    support::stand_in::import(fetched.descriptor()).expect("map the stand-in");
-                black_box(imported.as_ptr());
-                fetched.acknowledge().expect("acknowledge");
-                spent += started.elapsed();
-                drop(imported);
-                // The exporter's report of this hand-off, so none queues up.
-                let _ = server.next_served(Duration::from_secs(5));
-            }
+        numbered(b, &mut n, |n| {
+            exporter
+                .publish(&format!("kv{n}"), &locator)
+                .expect("publish");
+            let entry = match watch.next_timeout(Duration::from_secs(5)).expect("watch") {
+                Some(WatchEvent::Put(entry)) => entry,
+                other => panic!("expected a put, got {other:?}"),
+            };
+            let started = Instant::now();
+            let fetched = fetcher.fetch(&entry.locator).expect("fetch");
+            let imported =
+                support::stand_in::import(fetched.descriptor()).expect("map the stand-in");
+            black_box(imported.as_ptr());
+            fetched.acknowledge().expect("acknowledge");
+            let spent = started.elapsed();
+            drop(imported);
+            // The exporter's report of this hand-off, so none queues up.
+            let _ = server.next_served(Duration::from_secs(5));
             spent
         })
     });
@@ -173,4 +159,17 @@ fn watch_to_imported(criterion: &mut Criterion, world: &World) {
     group.finish();
     drop(buf);
     exporter.close().expect("close");
+}
+
+/// Run `iters` iterations of `one`, each given the next number from `next` (keys must be
+/// new each time) and returning the time of its measured part; their sum.
+fn numbered(b: &mut criterion::Bencher<'_>, next: &mut u64, mut one: impl FnMut(u64) -> Duration) {
+    b.iter_custom(|iters| {
+        (0..iters)
+            .map(|_| {
+                *next += 1;
+                one(*next)
+            })
+            .sum()
+    })
 }

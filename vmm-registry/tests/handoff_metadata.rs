@@ -290,19 +290,7 @@ fn an_exporter_that_stops_mid_way_holds_the_importer_only_until_its_deadline() {
             None
         }),
     );
-    let fetcher = vmm_registry::Fetcher::new(
-        options(&pki, "importer", &["nobody"]),
-        Duration::from_secs(1),
-    );
-    let started = Instant::now();
-    let result = fetcher.fetch(&locator_at("exporter", "exporter", addr, 1));
-    let took = started.elapsed();
-    match result {
-        Err(FetchError::Stream { source, .. })
-            if matches!(*source, vmm_core::Error::Timeout { .. }) => {}
-        other => panic!("expected the deadline, got {other:?}"),
-    }
-    assert!(took < Duration::from_secs(4), "took {took:?}");
+    assert_deadline_within(&pki, addr, Duration::from_secs(4));
     exporter.join().expect("the exporter");
 }
 
@@ -329,8 +317,15 @@ fn an_exporter_that_trickles_pages_holds_the_importer_only_until_its_deadline() 
             None
         }),
     );
+    assert_deadline_within(&pki, addr, Duration::from_secs(3));
+    exporter.join().expect("the exporter");
+}
+
+/// A fetch from `addr` with a 1 s message deadline ends by that deadline (a `Timeout` in the
+/// stream), within `bound` in all.
+fn assert_deadline_within(pki: &Pki, addr: std::net::SocketAddr, bound: Duration) {
     let fetcher = vmm_registry::Fetcher::new(
-        options(&pki, "importer", &["nobody"]),
+        options(pki, "importer", &["nobody"]),
         Duration::from_secs(1),
     );
     let started = Instant::now();
@@ -341,8 +336,7 @@ fn an_exporter_that_trickles_pages_holds_the_importer_only_until_its_deadline() 
             if matches!(*source, vmm_core::Error::Timeout { .. }) => {}
         other => panic!("expected the deadline, got {other:?}"),
     }
-    assert!(took < Duration::from_secs(3), "took {took:?}");
-    exporter.join().expect("the exporter");
+    assert!(took < bound, "took {took:?}");
 }
 
 #[test]

@@ -81,6 +81,15 @@ pub fn holds_pattern(gpu: &GpuChunks, generation: u64) -> bool {
     })
 }
 
+/// Whether every byte of `gpu`'s mapping is zero (a generation made again after a discard).
+pub fn zeroed(gpu: &GpuChunks) -> bool {
+    let mut bytes = vec![1u8; gpu.buffer().size()];
+    gpu.buffer()
+        .read_at(0, &mut bytes)
+        .expect("read the chunks");
+    bytes.iter().all(|&b| b == 0)
+}
+
 /// Whether `attached` is a GPU generation mapped read-only holding its [`pattern`].
 pub fn attached_intact(attached: &Attached) -> bool {
     let gpu = attached.gpu.as_ref().expect("a GPU region");
