@@ -4,6 +4,7 @@
 //! mapped, at the slept addresses.
 
 use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use vmm_core::cuda::FabricDescriptor;
@@ -93,14 +94,9 @@ impl Client {
         Ok(meta)
     }
 
-    /// Attach; with `place`, only a generation of its layout, mapped at its reservations
-    /// (which come back in `place` when it fails, and are used up when it succeeds).
-    pub(crate) fn attach_placed(
-        &self,
-        region: &str,
-        generation: Option<u64>,
-        place: &mut Option<Placement>,
-    ) -> Result<Attached> {
+    /// Send `Attach` and read its reply and metadata pages, checked: what the chunks'
+    /// descriptors that follow are.
+    fn attach_reply(&self, region: &str, generation: Option<u64>) -> Result<AttachReply> {
         let reply = self.request(&Request::Attach {
             region: region.to_owned(),
             generation,
@@ -137,7 +133,67 @@ impl Client {
                 chunks.len()
             )));
         }
-        let meta = self.meta_pages(meta_pages)?;
+        Ok(AttachReply {
+            lease,
+            generation,
+            meta: self.meta_pages(meta_pages)?,
+            chunks,
+            ttl: Duration::from_millis(ttl_ms),
+            gpu,
+        })
+    }
+
+    /// A lease on `region`'s generation `generation` (`None`: the current one) without
+    /// mapping it: its metadata and each chunk's fd (a memfd sealed read-only for a host
+    /// region; an exported POSIX fd for a GPU region, of the device `device` names), for a
+    /// process that hands the memory on rather than reading it (vmm-registry's publisher).
+    /// A failure part way through the chunks leaves the connection out of step: drop it.
+    pub fn attach_unmapped(&self, region: &str, generation: Option<u64>) -> Result<Unmapped> {
+        let reply = self.attach_reply(region, generation)?;
+        let chunks = match reply.gpu {
+            Some(_) => self.gpu_descriptors(&reply.chunks)?,
+            None => reply
+                .chunks
+                .iter()
+                .map(|&size| {
+                    self.descriptor(size)?
+                        .fd()
+                        .ok_or_else(|| MemdError::BadReply("an empty chunk".into()))?
+                        .try_clone_to_owned()
+                        .map_err(|source| MemdError::Os {
+                            op: "dup(chunk fd)",
+                            source,
+                        })
+                })
+                .collect::<Result<_>>()?,
+        };
+        Ok(Unmapped {
+            region: region.to_owned(),
+            lease: reply.lease,
+            generation: reply.generation,
+            chunks: chunks.into_iter().zip(reply.chunks).collect(),
+            device: reply.gpu.map(|(device, _)| device),
+            meta: reply.meta,
+            ttl: reply.ttl,
+        })
+    }
+
+    /// Attach; with `place`, only a generation of its layout, mapped at its reservations
+    /// (which come back in `place` when it fails, and are used up when it succeeds).
+    pub(crate) fn attach_placed(
+        &self,
+        region: &str,
+        generation: Option<u64>,
+        place: &mut Option<Placement>,
+    ) -> Result<Attached> {
+        let AttachReply {
+            lease,
+            generation,
+            chunks,
+            meta,
+            ttl,
+            gpu,
+        } = self.attach_reply(region, generation)?;
         let backend = gpu.map_or(Backend::Host, |(uuid, _)| Backend::Gpu { uuid });
         if let Some(p) = place.as_ref() {
             let found = layout_hash_on(&chunks, &meta, backend);
@@ -160,7 +216,6 @@ impl Client {
                 });
             }
         }
-        let ttl = Duration::from_millis(ttl_ms);
         if let Some((device, fabric)) = gpu {
             let hint = place.as_ref().and_then(|p| p.gpu_address);
             let mapped = self
@@ -297,6 +352,36 @@ impl Attached {
         let end = start.checked_add(usize::try_from(meta.len).ok()?)?;
         chunk.get(start..end)
     }
+}
+
+/// An attach's reply and metadata, checked (the chunks' descriptors follow it).
+struct AttachReply {
+    lease: u64,
+    generation: u64,
+    chunks: Vec<u64>,
+    meta: BTreeMap<String, TensorMeta>,
+    ttl: Duration,
+    /// A GPU region's device UUID and whether it is fabric-shareable.
+    gpu: Option<([u8; 16], bool)>,
+}
+
+/// A committed generation attached without mapping it ([`Client::attach_unmapped`]).
+#[derive(Debug)]
+pub struct Unmapped {
+    /// The region.
+    pub region: String,
+    /// The lease number.
+    pub lease: u64,
+    /// The generation.
+    pub generation: u64,
+    /// Each chunk's fd and size, in order.
+    pub chunks: Vec<(OwnedFd, u64)>,
+    /// A GPU region's device UUID (`None`: host memfds).
+    pub device: Option<[u8; 16]>,
+    /// The metadata.
+    pub meta: BTreeMap<String, TensorMeta>,
+    /// The lease's TTL.
+    pub ttl: Duration,
 }
 
 /// A GPU generation attached as fabric handles ([`Client::attach_fabric`]): the lease (held

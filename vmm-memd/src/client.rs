@@ -289,7 +289,8 @@ impl Client {
         self.detach_lease(attached.lease)
     }
 
-    pub(crate) fn detach_lease(&self, lease: u64) -> Result<()> {
+    /// End lease `lease` (as [`detach`](Self::detach) does for an [`Attached`]).
+    pub fn detach_lease(&self, lease: u64) -> Result<()> {
         self.request(&Request::Detach { lease }).map(drop)
     }
 

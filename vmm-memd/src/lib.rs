@@ -62,7 +62,7 @@ mod sleep;
 mod trace;
 
 pub use admin::{RegionSlept, RegionWoke};
-pub use attach::{Attached, FabricAttached};
+pub use attach::{Attached, FabricAttached, Unmapped};
 pub use client::{BeginOptions, Client, Writer};
 pub use error::{GpuOp, MemdError, Refusal, RequestRule, Result, Right};
 pub use gpu_mapping::GpuChunks;

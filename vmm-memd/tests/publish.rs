@@ -336,3 +336,35 @@ fn retention_keeps_retired_generations_until_the_quota_needs_them() {
     assert_eq!(publish(&other, "r", 1, 4096), 6);
     assert_eq!(held(&client), [4, 5, 6]);
 }
+
+/// An attach without mapping (`Client::attach_unmapped`, what a publisher that hands the
+/// memory on uses): the lease counts this reader, the metadata comes as with `attach`, and each
+/// chunk is an fd of its size sealed against writes (no process can write it through this).
+#[test]
+fn an_unmapped_attach_holds_a_lease_and_sealed_chunk_fds() {
+    let service = ServiceProc::start(&[]);
+    let client = service.connect();
+    let generation = publish(&client, "weights", 2, 8192);
+    let unmapped = client.attach_unmapped("weights", None).unwrap();
+    assert_eq!((unmapped.generation, unmapped.device), (generation, None));
+    assert_eq!(unmapped.meta.len(), 2);
+    assert_eq!(unmapped.chunks.len(), 2);
+    for (fd, size) in &unmapped.chunks {
+        let seals = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GET_SEALS).unwrap();
+        assert_ne!(
+            seals & libc::F_SEAL_WRITE,
+            0,
+            "a chunk not sealed against writes"
+        );
+        let file = std::fs::File::from(fd.try_clone().unwrap());
+        assert_eq!(file.metadata().unwrap().len(), *size);
+    }
+    let readers = &client.status().unwrap().regions[0].generations[0].readers;
+    assert_eq!(readers.len(), 1, "the unmapped attach holds a lease");
+    client.detach_lease(unmapped.lease).unwrap();
+    assert!(
+        client.status().unwrap().regions[0].generations[0]
+            .readers
+            .is_empty()
+    );
+}
