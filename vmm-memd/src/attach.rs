@@ -151,7 +151,7 @@ impl Client {
     pub fn attach_unmapped(&self, region: &str, generation: Option<u64>) -> Result<Unmapped> {
         let reply = self.attach_reply(region, generation)?;
         let chunks = match reply.gpu {
-            Some(_) => self.gpu_descriptors(&reply.chunks)?,
+            Some((device, _)) => self.gpu_descriptors(&reply.chunks, &device)?,
             None => reply
                 .chunks
                 .iter()
@@ -200,7 +200,7 @@ impl Client {
             if found != p.layout {
                 // Read the descriptors (closing them) to stay in step, and give the lease up.
                 match gpu {
-                    Some(_) => drop(self.gpu_descriptors(&chunks)?),
+                    Some((device, _)) => drop(self.gpu_descriptors(&chunks, &device)?),
                     None => {
                         for &size in &chunks {
                             self.descriptor(size)?;
@@ -217,38 +217,50 @@ impl Client {
             }
         }
         if let Some((device, fabric)) = gpu {
-            let hint = place.as_ref().and_then(|p| p.gpu_address);
-            let mapped = self
-                .gpu_descriptors(&chunks)
-                .and_then(|fds| GpuChunks::import(device, &fds, &chunks, (true, fabric), hint));
-            let wrong_place = |m: &GpuChunks| hint.filter(|&want| m.device_ptr() != want);
-            let error = match mapped {
-                Ok(m) => match wrong_place(&m) {
-                    None => {
-                        return Ok(Attached {
-                            region: region.to_owned(),
-                            lease,
-                            generation,
-                            chunks: Vec::new(),
-                            gpu: Some(m),
-                            meta,
-                            ttl,
-                        });
+            let range = place.as_mut().and_then(|p| p.gpu_range.take());
+            let mapped = match self.gpu_descriptors(&chunks, &device) {
+                Err(e) => {
+                    if let (Some(p), Some(range)) = (place.as_mut(), range) {
+                        p.gpu_range = Some(range);
                     }
-                    Some(wanted) => MemdError::AddressTaken {
-                        region: region.to_owned(),
-                        wanted,
-                        got: m.device_ptr(),
-                    },
+                    Err(e)
+                }
+                Ok(fds) => match range {
+                    None => GpuChunks::import(device, &fds, &chunks, (true, fabric)),
+                    Some(range) => {
+                        GpuChunks::import_at(device, &fds, &chunks, (true, fabric), range).map_err(
+                            |(e, range)| {
+                                // Back in the placement, to wake again.
+                                if let Some(p) = place.as_mut() {
+                                    p.gpu_range = Some(range);
+                                }
+                                e
+                            },
+                        )
+                    }
                 },
-                Err(e) => e,
             };
-            // Best effort: the lease is of no use. (After a bad descriptor the rest of the
-            // reply is not read: the connection is out of step, drop it.)
-            if matches!(error, MemdError::Core(_) | MemdError::AddressTaken { .. }) {
-                let _ = self.request(&Request::Detach { lease });
+            match mapped {
+                Ok(m) => {
+                    return Ok(Attached {
+                        region: region.to_owned(),
+                        lease,
+                        generation,
+                        chunks: Vec::new(),
+                        gpu: Some(m),
+                        meta,
+                        ttl,
+                    });
+                }
+                Err(error) => {
+                    // Best effort: the lease is of no use. (After a bad descriptor the rest
+                    // of the reply is not read: the connection is out of step, drop it.)
+                    if matches!(error, MemdError::Core(_)) {
+                        let _ = self.request(&Request::Detach { lease });
+                    }
+                    return Err(error);
+                }
             }
-            return Err(error);
         }
         let mut mapped = Vec::with_capacity(chunks.len());
         let mut spare = place

@@ -112,18 +112,23 @@ impl Client {
         }
     }
 
-    /// A GPU chunk's descriptor: `CUDA_VMM` with one fd of `size` bytes; its fd.
-    fn gpu_descriptor(&self, size: u64) -> Result<OwnedFd> {
+    /// A GPU chunk's descriptor: `CUDA_VMM` with one fd of `size` bytes naming the device
+    /// `device` (the UUID the reply before announced); its fd. Anything else is `BadReply`
+    /// (its fds closed), as the Python client refuses it too.
+    fn gpu_descriptor(&self, size: u64, device: &[u8; 16]) -> Result<OwnedFd> {
         match self.session.recv_message()? {
             PeerMessage::Descriptor(Descriptor::Cuda(d))
-                if d.size() as u64 == size && d.chunk_sizes().len() == 1 =>
+                if d.size() as u64 == size
+                    && d.chunk_sizes().len() == 1
+                    && d.device().is_some_and(|named| &named.uuid == device) =>
             {
                 d.into_fds()
                     .pop()
                     .ok_or_else(|| MemdError::BadReply("a CUDA descriptor without its fd".into()))
             }
             PeerMessage::Descriptor(d) => Err(MemdError::BadReply(format!(
-                "expected a one-chunk CUDA descriptor of {size} bytes, got {d:?}"
+                "expected a one-chunk CUDA descriptor of {size} bytes on device {}, got {d:?}",
+                vmm_core::cuda::format_uuid(device)
             ))),
             PeerMessage::Data(_) => Err(MemdError::BadReply(
                 "expected a descriptor, got DATA".into(),
@@ -131,9 +136,12 @@ impl Client {
         }
     }
 
-    /// The fds of `sizes.len()` GPU chunk descriptors.
-    pub(crate) fn gpu_descriptors(&self, sizes: &[u64]) -> Result<Vec<OwnedFd>> {
-        sizes.iter().map(|&s| self.gpu_descriptor(s)).collect()
+    /// The fds of `sizes.len()` GPU chunk descriptors of device `device`.
+    pub(crate) fn gpu_descriptors(&self, sizes: &[u64], device: &[u8; 16]) -> Result<Vec<OwnedFd>> {
+        sizes
+            .iter()
+            .map(|&s| self.gpu_descriptor(s, device))
+            .collect()
     }
 
     /// Check `region`'s generation `generation` (`None`: the current one) against the
@@ -258,8 +266,8 @@ impl Client {
                 "asked for chunks {chunks:?}, the service announced {sizes:?}"
             )));
         }
-        self.gpu_descriptors(sizes)
-            .and_then(|fds| GpuChunks::import(device, &fds, sizes, (false, fabric), None))
+        self.gpu_descriptors(sizes, &device)
+            .and_then(|fds| GpuChunks::import(device, &fds, sizes, (false, fabric)))
             .map_err(|e| self.abandon(e))
     }
 

@@ -308,17 +308,14 @@ pub enum MemdError {
         /// The layout hash of what the wake found.
         found: u64,
     },
-    /// A GPU wake could not map the region at the addresses it slept at: the driver gave
-    /// other addresses (a GPU sleep keeps no reservation, see `Client::sleep`). Nothing is
-    /// mapped; the sleeper is kept, to wake again.
-    #[error("region {region:?}: woke at {got:#x}, slept at {wanted:#x}")]
-    AddressTaken {
+    /// A GPU sleep could not keep the region's addresses: another handle to its mapping
+    /// lives (a clone of `GpuChunks::buffer`), so the mapping cannot be taken apart. The
+    /// attachment is dropped (its lease ends with the connection or by TTL; the clone keeps
+    /// the memory mapped); drop the clones before a sleep.
+    #[error("region {region:?}: its GPU mapping is shared with another handle; cannot sleep it")]
+    MappingShared {
         /// The region.
         region: String,
-        /// Where it slept.
-        wanted: u64,
-        /// Where the driver mapped it now.
-        got: u64,
     },
 }
 

@@ -83,6 +83,13 @@ impl Gpus {
             .collect()
     }
 
+    /// This process's ordinal for device `uuid`, where the service has opened it already
+    /// (`None` otherwise: this never loads the driver).
+    pub(crate) fn opened_ordinal(&self, uuid: &[u8; 16]) -> Option<usize> {
+        let devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+        devices.get(uuid).map(|r| r.allocate.device().ordinal())
+    }
+
     /// Whether device `uuid`'s chunks are made fabric-shareable.
     pub(crate) fn fabric(&self, uuid: &[u8; 16]) -> bool {
         self.resources(uuid).is_ok_and(|r| r.fabric)

@@ -10,10 +10,11 @@
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use vmm_core::cuda::{
-    Device, HandleType, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer, VirtualMemoryResource,
+    AddressRange, Device, HandleType, IpcDescriptor, ResourceOptions, VirtualMemoryBuffer,
+    VirtualMemoryResource,
 };
 
-use crate::error::Result;
+use crate::error::{MemdError, Result};
 
 /// A GPU generation mapped in this process. Unmapped on drop (the memory stays while the
 /// service, or any other importer, holds it).
@@ -28,29 +29,84 @@ pub struct GpuChunks {
 
 impl GpuChunks {
     /// Import `fds` (one per chunk, of `sizes`) on the device with UUID `device`, read-only
-    /// or not, at `hint` if given (the driver may place it elsewhere: the caller checks).
+    /// or not, at fresh addresses.
     pub(crate) fn import(
         device: [u8; 16],
         fds: &[OwnedFd],
         sizes: &[u64],
         (read_only, fabric): (bool, bool),
-        hint: Option<u64>,
     ) -> Result<GpuChunks> {
-        let gpu = Device::by_uuid(&device)?;
-        let mut options = ResourceOptions::default().read_only(read_only);
-        if let Some(hint) = hint {
-            options = options.address_hint(hint);
-        }
-        let resource = VirtualMemoryResource::new(&gpu, options)?;
-        let lens: Vec<usize> = sizes.iter().map(|&s| s as usize).collect();
-        let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(|f| f.as_fd()).collect();
-        let total = lens.iter().sum();
-        let descriptor = IpcDescriptor::from_fds(&borrowed, &lens, HandleType::PosixFd, total)?;
+        let (resource, descriptor) = Self::prepare(device, fds, sizes, read_only)?;
         let buffer = resource.import(&descriptor)?;
         Ok(GpuChunks {
             buffer,
             device,
             sizes: sizes.to_vec(),
+            read_only,
+            fabric,
+        })
+    }
+
+    /// [`import`](Self::import) at the addresses of `range` (kept by a sleep): the mapping
+    /// starts at `range.device_ptr()`. On failure the range comes back with the error.
+    pub(crate) fn import_at(
+        device: [u8; 16],
+        fds: &[OwnedFd],
+        sizes: &[u64],
+        (read_only, fabric): (bool, bool),
+        range: AddressRange,
+    ) -> std::result::Result<GpuChunks, (MemdError, AddressRange)> {
+        let (resource, descriptor) = match Self::prepare(device, fds, sizes, read_only) {
+            Ok(prepared) => prepared,
+            Err(e) => return Err((e, range)),
+        };
+        match resource.import_at(&descriptor, range) {
+            Ok(buffer) => Ok(GpuChunks {
+                buffer,
+                device,
+                sizes: sizes.to_vec(),
+                read_only,
+                fabric,
+            }),
+            Err(failed) => {
+                let (e, range) = *failed;
+                Err((e.into(), range))
+            }
+        }
+    }
+
+    /// The resource of device `device` and the descriptor of `fds` an import maps.
+    fn prepare(
+        device: [u8; 16],
+        fds: &[OwnedFd],
+        sizes: &[u64],
+        read_only: bool,
+    ) -> Result<(VirtualMemoryResource, IpcDescriptor)> {
+        let gpu = Device::by_uuid(&device)?;
+        let options = ResourceOptions::default().read_only(read_only);
+        let resource = VirtualMemoryResource::new(&gpu, options)?;
+        let lens: Vec<usize> = sizes.iter().map(|&s| s as usize).collect();
+        let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(|f| f.as_fd()).collect();
+        let total = lens.iter().sum();
+        let descriptor = IpcDescriptor::from_fds(&borrowed, &lens, HandleType::PosixFd, total)?;
+        Ok((resource, descriptor))
+    }
+
+    /// Unmap, keeping the address range reserved in this process (a sleep): the chunks are
+    /// released here, the memory stays while the service holds it. `Err(self)` unchanged when
+    /// another handle to the mapping lives (a clone of [`buffer`](Self::buffer)).
+    pub(crate) fn into_address_range(self) -> std::result::Result<AddressRange, GpuChunks> {
+        let GpuChunks {
+            buffer,
+            device,
+            sizes,
+            read_only,
+            fabric,
+        } = self;
+        buffer.into_address_range().map_err(|buffer| GpuChunks {
+            buffer,
+            device,
+            sizes,
             read_only,
             fabric,
         })

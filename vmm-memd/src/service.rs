@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use vmm_core::cuda::{HandleType, IpcDescriptor};
+use vmm_core::cuda::{DeviceIdentity, HandleType, IpcDescriptor};
 use vmm_core::peer::{MAX_DATA, PeerMessage, Session};
 use vmm_core::shm::HostDescriptor;
 use vmm_core::wire::endpoint::{Credentials, Listener};
@@ -716,9 +716,18 @@ impl Connection<'_, '_> {
         Ok(())
     }
 
-    /// One descriptor per chunk: `HOST_MEMFD` (host), `CUDA_VMM` with one fd (GPU; the
-    /// device's UUID travels in the reply before).
+    /// One descriptor per chunk: `HOST_MEMFD` (host), `CUDA_VMM` with one fd (GPU), naming
+    /// the device by its UUID as the reply before does (an importer picks its device by it;
+    /// the ordinal, informative only, is the service's where it has opened the device, else
+    /// 0: a restarted service serves kept chunks without loading the driver).
     fn send_chunks(&self, backend: Backend, chunks: &[(ChunkFd, u64)]) -> vmm_core::Result<()> {
+        let device = match backend {
+            Backend::Host => None,
+            Backend::Gpu { uuid } => Some(DeviceIdentity {
+                ordinal: self.registry.gpus().opened_ordinal(&uuid).unwrap_or(0),
+                uuid,
+            }),
+        };
         for (fd, len) in chunks {
             match backend {
                 Backend::Host => {
@@ -727,8 +736,11 @@ impl Connection<'_, '_> {
                 }
                 Backend::Gpu { .. } => {
                     let len = *len as usize;
-                    let descriptor =
+                    let mut descriptor =
                         IpcDescriptor::from_fds(&[fd.as_fd()], &[len], HandleType::PosixFd, len)?;
+                    if let Some(device) = device {
+                        descriptor = descriptor.with_device(device);
+                    }
                     self.session.send_descriptor(&descriptor)?;
                 }
             }

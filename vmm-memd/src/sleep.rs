@@ -6,6 +6,8 @@
 
 use std::collections::BTreeMap;
 
+use vmm_core::cuda::AddressRange;
+
 use crate::attach::Attached;
 use crate::client::Client;
 use crate::error::{MemdError, Refusal, RequestRule, Result};
@@ -40,13 +42,13 @@ pub fn layout_hash_on(
     }
 }
 
-/// What a wake needs: the layout and the reservations (host), or the address the GPU
-/// mapping had (GPU).
+/// What a wake needs: the layout and the reservations (host), or the address range the
+/// GPU mapping had, still reserved in this process (GPU).
 #[derive(Debug)]
 pub(crate) struct Placement {
     pub(crate) layout: u64,
     pub(crate) reservations: Vec<Reservation>,
-    pub(crate) gpu_address: Option<u64>,
+    pub(crate) gpu_range: Option<AddressRange>,
 }
 
 /// A region asleep in this process: its chunks' addresses held, no memory, no lease.
@@ -72,9 +74,13 @@ impl Sleeping {
     }
 
     /// A GPU region's device address before the sleep, where a wake maps it again (`None`
-    /// for a host region).
+    /// for a host region). The range stays reserved in this process while it sleeps, so no
+    /// other allocation can take it.
     pub fn gpu_address(&self) -> Option<u64> {
-        self.placement.gpu_address
+        self.placement
+            .gpu_range
+            .as_ref()
+            .map(AddressRange::device_ptr)
     }
 }
 
@@ -105,10 +111,11 @@ impl Client {
     /// (`PROT_NONE`), and its lease ends (so the service may free a retired generation). A
     /// lease the service no longer has (the service gone, the lease expired) is no failure.
     ///
-    /// A GPU region's mapping is unmapped and its address range given back to the driver
-    /// (vmm-core keeps no reservation without a mapping); the wake asks for the same address
-    /// (`address_hint`) and gives [`MemdError::AddressTaken`] if the driver placed it
-    /// elsewhere (another allocation of this process took the range meanwhile).
+    /// A GPU region's mapping is unmapped and its chunks released here, while its address
+    /// range stays reserved in this process (`VirtualMemoryBuffer::into_address_range`); the
+    /// wake maps the region's generation into that range, so device pointers into it stay
+    /// good. A mapping shared with a clone of its buffer cannot be taken apart:
+    /// [`MemdError::MappingShared`].
     pub fn sleep(&self, attached: Attached) -> Result<Sleeping> {
         let lease = attached.lease;
         let sleeping = self.unmap(attached)?;
@@ -156,24 +163,30 @@ impl Client {
         })
     }
 
-    /// Give `attached`'s memory up, keeping its addresses (host) or its address (GPU).
+    /// Give `attached`'s memory up, keeping its addresses (host) or its address range (GPU).
     fn unmap(&self, attached: Attached) -> Result<Sleeping> {
-        let (sizes, backend, gpu_address) = match &attached.gpu {
+        let (sizes, backend) = match &attached.gpu {
             Some(g) => (
                 g.chunk_sizes().to_vec(),
                 Backend::Gpu {
                     uuid: g.device_uuid(),
                 },
-                Some(g.device_ptr()),
             ),
             None => (
                 attached.chunks.iter().map(|c| c.len() as u64).collect(),
                 Backend::Host,
-                None,
             ),
         };
         let layout = layout_hash_on(&sizes, &attached.meta, backend);
-        drop(attached.gpu);
+        let gpu_range = match attached.gpu {
+            Some(g) => Some(
+                g.into_address_range()
+                    .map_err(|_| MemdError::MappingShared {
+                        region: attached.region.clone(),
+                    })?,
+            ),
+            None => None,
+        };
         let mut reservations = Vec::with_capacity(attached.chunks.len());
         for chunk in attached.chunks {
             reservations.push(chunk.into_reservation()?);
@@ -184,7 +197,7 @@ impl Client {
             placement: Placement {
                 layout,
                 reservations,
-                gpu_address,
+                gpu_range,
             },
         })
     }

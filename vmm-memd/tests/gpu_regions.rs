@@ -140,6 +140,20 @@ fn gpu_sleep_and_wake_keep_the_device_address() {
     let sleeping = client.sleep(attached).unwrap();
     assert_eq!(sleeping.gpu_address(), Some(address));
     assert!(sleeping.reservations().is_empty());
+    // Another allocation of this process asks for exactly the slept range while it sleeps:
+    // the range stays reserved, so the driver places it elsewhere and the wake still gets it.
+    let squatter = VirtualMemoryResource::new(
+        &Device::new(0).unwrap(),
+        ResourceOptions::default().address_hint(address),
+    )
+    .unwrap()
+    .allocate((2 * SIZE) as usize)
+    .unwrap();
+    assert_ne!(
+        squatter.device_ptr(),
+        address,
+        "the slept range was free to take"
+    );
     let woke = client.wake(sleeping).unwrap();
     assert_eq!(woke.gpu.as_ref().unwrap().device_ptr(), address);
     assert!(attached_intact(&woke));
@@ -284,14 +298,29 @@ fn gpu_discard_sleep_frees_and_wake_makes_zeroed_memory_at_the_same_address() {
     publish_gpu(&client, "kv", uuid, 2, SIZE);
     let attached = client.attach("kv").unwrap();
     let address = attached.gpu.as_ref().unwrap().device_ptr();
-    let fds = service.fd_count();
+    let fds = settled_fd_count(&service);
     let sleeping = client.sleep_discard(attached).unwrap();
-    assert_eq!(service.fd_count(), fds - 2, "both chunks let go");
+    assert_eq!(settled_fd_count(&service), fds - 2, "both chunks let go");
     let woke = client.wake(sleeping).unwrap();
     let gpu = woke.gpu.as_ref().unwrap();
     assert_eq!((woke.generation, gpu.device_ptr()), (1, address));
     assert!(gpu_common::zeroed(gpu));
     assert_eq!(client.verify("kv", None).unwrap().len(), 2);
+}
+
+/// The service's fd count once it holds still (two reads 50 ms apart agree): a connection's
+/// passing fds (its pidfd, a closer's) must not be counted as a chunk.
+fn settled_fd_count(service: &ServiceProc) -> usize {
+    let mut last = service.fd_count();
+    for _ in 0..40 {
+        std::thread::sleep(Duration::from_millis(50));
+        let now = service.fd_count();
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+    last
 }
 
 /// An operator's sleep and wake of a GPU region (`vmm-memctl sleep`/`wake`; the same shared

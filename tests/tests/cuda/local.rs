@@ -515,3 +515,81 @@ fn the_calling_threads_context_is_left_as_it_was() {
     .join()
     .unwrap();
 }
+
+/// A sleep and wake at the same addresses: `into_address_range` unmaps a buffer and keeps
+/// its range reserved (a clone of the buffer refuses it), an allocation hinted at the range
+/// meanwhile is placed elsewhere, and `import_at` maps the memory there again with its bytes.
+/// A range of the wrong size is refused before any driver call, and a failed mapping gives
+/// the range back, unmapped, to use again.
+#[test]
+fn a_buffer_unmapped_into_its_range_is_imported_there_again() {
+    let Some(_gpu) = alone(cuda_vmm_ipc()) else {
+        return;
+    };
+    let device = Device::new(0).unwrap();
+    let r = resource();
+    let g = r.granularity();
+    let src = r.allocate(2 * g).unwrap();
+    src.write_at(0, &pattern(2 * g, 9)).unwrap();
+    let descriptor = src.export().unwrap();
+    let alias = r.import(&descriptor).unwrap();
+    let ptr = alias.device_ptr();
+    // Another handle lives: the buffer comes back unchanged.
+    let clone = alias.clone();
+    let alias = alias.into_address_range().unwrap_err();
+    assert_eq!(alias.device_ptr(), ptr);
+    drop(clone);
+    let range = alias.into_address_range().unwrap();
+    assert_eq!((range.device_ptr(), range.size()), (ptr, 2 * g));
+    // The range stays taken while nothing is mapped in it.
+    let hinted =
+        VirtualMemoryResource::new(&device, ResourceOptions::default().address_hint(ptr)).unwrap();
+    let squatter = hinted.allocate(2 * g).unwrap();
+    assert_ne!(
+        squatter.device_ptr(),
+        ptr,
+        "the kept range was free to take"
+    );
+    // A descriptor of another size: refused, the range given back.
+    let small = r.allocate(g).unwrap().export().unwrap();
+    let failed = r.import_at(&small, range).unwrap_err();
+    let (e, range) = *failed;
+    assert!(
+        matches!(
+            &e,
+            Error::InvalidDescriptor {
+                rule: DescriptorRule::Size,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(range.device_ptr(), ptr);
+    // The wake: the same addresses, the same bytes.
+    let back = r.import_at(&descriptor, range).unwrap();
+    assert_eq!(back.device_ptr(), ptr);
+    assert_eq!(read(&back, 0, 2 * g), pattern(2 * g, 9));
+    drop(back);
+    // A mapping that fails part way gives the range back unmapped: chunk 2 claims twice its
+    // size, so mapping it fails after chunk 1 was mapped; then the real descriptor maps.
+    let three = r.allocate(3 * g).unwrap();
+    let three_descriptor = three.export().unwrap();
+    let range = r
+        .import(&three_descriptor)
+        .unwrap()
+        .into_address_range()
+        .unwrap();
+    let ptr = range.device_ptr();
+    let twice = r
+        .grow(&r.allocate(g).unwrap(), 2 * g)
+        .unwrap()
+        .export()
+        .unwrap();
+    let fds: Vec<_> = twice.fds().collect();
+    let forged = IpcDescriptor::from_fds(&fds, &[g, 2 * g], HandleType::PosixFd, 3 * g).unwrap();
+    let (e, range) = *r.import_at(&forged, range).unwrap_err();
+    assert!(matches!(&e, Error::Ipc { .. }), "{e:?}");
+    assert_eq!(range.device_ptr(), ptr);
+    let again = r.import_at(&three_descriptor, range).unwrap();
+    assert_eq!(again.device_ptr(), ptr);
+}

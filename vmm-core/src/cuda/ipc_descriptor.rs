@@ -82,6 +82,16 @@ impl IpcDescriptor {
         })
     }
 
+    /// This descriptor naming the device its memory lives on, as an export's does: a holder
+    /// of exported fds (a service that keeps memory for others) rebuilt the descriptor with
+    /// [`from_fds`](Self::from_fds) and knows the device, and an importer in another language
+    /// needs its UUID to pick the device (the peer protocol's device fields travel only when
+    /// a descriptor names one).
+    pub fn with_device(mut self, device: DeviceIdentity) -> IpcDescriptor {
+        self.device = Some(device);
+        self
+    }
+
     /// The fds, one per chunk, in chunk order.
     pub fn fds(&self) -> impl Iterator<Item = BorrowedFd<'_>> {
         self.fds.iter().map(|fd| fd.as_fd())
@@ -460,6 +470,12 @@ mod tests {
         assert_ne!(dup, file.as_raw_fd());
         assert!(super::super::driver::fd_flags(dup).is_ok());
         assert_eq!((d.chunk_sizes(), d.size(), d.device()), (&[G][..], G, None));
+        let named = DeviceIdentity {
+            ordinal: 3,
+            uuid: [7; 16],
+        };
+        let d = d.with_device(named);
+        assert_eq!(d.device(), Some(named));
         let m = err(
             DescriptorRule::Fds,
             IpcDescriptor::from_fds(&[file.as_fd()], &[G, G], HandleType::PosixFd, G).map(|_| 0),
@@ -470,7 +486,13 @@ mod tests {
     #[test]
     fn descriptor_round_trips_over_wire_and_refuses_other_formats() {
         let file = std::fs::File::open("/proc/self/stat").unwrap();
-        let d = IpcDescriptor::from_fds(&[file.as_fd()], &[G], HandleType::PosixFd, 5).unwrap();
+        let named = DeviceIdentity {
+            ordinal: 1,
+            uuid: [9; 16],
+        };
+        let d = IpcDescriptor::from_fds(&[file.as_fd()], &[G], HandleType::PosixFd, 5)
+            .unwrap()
+            .with_device(named);
         let encoded = crate::wire::encode(&d).unwrap();
         assert_eq!(encoded.fd_count(), 1);
         let fds = encoded
@@ -479,6 +501,7 @@ mod tests {
             .collect();
         let back: IpcDescriptor = crate::wire::decode(encoded.bytes(), fds).unwrap();
         assert_eq!((back.chunk_sizes(), back.size()), (&[G][..], 5));
+        assert_eq!(back.device(), Some(named));
         assert_eq!(back.handle_type(), HandleType::PosixFd);
         // Any other serde format is refused: an fd number means nothing in another process.
         let m = serde_json::to_string(&d).unwrap_err().to_string();

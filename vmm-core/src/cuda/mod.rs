@@ -56,7 +56,7 @@ mod resource_options;
 
 /// Why CUDA cannot be used here ([`availability`], [`fabric_availability`]).
 pub use crate::error::Unavailable;
-pub use buffer::VirtualMemoryBuffer;
+pub use buffer::{AddressRange, VirtualMemoryBuffer};
 pub use device::{Device, availability, format_uuid};
 pub use fabric::{FabricDescriptor, FabricHandle};
 pub use fabric_support::fabric_availability;

@@ -148,6 +148,10 @@ impl Reservation {
     pub(crate) fn size(&self) -> usize {
         self.size
     }
+
+    pub(crate) fn device(&self) -> &Device {
+        &self.device
+    }
 }
 
 impl Drop for Reservation {
@@ -239,6 +243,17 @@ impl Segment {
         chunks: impl IntoIterator<Item = Arc<Allocation>>,
         access: &[CUmemAccessDesc],
     ) -> std::result::Result<Self, (usize, crate::Error)> {
+        Segment::map_keeping(reservation, chunks, access).map_err(|(index, e, _)| (index, e))
+    }
+
+    /// [`map`](Self::map), giving the reservation back on failure (unmapped again) with the
+    /// failed chunk's index and the error: for a caller that must keep its addresses (a wake
+    /// at the addresses it slept at).
+    pub(crate) fn map_keeping(
+        reservation: Reservation,
+        chunks: impl IntoIterator<Item = Arc<Allocation>>,
+        access: &[CUmemAccessDesc],
+    ) -> std::result::Result<Self, (usize, crate::Error, Reservation)> {
         let span = trace::span!(
             DEBUG,
             "cuda.map",
@@ -260,26 +275,26 @@ impl Segment {
                 .checked_add(size)
                 .is_none_or(|end| end > segment.reservation.size)
             {
-                return Err((
-                    index,
-                    crate::Error::descriptor(
-                        crate::error::DescriptorRule::Size,
-                        format!(
-                            "chunk {} does not fit the {}-byte reservation",
-                            index + 1,
-                            segment.reservation.size
-                        ),
+                let error = crate::Error::descriptor(
+                    crate::error::DescriptorRule::Size,
+                    format!(
+                        "chunk {} does not fit the {}-byte reservation",
+                        index + 1,
+                        segment.reservation.size
                     ),
-                ));
+                );
+                return Err((index, error, segment.into_reservation()));
             }
             // SAFETY: `offset + size` fits the reservation (checked above), and the chunks are
             // mapped at increasing, non-overlapping offsets, so this range is free; the
             // reservation outlives the mapping, since the segment owns both and drops its
             // mappings first (field order), also when this loop returns early.
             let mapping =
-                unsafe { Mapping::new(segment.reservation.ptr + offset as u64, chunk, access) }
-                    .map_err(|e| (index, e))?;
-            segment.mappings.push(mapping);
+                unsafe { Mapping::new(segment.reservation.ptr + offset as u64, chunk, access) };
+            match mapping {
+                Ok(mapping) => segment.mappings.push(mapping),
+                Err(e) => return Err((index, e, segment.into_reservation())),
+            }
             offset += size;
         }
         trace::record!(span, "chunks", segment.mappings.len());
@@ -288,6 +303,20 @@ impl Segment {
 
     pub(crate) fn ptr(&self) -> CUdeviceptr {
         self.reservation.ptr()
+    }
+
+    /// Unmap every chunk (last mapped first) and keep the range: nothing is mapped in the
+    /// returned reservation.
+    pub(crate) fn into_reservation(self) -> Reservation {
+        let Segment {
+            mut mappings,
+            reservation,
+            ..
+        } = self;
+        while let Some(mapping) = mappings.pop() {
+            drop(mapping);
+        }
+        reservation
     }
 
     /// The end of the reserved range: where an in-place grow asks for the next reservation.

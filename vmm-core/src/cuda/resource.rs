@@ -4,7 +4,7 @@
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use super::buffer::VirtualMemoryBuffer;
+use super::buffer::{AddressRange, VirtualMemoryBuffer};
 use super::device::{Device, format_uuid};
 use super::driver::{self, CUmemAccessDesc, CUmemLocation};
 use super::fabric::FabricDescriptor;
@@ -318,6 +318,59 @@ impl VirtualMemoryResource {
     /// A resource created with [`HandleType::None`] imports nothing ([`Error::InvalidOption`]):
     /// its buffers are not shareable, and an import is shared memory.
     pub fn import(&self, descriptor: &IpcDescriptor) -> Result<VirtualMemoryBuffer> {
+        self.import_placed(descriptor, None).map_err(|(e, _)| e)
+    }
+
+    /// [`import`](Self::import) at the addresses of `range` (kept by
+    /// [`VirtualMemoryBuffer::into_address_range`]): the chunks are mapped back to back from
+    /// its start, so the buffer's [`device_ptr`](VirtualMemoryBuffer::device_ptr) is
+    /// `range.device_ptr()`. The range must be on this resource's device and exactly as
+    /// long as the descriptor's chunks together ([`Error::InvalidDescriptor`] with rule
+    /// `Size` or `Location` otherwise, before any driver call). On any failure the range
+    /// comes back with the error, nothing mapped in it, to try again; on success the buffer
+    /// owns it (dropping the buffer frees it).
+    pub fn import_at(
+        &self,
+        descriptor: &IpcDescriptor,
+        range: AddressRange,
+    ) -> std::result::Result<VirtualMemoryBuffer, Box<(Error, AddressRange)>> {
+        let total: usize = descriptor.chunk_sizes().iter().sum();
+        let refused = if range.device() != &self.inner.device {
+            Some(Error::descriptor(
+                DescriptorRule::Location,
+                format!(
+                    "import_at: the address range is on device {}, this resource maps device {}",
+                    range.device().ordinal(),
+                    self.inner.device.ordinal()
+                ),
+            ))
+        } else if range.size() != total {
+            Some(Error::descriptor(
+                DescriptorRule::Size,
+                format!(
+                    "import_at: the address range is {} bytes, the descriptor's chunks {total}",
+                    range.size()
+                ),
+            ))
+        } else {
+            None
+        };
+        if let Some(e) = refused {
+            return Err(Box::new((e, range)));
+        }
+        self.import_placed(descriptor, Some(range.into_reservation()))
+            .map_err(|(e, kept)| {
+                let kept = kept.expect("import_placed gives a given reservation back");
+                Box::new((e, AddressRange::from_reservation(kept)))
+            })
+    }
+
+    /// `import`, in `place` if given (which comes back with any error).
+    fn import_placed(
+        &self,
+        descriptor: &IpcDescriptor,
+        place: Option<Reservation>,
+    ) -> std::result::Result<VirtualMemoryBuffer, (Error, Option<Reservation>)> {
         let _span = trace::span!(
             DEBUG,
             "cuda.import",
@@ -325,6 +378,23 @@ impl VirtualMemoryResource {
             chunks = descriptor.chunk_sizes().len(),
             handle_type = "posix_fd"
         );
+        let checked = self.check_import(descriptor);
+        if let Err(e) = checked {
+            return Err((e, place));
+        }
+        let sizes = descriptor.chunk_sizes();
+        let total = sizes.iter().sum();
+        let fds: Vec<_> = descriptor.fds().collect();
+        self.import_chunks(
+            (sizes, total, descriptor.size()),
+            (descriptor.location(), HandleType::PosixFd),
+            |device, index, size| Allocation::import(device, fds[index], size),
+            place,
+        )
+    }
+
+    /// Every check of a POSIX-fd import, before the first driver call.
+    fn check_import(&self, descriptor: &IpcDescriptor) -> Result<()> {
         if self.inner.options.handle_type == HandleType::None {
             return Err(Error::option(
                 "handle_type",
@@ -339,7 +409,7 @@ impl VirtualMemoryResource {
         }
         let sizes = descriptor.chunk_sizes();
         let count = sizes.len();
-        let total = validate_layout(
+        validate_layout(
             descriptor.handle_type(),
             descriptor.fds().count(),
             sizes,
@@ -362,12 +432,6 @@ impl VirtualMemoryResource {
             "IpcDescriptor",
             descriptor.device().map(|d| (Some(d.ordinal), d.uuid)),
             descriptor.location(),
-        )?;
-        let fds: Vec<_> = descriptor.fds().collect();
-        self.import_chunks(
-            (sizes, total, descriptor.size()),
-            (descriptor.location(), HandleType::PosixFd),
-            |device, index, size| Allocation::import(device, fds[index], size),
         )
     }
 
@@ -434,8 +498,9 @@ impl VirtualMemoryResource {
                 Allocation::import_fabric(device, handles[index].as_bytes(), size)
                     .map_err(|e| fabric_support::explain_refusal(e, device))
             },
+            None,
         )
-        .map_err(|e| match remote {
+        .map_err(|(e, _)| match remote {
             true => fabric_support::unreachable(e, &owner, self.device()),
             false => e,
         })
@@ -443,14 +508,23 @@ impl VirtualMemoryResource {
     }
 
     /// The driver steps of an import, after every check: import each chunk with `import_one`
-    /// (device, chunk index, chunk size), check where it lives, reserve `total` bytes, map the
-    /// chunks back to back with this resource's access. Any failure undoes all of it.
+    /// (device, chunk index, chunk size), check where it lives, reserve `total` bytes (or use
+    /// `place`, exactly `total` bytes on this device), map the chunks back to back with this
+    /// resource's access. Any failure undoes all of it and gives `place` back.
     fn import_chunks(
         &self,
         (sizes, total, size): (&[usize], usize, usize),
         (location, handle_type): (Location, HandleType),
-        mut import_one: impl FnMut(&Device, usize, usize) -> Result<Allocation>,
-    ) -> Result<VirtualMemoryBuffer> {
+        import_one: impl FnMut(&Device, usize, usize) -> Result<Allocation>,
+        place: Option<Reservation>,
+    ) -> std::result::Result<VirtualMemoryBuffer, (Error, Option<Reservation>)> {
+        let mut place = place;
+        let given = place.is_some();
+        let chunks = self.import_each(sizes, handle_type, import_one);
+        let chunks = match chunks {
+            Ok(chunks) => chunks,
+            Err(e) => return Err((e, place)),
+        };
         let count = sizes.len();
         let imported = |segments, size| {
             VirtualMemoryBuffer::from_segments(
@@ -464,6 +538,38 @@ impl VirtualMemoryResource {
         };
         if count == 0 {
             return Ok(imported(Vec::new(), 0));
+        }
+        let reservation = match place.take() {
+            Some(reservation) => reservation,
+            None => self.reserve(total).map_err(|e| {
+                let step = IpcStep::Reserve {
+                    bytes: total,
+                    chunks: count,
+                };
+                (Error::ipc(IpcOp::Import, step, e), None)
+            })?,
+        };
+        let segment = Segment::map_keeping(reservation, chunks, &self.inner.access).map_err(
+            |(index, e, reservation)| {
+                let size = sizes[index];
+                let e = Error::ipc(IpcOp::Import, IpcStep::Map(Chunk { index, count, size }), e);
+                (e, given.then_some(reservation))
+            },
+        )?;
+        Ok(imported(vec![Arc::new(segment)], size))
+    }
+
+    /// Import each chunk with `import_one` and check where it lives: the allocations, in
+    /// order, or the first failure (what was imported is released).
+    fn import_each(
+        &self,
+        sizes: &[usize],
+        handle_type: HandleType,
+        mut import_one: impl FnMut(&Device, usize, usize) -> Result<Allocation>,
+    ) -> Result<Vec<Arc<Allocation>>> {
+        let count = sizes.len();
+        if count == 0 {
+            return Ok(Vec::new());
         }
         // Every check ran before this, the first driver call.
         let device = self.device();
@@ -503,19 +609,7 @@ impl VirtualMemoryResource {
             }
             chunks.push(Arc::new(chunk));
         }
-        let reservation = self.reserve(total).map_err(|e| {
-            let step = IpcStep::Reserve {
-                bytes: total,
-                chunks: count,
-            };
-            Error::ipc(IpcOp::Import, step, e)
-        })?;
-        let segment =
-            Segment::map(reservation, chunks, &self.inner.access).map_err(|(index, e)| {
-                let size = sizes[index];
-                Error::ipc(IpcOp::Import, IpcStep::Map(Chunk { index, count, size }), e)
-            })?;
-        Ok(imported(vec![Arc::new(segment)], size))
+        Ok(chunks)
     }
 
     /// Refuse, before any driver call, a descriptor (`what`: its type, for errors) from another

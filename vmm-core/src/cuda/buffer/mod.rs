@@ -8,12 +8,46 @@ use std::sync::Arc;
 use super::device::Device;
 use super::driver::{self, CUdeviceptr};
 use super::ipc_descriptor::IpcDescriptor;
-use super::objects::{Allocation, Segment};
+use super::objects::{Allocation, Reservation, Segment};
 use super::resource_options::{HandleType, Location};
 use crate::Result;
 use crate::share::check_range;
 
 mod export;
+
+/// A reserved range of device addresses with nothing mapped in it: what
+/// [`VirtualMemoryBuffer::into_address_range`] keeps of a buffer, for
+/// [`VirtualMemoryResource::import_at`](super::VirtualMemoryResource::import_at) to map
+/// memory at again. Freed (`cuMemAddressFree`) when dropped.
+#[derive(Debug)]
+pub struct AddressRange {
+    reservation: Reservation,
+}
+
+impl AddressRange {
+    /// The first address.
+    pub fn device_ptr(&self) -> u64 {
+        self.reservation.ptr()
+    }
+
+    /// Its length in bytes.
+    pub fn size(&self) -> usize {
+        self.reservation.size()
+    }
+
+    /// The device whose address space it is in.
+    pub fn device(&self) -> &Device {
+        self.reservation.device()
+    }
+
+    pub(crate) fn into_reservation(self) -> Reservation {
+        self.reservation
+    }
+
+    pub(crate) fn from_reservation(reservation: Reservation) -> Self {
+        AddressRange { reservation }
+    }
+}
 
 /// A range of device virtual memory backed by one or more chunks mapped back to back.
 ///
@@ -164,6 +198,36 @@ impl VirtualMemoryBuffer {
     /// [`VirtualMemoryResource::import`]: super::VirtualMemoryResource::import
     pub fn is_imported(&self) -> bool {
         self.inner.imported || self.chunks().any(|c| c.is_imported())
+    }
+
+    /// Unmap this buffer and keep its addresses: the chunks are released (the memory goes
+    /// unless an exported fd or another process still holds it) and the address range stays
+    /// reserved in this process, for
+    /// [`VirtualMemoryResource::import_at`](super::VirtualMemoryResource::import_at) to map
+    /// memory at the same addresses later (a sleep and wake: pointers into the buffer mean
+    /// the same after the wake). A range the driver handed back could be taken by any other
+    /// allocation of this process before a wake; a kept one cannot.
+    ///
+    /// The buffer comes back unchanged in `Err` when it cannot be taken apart: another handle
+    /// to it lives (a clone, a buffer grown from it, a pending send), or it spans several
+    /// reservations (grown in place), or it is empty. Device work queued on its addresses
+    /// must have finished, as before dropping it.
+    pub fn into_address_range(self) -> std::result::Result<AddressRange, VirtualMemoryBuffer> {
+        let inner = match Arc::try_unwrap(self.inner) {
+            Ok(inner) => inner,
+            Err(inner) => return Err(VirtualMemoryBuffer { inner }),
+        };
+        if inner.segments.len() != 1 || Arc::strong_count(&inner.segments[0]) != 1 {
+            return Err(VirtualMemoryBuffer {
+                inner: Arc::new(inner),
+            });
+        }
+        let Inner { mut segments, .. } = inner;
+        let segment = segments.pop().and_then(|s| Arc::try_unwrap(s).ok());
+        let segment = segment.expect("one segment, held only here (checked above)");
+        Ok(AddressRange {
+            reservation: segment.into_reservation(),
+        })
     }
 
     fn check_range(&self, op: &'static str, offset: usize, len: usize) -> Result<()> {
