@@ -1,7 +1,10 @@
 """A strict fake of the part of ``cuda.bindings.driver`` that ``python/vmm_ipc_cuda.py`` uses, so
 its logic (handle and fd ownership, reserve/map/access order, copies across chunk boundaries,
-rollback) is tested without a GPU. Physical allocations are memfds; an exported "POSIX fd" is a
-duplicate of one; an import takes the fd by value and leaves it open, as the driver does.
+rollback) is tested without a GPU. Physical allocations are memfds named ``MEMFD_NAME``; an
+exported "POSIX fd" is a duplicate of one; an import takes the fd by value and leaves it open, as
+the driver does, and refuses any other fd. The Rust fake driver (``vmm-fake-driver``, a fake
+``libcuda.so`` the real vmm-memd runs on in ``vmm-memd/tests/python_fake_gpu.rs``) makes its
+allocations the same way and has the same device ``UUID``: fds cross between the two fakes.
 
 Calls return ``(CUresult, value...)`` tuples like the real bindings, and refuse what the real
 driver refuses (unknown handles, unmapped or unaccessible addresses, a wrong handle type, sizes
@@ -15,6 +18,7 @@ import os
 import secrets
 
 GRANULARITY = 2 << 20
+MEMFD_NAME = "fake-cuda"  # vmm-fake-driver's too: /proc/self/fd shows "/memfd:fake-cuda (deleted)"
 
 
 class CUresult(enum.IntEnum):
@@ -166,7 +170,7 @@ def cuMemCreate(size, prop, flags):
     if size % GRANULARITY or prop.type != CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED \
             or prop.location.type != CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE:
         return _err(CUresult.CUDA_ERROR_INVALID_VALUE)
-    fd = os.memfd_create("fake-cuda", os.MFD_CLOEXEC)
+    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
     os.ftruncate(fd, size)
     handle = CUmemGenericAllocationHandle(_next["handle"])
     _next["handle"] += 1
@@ -211,15 +215,25 @@ def _import_fabric(os_handle):
     return _ok(handle)
 
 
+def _is_allocation(fd):
+    """Whether ``fd`` is an exported allocation of either fake: a memfd named MEMFD_NAME (the
+    driver refuses an fd that is no exported allocation, a host region's memfd included)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == f"/memfd:{MEMFD_NAME} (deleted)"
+    except OSError:
+        return False
+
+
 def cuMemImportFromShareableHandle(os_handle, handle_type):
     if handle_type == CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC:
         return _import_fabric(os_handle)
     if not isinstance(os_handle, int) or handle_type != \
             CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR:
         return _err(CUresult.CUDA_ERROR_INVALID_VALUE)
-    try:
-        st = os.fstat(os_handle)
-    except OSError:
+    if not _is_allocation(os_handle):
+        return _err(CUresult.CUDA_ERROR_INVALID_VALUE)
+    st = os.fstat(os_handle)
+    if st.st_size == 0 or st.st_size % GRANULARITY:
         return _err(CUresult.CUDA_ERROR_INVALID_VALUE)
     # The driver keeps its own reference; the caller's fd stays the caller's.
     fd = os.dup(os_handle)

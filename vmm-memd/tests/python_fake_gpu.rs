@@ -1,0 +1,238 @@
+//! The GPU path end to end without a GPU: the real `vmm-memd` and vmm-core run on a fake
+//! `libcuda.so` (`vmm-fake-driver`: one device, allocations that are memfds, device addresses
+//! that are host addresses), the real Python client (`python/vmm_memd`) on the fake
+//! cuda.bindings (`python/tests/fake_cuda`, the same model and device UUID). So the bytes the
+//! service sends for a GPU region meet the Python client on every commit, in CI, where before
+//! they met it only on a GPU machine (issue 32: the service's `CUDA_VMM` descriptors named no
+//! device, and the Python client refused them; a Python forgery of the service had named one).
+//!
+//! cudarc `dlopen`s `libcuda.so` by name, and the dynamic loader reads `LD_LIBRARY_PATH` once,
+//! when a process starts: so each test writes the embedded fake to a fresh directory and runs
+//! its body in a fresh exec of this test executable with that directory in `LD_LIBRARY_PATH`
+//! ([`on_fake_driver`]); the service it starts inherits it. The body first checks that the
+//! device it sees is the fake's (a real driver on the machine must not be picked instead).
+//!
+//! Needs `python3` (3.9+; not numpy) for the service test: SKIP without it, a failure under
+//! `VMM_REQUIRE_PYTHON=1` (or `VMM_REQUIRE_GPU=1`).
+
+mod common;
+#[path = "common/gpu.rs"]
+mod gpu_common;
+#[path = "common/python.rs"]
+mod python;
+
+use std::os::fd::{AsFd, AsRawFd};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::ServiceProc;
+use python::PythonDir;
+use vmm_core::cuda::{Device, HandleType, IpcDescriptor, ResourceOptions, VirtualMemoryResource};
+use vmm_fake_driver::{DEVICE_NAME, DEVICE_UUID, GRANULARITY};
+
+/// The `vmm_ipc_peer` package, module by module.
+const PEER: [(&str, &str); 14] = include!("../../python/vmm_ipc_peer_files.rs");
+
+/// The `vmm_memd` package (with the CUDA helper it imports for GPU regions).
+const MEMD: [(&str, &str); 14] = include!("../../python/vmm_memd_files.rs");
+
+/// The tests, and the fake cuda.bindings they put first on the path.
+const FILES: [(&str, &str); 4] = [
+    (
+        "test_memd_gpu_service.py",
+        include_str!("../../python/tests/test_memd_gpu_service.py"),
+    ),
+    (
+        "fake_cuda/cuda/__init__.py",
+        include_str!("../../python/tests/fake_cuda/cuda/__init__.py"),
+    ),
+    (
+        "fake_cuda/cuda/bindings/__init__.py",
+        include_str!("../../python/tests/fake_cuda/cuda/bindings/__init__.py"),
+    ),
+    (
+        "fake_cuda/cuda/bindings/driver.py",
+        include_str!("../../python/tests/fake_cuda/cuda/bindings/driver.py"),
+    ),
+];
+
+/// Set (to the fake's directory) in the fresh exec that runs a test's body on the fake driver.
+const FAKE_DIR_VAR: &str = "VMM_FAKE_DRIVER_DIR";
+
+/// How long a test's body may take in its own process.
+const BODY_DEADLINE: Duration = Duration::from_secs(400);
+
+/// Run `body` on the fake driver: here, when this process was started for that (with
+/// [`FAKE_DIR_VAR`] and the fake first in `LD_LIBRARY_PATH`); otherwise install the fake in a
+/// fresh owner-only directory and run test `test` alone in a fresh exec of this test
+/// executable so started, which must run it and pass (its output is the failure's message).
+fn on_fake_driver(test: &str, body: impl FnOnce()) {
+    if std::env::var_os(FAKE_DIR_VAR).is_some() {
+        let device = Device::new(0).expect("device 0 of the fake driver");
+        assert_eq!(
+            (device.name(), device.uuid()),
+            (DEVICE_NAME, &DEVICE_UUID),
+            "LD_LIBRARY_PATH={:?} loaded another libcuda.so than the fake",
+            std::env::var_os("LD_LIBRARY_PATH")
+        );
+        body();
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("vmm-fake-driver-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    vmm_fake_driver::install(&dir).expect("write the fake libcuda.so");
+    let log_path = dir.join("body.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut child = Command::new(common::test_exe())
+        .args(["--exact", test, "--nocapture", "--test-threads=1", "-q"])
+        .env("LD_LIBRARY_PATH", vmm_fake_driver::library_path(&dir))
+        .env(FAKE_DIR_VAR, &dir)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("start this test executable on the fake driver");
+    let status = python::wait_by(&mut child, BODY_DEADLINE);
+    let out = std::fs::read_to_string(&log_path).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        status.is_some_and(|s| s.success()) && out.contains("1 passed"),
+        "{test} on the fake driver ({status:?}):\n{out}"
+    );
+    println!("{out}");
+}
+
+/// What vmm-core's GPU tests do first, on the fake: the availability check passes, no fabric;
+/// a buffer allocated, grown to two chunks, written across the boundary, exported (one memfd
+/// of the fake per chunk), imported read-only and read back; an fd that is no exported
+/// allocation refused by the driver.
+#[test]
+fn vmm_cores_gpu_path_runs_on_the_fake_driver() {
+    on_fake_driver("vmm_cores_gpu_path_runs_on_the_fake_driver", || {
+        vmm_core::testing::cuda_vmm_ipc().expect("vmm-core's GPU check passes on the fake");
+        let device = Device::new(0).unwrap();
+        let fabric = device.check_fabric().unwrap_err();
+        assert!(
+            matches!(fabric, vmm_core::Error::FabricUnsupported { .. }),
+            "{fabric:?}"
+        );
+        let resource = VirtualMemoryResource::new(&device, ResourceOptions::default()).unwrap();
+        assert_eq!(resource.granularity(), GRANULARITY);
+        let small = resource.allocate(GRANULARITY).unwrap();
+        let buffer = resource.grow(&small, 2 * GRANULARITY).unwrap();
+        assert_eq!(buffer.chunk_sizes(), [GRANULARITY; 2]);
+        let bytes = gpu_common::pattern(1, 0, buffer.size());
+        buffer.write_at(0, &bytes).unwrap();
+
+        let descriptor = buffer.export().unwrap();
+        for fd in descriptor.fds() {
+            let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+            assert_eq!(link.to_str(), Some("/memfd:fake-cuda (deleted)"));
+        }
+        let reader =
+            VirtualMemoryResource::new(&device, ResourceOptions::default().read_only(true))
+                .unwrap();
+        let imported = reader.import(&descriptor).unwrap();
+        assert!(imported.is_imported());
+        let mut read = vec![0u8; imported.size()];
+        imported.read_at(0, &mut read).unwrap();
+        assert!(read == bytes, "the import reads other bytes");
+        let mut across = [0u8; 8];
+        imported.read_at(GRANULARITY - 4, &mut across).unwrap();
+        assert_eq!(across, bytes[GRANULARITY - 4..GRANULARITY + 4]);
+        assert!(
+            imported.write_at(0, b"x").is_err(),
+            "read-only refuses writes"
+        );
+        // Written through the exporter, seen through the import: one memory.
+        buffer.fill(7).unwrap();
+        imported.read_at(GRANULARITY - 4, &mut across).unwrap();
+        assert_eq!(across, [7; 8]);
+
+        // A memfd that is no exported allocation (a host region's chunk, say).
+        let memfd = nix::sys::memfd::memfd_create(
+            c"vmm-memd-chunk",
+            nix::sys::memfd::MFdFlags::MFD_CLOEXEC,
+        )
+        .unwrap();
+        nix::unistd::ftruncate(&memfd, GRANULARITY as i64).unwrap();
+        let forged = IpcDescriptor::from_fds(
+            &[memfd.as_fd()],
+            &[GRANULARITY],
+            HandleType::PosixFd,
+            GRANULARITY,
+        )
+        .unwrap();
+        let err = reader.import(&forged).unwrap_err();
+        assert!(
+            err.to_string().contains("cuMemImportFromShareableHandle"),
+            "{err}"
+        );
+    });
+}
+
+/// Bytes Python publishes under `host` (`HOST_BYTES` in `test_memd_gpu_service.py`).
+fn host_bytes() -> Vec<u8> {
+    (0..4096).map(|i| i as u8).collect()
+}
+
+/// Bytes Python copies from its device memory under `device` (`DEVICE_BYTES`).
+fn device_bytes() -> Vec<u8> {
+    (0..256u32).map(|i| ((i * 7 + 3) % 256) as u8).collect()
+}
+
+/// The real service on the fake driver, the real Python client on the fake cuda.bindings: a
+/// GPU region Rust published attaches in Python (read-only, the bytes, verified); Python
+/// publishes one (from host and device memory) and attaches it back, fills a writer's two
+/// chunks; then Rust attaches what Python published and reads its bytes.
+#[test]
+fn python_and_rust_exchange_gpu_regions_through_the_service_on_fake_drivers() {
+    let test = "python_and_rust_exchange_gpu_regions_through_the_service_on_fake_drivers";
+    if !python::run_unless(test, python::python3()) {
+        return;
+    }
+    on_fake_driver(test, || {
+        let service = ServiceProc::start(&[]);
+        let rust = service.connect();
+        let pid = std::process::id();
+        let region = format!("rust-gpu-for-python-{pid}");
+        let generation = gpu_common::publish_gpu(&rust, &region, DEVICE_UUID, 2, 3 << 20);
+        let from_python = format!("python-gpu-for-rust-{pid}");
+        let py = PythonDir::new("fake-gpu", &[&PEER, &MEMD, &FILES]);
+        let env = [
+            ("VMM_MEMD_SOCKET", service.socket.clone()),
+            ("VMM_MEMD_GPU_REGION", format!("{region}:{generation}")),
+            ("VMM_MEMD_GPU_FROM_PYTHON", from_python.clone()),
+        ];
+        let (ok, out) = py.unittest(&["test_memd_gpu_service"], &env);
+        assert!(ok && out.contains("\nOK"), "{out}");
+        python::assert_passed(
+            &out,
+            &[
+                "test_a_region_rust_published_attaches_here_read_only",
+                "test_a_region_published_here_attaches_back_and_verifies",
+                "test_a_writer_fills_two_chunks_commits_and_aborts",
+                "test_the_fake_refuses_an_fd_that_is_no_allocation",
+            ],
+        );
+
+        // What Python published, attached here: read-only, no fabric, the bytes.
+        let attached = rust
+            .attach(&from_python)
+            .expect("attach Python's GPU region");
+        let gpu = attached.gpu.as_ref().expect("a GPU region");
+        assert!(gpu.is_read_only() && !gpu.fabric());
+        assert_eq!(gpu.device_uuid(), DEVICE_UUID);
+        let read = |key: &str| {
+            let meta = &attached.meta[key];
+            let at = gpu.chunk_offset(meta.chunk as usize).unwrap() + meta.offset;
+            let mut bytes = vec![0u8; meta.len as usize];
+            gpu.buffer().read_at(at as usize, &mut bytes).unwrap();
+            bytes
+        };
+        assert_eq!(read("host"), host_bytes());
+        assert_eq!(read("device"), device_bytes());
+        rust.verify(&from_python, None)
+            .expect("Python's bytes are those digested at its commit");
+    });
+}
