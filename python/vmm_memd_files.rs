@@ -32,6 +32,7 @@
     ),
     ("vmm_memd/sleep.py", include_str!("vmm_memd/sleep.py")),
     ("vmm_memd/tensor.py", include_str!("vmm_memd/tensor.py")),
+    ("vmm_memd/torch.py", include_str!("vmm_memd/torch.py")),
     ("vmm_memd/writer.py", include_str!("vmm_memd/writer.py")),
     ("vmm_ipc_cuda.py", include_str!("vmm_ipc_cuda.py")),
 ]

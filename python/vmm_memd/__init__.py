@@ -15,13 +15,17 @@ HOST_MEMFD descriptors. A committed chunk is checked to be a tmpfs memfd sealed 
 before it is mapped, and mapped ``PROT_READ``. Refusals arrive as typed exceptions
 (``QuotaExceeded``, ``NoSuchRegion``, ...), a dead service as ``ServiceGone``, a reply that
 breaks the protocol as ``BadReply``.
+
+``vmm_memd.torch`` publishes a torch state dict and binds a model built on the meta device to
+an attached one, zero-copy (torch is imported only when it is used).
 """
 
 from .errors import (  # noqa: F401
     AccessDenied, BadDescriptor, BadReply, DecodeError, FdsInFlight, InvalidRequest, MemdError,
     NoSuchGeneration, NoSuchRegion, Os, QuotaExceeded, Refused, ServiceFailed, ServiceGone,
     StillMapped, TooLarge, Transport, WriterBusy, NoSuchDevice, DeviceFailed, DigestMismatch,
-    FabricUnavailable, GpuImportFailed, GpuRegion, StaleLayout,
+    FabricUnavailable, GpuImportFailed, GpuRegion, StaleLayout, StateDictError,
+    StateDictMismatch, TooManyChunks, UnsupportedDevice, UnsupportedDtype,
 )
 from .sleep import Sleeping, layout_hash  # noqa: F401
 from .protocol import Acl, Dtype, Gid, TensorMeta, Uid  # noqa: F401
@@ -30,6 +34,7 @@ from .client import Client  # noqa: F401
 from .attached import Attached  # noqa: F401
 from .writer import Writer  # noqa: F401
 from .publishing import ALIGNMENT, publish, publish_gpu  # noqa: F401
+from . import torch  # noqa: F401  (vmm_memd.torch: imports torch only when used)
 
 __all__ = [
     "Client", "Attached", "Writer", "Tensor", "publish", "publish_gpu", "ALIGNMENT", "Acl", "Dtype", "Gid",
@@ -37,5 +42,6 @@ __all__ = [
     "Transport", "Os", "QuotaExceeded", "AccessDenied", "NoSuchRegion", "NoSuchGeneration",
     "WriterBusy", "TooLarge", "InvalidRequest", "StillMapped", "FdsInFlight", "ServiceFailed",
     "NoSuchDevice", "DeviceFailed", "DigestMismatch", "FabricUnavailable", "GpuRegion",
-    "GpuImportFailed", "StaleLayout", "Sleeping", "layout_hash",
+    "GpuImportFailed", "StaleLayout", "Sleeping", "layout_hash", "StateDictError",
+    "StateDictMismatch", "TooManyChunks", "UnsupportedDevice", "UnsupportedDtype",
 ]

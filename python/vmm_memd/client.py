@@ -2,6 +2,7 @@
 it holds ends when it closes, process death included), speaking postcard requests in DATA
 messages of the peer protocol (``vmm_ipc_peer``)."""
 
+import contextlib
 import errno
 import time
 
@@ -406,9 +407,26 @@ class Client:
             raise
         return Writer(self, region, reply.generation, maps)
 
-    def commit_pending(self):
-        """Commit this connection's pending generation; its number."""
-        return self.request(p.encode_commit(), p.Committed).generation
+    def commit_pending(self, timeout=None):
+        """Commit this connection's pending generation; its number. ``timeout`` (seconds), when
+        longer than the connection's own, is how long the reply may take: the service takes a
+        GPU generation's digests (reads every byte) before it answers."""
+        with self._patience(timeout):
+            return self.request(p.encode_commit(), p.Committed).generation
+
+    @contextlib.contextmanager
+    def _patience(self, seconds):
+        """The connection's timeout raised to ``seconds`` for the block (never lowered; a
+        connection without a timeout keeps none)."""
+        current = self.conn.sock.gettimeout()
+        if seconds is None or current is None or seconds <= current:
+            yield
+            return
+        self.conn.sock.settimeout(seconds)
+        try:
+            yield
+        finally:
+            self.conn.sock.settimeout(current)
 
     def abort_pending(self):
         """Free this connection's pending generation."""

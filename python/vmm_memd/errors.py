@@ -169,6 +169,58 @@ class GpuImportFailed(MemdError):
         super().__init__(f"region {region!r}: importing its chunks failed: {why}")
 
 
+class StateDictError(MemdError, ValueError):
+    """A state dict ``vmm_memd.torch`` cannot publish or bind (raised before anything is sent
+    to the service, or before the model is changed). Subclasses say which rule it breaks."""
+
+
+class UnsupportedDtype(StateDictError):
+    """Tensor ``name`` is of torch dtype ``dtype`` (its name, ``"float8_e4m3fn"``), which
+    vmm-memd's Dtype cannot name."""
+
+    def __init__(self, name, dtype):
+        self.name, self.dtype = name, dtype
+        super().__init__(f"tensor {name!r}: torch dtype {dtype} has no vmm-memd Dtype (it names "
+                         f"u8, i8, u16, i16, u32, i32, u64, i64, f16, bf16, f32, f64, bool)")
+
+
+class UnsupportedDevice(StateDictError):
+    """Tensor ``name`` lives on ``device`` (or, with ``name`` None, the target ``device`` asked
+    for): only CUDA devices and the CPU are published from or to."""
+
+    def __init__(self, name, device):
+        self.name, self.device = name, device
+        what = "the target device" if name is None else f"tensor {name!r}"
+        super().__init__(f"{what}: {device} is neither a CUDA device nor the CPU")
+
+
+class StateDictMismatch(StateDictError):
+    """The tensors do not fit the model: keys it has that they lack (``missing``), keys it has
+    no place for (``unexpected``), tensors of another shape or dtype (``mismatched``: one line
+    each), and what is still on the meta device after binding (``unbound``)."""
+
+    def __init__(self, missing=(), unexpected=(), mismatched=(), unbound=()):
+        self.missing, self.unexpected = list(missing), list(unexpected)
+        self.mismatched, self.unbound = list(mismatched), list(unbound)
+        parts = [f"{label}: {', '.join(items[:8])}{' ...' if len(items) > 8 else ''} "
+                 f"({len(items)})"
+                 for label, items in (("missing", self.missing),
+                                      ("unexpected", self.unexpected),
+                                      ("mismatched", self.mismatched),
+                                      ("still on the meta device", self.unbound)) if items]
+        super().__init__("the tensors do not fit the model: " + "; ".join(parts))
+
+
+class TooManyChunks(StateDictError):
+    """Packing needs ``needed`` chunks of at most ``chunk_bytes`` bytes; a generation has at
+    most ``cap`` (vmm-memd's MAX_CHUNKS): ask for larger chunks."""
+
+    def __init__(self, needed, cap, chunk_bytes):
+        self.needed, self.cap, self.chunk_bytes = needed, cap, chunk_bytes
+        super().__init__(f"{needed} chunks of at most {chunk_bytes} bytes are needed, a "
+                         f"generation has at most {cap}: pass a larger chunk_bytes")
+
+
 class Os(MemdError):
     """A system call of this process failed: ``op`` names it, ``errno`` is the kernel's."""
 

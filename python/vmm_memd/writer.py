@@ -61,9 +61,11 @@ class Writer:
                 kept.append(m)
         self.chunks = kept
 
-    def commit(self):
+    def commit(self, timeout=None):
         """Unmap, send the metadata, commit: the generation becomes current, read-only for
-        everyone. Its number. Metadata the service refuses aborts the generation."""
+        everyone. Its number. Metadata the service refuses aborts the generation. ``timeout``
+        (seconds): how long the commit's reply may take, when longer than the connection's
+        timeout (see ``Client.commit_pending``)."""
         self._unmap()
         if not self._meta_sent:
             self._meta_sent = True
@@ -73,7 +75,7 @@ class Writer:
                 self.finished = True
                 self.client.abort_pending_quietly()
                 raise
-        generation = self.client.commit_pending()
+        generation = self.client.commit_pending(timeout)
         self.finished = True
         return generation
 

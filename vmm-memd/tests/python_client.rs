@@ -25,10 +25,10 @@ use vmm_memd::protocol::Dtype;
 const PEER: [(&str, &str); 14] = include!("../../python/vmm_ipc_peer_files.rs");
 
 /// The `vmm_memd` package (with the CUDA helper it imports for GPU regions).
-const MEMD: [(&str, &str); 14] = include!("../../python/vmm_memd_files.rs");
+const MEMD: [(&str, &str); 15] = include!("../../python/vmm_memd_files.rs");
 
 /// The packaging, and the tests.
-const FILES: [(&str, &str); 14] = [
+const FILES: [(&str, &str); 15] = [
     (
         "pyproject.toml",
         include_str!("../../python/pyproject.toml"),
@@ -69,6 +69,10 @@ const FILES: [(&str, &str); 14] = [
     (
         "test_memd_gpu_torch.py",
         include_str!("../../python/tests/test_memd_gpu_torch.py"),
+    ),
+    (
+        "test_memd_torch.py",
+        include_str!("../../python/tests/test_memd_torch.py"),
     ),
     (
         "fake_cuda/cuda/__init__.py",
@@ -236,6 +240,7 @@ fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
             "test_memd_hostile",
             "test_memd_gpu_fake",
             "test_memd_sleep",
+            "test_memd_torch",
         ],
         &env,
     );
@@ -266,8 +271,31 @@ fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
             "test_wake_maps_the_next_generation_at_the_same_addresses",
             "test_another_layout_is_stale_and_the_region_stays_asleep",
             "test_a_discard_sleep_wakes_to_zeroed_memory",
+            "test_tensors_go_in_order_at_aligned_offsets_of_one_chunk",
+            "test_a_new_chunk_starts_when_the_next_tensor_would_pass_chunk_bytes",
+            "test_a_tensor_larger_than_chunk_bytes_gets_a_chunk_of_its_own_size",
+            "test_every_tensor_lies_inside_its_chunk_for_random_state_dicts",
+            "test_tied_weights_are_stored_once_under_both_names",
+            "test_tensors_without_bytes_take_no_room",
+            "test_more_chunks_than_a_generation_holds_is_too_many_chunks",
+            "test_the_default_packs_a_llama_into_few_chunks",
+            "test_bad_names_and_sizes_are_refused",
+            "test_a_dtype_vmm_memd_cannot_name_is_unsupported_dtype",
         ],
     );
+    // Where python3 has torch (the GPU machine), a state dict on a host region, bound to a
+    // model built on the meta device, ran too.
+    if python3_can("import torch", "").is_ok() {
+        assert_passed(
+            &out,
+            &[
+                "test_a_model_built_on_meta_runs_on_the_published_state_zero_copy",
+                "test_views_scalars_empty_tensors_and_several_chunks_round_trip",
+                "test_what_cannot_be_published_is_refused_typed_before_anything_is_sent",
+                "test_tensors_that_do_not_fit_the_model_are_state_dict_mismatch",
+            ],
+        );
+    }
     // Another uid's view needs root (and a python3 that uid 65534 can run): where CI asks for
     // the Python tests to run, as root, it must have run.
     if common::is_root() && std::env::var("VMM_REQUIRE_PYTHON").is_ok_and(|v| v == "1") {
