@@ -17,9 +17,9 @@ use vmm_core::testing::skip_unless;
 use vmm_core::wire::endpoint::Name;
 
 const ARGS_VAR: &str = "VMM_DEMO_ROLE_ARGS";
-const PEER: [(&str, &str); 14] = include!("../../python/vmm_ipc_peer_files.rs");
+const PEER: &[(&str, &str)] = &include!("../../python/vmm_ipc_peer_files.rs");
 /// The `vmm_memd` package (with the CUDA helper it imports for GPU regions).
-const MEMD: [(&str, &str); 15] = include!("../../python/vmm_memd_files.rs");
+const MEMD: &[(&str, &str)] = &include!("../../python/vmm_memd_files.rs");
 /// The Python demo.
 const DEMO: (&str, &str) = ("memd_demo.py", include_str!("../python/memd_demo.py"));
 

@@ -22,10 +22,10 @@ use common::{ServiceProc, fill_byte, publish};
 use vmm_memd::protocol::Dtype;
 
 /// The `vmm_ipc_peer` package, module by module.
-const PEER: [(&str, &str); 14] = include!("../../python/vmm_ipc_peer_files.rs");
+const PEER: &[(&str, &str)] = &include!("../../python/vmm_ipc_peer_files.rs");
 
 /// The `vmm_memd` package (with the CUDA helper it imports for GPU regions).
-const MEMD: [(&str, &str); 15] = include!("../../python/vmm_memd_files.rs");
+const MEMD: &[(&str, &str)] = &include!("../../python/vmm_memd_files.rs");
 
 /// The packaging, and the tests.
 const FILES: [(&str, &str); 15] = [

@@ -31,10 +31,10 @@ use vmm_core::cuda::{Device, HandleType, IpcDescriptor, ResourceOptions, Virtual
 use vmm_fake_driver::{DEVICE_NAME, DEVICE_UUID, GRANULARITY};
 
 /// The `vmm_ipc_peer` package, module by module.
-const PEER: [(&str, &str); 14] = include!("../../python/vmm_ipc_peer_files.rs");
+const PEER: &[(&str, &str)] = &include!("../../python/vmm_ipc_peer_files.rs");
 
 /// The `vmm_memd` package (with the CUDA helper it imports for GPU regions).
-const MEMD: [(&str, &str); 14] = include!("../../python/vmm_memd_files.rs");
+const MEMD: &[(&str, &str)] = &include!("../../python/vmm_memd_files.rs");
 
 /// The tests, and the fake cuda.bindings they put first on the path.
 const FILES: [(&str, &str); 4] = [

@@ -24,10 +24,10 @@ use std::time::{Duration, Instant};
 use common::ServiceProc;
 
 /// The `vmm_ipc_peer` package, module by module.
-const PEER: [(&str, &str); 14] = include!("../../python/vmm_ipc_peer_files.rs");
+const PEER: &[(&str, &str)] = &include!("../../python/vmm_ipc_peer_files.rs");
 
 /// The `vmm_memd` package (with the CUDA helper it imports for GPU regions).
-const MEMD: [(&str, &str); 15] = include!("../../python/vmm_memd_files.rs");
+const MEMD: &[(&str, &str)] = &include!("../../python/vmm_memd_files.rs");
 
 /// The test.
 const FILES: [(&str, &str); 1] = [(

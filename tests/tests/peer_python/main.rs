@@ -41,7 +41,7 @@ mod tls_interop;
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The `vmm_ipc_peer` package, module by module (`python/vmm_ipc_peer_files.rs`).
-const PEER: [(&str, &str); 14] = include!("../../../python/vmm_ipc_peer_files.rs");
+const PEER: &[(&str, &str)] = &include!("../../../python/vmm_ipc_peer_files.rs");
 const CUDA: &str = include_str!("../../../python/vmm_ipc_cuda.py");
 const ROLES: &str = include_str!("../../../python/tests/peer_roles.py");
 const FIXTURES: &str = include_str!("../../../python/tests/peer_fixtures.py");
@@ -146,7 +146,7 @@ fn python_dir() -> PythonDir {
     ];
     PythonDir::new(
         "peer-python",
-        PEER.into_iter().chain(files).chain(FAKE_CUDA),
+        PEER.iter().copied().chain(files).chain(FAKE_CUDA),
     )
 }
 
