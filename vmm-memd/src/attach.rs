@@ -229,7 +229,8 @@ impl Client {
                     None => GpuChunks::import(device, &fds, &chunks, (true, fabric)),
                     Some(range) => {
                         GpuChunks::import_at(device, &fds, &chunks, (true, fabric), range).map_err(
-                            |(e, range)| {
+                            |failed| {
+                                let (e, range) = *failed;
                                 // Back in the placement, to wake again.
                                 if let Some(p) = place.as_mut() {
                                     p.gpu_range = Some(range);

@@ -313,9 +313,25 @@ impl Client {
 
     /// Commit this connection's pending generation again, after a commit refused with
     /// [`Refusal::StillMapped`](crate::Refusal::StillMapped) (once the stray mapping is gone).
+    ///
+    /// The reply is waited for past the connection's timeout: a commit that the service
+    /// carries out lands whether or not this client still listens, so giving up on its reply
+    /// would report a failure for a generation that became current. The wait ends with the
+    /// reply, a refusal, or [`MemdError::ServiceGone`] (the service died: whether the
+    /// generation landed is then unknown until the region is read again).
     pub fn commit_pending(&self) -> Result<u64> {
-        match self.request(&Request::Commit)? {
+        let bytes = postcard::to_allocvec(&Request::Commit)
+            .map_err(|e| MemdError::BadReply(format!("encoding a request: {e}")))?;
+        self.session.send_data(&bytes)?;
+        let reply = loop {
+            match self.reply() {
+                Err(MemdError::Core(vmm_core::Error::Timeout { .. })) => continue,
+                other => break other?,
+            }
+        };
+        match reply {
             Response::Committed { generation } => Ok(generation),
+            Response::Refused(refusal) => Err(refusal.into()),
             other => Err(unexpected("Committed", &other)),
         }
     }

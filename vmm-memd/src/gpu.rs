@@ -2,7 +2,7 @@
 //! POSIX fds that the service then holds (the exported fd keeps the memory, which
 //! `tests/gpu_held_fd.rs` proves; the allocation's own handle is released at once, except for
 //! fabric-shareable chunks, whose fabric handles are exported from it), and digests of
-//! committed chunks. Nothing here runs, and no CUDA context is made, until the first request
+//! committed chunks (taken in the background after a commit: `registry/hashing.rs`). Nothing here runs, and no CUDA context is made, until the first request
 //! for a GPU region: a host-only service never loads the driver.
 
 use std::collections::HashMap;
@@ -132,14 +132,28 @@ impl Gpus {
         uuid: &[u8; 16],
         chunks: &[(ChunkFd, u64)],
     ) -> Result<Vec<ChunkDigest>, Refusal> {
+        self.digests_until(uuid, chunks, &|| false)
+            .map(|d| d.expect("never stopped"))
+    }
+
+    /// [`digests`](Self::digests), given up (`None`) once `stopped()` says so: it is asked
+    /// between 16 MiB pieces, so a service stopping does not wait for a whole pass.
+    pub(crate) fn digests_until(
+        &self,
+        uuid: &[u8; 16],
+        chunks: &[(ChunkFd, u64)],
+        stopped: &dyn Fn() -> bool,
+    ) -> Result<Option<Vec<ChunkDigest>>, Refusal> {
         let resources = self.resources(uuid)?;
-        chunks
-            .iter()
-            .map(|(fd, len)| {
-                let mapped = map_read_only(&resources.read, uuid, fd, *len)?;
-                digest(&mapped, uuid)
-            })
-            .collect()
+        let mut digests = Vec::with_capacity(chunks.len());
+        for (fd, len) in chunks {
+            let mapped = map_read_only(&resources.read, uuid, fd, *len)?;
+            match digest(&mapped, uuid, stopped)? {
+                Some(d) => digests.push(d),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(digests))
     }
 }
 
@@ -176,12 +190,20 @@ fn map_read_only(
     resource.import(&descriptor).map_err(failed)
 }
 
-/// SHA-256 of a mapped chunk's bytes, copied to the host a piece at a time.
-fn digest(buffer: &VirtualMemoryBuffer, uuid: &[u8; 16]) -> Result<ChunkDigest, Refusal> {
+/// SHA-256 of a mapped chunk's bytes, copied to the host a piece at a time; `None` once
+/// `stopped()` (asked before each piece).
+fn digest(
+    buffer: &VirtualMemoryBuffer,
+    uuid: &[u8; 16],
+    stopped: &dyn Fn() -> bool,
+) -> Result<Option<ChunkDigest>, Refusal> {
     let mut context = ring::digest::Context::new(&ring::digest::SHA256);
     let mut piece = vec![0u8; HASH_PIECE.min(buffer.size())];
     let mut offset = 0;
     while offset < buffer.size() {
+        if stopped() {
+            return Ok(None);
+        }
         let n = piece.len().min(buffer.size() - offset);
         buffer
             .read_at(offset, &mut piece[..n])
@@ -195,5 +217,5 @@ fn digest(buffer: &VirtualMemoryBuffer, uuid: &[u8; 16]) -> Result<ChunkDigest, 
     }
     let mut out = [0u8; 32];
     out.copy_from_slice(context.finish().as_ref());
-    Ok(out)
+    Ok(Some(out))
 }

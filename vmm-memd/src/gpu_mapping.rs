@@ -55,10 +55,10 @@ impl GpuChunks {
         sizes: &[u64],
         (read_only, fabric): (bool, bool),
         range: AddressRange,
-    ) -> std::result::Result<GpuChunks, (MemdError, AddressRange)> {
+    ) -> std::result::Result<GpuChunks, Box<(MemdError, AddressRange)>> {
         let (resource, descriptor) = match Self::prepare(device, fds, sizes, read_only) {
             Ok(prepared) => prepared,
-            Err(e) => return Err((e, range)),
+            Err(e) => return Err(Box::new((e, range))),
         };
         match resource.import_at(&descriptor, range) {
             Ok(buffer) => Ok(GpuChunks {
@@ -70,7 +70,7 @@ impl GpuChunks {
             }),
             Err(failed) => {
                 let (e, range) = *failed;
-                Err((e.into(), range))
+                Err(Box::new((e.into(), range)))
             }
         }
     }

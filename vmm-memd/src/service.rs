@@ -203,6 +203,8 @@ impl Service {
                     std::thread::sleep(TICK);
                 }
             });
+            // Digests of committed GPU generations, off the commits' path.
+            scope.spawn(move || registry.hash_queued(&|| halt.is_set()));
             if kept {
                 scope.spawn(move || {
                     while !halt.is_set() {
@@ -544,13 +546,11 @@ impl Connection<'_, '_> {
             }
             Request::Commit => {
                 let region = writing()?;
-                // A GPU generation's digests, taken before the commit and outside the lock.
-                let digests = match registry.pending_chunks(conn, &region)? {
-                    (Backend::Gpu { uuid }, chunks) => registry.gpus().digests(&uuid, &chunks)?,
-                    (Backend::Host, _) => Vec::new(),
-                };
-                let generation = registry.commit(conn, &region, digests)?;
+                let generation = registry.commit(conn, &region)?;
                 self.writing = None;
+                // A GPU generation's digests are taken in the background, off this reply's
+                // path (registry/hashing.rs).
+                registry.hash_later(&region, generation);
                 Response::Committed { generation }
             }
             Request::Abort => {
@@ -592,10 +592,24 @@ impl Connection<'_, '_> {
                 Response::Woke { generation, zeroed }
             }
             Request::Verify { region, generation } => {
-                let (generation, backend, chunks, digests) =
+                let (generation, backend, chunks, mut digests) =
                     registry.verify_target(who, &region, generation)?;
                 if let Backend::Gpu { uuid } = backend {
                     let now = registry.gpus().digests(&uuid, &chunks)?;
+                    if digests.is_empty() {
+                        // Not hashed yet (queued, or taken back from the keeper): this pass
+                        // is the generation's (see registry/hashing.rs), unless the
+                        // background pass recorded its own first.
+                        digests = match registry.record_digests(
+                            &region,
+                            generation,
+                            &chunks,
+                            now.clone(),
+                        ) {
+                            true => now.clone(),
+                            false => registry.verify_target(who, &region, Some(generation))?.3,
+                        };
+                    }
                     let changed = digests.iter().zip(&now).position(|(a, b)| a != b);
                     if let Some(chunk) = changed {
                         return Err(Refusal::DigestMismatch {

@@ -298,6 +298,7 @@ fn gpu_discard_sleep_frees_and_wake_makes_zeroed_memory_at_the_same_address() {
     publish_gpu(&client, "kv", uuid, 2, SIZE);
     let attached = client.attach("kv").unwrap();
     let address = attached.gpu.as_ref().unwrap().device_ptr();
+    client.verify("kv", None).unwrap();
     let fds = settled_fd_count(&service);
     let sleeping = client.sleep_discard(attached).unwrap();
     assert_eq!(settled_fd_count(&service), fds - 2, "both chunks let go");
@@ -335,11 +336,17 @@ fn an_operators_sleep_and_wake_of_a_gpu_region() {
     let uuid = parse_uuid(&uuid_hex(0));
     let client = service.connect();
     publish_gpu(&client, "kv", uuid, 2, SIZE);
-    let fds = service.fd_count();
+    // The digests taken (the background pass holds the chunks while it reads them).
+    client.verify("kv", None).unwrap();
+    let fds = settled_fd_count(&service);
     assert_eq!(client.sleep_region("kv").unwrap().leases, 0);
-    assert_eq!(service.fd_count(), fds - 2, "both chunks let go");
+    assert_eq!(settled_fd_count(&service), fds - 2, "both chunks let go");
     assert!(client.wake_region("kv").unwrap().zeroed);
-    assert_eq!(service.fd_count(), fds, "made again before any attach");
+    assert_eq!(
+        settled_fd_count(&service),
+        fds,
+        "made again before any attach"
+    );
     let attached = client.attach("kv").unwrap();
     assert!(gpu_common::zeroed(attached.gpu.as_ref().unwrap()));
     assert_eq!(client.verify("kv", None).unwrap().len(), 2);
@@ -361,7 +368,8 @@ fn a_gpu_begin_over_the_quota_is_refused_before_allocating() {
     assert!(granule > 1 && granule.is_power_of_two());
     writer.commit().unwrap();
     assert_eq!(client.status().unwrap().used, granule);
-    let fds = service.fd_count();
+    client.verify("tiny", None).unwrap();
+    let fds = settled_fd_count(&service);
     match client.begin("big", &[1 << 30], on(uuid)) {
         Err(MemdError::Refused(Refusal::QuotaExceeded { used, asked, .. })) => {
             assert_eq!((used, asked), (granule, 1 << 30))

@@ -368,3 +368,37 @@ fn an_unmapped_attach_holds_a_lease_and_sealed_chunk_fds() {
             .is_empty()
     );
 }
+
+/// A commit whose reply comes later than the client's per-message timeout still reports the
+/// generation it made current, never a failure: the service is SIGSTOPped while the commit is
+/// in its socket, for five times the client's timeout, then continued.
+#[test]
+fn a_commit_answered_after_the_clients_timeout_reports_its_generation() {
+    let service = ServiceProc::start(&[]);
+    let options = vmm_core::wire::endpoint::ConnectOptions {
+        timeout: Some(Duration::from_millis(100)),
+        ..Default::default()
+    };
+    let client = vmm_memd::Client::connect_with(&service.name(), &options).unwrap();
+    let mut writer = client
+        .begin("slow-commit", &[4096], BeginOptions::default())
+        .unwrap();
+    writer.chunk(0).write_at(0, &[7u8; 4096]).unwrap();
+    service.signal(libc::SIGSTOP);
+    let continued = std::thread::spawn({
+        let pid = service.child.id() as i32;
+        move || {
+            std::thread::sleep(Duration::from_millis(500));
+            // SAFETY: kill(2) on the service's pid, which the test owns and has not reaped.
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+        }
+    });
+    let committed = writer.commit();
+    continued.join().unwrap();
+    assert_eq!(committed.unwrap(), 1);
+    let attached = service.connect().attach("slow-commit").unwrap();
+    assert_eq!(
+        (attached.generation, attached.chunks[0].as_slice()[0]),
+        (1, 7)
+    );
+}

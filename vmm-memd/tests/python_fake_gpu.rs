@@ -198,7 +198,7 @@ fn python_and_rust_exchange_gpu_regions_through_the_service_on_fake_drivers() {
         let region = format!("rust-gpu-for-python-{pid}");
         let generation = gpu_common::publish_gpu(&rust, &region, DEVICE_UUID, 2, 3 << 20);
         let from_python = format!("python-gpu-for-rust-{pid}");
-        let py = PythonDir::new("fake-gpu", &[&PEER, &MEMD, &FILES]);
+        let py = PythonDir::new("fake-gpu", &[PEER, MEMD, &FILES]);
         let env = [
             ("VMM_MEMD_SOCKET", service.socket.clone()),
             ("VMM_MEMD_GPU_REGION", format!("{region}:{generation}")),

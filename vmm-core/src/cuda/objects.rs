@@ -243,7 +243,7 @@ impl Segment {
         chunks: impl IntoIterator<Item = Arc<Allocation>>,
         access: &[CUmemAccessDesc],
     ) -> std::result::Result<Self, (usize, crate::Error)> {
-        Segment::map_keeping(reservation, chunks, access).map_err(|(index, e, _)| (index, e))
+        Segment::map_keeping(reservation, chunks, access).map_err(|failed| (failed.0, failed.1))
     }
 
     /// [`map`](Self::map), giving the reservation back on failure (unmapped again) with the
@@ -253,7 +253,7 @@ impl Segment {
         reservation: Reservation,
         chunks: impl IntoIterator<Item = Arc<Allocation>>,
         access: &[CUmemAccessDesc],
-    ) -> std::result::Result<Self, (usize, crate::Error, Reservation)> {
+    ) -> std::result::Result<Self, Box<(usize, crate::Error, Reservation)>> {
         let span = trace::span!(
             DEBUG,
             "cuda.map",
@@ -283,7 +283,7 @@ impl Segment {
                         segment.reservation.size
                     ),
                 );
-                return Err((index, error, segment.into_reservation()));
+                return Err(Box::new((index, error, segment.into_reservation())));
             }
             // SAFETY: `offset + size` fits the reservation (checked above), and the chunks are
             // mapped at increasing, non-overlapping offsets, so this range is free; the
@@ -293,7 +293,7 @@ impl Segment {
                 unsafe { Mapping::new(segment.reservation.ptr + offset as u64, chunk, access) };
             match mapping {
                 Ok(mapping) => segment.mappings.push(mapping),
-                Err(e) => return Err((index, e, segment.into_reservation())),
+                Err(e) => return Err(Box::new((index, e, segment.into_reservation()))),
             }
             offset += size;
         }

@@ -549,13 +549,13 @@ impl VirtualMemoryResource {
                 (Error::ipc(IpcOp::Import, step, e), None)
             })?,
         };
-        let segment = Segment::map_keeping(reservation, chunks, &self.inner.access).map_err(
-            |(index, e, reservation)| {
+        let segment =
+            Segment::map_keeping(reservation, chunks, &self.inner.access).map_err(|failed| {
+                let (index, e, reservation) = *failed;
                 let size = sizes[index];
                 let e = Error::ipc(IpcOp::Import, IpcStep::Map(Chunk { index, count, size }), e);
                 (e, given.then_some(reservation))
-            },
-        )?;
+            })?;
         Ok(imported(vec![Arc::new(segment)], size))
     }
 

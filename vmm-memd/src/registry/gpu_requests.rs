@@ -1,9 +1,8 @@
-//! The registry's requests that only the GPU backend needs: the backend check, the chunks of
-//! a pending generation to hash before its commit, and a committed generation's chunks and
-//! digests to verify. Hashing runs outside the registry's lock (it copies every byte to the
-//! host); these only hand out duplicates of the fds.
+//! The registry's requests that only the GPU backend needs: the backend check, and a
+//! committed generation's chunks and digests to verify. Hashing runs outside the registry's
+//! lock (it copies every byte to the host); these only hand out duplicates of the fds.
 
-use super::{Registry, backend_refusal, pending_of};
+use super::{Registry, backend_refusal};
 use crate::error::Refusal;
 use crate::generation::ChunkFd;
 use crate::gpu::Gpus;
@@ -11,7 +10,7 @@ use crate::identity::Identity;
 use crate::protocol::{Backend, ChunkDigest};
 
 /// What [`Registry::verify_target`] hands out: the generation's number, backend, chunks and
-/// the digests taken at its commit.
+/// its digests (none while it waits for its background pass).
 pub(crate) type VerifyTarget = (u64, Backend, Vec<(ChunkFd, u64)>, Vec<ChunkDigest>);
 
 impl Registry {
@@ -26,23 +25,6 @@ impl Registry {
             Some(r) if r.backend != backend => Err(backend_refusal(region, r.backend)),
             _ => Ok(()),
         }
-    }
-
-    /// The backend and chunks (duplicated fds, sizes) of `conn`'s pending generation of
-    /// `region`.
-    pub(crate) fn pending_chunks(
-        &self,
-        conn: u64,
-        region: &str,
-    ) -> Result<(Backend, Vec<(ChunkFd, u64)>), Refusal> {
-        let mut state = self.lock();
-        let backend = state
-            .regions
-            .get(region)
-            .map_or(Backend::Host, |r| r.backend);
-        let g = pending_of(&mut state, conn, region)?;
-        let chunks = g.chunk_fds().into_iter().zip(g.sizes()).collect();
-        Ok((backend, chunks))
     }
 
     /// A committed generation of `region` (`None`: the current one) that `who` may read, to

@@ -17,7 +17,8 @@ impl Registry {
     /// this registry's again (their regions, owners, ACLs and charges as committed; the
     /// newest of each region current), and every later commit and free is told to it. A
     /// restored chunk must still be a write-sealed memfd of its recorded size, else that
-    /// generation is let go (logged).
+    /// generation is let go (logged). A GPU generation kept before its background hash
+    /// finished comes without digests: its first `Verify` takes them.
     pub(crate) fn adopt_keeper(&self, mut keeper: KeeperLink, restored: Vec<Restored>) -> usize {
         let mut state = self.lock();
         let mut adopted = 0;
@@ -26,7 +27,9 @@ impl Registry {
                 .iter()
                 .zip(&record.chunks)
                 .all(|(fd, &len)| sound_chunk(record.backend, fd.as_fd(), len))
-                && (record.backend == Backend::Host || record.digests.len() == chunks.len());
+                && (record.backend == Backend::Host
+                    || record.digests.is_empty()
+                    || record.digests.len() == chunks.len());
             if !sound || check_region_name(&record.region).is_err() {
                 eprintln!(
                     "vmm-memd: the keeper's {:?} generation {} is not sound; letting it go",

@@ -16,12 +16,13 @@ use crate::identity::Identity;
 use crate::keeper_link::KeeperLink;
 use crate::memfd;
 use crate::protocol::{
-    Acl, Backend, ChunkDigest, GenerationStatus, MAX_CHUNKS, Principal, RegionStatus,
-    RegionSummary, SleepState, Status, TensorMeta, check_region_name,
+    Acl, Backend, GenerationStatus, MAX_CHUNKS, Principal, RegionStatus, RegionSummary, SleepState,
+    Status, TensorMeta, check_region_name,
 };
 
 mod discard;
 mod gpu_requests;
+mod hashing;
 mod kept;
 mod leases;
 
@@ -124,6 +125,8 @@ pub(crate) struct Registry {
     policy: Policy,
     /// The GPU backend: devices are opened on the first request for a GPU region.
     gpus: Gpus,
+    /// Committed GPU generations waiting for their digests (see `hashing`).
+    hashing: hashing::HashQueue,
 }
 
 impl Registry {
@@ -133,6 +136,7 @@ impl Registry {
             changed: Condvar::new(),
             policy,
             gpus: Gpus::default(),
+            hashing: hashing::HashQueue::default(),
         }
     }
 
@@ -386,24 +390,16 @@ impl Registry {
         pending_of(&mut state, conn, region)?.put_meta(entries)
     }
 
-    /// Seal `conn`'s pending generation of `region` read-only (host) or record its
-    /// `digests` (GPU, taken by the caller: see [`Registry::pending_chunks`]) and make it
-    /// current; the previous one is retired (freed at once if no lease holds it).
-    pub(crate) fn commit(
-        &self,
-        conn: u64,
-        region: &str,
-        digests: Vec<ChunkDigest>,
-    ) -> Result<u64, Refusal> {
+    /// Seal `conn`'s pending generation of `region` read-only (host) and make it current;
+    /// the previous one is retired (freed at once if no lease holds it). A GPU generation's
+    /// digests are taken afterwards, off the commit's path ([`Registry::hash_later`]).
+    pub(crate) fn commit(&self, conn: u64, region: &str) -> Result<u64, Refusal> {
         let mut state = self.lock();
         let gpu = state
             .regions
             .get(region)
             .is_some_and(|r| r.backend != Backend::Host);
         let generation = pending_of(&mut state, conn, region)?;
-        if gpu {
-            generation.digests = digests;
-        }
         for chunk in generation.chunks.iter().filter(|_| !gpu) {
             if let Err(e) = memfd::seal_writes(std::os::fd::AsFd::as_fd(&chunk.fd)) {
                 return Err(match e.raw_os_error() {
