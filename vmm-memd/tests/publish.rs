@@ -380,7 +380,7 @@ fn a_commit_answered_after_the_clients_timeout_reports_its_generation() {
         ..Default::default()
     };
     let client = vmm_memd::Client::connect_with(&service.name(), &options).unwrap();
-    let mut writer = client
+    let writer = client
         .begin("slow-commit", &[4096], BeginOptions::default())
         .unwrap();
     writer.chunk(0).write_at(0, &[7u8; 4096]).unwrap();
