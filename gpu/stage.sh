@@ -32,6 +32,10 @@ cargo bench --workspace --exclude vmm-registry --no-run --message-format=json-re
 mkdir -p .gpu/examples
 cargo build --release -p vmm-core --features tls --example fabric_tcp
 cp target/release/examples/fabric_tcp .gpu/examples/fabric_tcp
+# The service's own programs (the GMS comparison in vmm-bench/gms/ runs the real vmm-memd).
+cargo build --release -p vmm-memd --bins
+mkdir -p .gpu/examples/bin
+cp target/release/vmm-memd target/release/vmm-memctl .gpu/examples/bin/
 cp "$here/run.sh" .gpu/run.sh
 # An A/B in one lease (ab.sh, compare.py): AB_BASE=<a bench executable of another build> stages
 # it as .gpu/base/vmm-bench beside this build's.
