@@ -26,7 +26,8 @@ fi
   echo "commit $(cat COMMIT 2>/dev/null)"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   status=0
   if [ "$what" = tests ] || [ "$what" = all ]; then
-    for t in tests/*; do
+    # VMM_GPU_TESTS (a glob over tests/, e.g. '*memd*' or 'gpu_regions-test') runs fewer.
+    for t in tests/${VMM_GPU_TESTS:-*}; do
       [ -x "$t" ] || continue
       echo "=== $t"
       "$t" "$@" || status=1

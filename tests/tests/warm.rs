@@ -127,7 +127,13 @@ fn a_waiting_child_that_died_is_replaced_and_never_handed_out() {
     assert_ne!(child.pid(), victim, "a dead child was handed out");
     assert_eq!(child.pid(), waiting[1], "the live waiting child was used");
     child.join(TIMEOUT).unwrap();
-    assert_eq!(state(victim), None, "the dead waiting child was reaped");
+    // A dead waiting child is dropped, and a drop never waits: the supervisor reaps it in the
+    // background (on the H200 it was still a zombie when join returned). No zombie may stay.
+    assert!(
+        gone_within(victim, TIMEOUT, false),
+        "the dead waiting child was not reaped: {:?}",
+        state(victim)
+    );
     let refilled = WarmPool::global().fill().unwrap();
     assert_eq!(refilled.len(), 2);
     assert!(!refilled.contains(&victim) && !refilled.contains(&waiting[1]));
