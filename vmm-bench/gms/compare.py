@@ -214,7 +214,8 @@ class Results:
         self.cell(key, side)["error"] = text
 
     def table(self):
-        lines = ["| row | GMS (Dynamo df888f6) | vmm-memd |", "|---|---|---|"]
+        commit = (self.meta.get("gms") or "commit ?").split()[1][:7]
+        lines = [f"| row | GMS (Dynamo {commit}) | vmm-memd |", "|---|---|---|"]
         for key, label in self.order:
             row = self.rows[key]
             if "gms" not in row and "ours" not in row:
@@ -491,6 +492,7 @@ class Runner:
     def meta(self, small, large):
         meta = {"mode": "cpu dry run (numbers mean nothing)" if self.args.cpu else "gpu",
                 "device": self.args.device, "repeat": self.args.repeat,
+                "restart_repeat": self.args.restart_repeat,
                 "rounds": self.args.rounds, "wait_s": self.args.wait_s,
                 "workload": {"kind": self.args.workload, "shrink": self.args.shrink,
                              "2GiB": describe(small), "16GiB": describe(large),
@@ -590,6 +592,7 @@ class Runner:
         # publish and attach, 2 GiB
         self.row("publish_2g_own", phase, lambda: self.publish_rows(
             phase, "2g", self.n_small, region2, "tensor"))
+        self.settle(phase, region2)
         self.row("attach_2g", phase, lambda: self.attach_row(phase, "attach_2g", region2))
         if phase.side == "ours":
             self.row("publish_2g_own", phase, lambda: self.delete(phase, region2))
@@ -598,12 +601,14 @@ class Runner:
             phase, "16g", self.n_large, region16, "tensor"))
         if phase.side == "ours":
             self.row("publish_16g_sd", phase, lambda: self.publish_sd_row(phase, region16))
+        self.settle(phase, region16)
         self.row("attach_16g", phase, lambda: self.attach_row(phase, "attach_16g", region16))
         for k in a.readers:
             self.row(f"attach_16g_x{k}", phase, lambda k=k: self.concurrent_row(phase, k, region16))
         # one allocation / one chunk
         self.row("publish_16g_one_own", phase, lambda: self.publish_rows(
             phase, "16g_one", self.n_large, region1, "one"))
+        self.settle(phase, region1)
         self.row("attach_16g_one", phase, lambda: self.attach_row(phase, "attach_16g_one", region1))
         if phase.side == "ours":
             self.row("publish_16g_one_own", phase, lambda: self.delete(phase, region1))
@@ -653,6 +658,22 @@ class Runner:
                              note="connect + publish_state_dict (plan, begin_gpu, copies, "
                                   "metadata, commit)")
 
+    def settle(self, phase, region):
+        """vmm-memd digests a GPU generation in a background pass after its commit (about
+        1.2 GB/s); the attach rows measure a service that is done with it: a Verify waits for
+        the digests (it takes them itself if the pass has not)."""
+        if phase.side != "ours" or not self.args.settle or self.left() < 60:
+            return
+        try:
+            reply = phase.writer.call({"op": "verify", **phase.target(region=region)},
+                                      timeout=600)
+        except ChildError as e:
+            self.log(f"ours: verify {region}: {e}")
+            return
+        self.log(f"ours: {region} verified (digests) in {reply['ms']:.0f} ms")
+        self.results.meta.setdefault("ours_verify_before_attach_ms", {})[region] = \
+            round(reply["ms"], 1)
+
     def delete(self, phase, region):
         phase.writer.call({"op": "delete", **phase.target(region=region)})
 
@@ -700,7 +721,7 @@ class Runner:
         first["exec_to_ready_ms"] = (PC() - engine.started) * 1000
         runs = []
         try:
-            for i in range(a.repeat):
+            for i in range(a.restart_repeat):
                 engine.kill9()
                 engine = Child(f"{phase.side}-engine{i + 1}", argv, self.env)
                 ready = engine.recv(timeout=300)
@@ -1048,6 +1069,13 @@ class Role:
                                                device="cpu" if self.cpu else self.device)
         return {"total_ms": ms(PC() - t0), "generation": generation}
 
+    def op_verify(self, c):
+        m, _ = self.memd()
+        t0 = PC()
+        with m.Client.connect(c["socket"], timeout=600.0) as client:
+            client.verify(c["region"])
+        return {"ms": ms(PC() - t0)}
+
     def op_delete(self, c):
         m, _ = self.memd()
         with m.Client.connect(c["socket"]) as client:
@@ -1255,6 +1283,8 @@ def parse(argv=None):
                      help="the folder holding gpu_memory_service/ (default .gms-carry)")
     run.add_argument("--only", choices=["gms", "ours"], help="measure one service only")
     run.add_argument("--repeat", type=int, default=5, help="samples per timed row (default 5)")
+    run.add_argument("--restart-repeat", type=int, default=3,
+                     help="engine restarts measured (default 3; each imports torch afresh)")
     run.add_argument("--rounds", type=int, default=3,
                      help="rounds of the many-readers rows (default 3)")
     run.add_argument("--readers", default="4,8",
@@ -1265,6 +1295,9 @@ def parse(argv=None):
                      help="seconds after which rows are skipped (default 450)")
     run.add_argument("--quota-gib", type=int, default=100, help="vmm-memd's --quota-bytes, GiB")
     run.add_argument("--skip-faults", action="store_true", help="no fault rows")
+    run.add_argument("--no-settle", dest="settle", action="store_false",
+                     help="ours: attach without waiting for the commit's background digests "
+                          "(by default a Verify waits for them first)")
     run.add_argument("--skip-restart", action="store_true", help="no engine restart rows")
     run.add_argument("--tmp", default="/tmp", help="where GMS's socket goes")
     run.add_argument("--out", help="a folder for gms-compare.json and gms-compare.md")
@@ -1293,8 +1326,10 @@ def parse(argv=None):
                                                                   "gpu_memory_service")):
             parser.error(f"no gpu_memory_service/ in {args.gms_carry}: run "
                          f"vmm-bench/gms/carry.sh, or --only ours")
-        if args.repeat < 1 or args.rounds < 1 or not args.readers:
-            parser.error("--repeat, --rounds and --readers must be positive")
+        if min(args.repeat, args.rounds, args.restart_repeat) < 1 or not args.readers \
+                or min(args.readers) < 2:
+            parser.error("--repeat, --rounds and --restart-repeat must be at least 1, "
+                         "--readers at least 2 each")
     return args
 
 
