@@ -230,6 +230,17 @@ class Results:
 # ---- the runner's side of a child -----------------------------------------------------------
 
 
+def since(t0, reply):
+    """Milliseconds from the runner's ``t0`` to the moment a role said it was ready: the role's
+    own ``ready_at`` (perf_counter is CLOCK_MONOTONIC, one clock for every process of the
+    machine), unless that is not plausible; then until the reply arrived."""
+    now = PC()
+    at = reply.get("ready_at")
+    if at is not None and t0 <= at <= now:
+        return (at - t0) * 1000
+    return (now - t0) * 1000
+
+
 class ChildError(RuntimeError):
     pass
 
@@ -582,7 +593,7 @@ class Runner:
         started = PC()
         up_ms = phase.s.start()
         self.results.meta.setdefault("service_start_ms", {})[phase.side] = round(up_ms, 1)
-        self.start_pool(phase, max(a.readers))
+        self.start_pool(phase, max(max(a.readers), 3))  # the fault rows use three
         w = phase.writer
         src = w.call({"op": "sources", "count": self.n_large}, timeout=300)
         self.log(f"{phase.side}: sources {src['tensors']} tensors, {src['bytes'] / 1e9:.2f} GB "
@@ -718,14 +729,14 @@ class Runner:
                          "--region", region)
         engine = Child(f"{phase.side}-engine0", argv, self.env)
         first = engine.recv(timeout=300)
-        first["exec_to_ready_ms"] = (PC() - engine.started) * 1000
+        first["exec_to_ready_ms"] = since(engine.started, first)
         runs = []
         try:
             for i in range(a.restart_repeat):
                 engine.kill9()
                 engine = Child(f"{phase.side}-engine{i + 1}", argv, self.env)
                 ready = engine.recv(timeout=300)
-                ready["exec_to_ready_ms"] = (PC() - engine.started) * 1000
+                ready["exec_to_ready_ms"] = since(engine.started, ready)
                 runs.append(ready)
         finally:
             engine.kill9()
@@ -792,7 +803,7 @@ class Runner:
         ready = newcomer.call({"op": "attach_until_ready", **phase.target(region=region),
                                "wait_ms": int(a.wait_s * 1000), "hold": False},
                               timeout=a.wait_s + 120)
-        ready_ms = (PC() - t0) * 1000
+        ready_ms = since(t0, ready)
         after_restart = holder.call({"op": "read_markers"})
         holder.call({"op": "release"})
         kept = after_kill["markers"] == [held["marker"]] == after_restart["markers"]
@@ -818,7 +829,7 @@ class Runner:
 
     def writer_kill_row(self, phase, region):
         a = self.args
-        victim = phase.readers[-1]
+        victim = phase.readers[-1]  # not readers[0] or [1], which the other rows use
         reader = phase.readers[1]
         good = self.publish(phase, self.n_large, region)  # the last good generation
         victim.call({"op": "sources", "count": self.n_large}, timeout=300)
@@ -1115,7 +1126,7 @@ class Role:
             tensors = {name: spec.materialize(mgr, self.device) for name, spec in specs.items()}
         t3 = PC()
         marker = self.gms_marker(tensors)
-        reply = {"ready": True, "connect_ms": ms(t1 - t0), "metadata_ms": ms(t2 - t1),
+        reply = {"ready": True, "ready_at": t3, "connect_ms": ms(t1 - t0), "metadata_ms": ms(t2 - t1),
                  "map_ms": ms(t3 - t1), "attach_ms": ms(t3 - t0), "count": len(tensors),
                  "mappings": len(mgr.mappings), "marker": marker}
         self.hold_or_release(c, ("gms", mgr, tensors))
@@ -1142,7 +1153,7 @@ class Role:
             raise
         t2 = PC()
         marker = int(tensors[self.shapes[0][0]].view(self.torch.int16).reshape(-1)[0].item())
-        reply = {"ready": True, "connect_ms": ms(t1 - t0), "map_ms": ms(t2 - t1),
+        reply = {"ready": True, "ready_at": t2, "connect_ms": ms(t1 - t0), "map_ms": ms(t2 - t1),
                  "attach_ms": ms(t2 - t0), "count": len(tensors),
                  "mappings": len(attached.chunks), "marker": marker,
                  "generation": attached.generation}
@@ -1251,6 +1262,7 @@ def engine_main(args):
     reply = role.op_attach(target)
     t3 = PC()
     proto.reply({"ready": True, "pid": os.getpid(), **role.timing,
+                 "ready_at": reply["ready_at"],
                  "import_client_ms": ms(t2 - t1), "attach_ms": reply["attach_ms"],
                  "since_main_ms": ms(t3 - t0), "marker": reply["marker"],
                  "count": reply["count"], "generation": reply.get("generation")})
