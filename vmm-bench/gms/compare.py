@@ -579,14 +579,35 @@ class Runner:
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             self.results.error(key, phase.side, repr(e)[:300])
-            for c in phase.readers:  # back to a known state: nothing held
-                if c.p.poll() is None:
-                    try:
-                        c.signal(signal.SIGCONT)
-                        c.call({"op": "release"}, timeout=60)
-                    except Exception:  # noqa: BLE001
-                        pass
+            self.recover(phase)
             return None
+
+    def recover(self, phase):
+        """After a failed row: every reader holds nothing, and a role that died (GMS's client
+        exits the process on a CUDA error) is replaced, so the rows after still run."""
+        for c in phase.readers:
+            if c.p.poll() is None:
+                try:
+                    c.signal(signal.SIGCONT)
+                    c.call({"op": "release"}, timeout=60)
+                except Exception:  # noqa: BLE001
+                    c.kill9()
+        for i, c in enumerate([phase.writer] + phase.readers):
+            if c.p.poll() is None:
+                continue
+            self.log(f"{c.name} died ({c.p.returncode}): replacing it")
+            fresh = Child(c.name, role_argv(self.args, "worker"), self.env)
+            try:
+                fresh.recv(timeout=300)
+                if i == 0:
+                    fresh.call({"op": "sources", "count": self.n_large}, timeout=300)
+            except ChildError as e:
+                self.log(f"{c.name}: no replacement: {e}")
+                continue
+            if i == 0:
+                phase.writer = fresh
+            else:
+                phase.readers[i - 1] = fresh
 
     def run_phase(self, phase):
         a = self.args
