@@ -1389,11 +1389,12 @@ def main(argv=None):
             f"{meta['workload']['16GiB']['tensors']} tensors "
             f"({meta['workload']['16GiB']['bytes'] / 1e9:.2f} GB), bf16; medians [min-max] "
             f"of n samples; {meta['elapsed_s']} s in all")
+    if not args.out:  # else the JSON goes to its file only: the table stays the output's end
+        print(json.dumps(results.json(), indent=1, default=str))
+        print()
     print(head)
     print()
     print(table)
-    print()
-    print(json.dumps(results.json(), indent=1, default=str))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gms-compare.json"), "w") as f:
