@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (no network), from a copy of the project root that holds .gms-carry/
-# (vmm-bench/gms/carry.sh made it) and a vmm-memd binary (default .gpu/bin/vmm-memd):
+# (vmm-bench/gms/carry.sh made it) and a vmm-memd binary (default .gpu/examples/bin/vmm-memd,
+# which gpu/stage.sh stages in .gpu/executables.tar.gz: unpacked here when needed):
 # installs the carried msgspec wheel into /tmp/site (GMS itself runs from PYTHONPATH, not
 # installed: its C++ allocator extension is only for torch's pluggable allocator, unused here),
 # then runs compare.py. Results go to $OUT: gms-compare.md (the table), gms-compare.json (every
@@ -14,7 +15,10 @@ cd "$root"
 out=${OUT:-/tmp/gms-out}
 mkdir -p "$out"
 carry=${GMS_CARRY:-$root/.gms-carry}
-memd=${VMM_MEMD_BIN:-$root/.gpu/bin/vmm-memd}
+memd=${VMM_MEMD_BIN:-$root/.gpu/examples/bin/vmm-memd}
+if [ ! -e "$memd" ] && [ -f "$root/.gpu/executables.tar.gz" ]; then
+  tar -C "$root/.gpu" -xzf "$root/.gpu/executables.tar.gz"
+fi
 site=${GMS_SITE:-/tmp/site}
 [ -d "$carry/gpu_memory_service" ] || { echo "no $carry/gpu_memory_service: run vmm-bench/gms/carry.sh where there is network" >&2; exit 2; }
 [ -x "$memd" ] || chmod +x "$memd" 2>/dev/null || true
