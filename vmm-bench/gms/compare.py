@@ -8,7 +8,7 @@ initialised, then JSON commands on stdin and replies on a private copy of stdout
 engine processes for the restart row. The runner prints a markdown table and writes it, with
 every sample, as JSON.
 
-    python3 vmm-bench/gms/compare.py run --memd .gpu/bin/vmm-memd --out "$OUT"
+    python3 vmm-bench/gms/compare.py run --memd .gpu/examples/bin/vmm-memd --out "$OUT"
     python3 vmm-bench/gms/compare.py run --cpu --memd target/debug/vmm-memd   # a dry run
     python3 vmm-bench/gms/compare.py shapes                                   # the workload
 
