@@ -193,11 +193,28 @@ impl<'a> Group<'a> {
     pub fn bench_pair(
         &mut self,
         id: &str,
+        a: (&str, impl FnMut() -> Duration),
+        b: (&str, impl FnMut() -> Duration),
+    ) {
+        self.bench_pair_prepared(id, || {}, a, b);
+    }
+
+    /// [`bench_pair`](Self::bench_pair), with `prepare` run before each of criterion's
+    /// batches (those of its warm-up included), outside every clock: the figure's own and
+    /// the wall clock criterion plans the figure's iterations from. For lazy setup far longer
+    /// than an iteration (publishing tens of GiB, restarting a service): inside an operation
+    /// it would end criterion's warm-up after one iteration and have the figure planned
+    /// from that one (criterion's minimum of 10 iterations, and a warning).
+    pub fn bench_pair_prepared(
+        &mut self,
+        id: &str,
+        mut prepare: impl FnMut(),
         (id_a, mut op_a): (&str, impl FnMut() -> Duration),
         (id_b, mut op_b): (&str, impl FnMut() -> Duration),
     ) {
         let (key_a, key_b) = (self.key(id_a), self.key(id_b));
         self.inner.bench_function(id, |b| {
+            prepare();
             b.iter_custom(|iters| {
                 record::measure_pair((&key_a, &mut op_a), (&key_b, &mut op_b), iters)
             })
