@@ -14,6 +14,7 @@ pub mod compare;
 pub mod driver;
 pub mod endpoint;
 pub mod fabric;
+pub mod gpu_memd;
 pub mod handoff;
 pub mod host;
 pub mod memd;
@@ -301,6 +302,7 @@ pub fn run(c: &mut Criterion, gpu: &Result<(), Unavailable>) {
             pool::GROUP,
             endpoint::GPU_GROUP,
             start::GPU_GROUP,
+            gpu_memd::GROUP,
         ]
         .into_iter()
         .chain(fabric_groups)
@@ -338,6 +340,8 @@ pub fn run(c: &mut Criterion, gpu: &Result<(), Unavailable>) {
                 report::fabric_skipped(reason);
             }
         }
+        // Last: it holds up to 98 GiB of the GPU while it runs (all freed at its end).
+        gpu_memd::gpu_memd(c, &cuda);
     }
 }
 
