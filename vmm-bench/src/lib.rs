@@ -14,6 +14,7 @@ pub mod compare;
 pub mod driver;
 pub mod endpoint;
 pub mod fabric;
+pub mod gpu_memd;
 pub mod handoff;
 pub mod host;
 pub mod memd;
@@ -193,11 +194,28 @@ impl<'a> Group<'a> {
     pub fn bench_pair(
         &mut self,
         id: &str,
+        a: (&str, impl FnMut() -> Duration),
+        b: (&str, impl FnMut() -> Duration),
+    ) {
+        self.bench_pair_prepared(id, || {}, a, b);
+    }
+
+    /// [`bench_pair`](Self::bench_pair), with `prepare` run before each of criterion's
+    /// batches (those of its warm-up included), outside every clock: the figure's own and
+    /// the wall clock criterion plans the figure's iterations from. For lazy setup far longer
+    /// than an iteration (publishing tens of GiB, restarting a service): inside an operation
+    /// it would end criterion's warm-up after one iteration and have the figure planned
+    /// from that one (criterion's minimum of 10 iterations, and a warning).
+    pub fn bench_pair_prepared(
+        &mut self,
+        id: &str,
+        mut prepare: impl FnMut(),
         (id_a, mut op_a): (&str, impl FnMut() -> Duration),
         (id_b, mut op_b): (&str, impl FnMut() -> Duration),
     ) {
         let (key_a, key_b) = (self.key(id_a), self.key(id_b));
         self.inner.bench_function(id, |b| {
+            prepare();
             b.iter_custom(|iters| {
                 record::measure_pair((&key_a, &mut op_a), (&key_b, &mut op_b), iters)
             })
@@ -284,6 +302,7 @@ pub fn run(c: &mut Criterion, gpu: &Result<(), Unavailable>) {
             pool::GROUP,
             endpoint::GPU_GROUP,
             start::GPU_GROUP,
+            gpu_memd::GROUP,
         ]
         .into_iter()
         .chain(fabric_groups)
@@ -321,6 +340,8 @@ pub fn run(c: &mut Criterion, gpu: &Result<(), Unavailable>) {
                 report::fabric_skipped(reason);
             }
         }
+        // Last: it holds up to 98 GiB of the GPU while it runs (all freed at its end).
+        gpu_memd::gpu_memd(c, &cuda);
     }
 }
 

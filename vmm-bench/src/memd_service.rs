@@ -143,9 +143,11 @@ pub fn raw_request(stream: &UnixStream, op: RawOp, k: usize) {
 }
 
 /// The `vmm-memd` child (its keeper with it): started and waited for by [`start`], stopped
-/// with SIGTERM (the service lets its keeper go) and reaped on drop.
+/// with SIGTERM (the service lets its keeper go) and reaped on drop; [`restart`] kills it
+/// (SIGKILL) and starts it again on the same socket, where its keeper hands back what it held.
 ///
 /// [`start`]: ServiceProcess::start
+/// [`restart`]: ServiceProcess::restart
 #[derive(Debug)]
 pub struct ServiceProcess {
     child: Child,
@@ -155,12 +157,25 @@ pub struct ServiceProcess {
     pub name: Name,
     /// The raw responder's address.
     pub raw: SocketAddr,
+    raw_name: String,
+    quota: u64,
 }
+
+/// How long the keeper waits for a service after its own has gone (`--keeper-linger-ms`): a
+/// [`ServiceProcess::restart`] comes well within it; after the bench, the keeper of a service
+/// that did not stop cleanly lets its memory go this long after.
+pub const KEEPER_LINGER: Duration = Duration::from_secs(5);
 
 impl ServiceProcess {
     /// Start the service (quota 64 GiB; connection caps raised for the 64-reader figure) and
     /// wait until both it and the raw responder answer.
     pub fn start() -> ServiceProcess {
+        ServiceProcess::start_with_quota(64 << 30)
+    }
+
+    /// [`start`](Self::start) with each uid's quota `quota` bytes (the GPU figures hold
+    /// more than 64 GiB).
+    pub fn start_with_quota(quota: u64) -> ServiceProcess {
         use std::sync::atomic::{AtomicU32, Ordering};
         static N: AtomicU32 = AtomicU32::new(0);
         let tag = format!(
@@ -170,48 +185,67 @@ impl ServiceProcess {
         );
         let socket = format!("@vmm-bench-memd-{tag}");
         let raw_name = format!("vmm-bench-memd-raw-{tag}");
-        let exe = std::env::current_exe().expect("the bench executable");
-        let child = Command::new(exe)
-            .env(BASELINE_VAR, SERVICE_ROLE)
-            .env(RAW_VAR, &raw_name)
-            .args([
-                "--socket",
-                &socket,
-                "--quota-bytes",
-                &(64u64 << 30).to_string(),
-            ])
-            .args([
-                "--max-connections",
-                "4096",
-                "--max-connections-per-uid",
-                "2048",
-            ])
-            .args(["--keeper-linger-ms", "5000"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("start vmm-memd");
+        let child = spawn_service(&socket, &raw_name, quota);
         let raw = SocketAddr::from_abstract_name(raw_name.as_bytes()).expect("raw address");
         let service = ServiceProcess {
             child,
             name: Name::from(socket.as_str()),
             socket,
             raw,
+            raw_name,
+            quota,
         };
+        service.wait_up();
+        service
+    }
+
+    /// Wait until both the service and the raw responder answer.
+    fn wait_up(&self) {
         let deadline = Instant::now() + crate::CHILD_WAIT;
-        while Client::connect(&service.name).is_err()
-            || UnixStream::connect_addr(&service.raw).is_err()
-        {
+        while Client::connect(&self.name).is_err() || UnixStream::connect_addr(&self.raw).is_err() {
             assert!(Instant::now() < deadline, "vmm-memd did not come up");
             std::thread::sleep(Duration::from_millis(10));
         }
-        service
+    }
+
+    /// Kill the service with SIGKILL (a crash: its keeper stays, holding every committed
+    /// generation), reap it, and start it again on the same socket with the same command
+    /// line; the time from the kill until a client connected to the new one (which has
+    /// taken back what the keeper held by then: it does so before it serves). Connections
+    /// to the old service are dead: connect again.
+    pub fn restart(&mut self) -> Duration {
+        let t = Instant::now();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = spawn_service(&self.socket, &self.raw_name, self.quota);
+        self.wait_up();
+        t.elapsed()
     }
 
     /// A connection to the raw responder.
     pub fn raw_connect(&self) -> UnixStream {
         UnixStream::connect_addr(&self.raw).expect("connect to the raw responder")
     }
+}
+
+/// This executable playing `vmm-memd` on `socket`, with the raw responder on `raw_name`.
+fn spawn_service(socket: &str, raw_name: &str, quota: u64) -> Child {
+    let exe = std::env::current_exe().expect("the bench executable");
+    Command::new(exe)
+        .env(BASELINE_VAR, SERVICE_ROLE)
+        .env(RAW_VAR, raw_name)
+        .args(["--socket", socket, "--quota-bytes", &quota.to_string()])
+        .args([
+            "--max-connections",
+            "4096",
+            "--max-connections-per-uid",
+            "2048",
+        ])
+        .args(["--keeper-linger-ms", &KEEPER_LINGER.as_millis().to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start vmm-memd")
 }
 
 impl Drop for ServiceProcess {

@@ -231,6 +231,18 @@ impl RawCuda {
         // SAFETY: callers unmap exactly a range they mapped, once.
         check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr, size) });
     }
+
+    /// `cuMemGetInfo`: device 0's free and total memory in bytes, as the driver counts them
+    /// (every process's allocations). Makes the primary context current first.
+    pub fn mem_info(&self) -> (usize, usize) {
+        self.make_current();
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: two live out-pointers; a context is current on this thread.
+        check("cuMemGetInfo", unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        });
+        (free, total)
+    }
 }
 
 /// `cuInit`, `cuDeviceGet(0)`, `cuDevicePrimaryCtxRetain`, `cuCtxSetCurrent`: what

@@ -86,6 +86,16 @@ pub fn measure_pair(
     measure_interleaved(&mut [(key_a, &mut op_a), (key_b, &mut op_b)], iters)
 }
 
+/// Record `times` under `key` as iterations of that figure: for figures an operation times
+/// besides the one it returns (each reader's time in a round of concurrent readers, say).
+pub fn record(key: &str, times: &[Duration]) {
+    let mut all = samples();
+    let entry = all.entry(key.to_owned()).or_default();
+    for t in times {
+        entry.push(t.as_nanos() as u64);
+    }
+}
+
 /// One figure of an interleaved set: its key and its operation.
 pub type Interleaved<'a> = (&'a str, &'a mut dyn FnMut() -> Duration);
 

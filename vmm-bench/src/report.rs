@@ -39,7 +39,8 @@ pub enum Target {
 }
 
 impl Target {
-    fn describe(self) -> String {
+    /// As the table's target column writes it (`<= 1.20x`, `< 2.000 ms`).
+    pub fn describe(self) -> String {
         match self {
             Target::None => "-".to_owned(),
             Target::RatioAtMost(r) => format!("<= {r:.2}x"),
@@ -48,7 +49,9 @@ impl Target {
         }
     }
 
-    fn verdict(self, figure_ns: f64, baseline_ns: Option<f64>) -> Option<bool> {
+    /// Whether a figure of median `figure_ns` meets it, next to a baseline of median
+    /// `baseline_ns` (`None`: no target, or a ratio without its baseline).
+    pub fn verdict(self, figure_ns: f64, baseline_ns: Option<f64>) -> Option<bool> {
         let ratio = baseline_ns.filter(|&b| b > 0.0).map(|b| figure_ns / b);
         match self {
             Target::None => None,
