@@ -17,6 +17,13 @@ protocol itself is in ``vmm_ipc_peer`` (standard library only).
         data = mapping.read(0, 5)
         mapping.close()
 
+Sleep at a stable address: ``kept = mapping.unmap_keep_range()`` unmaps the chunks and
+releases their handles (the memory goes once no one else holds it) but keeps the address
+range reserved, an ``AddressRange``; ``import_descriptor(ctx, desc, at=kept)`` maps a
+descriptor of the same total size back into it, so device pointers into the old mapping point
+into the new one (a failed import leaves ``kept`` reserved, nothing mapped). Closing or
+dropping ``kept`` frees the range.
+
 Fabric handles (protocol version 2; needs a GPU with fabric support and an IMEX channel in both
 processes): ``Allocation(ctx, chunks=2, fabric=True)`` allocates with
 ``CU_MEM_HANDLE_TYPE_FABRIC`` requested, ``export_fabric()`` gives a ``peer.FabricDescriptor``
@@ -33,6 +40,7 @@ That class is new in cuda.core 1.3; the GPU machine has cuda.core 1.2, so neithe
 """
 
 import ctypes
+import weakref
 
 from cuda.bindings import driver as cu
 
@@ -86,21 +94,84 @@ class Context:
         check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
 
+class AddressRange:
+    """``size`` bytes of device address space at ``va`` (a ``cuMemAddressReserve`` of
+    ``ctx``'s process), reserved with nothing mapped: what ``Mapping.unmap_keep_range`` keeps
+    of a mapping, so that no other allocation of this process can take those addresses, and
+    where ``import_descriptor(..., at=range)`` maps again. Freed (``cuMemAddressFree``) by
+    ``close()``, or once nothing refers to it; an import at it takes it over (``reserved`` is
+    False after: the mapping frees it), and a failed one gives it back intact."""
+
+    def __init__(self, ctx, va, size):
+        self.ctx, self.va, self.size = ctx, int(va), int(size)
+        self._free = weakref.finalize(self, _free_range, ctx, self.va, self.size)
+
+    @property
+    def reserved(self):
+        """Whether this object still holds the reservation (not freed, not taken by a
+        mapping)."""
+        return self._free.alive
+
+    def close(self):
+        """Free the reservation now (nothing may be mapped in it); nothing if it is not held
+        any more."""
+        if self._free.detach() is not None:
+            self.ctx.make_current()
+            check(cu.cuMemAddressFree(self.va, self.size), "cuMemAddressFree")
+
+    def _take(self):
+        """The reservation's address, now owned by the caller (a Mapping)."""
+        if self._free.detach() is None:
+            raise ValueError("this address range is not reserved here any more (freed, or "
+                             "mapped by an import at it)")
+        return self.va
+
+    def _give_back(self):
+        """The reservation ``_take`` gave, owned by this object again."""
+        self._free = weakref.finalize(self, _free_range, self.ctx, self.va, self.size)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "reserved" if self.reserved else "not held"
+        return f"AddressRange({self.size} bytes at {self.va:#x}, {state})"
+
+
+def _free_range(ctx, va, size):
+    """An AddressRange's finalizer: quiet (at interpreter exit the driver may be gone)."""
+    try:
+        ctx.make_current()
+        cu.cuMemAddressFree(va, size)
+    except Exception:  # noqa: BLE001 (a finalizer must not raise)
+        pass
+
+
 class Mapping:
     """Chunks mapped back to back in one reservation, read-write for the context's device, or
     with ``read_only=True`` read-only (``CU_MEM_ACCESS_FLAGS_PROT_READ``: the device faults on
-    a write, and ``write`` refuses). ``close()`` unmaps, frees the reservation and releases the
-    chunk handles."""
+    a write, and ``write`` refuses). The reservation is a fresh one, or with ``at`` the given
+    AddressRange of the sum of the chunk sizes on the same device (taken over on success,
+    given back intact, nothing mapped, on failure). ``close()`` unmaps, frees the reservation
+    and releases the chunk handles; ``unmap_keep_range()`` unmaps and releases them but keeps
+    the reservation, as an AddressRange. The chunk handles are released on failure too."""
 
-    def __init__(self, ctx, handles, chunk_sizes, size, read_only=False):
+    def __init__(self, ctx, handles, chunk_sizes, size, read_only=False, at=None):
         self.ctx, self.handles, self.chunk_sizes, self.size = ctx, list(handles), list(chunk_sizes), size
         self.read_only = read_only
         total = sum(self.chunk_sizes)
         self.va = None
         self.mapped = []
         try:
-            self.va = int(check(cu.cuMemAddressReserve(total, ctx.granularity, 0, 0),
-                                "cuMemAddressReserve"))
+            if at is None:
+                self.va = int(check(cu.cuMemAddressReserve(total, ctx.granularity, 0, 0),
+                                    "cuMemAddressReserve"))
+            else:
+                _check_range(ctx, at, total)
+                self.va = at._take()
             offset = 0
             for handle, chunk in zip(self.handles, self.chunk_sizes):
                 check(cu.cuMemMap(self.va + offset, chunk, 0, handle, 0), "cuMemMap")
@@ -113,8 +184,51 @@ class Mapping:
                             else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
             check(cu.cuMemSetAccess(self.va, total, [access], 1), "cuMemSetAccess")
         except BaseException:
+            if at is not None and self.va is not None:
+                # The given range goes back to its owner, with nothing mapped in it.
+                try:
+                    self._unmap_all()
+                finally:
+                    at._give_back()
+                    self.va = None
             self.close()
             raise
+
+    def _unmap_all(self):
+        while self.mapped:
+            va, chunk = self.mapped[-1]
+            check(cu.cuMemUnmap(va, chunk), "cuMemUnmap")
+            self.mapped.pop()
+
+    def unmap_keep_range(self):
+        """Unmap every chunk and release the chunk handles, but keep the address range
+        reserved: an AddressRange of it (``import_descriptor(..., at=range)`` maps there
+        again; closing or dropping it frees it). This mapping is closed after (``close`` does
+        nothing); device pointers into it must not be used until something is mapped there
+        again."""
+        if self.va is None:
+            raise ValueError("this mapping is closed")
+        self._unmap_all()
+        kept = AddressRange(self.ctx, self.va, sum(self.chunk_sizes))
+        self.va = None
+        try:
+            self._release_handles()
+        except BaseException:
+            kept.close()
+            raise
+        return kept
+
+    def _release_handles(self):
+        """Release every chunk handle; the first refusal raised once all were tried."""
+        failed = None
+        for handle in self.handles:
+            try:
+                check(cu.cuMemRelease(handle), "cuMemRelease")
+            except RuntimeError as e:
+                failed = failed or e
+        self.handles = []
+        if failed is not None:
+            raise failed
 
     def write(self, offset, data):
         if self.read_only:
@@ -132,9 +246,7 @@ class Mapping:
         return host.raw
 
     def close(self):
-        for va, chunk in reversed(self.mapped):
-            check(cu.cuMemUnmap(va, chunk), "cuMemUnmap")
-        self.mapped = []
+        self._unmap_all()
         if self.va is not None:
             check(cu.cuMemAddressFree(self.va, sum(self.chunk_sizes)), "cuMemAddressFree")
             self.va = None
@@ -209,15 +321,34 @@ def context_for_uuid(uuid):
     return None
 
 
-def import_descriptor(ctx, descriptor, read_only=False):
+def _check_range(ctx, at, total):
+    """Refuse (ValueError) an AddressRange that is not one ``total`` bytes of chunks can be
+    mapped into on ``ctx``'s device, or that is not held any more."""
+    if not isinstance(at, AddressRange):
+        raise TypeError(f"at= takes an AddressRange, not {type(at).__name__}")
+    if at.ctx.uuid != ctx.uuid:
+        raise ValueError("the address range was reserved for another device")
+    if at.size != total:
+        raise ValueError(f"the address range is {at.size} bytes, the chunks {total}")
+    if not at.reserved:
+        raise ValueError("the address range is not reserved here any more (freed, or mapped "
+                         "by an import at it)")
+
+
+def import_descriptor(ctx, descriptor, read_only=False, at=None):
     """Import a received VmmDescriptor into ``ctx``'s device: cuMemImportFromShareableHandle per
     fd (the fd is passed by value and stays the descriptor's: close the descriptor after),
     then reserve, map and set access (read-only with ``read_only``). Checks the descriptor
-    names this device, if it names one."""
+    names this device, if it names one. With ``at`` (an AddressRange of exactly the chunks'
+    total size, on this device: ``Mapping.unmap_keep_range``'s) the chunks are mapped into
+    that range instead of a fresh reservation, so the mapping's ``va`` is ``at.va``; on any
+    failure nothing is mapped and ``at`` is still reserved, to try again."""
     if descriptor.location != ("device", 0):
         raise ValueError(f"this helper imports device memory, not {descriptor.location}")
     if descriptor.device_uuid is not None and descriptor.device_uuid != ctx.uuid:
         raise ValueError("the descriptor's device UUID is not this context's device")
+    if at is not None:
+        _check_range(ctx, at, sum(descriptor.chunk_sizes))
     handles = []
     try:
         for fd in descriptor.fds:
@@ -227,7 +358,8 @@ def import_descriptor(ctx, descriptor, read_only=False):
         for handle in handles:
             cu.cuMemRelease(handle)
         raise
-    return Mapping(ctx, handles, descriptor.chunk_sizes, descriptor.size, read_only=read_only)
+    return Mapping(ctx, handles, descriptor.chunk_sizes, descriptor.size, read_only=read_only,
+                   at=at)
 
 
 def _import_fabric_handle(data):

@@ -2,8 +2,11 @@
 export travels over an endpoint to an importer that reads and writes it across the chunk
 boundary; a descriptor of another device and a failed import leave nothing behind; a fabric
 export travels over an endpoint and over TCP and is imported, and a failed fabric import rolls
-back. The real driver runs the same code on the GPU machine (peer_python's GPU tests)."""
+back; a mapping taken apart keeps its address range, and an import at that range maps there
+again (or gives it back intact). The real driver runs the same code on the GPU machine
+(peer_python's GPU tests)."""
 
+import gc
 import os
 import socket
 import sys
@@ -96,6 +99,87 @@ class FakeDriver(unittest.TestCase):
         self.assertEqual(len(fake._allocations), 1)
         self.assertEqual(open_fds(), before)
         owned.close()
+
+    def test_a_kept_range_is_mapped_again_at_the_same_address(self):
+        ctx = vc.Context(0)
+        before = open_fds()
+        owned = vc.Allocation(ctx, chunks=2)
+        data = peer.pattern(8, 2 * G)
+        owned.write(0, data)
+        with owned.export() as desc:
+            mapping = vc.import_descriptor(ctx, desc, read_only=True)
+        va = mapping.va
+
+        def mapped_in_range():
+            return [m for m in fake._mappings if va <= m < va + 2 * G]
+
+        # Unmapped and the imports released; the range still reserved.
+        kept = mapping.unmap_keep_range()
+        self.assertEqual((kept.va, kept.size, kept.reserved), (va, 2 * G, True))
+        self.assertEqual(fake._reservations.get(va), 2 * G)
+        self.assertEqual(mapped_in_range(), [])
+        self.assertEqual(len(fake._allocations), 2)  # the exporter's own two only
+        mapping.close()  # taken apart already: nothing to do
+        with self.assertRaises(ValueError):
+            mapping.unmap_keep_range()
+        self.assertTrue(kept.reserved)
+        # A reservation hinted at the kept range gets another one.
+        squatter = vc.check(fake.cuMemAddressReserve(2 * G, 0, va, 0), "cuMemAddressReserve")
+        self.assertNotEqual(int(squatter), va)
+        vc.check(fake.cuMemAddressFree(squatter, 2 * G), "cuMemAddressFree")
+
+        # An import the driver refuses (its second chunk's memory is not the size the
+        # descriptor says): nothing mapped, the range given back.
+        big = vc.Allocation(ctx, chunk_size=2 * G)
+        with owned.export() as a, big.export() as b:
+            bad = peer.VmmDescriptor([a.fds[0], b.fds[0]], [G, G], 2 * G,
+                                     device_uuid=ctx.uuid)
+            with self.assertRaises(RuntimeError) as caught:
+                vc.import_descriptor(ctx, bad, read_only=True, at=kept)
+            self.assertIn("cuMemMap", str(caught.exception))
+            # A descriptor of another total size is refused before anything is imported.
+            one = peer.VmmDescriptor([a.fds[0]], [G], G, device_uuid=ctx.uuid)
+            with self.assertRaises(ValueError):
+                vc.import_descriptor(ctx, one, at=kept)
+        self.assertTrue(kept.reserved)
+        self.assertEqual(fake._reservations.get(va), 2 * G)
+        self.assertEqual(mapped_in_range(), [])
+        self.assertEqual(len(fake._allocations), 3)  # the exporters' only
+        big.close()
+
+        # Mapped again there: the same address, the memory's bytes; the range is the
+        # mapping's now (an import at it again is refused, closing it does nothing).
+        with owned.export() as desc:
+            again = vc.import_descriptor(ctx, desc, read_only=True, at=kept)
+            self.assertEqual(again.va, va)
+            self.assertFalse(kept.reserved)
+            with self.assertRaises(ValueError):
+                vc.import_descriptor(ctx, desc, at=kept)
+        kept.close()
+        self.assertEqual(again.read(G - 4, 8), data[G - 4:G + 4])
+        self.assertEqual([fake._mappings[m][3] for m in mapped_in_range()], ["read", "read"])
+        again.close()
+        self.assertNotIn(va, fake._reservations)
+        # Free, the range is what a hint gets (so the squatter above was kept out).
+        hinted = vc.check(fake.cuMemAddressReserve(2 * G, 0, va, 0), "cuMemAddressReserve")
+        self.assertEqual(int(hinted), va)
+        vc.check(fake.cuMemAddressFree(hinted, 2 * G), "cuMemAddressFree")
+
+        # A kept range is freed by close() or once nothing refers to it.
+        for how in ("close", "drop"):
+            with owned.export() as desc:
+                kept = vc.import_descriptor(ctx, desc).unmap_keep_range()
+            self.assertIn(kept.va, fake._reservations)
+            freed = kept.va
+            if how == "close":
+                kept.close()
+                kept.close()
+            del kept
+            gc.collect()
+            self.assertNotIn(freed, fake._reservations)
+        owned.close()
+        self.assertEqual((fake._allocations, fake._mappings, fake._reservations), ({}, {}, {}))
+        self.assertEqual(open_fds(), before)
 
 
 class FakeFabric(unittest.TestCase):

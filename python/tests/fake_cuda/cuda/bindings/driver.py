@@ -256,10 +256,15 @@ def cuMemRelease(handle):
 
 
 def cuMemAddressReserve(size, alignment, addr, flags):
-    if size % GRANULARITY or (alignment and alignment % GRANULARITY):
+    """A fresh range; at the hint ``addr`` when it is aligned and overlaps no reservation (as
+    the driver, and vmm-fake-driver, honour a hint where the range is free), else elsewhere."""
+    if size == 0 or size % GRANULARITY or (alignment and alignment % GRANULARITY) or flags:
         return _err(CUresult.CUDA_ERROR_INVALID_VALUE)
-    va = _next["va"]
-    _next["va"] += size + GRANULARITY
+    addr = int(addr)
+    free = addr and addr % (alignment or GRANULARITY) == 0 and not any(
+        va < addr + size and addr < va + total for va, total in _reservations.items())
+    va = addr if free else _next["va"]
+    _next["va"] = max(_next["va"], va + size + GRANULARITY)
     _reservations[va] = size
     return _ok(CUdeviceptr(va))
 
