@@ -4,7 +4,9 @@ read, and exported by DLPack as CUDA memory whose data pointer is the mapping; e
 released with the last reference. A descriptor of another device, a driver refusal and a
 process without cuda.bindings each end in a typed exception with the lease given back and no
 fd, import or mapping left. A GPU writer (``publish_gpu``) copies host and CUDA arrays into
-its pending chunk, describes them and commits; a reply with smaller chunks aborts. The real driver runs the same code on the GPU machine
+its pending chunk, describes them and commits; a reply with smaller chunks aborts. A refused
+discard sleep leaves the attachment mapped and leased; a wake the driver refuses keeps the
+slept range reserved and gives the lease back. The real driver runs the same code on the GPU machine
 (test_memd_gpu_torch.py, from vmm-memd's python_client test)."""
 
 import ctypes
@@ -26,7 +28,7 @@ from vmm_memd.protocol import Dtype, TensorMeta  # noqa: E402
 from test_memd_hostile import HostileService, reply, send_data  # noqa: E402
 
 G = fake.GRANULARITY
-ATTACH, DETACH = 6, 7  # request variants
+ATTACH, DETACH, DISCARD = 6, 7, 13  # request variants
 META = {"w": TensorMeta(0, 0, 64, Dtype.U8, (64,)),
         "b": TensorMeta(1, 256, 1024, Dtype.F32, (16, 16))}
 
@@ -175,6 +177,54 @@ class GpuAttach(unittest.TestCase):
             with self.assertRaises(vmm_memd.GpuImportFailed):
                 service.client.attach("weights")
         self.assertEqual(service.requests, [ATTACH, DETACH])
+        self.assert_nothing_left()
+
+    def test_a_refused_discard_sleep_leaves_the_attachment_mapped_and_leased(self):
+        denied = reply(0, [("variant", 1), ("str", "weights"), ("variant", 1), ("u32", 0)])
+        with HostileService(self.exported.steps(), [send_data(denied)],
+                            [send_data(reply(4))]) as service:
+            attached = service.client.attach("weights")
+            with self.assertRaises(vmm_memd.AccessDenied) as caught:
+                service.client.sleep(attached, discard=True)
+            self.assertEqual(caught.exception.right, "write")
+            # Untouched: still mapped, its bytes there, the lease still to end.
+            self.assertTrue(attached.gpu.mapped)
+            self.assertEqual(attached["w"].tobytes(), self.exported.data[:64])
+            service.client.detach(attached)
+        self.assertEqual(service.requests, [ATTACH, DISCARD, DETACH])
+        del attached
+        self.assert_nothing_left()
+
+    def test_a_wake_the_driver_refuses_keeps_the_range_and_gives_the_lease_back(self):
+        def forged_chunks(conn):  # memfds that are no exported allocation: the driver refuses
+            for _ in range(2):
+                fd = os.memfd_create("not-an-allocation", os.MFD_CLOEXEC)
+                try:
+                    os.ftruncate(fd, G)
+                    conn.send_descriptor(peer.VmmDescriptor([fd], [G], G,
+                                                            device_uuid=fake.UUID))
+                finally:
+                    os.close(fd)
+        forged = self.exported.steps()[:2] + [forged_chunks]
+        done = [send_data(reply(4))]
+        with HostileService(self.exported.steps(), done, forged, done,
+                            self.exported.steps()) as service:
+            attached = service.client.attach("weights")
+            w = attached["w"]
+            sleeping = service.client.sleep(attached)
+            address = sleeping.gpu_address()
+            self.assertEqual(address, w.address)
+            with self.assertRaises(vmm_memd.GpuImportFailed) as caught:
+                service.client.wake(sleeping)
+            self.assertIn("cuMemImportFromShareableHandle", caught.exception.why)
+            self.assertTrue(attached.gpu.asleep)
+            self.assertEqual(fake._reservations.get(address), 2 * G)
+            self.assertFalse(any(address <= va < address + 2 * G for va in fake._mappings))
+            woken = service.client.wake(sleeping)
+            self.assertEqual(woken.gpu.address, address)
+            self.assertEqual(w.tobytes(), self.exported.data[:64])
+        self.assertEqual(service.requests, [ATTACH, DETACH, ATTACH, DETACH, ATTACH])
+        del attached, w, sleeping, woken, caught
         self.assert_nothing_left()
 
     def test_without_cuda_bindings_a_gpu_region_is_GpuRegion(self):

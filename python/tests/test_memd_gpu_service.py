@@ -51,9 +51,19 @@ class CudaArray:
 
 
 def state():
-    """What the fake driver holds in this process: allocations, mappings, open fds."""
+    """What the fake driver holds in this process: allocations, mappings, address
+    reservations, open fds."""
     gc.collect()
-    return len(fake._allocations), len(fake._mappings), len(os.listdir("/proc/self/fd"))
+    return (len(fake._allocations), len(fake._mappings), len(fake._reservations),
+            len(os.listdir("/proc/self/fd")))
+
+
+def reserve_at(address, size):
+    """A reservation of this process hinted at ``address`` (where the driver places it when
+    that range is free); freed again. Where it went."""
+    got = int(vc.check(fake.cuMemAddressReserve(size, 0, address, 0), "cuMemAddressReserve"))
+    vc.check(fake.cuMemAddressFree(got, size), "cuMemAddressFree")
+    return got
 
 
 @unittest.skipUnless(SOCKET, "VMM_MEMD_SOCKET names no running vmm-memd")
@@ -147,6 +157,152 @@ class GpuService(unittest.TestCase):
             self.assertEqual(result, (fake.CUresult.CUDA_ERROR_INVALID_VALUE,))
         finally:
             os.close(fd)
+
+
+@unittest.skipUnless(SOCKET, "VMM_MEMD_SOCKET names no running vmm-memd")
+class GpuSleep(unittest.TestCase):
+    """Sleep and wake of a GPU region at a stable device address: the service's chunks (its
+    fake driver's memfds) imported here on the fake cuda.bindings."""
+
+    META = {"a": TensorMeta(0, 0, G, Dtype.U8, (G,)),
+            "b": TensorMeta(1, 0, 256, Dtype.U8, (256,))}
+
+    def setUp(self):
+        self.client = vmm_memd.Client.connect(SOCKET)
+        self.before = state()
+
+    def tearDown(self):
+        self.client.close()
+
+    def publish(self, region, second=G, meta=None):
+        """A generation of two chunks (``G`` and ``second`` bytes) filled with
+        ``pattern(generation, chunk, ...)``, tensors ``META``; its number."""
+        meta = self.META if meta is None else meta
+        with self.client.begin_gpu(region, [G, second]) as writer:
+            generation = writer.generation
+            writer.write(0, 0, pattern(generation, 0, G))
+            writer.write(1, 0, pattern(generation, 1, second))
+            for key, m in meta.items():
+                writer.put(key, m)
+            self.assertEqual(writer.commit(), generation)
+        return generation
+
+    def readers(self, region):
+        """The leases the service holds on ``region``'s generations."""
+        status = self.client.status()
+        current = [r for r in status.regions if r.region == region][0]
+        return [lease for g in current.generations for lease in g.readers]
+
+    def mapped_at(self, address):
+        """The fake's access of each mapping in the two-chunk range at ``address``."""
+        return [a for va, (_, _, _, a) in sorted(fake._mappings.items())
+                if address <= va < address + 2 * G]
+
+    def test_a_sleep_and_wake_keep_the_device_address_and_the_bytes(self):
+        region = f"py-gpu-sleep-{os.getpid()}"
+        generation = self.publish(region)
+        attached = self.client.attach(region)
+        a, b = attached["a"], attached["b"]
+        address = attached.gpu.address
+        self.assertEqual((a.address, b.address), (address, address + G))
+        capsule = b.__dlpack__(max_version=(1, 0))  # a consumer's pointer, kept over the sleep
+        imported = len(fake._allocations)
+        sleeping = self.client.sleep(attached)
+        self.assertEqual((sleeping.gpu_address(), sleeping.addresses()),
+                         (address, [address, address + G]))
+        self.assertEqual(sleeping.layout,
+                         vmm_memd.layout_hash_on([G, G], self.META, fake.UUID))
+        # Unmapped, the imports released, the range still reserved; the lease ended.
+        self.assertEqual(self.mapped_at(address), [])
+        self.assertEqual(len(fake._allocations), imported - 2)
+        self.assertEqual(fake._reservations.get(address), 2 * G)
+        self.assertEqual(self.readers(region), [])
+        # Nothing of it may be used while it sleeps; it cannot sleep twice.
+        with self.assertRaises(vmm_memd.NotMapped):
+            a.tobytes()
+        with self.assertRaises(vmm_memd.NotMapped):
+            self.client.sleep(attached)
+        # Another reservation of this process hinted at the slept range does not get it.
+        self.assertNotEqual(reserve_at(address, 2 * G), address)
+        woken = self.client.wake(sleeping)
+        self.assertEqual((woken.generation, woken.gpu.address, woken["b"].address),
+                         (generation, address, address + G))
+        self.assertIs(woken.gpu, attached.gpu)
+        self.assertEqual(self.mapped_at(address), ["read", "read"])
+        # The tensors made before the sleep read the woken memory, at the same addresses.
+        self.assertEqual(a.tobytes(), pattern(generation, 0, G))
+        self.assertEqual(b.tobytes(), pattern(generation, 1, 256))
+        self.assertEqual(len(self.readers(region)), 1)
+        with self.assertRaises(vmm_memd.NotAsleep):
+            self.client.wake(sleeping)
+        self.assertEqual(self.client.verify(region).generation, generation)
+        self.client.detach(woken)
+        del attached, woken, sleeping, a, b, capsule
+        self.assertEqual(state(), self.before)
+
+    def test_a_republished_layout_wakes_onto_the_new_generation_at_the_same_address(self):
+        region = f"py-gpu-republish-{os.getpid()}"
+        first = self.publish(region)
+        attached = self.client.attach(region)
+        a = attached["a"]
+        sleeping = self.client.sleep(attached)
+        second = self.publish(region)
+        self.assertEqual(second, first + 1)
+        woken = self.client.wake(sleeping)
+        self.assertEqual((woken.generation, woken.gpu.address), (second, a.address))
+        self.assertEqual(a.tobytes(), pattern(second, 0, G))
+        self.assertEqual(woken["b"].tobytes(), pattern(second, 1, 256))
+        self.client.detach(woken)
+
+    def test_a_changed_layout_is_stale_and_the_range_stays_reserved(self):
+        region = f"py-gpu-stale-{os.getpid()}"
+        self.publish(region)
+        sleeping = self.client.sleep(self.client.attach(region))
+        address = sleeping.gpu_address()
+        self.publish(region, second=2 * G)  # another layout: a larger second chunk
+        with self.assertRaises(vmm_memd.StaleLayout) as caught:
+            self.client.wake(sleeping)
+        self.assertEqual((caught.exception.slept, caught.exception.now),
+                         (sleeping.layout, vmm_memd.layout_hash_on([G, 2 * G], self.META,
+                                                                   fake.UUID)))
+        moved = dict(self.META, b=TensorMeta(1, 256, 256, Dtype.U8, (256,)))
+        self.publish(region, meta=moved)  # the same chunks, a tensor moved: stale too
+        with self.assertRaises(vmm_memd.StaleLayout):
+            self.client.wake(sleeping)
+        # Nothing mapped, the leases given back, the range still this sleeper's.
+        self.assertEqual(self.mapped_at(address), [])
+        self.assertEqual(fake._reservations.get(address), 2 * G)
+        self.assertNotEqual(reserve_at(address, 2 * G), address)
+        self.assertEqual(self.readers(region), [])
+        # The slept layout again: the wake maps it where it slept.
+        generation = self.publish(region)
+        woken = self.client.wake(sleeping)
+        self.assertEqual((woken.generation, woken.gpu.address), (generation, address))
+        self.assertEqual(woken["a"].tobytes()[:512], pattern(generation, 0, 512))
+        self.client.detach(woken)
+
+    def test_a_discard_sleep_wakes_to_zeros_at_the_same_address(self):
+        region = f"py-gpu-discard-{os.getpid()}"
+        generation = self.publish(region)
+        attached = self.client.attach(region)
+        a = attached["a"]
+        sleeping = self.client.sleep(attached, discard=True)
+        self.assertEqual(self.readers(region), [])
+        woken = self.client.wake(sleeping)
+        self.assertEqual((woken.generation, woken.gpu.address), (generation, a.address))
+        self.assertEqual(a.tobytes(), bytes(G), "the discarded generation, made again zeroed")
+        self.assertEqual(woken["b"].tobytes(), bytes(256))
+        # A sleeper closed gives its range back: a hint gets it now, and it cannot wake.
+        again = self.client.sleep(woken)
+        again.close()
+        self.assertNotIn(a.address, fake._reservations)
+        self.assertEqual(reserve_at(a.address, 2 * G), a.address)
+        with self.assertRaises(vmm_memd.NotAsleep):
+            self.client.wake(again)
+        with self.assertRaises(vmm_memd.NotMapped):
+            a.tobytes()
+        del attached, woken, sleeping, again, a
+        self.assertEqual(state(), self.before)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Sleep and wake from Python against a real vmm-memd (``VMM_MEMD_SOCKET``; run by
 ``vmm-memd/tests/python_client.rs``): the memory is given up while the addresses stay reserved,
 a wake maps the next generation of the same layout at the same addresses (an array made before
-the sleep reads the new bytes), another layout is StaleLayout with the region still asleep, and
-a discard sleep wakes to zeroed memory."""
+the sleep reads the new bytes), another layout is StaleLayout with the region still asleep, a
+discard sleep wakes to zeroed memory, and a closed sleeper's addresses are given back."""
 
 import unittest
 
@@ -20,6 +20,10 @@ class LayoutHash(unittest.TestCase):
         self.assertEqual(vmm_memd.layout_hash([4096, 8192], meta), 16243066540437555579)
         moved = dict(meta, b=TensorMeta(1, 24, 8, Dtype.F32, (2,)))
         self.assertNotEqual(vmm_memd.layout_hash([4096, 8192], moved), 16243066540437555579)
+        # A GPU region's hashes its device's UUID on after it (vmm-memd's layout_hash_on).
+        self.assertEqual(vmm_memd.layout_hash_on([4096, 8192], meta, bytes(range(16))),
+                         6180394435458095547)
+        self.assertEqual(vmm_memd.layout_hash_on([4096, 8192], meta), 16243066540437555579)
 
 
 @unittest.skipUnless(SOCKET, "VMM_MEMD_SOCKET names no running vmm-memd")
@@ -85,6 +89,23 @@ class SleepAndWake(unittest.TestCase):
         woken = self.client.wake(sleeping)
         self.assertEqual(woken.generation, 1, "the same generation, made again")
         self.assertEqual(woken["w"].tobytes(), bytes(8192))
+
+    def test_a_closed_sleeper_gives_its_addresses_back_and_cannot_wake(self):
+        region = fresh("closed")
+        self.publish(region, 5)
+        sleeping = self.client.sleep(self.client.attach(region))
+        address = sleeping.addresses()[0]
+        sleeping.close()
+        self.assertIsNone(mapping_of(address))
+        with self.assertRaises(vmm_memd.NotAsleep):
+            self.client.wake(sleeping)
+        # A sleeper woken is not one to wake again (nor does its close unmap the woken).
+        sleeping = self.client.sleep(self.client.attach(region))
+        woken = self.client.wake(sleeping)
+        sleeping.close()
+        with self.assertRaises(vmm_memd.NotAsleep):
+            self.client.wake(sleeping)
+        self.assertEqual(woken["w"].tobytes(), bytes([5]) * 8192)
 
 
 if __name__ == "__main__":

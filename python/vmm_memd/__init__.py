@@ -24,10 +24,11 @@ from .errors import (  # noqa: F401
     AccessDenied, BadDescriptor, BadReply, DecodeError, FdsInFlight, InvalidRequest, MemdError,
     NoSuchGeneration, NoSuchRegion, Os, QuotaExceeded, Refused, ServiceFailed, ServiceGone,
     StillMapped, TooLarge, Transport, WriterBusy, NoSuchDevice, DeviceFailed, DigestMismatch,
-    FabricUnavailable, GpuImportFailed, GpuRegion, StaleLayout, StateDictError,
+    FabricUnavailable, GpuImportFailed, GpuRegion, GpuSleepFailed, NotAsleep, NotMapped,
+    StaleLayout, StateDictError,
     StateDictMismatch, TooManyChunks, UnsupportedDevice, UnsupportedDtype,
 )
-from .sleep import Sleeping, layout_hash  # noqa: F401
+from .sleep import Sleeping, layout_hash, layout_hash_on  # noqa: F401
 from .protocol import Acl, Dtype, Gid, TensorMeta, Uid  # noqa: F401
 from .tensor import Tensor  # noqa: F401
 from .client import Client  # noqa: F401
@@ -42,6 +43,7 @@ __all__ = [
     "Transport", "Os", "QuotaExceeded", "AccessDenied", "NoSuchRegion", "NoSuchGeneration",
     "WriterBusy", "TooLarge", "InvalidRequest", "StillMapped", "FdsInFlight", "ServiceFailed",
     "NoSuchDevice", "DeviceFailed", "DigestMismatch", "FabricUnavailable", "GpuRegion",
-    "GpuImportFailed", "StaleLayout", "Sleeping", "layout_hash", "StateDictError",
+    "GpuImportFailed", "GpuSleepFailed", "NotAsleep", "NotMapped", "StaleLayout", "Sleeping",
+    "layout_hash", "layout_hash_on", "StateDictError",
     "StateDictMismatch", "TooManyChunks", "UnsupportedDevice", "UnsupportedDtype",
 ]

@@ -6,15 +6,17 @@ from .tensor import Tensor
 class Attached:
     """Generation ``generation`` of ``region``, attached through ``client``: lease ``lease``
     (renew it within ``ttl`` seconds with ``client.renew()``; it ends with ``client.detach``
-    or the connection), ``meta`` (key -> TensorMeta), ``chunks`` (ReadOnlyChunk).
+    or the connection), ``meta`` (key -> TensorMeta), ``chunks`` (ReadOnlyChunk; for a GPU
+    region GpuChunk views of ``gpu``, the GpuChunks that maps them back to back; ``gpu`` is
+    None for a host region).
 
     The mappings are this process's and stay valid after the lease ends (the kernel keeps the
     pages while a mapping holds them): each Tensor, memoryview or DLPack array keeps the chunk
     it points into mapped."""
 
-    def __init__(self, client, region, lease, generation, chunks, meta, ttl):
+    def __init__(self, client, region, lease, generation, chunks, meta, ttl, gpu=None):
         self.client, self.region, self.lease, self.generation = client, region, lease, generation
-        self.chunks, self.meta, self.ttl = chunks, meta, ttl
+        self.chunks, self.meta, self.ttl, self.gpu = chunks, meta, ttl, gpu
 
     def tensor(self, key):
         """Tensor ``key`` (KeyError if there is none)."""

@@ -11,10 +11,10 @@ from vmm_ipc_peer.decoding import _discard
 
 from . import protocol as p
 from . import gpu
-from .errors import (BadReply, GpuImportFailed, GpuRegion, InvalidRequest, MemdError, Refused,
-                     ServiceGone, StaleLayout, Transport)
+from .errors import (BadReply, GpuImportFailed, GpuRegion, GpuSleepFailed, InvalidRequest,
+                     MemdError, NotMapped, Refused, ServiceGone, StaleLayout, Transport)
 from .mapping import ReadOnlyChunk
-from .sleep import Sleeping, layout_hash
+from .sleep import Sleeping, layout_hash, layout_hash_on
 from .writer import Writer
 from .attached import Attached
 
@@ -159,9 +159,8 @@ class Client:
         return self._attach(region, generation, None)
 
     def _attach(self, region, generation, sleeping):
-        """``attach``, mapping a host generation over ``sleeping``'s reservations if it is
-        given (StaleLayout, with nothing mapped and the lease given back, for another
-        layout)."""
+        """``attach``, mapping the generation at ``sleeping``'s addresses if it is given
+        (StaleLayout, with nothing mapped and the lease given back, for another layout)."""
         reply = self.request_raw(p.encode_attach(region, generation))
         if not isinstance(reply, p.AttachedGpuReply):
             reply = self._expect(reply, p.AttachedReply)
@@ -179,21 +178,21 @@ class Client:
                 self._skip_descriptors(reply.chunks)
                 self._detach_quietly(reply.lease)
                 raise BadReply(f"tensor {key!r} lies outside its chunk ({m})")
-        if isinstance(reply, p.AttachedGpuReply):
-            if sleeping is not None:
-                self._skip_descriptors(reply.chunks)
-                self._detach_quietly(reply.lease)
-                raise GpuRegion(region, reply.device, "a sleep of a GPU region from Python is "
-                                                      "not written yet")
-            chunks = self._gpu_chunks(region, reply)
-        elif sleeping is None:
-            chunks = self._host_chunks(reply, lambda i, d, size: ReadOnlyChunk(d.fd, size))
-        else:
-            layout = layout_hash(reply.chunks, meta)
-            if layout != sleeping.layout:
+        gpu_reply = isinstance(reply, p.AttachedGpuReply)
+        if sleeping is not None:
+            layout = layout_hash_on(reply.chunks, meta, reply.device if gpu_reply else None)
+            if layout != sleeping.layout or gpu_reply != (sleeping.gpu is not None):
                 self._skip_descriptors(reply.chunks)
                 self._detach_quietly(reply.lease)
                 raise StaleLayout(region, sleeping.layout, layout)
+        mapped = None
+        if gpu_reply:
+            mapped = self._gpu_chunks(region, reply, sleeping)
+            chunks = [mapped.chunk(i) for i in range(len(reply.chunks))] if sleeping is None \
+                else sleeping.chunks
+        elif sleeping is None:
+            chunks = self._host_chunks(reply, lambda i, d, size: ReadOnlyChunk(d.fd, size))
+        else:
             try:
                 chunks = self._host_chunks(reply,
                                            lambda i, d, size: _remapped(sleeping, i, d, size))
@@ -201,8 +200,10 @@ class Client:
                 for chunk in sleeping.chunks:  # those remapped already go back to sleep
                     chunk.reserve()
                 raise
+        if sleeping is not None:
+            sleeping.state = "woken"
         return Attached(self, region, reply.lease, reply.generation, chunks, meta,
-                        reply.ttl_ms / 1000.0)
+                        reply.ttl_ms / 1000.0, gpu=mapped)
 
     def _host_chunks(self, reply, place):
         """Each host chunk's descriptor given to ``place(index, descriptor, size)``, which
@@ -220,18 +221,30 @@ class Client:
                 raise
         return chunks
 
-    # ---- sleep and wake (host regions) -----------------------------------------------------
+    # ---- sleep and wake ----------------------------------------------------------------
 
     def sleep(self, attached, discard=False):
-        """Give ``attached``'s memory up, keeping its addresses reserved, and end its lease: a
-        Sleeping for :meth:`wake`. With ``discard`` (needs the region's write right: for
-        memory whose contents need not survive, such as a KV cache) the service frees the
-        generation's memory once every lease on it has ended, and the wake gets it again,
-        zeroed. A discard refused (AccessDenied) leaves ``attached`` untouched. A lease the
-        service no longer has (expired, the service gone) is no failure."""
-        if not all(isinstance(c, ReadOnlyChunk) for c in attached.chunks):
-            raise GpuRegion(attached.region, b"", "a sleep of a GPU region from Python is not "
-                                                  "written yet")
+        """Give ``attached``'s memory up, keeping its addresses reserved in this process, and
+        end its lease: a Sleeping for :meth:`wake`. A host region's chunks become
+        ``PROT_NONE`` reservations of their addresses; a GPU region's chunks are unmapped and
+        their imports released while the mapping's address range stays reserved (no other
+        allocation of this process can take it).
+
+        Anything that points into the mapping (Tensors, views, DLPack consumers, torch
+        tensors over a GPU region) may be kept but must not be used until the wake, after
+        which it points at the woken generation's bytes at the same addresses; this client
+        cannot know who holds such pointers and does not refuse the sleep for them.
+
+        With ``discard`` (needs the region's write right: for memory whose contents need not
+        survive, such as a KV cache) the service frees the generation's memory once every
+        lease on it has ended, and the wake gets it again, zeroed. A discard refused
+        (AccessDenied) leaves ``attached`` untouched: still mapped and leased. A lease the
+        service no longer has (expired, the service gone) is no failure. A GPU attachment
+        whose mapping is asleep or closed already is NotMapped (nothing sent); a driver that
+        refuses to unmap it, GpuSleepFailed."""
+        gpu = getattr(attached, "gpu", None)
+        if gpu is not None and not gpu.mapped:
+            raise NotMapped(attached.region, "its GPU mapping is asleep or closed already")
         lease_gone = False
         if discard:
             try:
@@ -243,26 +256,40 @@ class Client:
                 if e.rule != "NoSuchLease":
                     raise
                 lease_gone = True
-        layout = layout_hash([c.length for c in attached.chunks], attached.meta)
-        for chunk in attached.chunks:
-            chunk.reserve()
+        if gpu is not None:
+            layout = layout_hash_on(gpu.sizes, attached.meta, gpu.uuid)
+            try:
+                gpu.sleep()
+            except (RuntimeError, ValueError) as e:
+                raise GpuSleepFailed(attached.region, str(e)) from e
+        else:
+            layout = layout_hash([c.length for c in attached.chunks], attached.meta)
+            for chunk in attached.chunks:
+                chunk.reserve()
         if not lease_gone:
             try:
                 self.detach(attached.lease)
             except (ServiceGone, Refused):
                 pass
-        return Sleeping(attached.region, attached.generation, layout, list(attached.chunks))
+        return Sleeping(attached.region, attached.generation, layout, list(attached.chunks),
+                        gpu=gpu)
 
     def wake(self, sleeping):
         """Attach ``sleeping``'s region's current generation and map it at the slept
-        addresses: an Attached whose chunks are the slept ones. StaleLayout if the layout
-        changed (nothing mapped, the lease given back, ``sleeping`` still reserved)."""
+        addresses: an Attached whose chunks are the slept ones (for a GPU region, its
+        ``gpu`` is the slept GpuChunks, mapped again at the same device address). StaleLayout
+        if the layout changed (nothing mapped, the lease given back, ``sleeping`` still
+        reserved, to wake later); GpuImportFailed if the driver refuses the chunks (the same,
+        the range still reserved). NotAsleep, with nothing sent, for a sleeper woken already
+        or closed."""
+        sleeping._check_asleep()
         return self._attach(sleeping.region, None, sleeping)
 
-    def _gpu_chunks(self, region, reply):
+    def _gpu_chunks(self, region, reply, sleeping=None):
         """A GPU generation's descriptors (one per chunk, after its metadata), imported and
-        mapped read-only; each GpuChunk of the result. On any failure the descriptors are
-        read and closed and the lease given back (unless the service is gone)."""
+        mapped read-only: a GpuChunks, or ``sleeping``'s, mapped again into its reserved
+        range. On any failure the descriptors are read and closed and the lease given back
+        (unless the service is gone)."""
         descriptors = []
         try:
             for i, size in enumerate(reply.chunks):
@@ -274,14 +301,23 @@ class Client:
                         self._detach_quietly(reply.lease)
                     raise
             try:
-                chunks = self._import_gpu(region, reply, descriptors)
+                if sleeping is None:
+                    return self._import_gpu(region, reply, descriptors)
+                return self._wake_gpu(region, reply, descriptors, sleeping.gpu)
             except MemdError:
                 self._detach_quietly(reply.lease)
                 raise
         finally:
             for d in descriptors:
                 d.close()
-        return [chunks.chunk(i) for i in range(len(reply.chunks))]
+
+    @staticmethod
+    def _wake_gpu(region, reply, descriptors, slept):
+        try:
+            slept.wake([d.fds[0] for d in descriptors], reply.chunks)
+        except (RuntimeError, ValueError) as e:
+            raise GpuImportFailed(region, str(e)) from e
+        return slept
 
     def _import_gpu(self, region, reply, descriptors):
         cuda = gpu._cuda()
@@ -295,7 +331,7 @@ class Client:
                     raise GpuRegion(region, reply.device, "no device of this process has it")
                 self._contexts[reply.device] = ctx
             return gpu.GpuChunks(cuda, ctx, [d.fds[0] for d in descriptors], reply.chunks,
-                                 reply.device)
+                                 reply.device, region=region)
         except (RuntimeError, ValueError) as e:
             raise GpuImportFailed(region, str(e)) from e
 
@@ -369,7 +405,7 @@ class Client:
                 descriptors.append(self.vmm_descriptor(size, ctx.uuid))
             try:
                 mapped = gpu.GpuChunks(cuda, ctx, [d.fds[0] for d in descriptors],
-                                       reply.chunks, ctx.uuid, writable=True)
+                                       reply.chunks, ctx.uuid, writable=True, region=region)
             except (RuntimeError, ValueError) as e:
                 raise GpuImportFailed(region, str(e)) from e
         except MemdError as e:

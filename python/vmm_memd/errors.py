@@ -160,6 +160,36 @@ class StaleLayout(MemdError):
                          f"({slept:#018x} slept, {now:#018x} now)")
 
 
+class NotMapped(MemdError):
+    """A GPU region's mapping in this process is asleep or closed: a sleep of it (nothing was
+    sent to the service) or a copy from or to it (wake it first) is refused. ``region`` may
+    be None (a writer's mapping)."""
+
+    def __init__(self, region, why):
+        self.region, self.why = region, why
+        super().__init__(f"region {region!r}: {why}")
+
+
+class NotAsleep(MemdError):
+    """A wake of a Sleeping that is not asleep any more (woken already, or closed): nothing
+    was sent to the service."""
+
+    def __init__(self, region, why):
+        self.region, self.why = region, why
+        super().__init__(f"region {region!r}: {why}")
+
+
+class GpuSleepFailed(MemdError):
+    """The CUDA driver refused to unmap a GPU region's chunks or release their imports during
+    a sleep (``why`` is the driver's error). The lease is still held for a plain sleep (a
+    discard sleep had ended it); what stays mapped is released with the attachment's last
+    reference."""
+
+    def __init__(self, region, why):
+        self.region, self.why = region, why
+        super().__init__(f"region {region!r}: unmapping its chunks for a sleep failed: {why}")
+
+
 class GpuImportFailed(MemdError):
     """The CUDA driver refused to import or map a GPU region's chunks (``why`` is the
     driver's error): its lease was given back and its descriptors closed."""

@@ -16,6 +16,7 @@ missing or no visible device has the region's UUID).
 import weakref
 
 from . import dlpack
+from .errors import NotAsleep, NotMapped
 
 
 def _cuda():
@@ -43,15 +44,66 @@ class GpuChunks:
     import takes each by value) into the device of ``ctx`` and mapped back to back from
     ``address``, read-only unless ``writable``. Unmapped, and the imports released, by
     ``close()`` or once nothing refers to this object (a Tensor or a DLPack consumer keeps
-    it)."""
+    it).
 
-    def __init__(self, cuda, ctx, fds, sizes, uuid, writable=False):
-        descriptor = cuda.peer.VmmDescriptor(list(fds), sizes, device_uuid=uuid,
-                                             device_ordinal=ctx.ordinal)
-        self._cuda = cuda
-        self._mapping = cuda.import_descriptor(ctx, descriptor, read_only=not writable)
+    Asleep (``sleep()``), the chunks are unmapped and their imports released while the address
+    range stays reserved in this process; ``wake(fds, sizes)`` maps other chunks of the same
+    sizes there: ``address`` never changes, so pointers into the mapping (Tensors, DLPack
+    consumers, torch tensors) point at the woken bytes. Meanwhile they point at no memory:
+    a copy through this object raises NotMapped, a kernel that touches them faults."""
+
+    def __init__(self, cuda, ctx, fds, sizes, uuid, writable=False, region=None):
+        self._cuda, self._ctx, self.uuid, self.writable = cuda, ctx, uuid, writable
+        self.region, self._range = region, None
+        self._mapping = self._import(fds, sizes)
         self.ordinal, self.sizes, self.address = ctx.ordinal, list(sizes), self._mapping.va
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self._close = weakref.finalize(self, _release, self._mapping)
+
+    def _import(self, fds, sizes, at=None):
+        descriptor = self._cuda.peer.VmmDescriptor(list(fds), sizes, device_uuid=self.uuid,
+                                                   device_ordinal=self._ctx.ordinal)
+        return self._cuda.import_descriptor(self._ctx, descriptor, read_only=not self.writable,
+                                            at=at)
+
+    @property
+    def mapped(self):
+        """Whether the chunks are mapped (not asleep, not closed)."""
+        return self._close.alive
+
+    @property
+    def asleep(self):
+        """Whether the chunks sleep: unmapped, the address range still reserved here."""
+        return self._range is not None and self._range.reserved
+
+    def sleep(self):
+        """Unmap the chunks and release their imports, keeping the address range reserved
+        (NotMapped if they are not mapped). RuntimeError if the driver refuses: what it left
+        mapped is released by ``close`` (or once nothing refers to this object)."""
+        if not self.mapped:
+            raise NotMapped(self.region, "the GPU mapping is asleep or closed already")
+        self._close.detach()  # the mapping is taken apart here: its finalizer must not
+        try:
+            self._ctx.make_current()
+            self._range = self._mapping.unmap_keep_range()
+        except BaseException:
+            self._close = weakref.finalize(self, _release, self._mapping)
+            raise
+
+    def wake(self, fds, sizes):
+        """Import ``fds`` (chunks of these ``sizes``, as the ones that slept) and map them
+        into the reserved range: at ``address`` again. NotAsleep if this does not sleep;
+        RuntimeError or ValueError if the driver or the sizes refuse, nothing mapped and the
+        range still reserved."""
+        if not self.asleep:
+            raise NotAsleep(self.region, "the GPU mapping is not asleep (woken already, or "
+                                         "closed)")
+        if list(sizes) != self.sizes:
+            raise ValueError(f"chunks of {list(sizes)} bytes for a range that slept with "
+                             f"{self.sizes}")
+        self._ctx.make_current()
+        self._mapping = self._import(fds, sizes, at=self._range)
+        self._range = None
         self._close = weakref.finalize(self, _release, self._mapping)
 
     @property
@@ -62,14 +114,20 @@ class GpuChunks:
         """Chunk ``index`` as the view a Tensor points into."""
         return GpuChunk(self, index)
 
+    def _check_mapped(self):
+        if not self.mapped:
+            raise NotMapped(self.region, "the GPU mapping is asleep or closed")
+
     def read(self, offset, length):
         """``length`` bytes from ``offset`` (across chunks), copied to the host."""
+        self._check_mapped()
         self._mapping.ctx.make_current()
         return self._mapping.read(offset, length)
 
     def write(self, chunk, offset, data):
         """Copy host bytes ``data`` to ``offset`` in chunk ``chunk`` (a writable mapping)."""
         self._bounds(chunk, offset, len(data))
+        self._check_mapped()
         self._mapping.ctx.make_current()
         self._mapping.write(self.offsets[chunk] + offset, data)
 
@@ -80,6 +138,7 @@ class GpuChunks:
         queued there (torch's default stream) and is done when this returns; synchronize
         other streams that write ``source`` first."""
         self._bounds(chunk, offset, length)
+        self._check_mapped()
         if self._mapping.read_only:
             raise PermissionError("this mapping is read-only for the device")
         self._mapping.ctx.make_current()
@@ -93,8 +152,12 @@ class GpuChunks:
             raise ValueError(f"{length} bytes at {offset} lie outside chunk {chunk}")
 
     def close(self):
-        """Unmap now (a Tensor of it must not be used after)."""
+        """Unmap now, or free the reserved range if asleep (a Tensor of it must not be used
+        after)."""
         self._close()
+        if self._range is not None:
+            kept, self._range = self._range, None
+            kept.close()
 
 
 class GpuChunk:

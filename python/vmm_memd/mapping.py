@@ -91,6 +91,11 @@ class ReadOnlyChunk:
         if got != self.address:
             raise Os("mmap(chunk, MAP_FIXED)", ctypes.get_errno())
 
+    def release(self):
+        """Unmap now (the mapping or the reservation): a view or array of it must never be
+        used after."""
+        self._unmap()
+
     def read(self, offset, length):
         """``length`` bytes from ``offset``, copied."""
         return bytes(self.view(offset, length))

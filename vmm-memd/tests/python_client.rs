@@ -263,6 +263,8 @@ fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
             "test_unknown_variants_are_refused",
             "test_chunks_are_imported_read_only_and_exported_by_dlpack_on_the_device",
             "test_another_device_or_a_mismatched_chunk_is_refused_and_the_lease_given_back",
+            "test_a_refused_discard_sleep_leaves_the_attachment_mapped_and_leased",
+            "test_a_wake_the_driver_refuses_keeps_the_range_and_gives_the_lease_back",
             "test_a_driver_refusal_is_typed_and_leaves_nothing",
             "test_without_cuda_bindings_a_gpu_region_is_GpuRegion",
             "test_host_and_cuda_arrays_are_copied_in_described_and_committed",
@@ -271,6 +273,7 @@ fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
             "test_wake_maps_the_next_generation_at_the_same_addresses",
             "test_another_layout_is_stale_and_the_region_stays_asleep",
             "test_a_discard_sleep_wakes_to_zeroed_memory",
+            "test_a_closed_sleeper_gives_its_addresses_back_and_cannot_wake",
             "test_tensors_go_in_order_at_aligned_offsets_of_one_chunk",
             "test_a_new_chunk_starts_when_the_next_tensor_would_pass_chunk_bytes",
             "test_a_tensor_larger_than_chunk_bytes_gets_a_chunk_of_its_own_size",
@@ -464,12 +467,13 @@ fn the_python_codecs_golden_requests_are_postcards() {
     assert_eq!(bytes(&begin_on), expected);
 }
 
-/// The layout hash the Python client takes before a sleep (`vmm_memd.layout_hash`, checked
-/// with this value in `test_memd_sleep.py`) is vmm-memd's.
+/// The layout hash the Python client takes before a sleep (`vmm_memd.layout_hash`, and
+/// `layout_hash_on` for a GPU region, checked with these values in `test_memd_sleep.py`) is
+/// vmm-memd's.
 #[test]
 fn the_python_layout_hash_is_vmm_memds() {
     use std::collections::BTreeMap;
-    use vmm_memd::protocol::TensorMeta;
+    use vmm_memd::protocol::{Backend, TensorMeta};
     let tensor = |chunk, offset, len, dtype, shape: &[u64]| TensorMeta {
         chunk,
         offset,
@@ -483,6 +487,16 @@ fn the_python_layout_hash_is_vmm_memds() {
     ]);
     assert_eq!(
         vmm_memd::layout_hash(&[4096, 8192], &meta),
+        16_243_066_540_437_555_579
+    );
+    // On a GPU (`vmm_memd.layout_hash_on`, the fake driver's UUID 0..=15), and on the host.
+    let uuid: [u8; 16] = std::array::from_fn(|i| i as u8);
+    assert_eq!(
+        vmm_memd::layout_hash_on(&[4096, 8192], &meta, Backend::Gpu { uuid }),
+        6_180_394_435_458_095_547
+    );
+    assert_eq!(
+        vmm_memd::layout_hash_on(&[4096, 8192], &meta, Backend::Host),
         16_243_066_540_437_555_579
     );
 }

@@ -184,7 +184,10 @@ fn device_bytes() -> Vec<u8> {
 /// The real service on the fake driver, the real Python client on the fake cuda.bindings: a
 /// GPU region Rust published attaches in Python (read-only, the bytes, verified); Python
 /// publishes one (from host and device memory) and attaches it back, fills a writer's two
-/// chunks; then Rust attaches what Python published and reads its bytes.
+/// chunks; Python sleeps and wakes GPU regions at a stable device address (the same
+/// generation, a republished one, a changed layout refused with the range kept, a discard
+/// sleep woken to zeros, a hinted reservation kept out of the slept range); then Rust
+/// attaches what Python published and reads its bytes.
 #[test]
 fn python_and_rust_exchange_gpu_regions_through_the_service_on_fake_drivers() {
     let test = "python_and_rust_exchange_gpu_regions_through_the_service_on_fake_drivers";
@@ -213,6 +216,10 @@ fn python_and_rust_exchange_gpu_regions_through_the_service_on_fake_drivers() {
                 "test_a_region_published_here_attaches_back_and_verifies",
                 "test_a_writer_fills_two_chunks_commits_and_aborts",
                 "test_the_fake_refuses_an_fd_that_is_no_allocation",
+                "test_a_sleep_and_wake_keep_the_device_address_and_the_bytes",
+                "test_a_republished_layout_wakes_onto_the_new_generation_at_the_same_address",
+                "test_a_changed_layout_is_stale_and_the_range_stays_reserved",
+                "test_a_discard_sleep_wakes_to_zeros_at_the_same_address",
             ],
         );
 
