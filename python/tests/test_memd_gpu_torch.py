@@ -2,7 +2,8 @@
 torch by DLPack: the CUDA tensor's data pointer is our mapping, its bytes are what Rust
 wrote, our mapping is read-only for the device, and the tensor outlives the lease. And torch
 tensors published from Python (``publish_gpu``: device to device copies, bfloat16 by the
-tuple form) come back equal.
+tuple form) come back equal. A torch tensor over a region kept through a sleep reads the
+woken generation at the same device address.
 
 Run by vmm-memd's python_client test on a GPU machine (it publishes the region and sets
 VMM_MEMD_SOCKET and VMM_MEMD_GPU_REGION=name:generation); skipped anywhere else."""
@@ -82,6 +83,37 @@ class TorchOnTheGpu(unittest.TestCase):
         self.assertEqual(got.tobytes(), bytes(half.view(torch.uint8).cpu().numpy()))
         self.assertEqual(attached["host"].tobytes(), bytes(range(256)))
         client.verify(region)
+        client.close()
+
+    def test_a_torch_tensor_over_a_slept_region_reads_the_woken_generation(self):
+        region = os.environ["VMM_MEMD_GPU_REGION"].rsplit(":", 1)[0] + "-sleep"
+        client = vmm_memd.Client.connect(os.environ["VMM_MEMD_SOCKET"])
+        weights = torch.arange(1 << 20, dtype=torch.float32, device="cuda")  # 4 MiB
+        torch.cuda.synchronize()
+        first = vmm_memd.publish_gpu(client, region, {"w": weights})
+        attached = client.attach(region)
+        x = torch.from_dlpack(attached["w"])  # a torch tensor kept over the sleep
+        address, size = attached.gpu.address, sum(attached.gpu.sizes)
+        self.assertEqual(x.data_ptr(), address)
+        sleeping = client.sleep(attached)
+        self.assertEqual(sleeping.gpu_address(), address)
+        # The range stays reserved: a reservation hinted at it is placed elsewhere.
+        err, squatter = cu.cuMemAddressReserve(size, 0, address, 0)
+        self.assertEqual(err, cu.CUresult.CUDA_SUCCESS)
+        self.assertNotEqual(int(squatter), address)
+        self.assertEqual(cu.cuMemAddressFree(squatter, size)[0], cu.CUresult.CUDA_SUCCESS)
+        # The same layout republished: the wake maps the new generation at the same address,
+        # and the tensor made before the sleep reads it.
+        second = vmm_memd.publish_gpu(client, region, {"w": weights * 2})
+        self.assertEqual(second, first + 1)
+        woken = client.wake(sleeping)
+        self.assertEqual((woken.generation, woken.gpu.address), (second, address))
+        self.assertTrue(torch.equal(x, weights * 2))
+        # A discard sleep: the wake gets the generation again, zeroed, at the same address.
+        woken = client.wake(client.sleep(woken, discard=True))
+        self.assertEqual((woken.generation, woken.gpu.address), (second, address))
+        self.assertEqual(int(torch.count_nonzero(x)), 0)
+        client.detach(woken)
         client.close()
 
 

@@ -418,6 +418,7 @@ fn torch_attaches_a_gpu_region_zero_copy_from_python() {
         &[
             "test_torch_gets_the_mapping_zero_copy_with_what_rust_published",
             "test_torch_tensors_published_from_python_come_back_equal",
+            "test_a_torch_tensor_over_a_slept_region_reads_the_woken_generation",
         ],
     );
     println!("{out}");
