@@ -12,13 +12,13 @@
 mod common;
 #[path = "common/gpu.rs"]
 mod gpu_common;
+#[path = "common/python.rs"]
+mod python;
 
 use std::io::Write;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use common::{ServiceProc, fill_byte, publish};
+use python::{DEADLINE, PythonDir, assert_passed, python3_can, run_unless};
 use vmm_memd::protocol::Dtype;
 
 /// The `vmm_ipc_peer` package, module by module.
@@ -88,121 +88,6 @@ const FILES: [(&str, &str); 15] = [
     ),
 ];
 
-/// How long one run of the Python tests may take.
-const DEADLINE: Duration = Duration::from_secs(300);
-
-/// Whether a skip is a failure here.
-fn strict() -> bool {
-    ["VMM_REQUIRE_PYTHON", "VMM_REQUIRE_GPU"]
-        .iter()
-        .any(|v| std::env::var(v).is_ok_and(|v| v == "1"))
-}
-
-/// `Ok` when `python3` (3.9+) runs the `-c` program `check`; else `Err(missing)`.
-fn python3_can(check: &str, missing: &str) -> Result<(), String> {
-    let program = format!("import sys; assert sys.version_info >= (3, 9); {check}");
-    let ok = Command::new("python3")
-        .args(["-c", &program])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if ok { Ok(()) } else { Err(missing.to_owned()) }
-}
-
-/// `true` when `requirement` holds; otherwise one `SKIP <test>: <reason>` line on the real
-/// stderr (libtest captures only `eprint!`) and in `VMM_SKIP_LOG`, and `false`; a failure
-/// when [`strict`].
-fn run_unless(test: &str, requirement: Result<(), String>) -> bool {
-    let Err(reason) = requirement else {
-        return true;
-    };
-    assert!(
-        !strict(),
-        "{test} would be skipped, but VMM_REQUIRE_PYTHON=1 or VMM_REQUIRE_GPU=1 requires it: \
-         {reason}"
-    );
-    let line = format!("SKIP {test}: {reason}\n");
-    let _ = std::io::stderr().write_all(line.as_bytes());
-    if let Some(path) = std::env::var_os("VMM_SKIP_LOG") {
-        let _ = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .and_then(|mut log| log.write_all(line.as_bytes()));
-    }
-    false
-}
-
-/// The Python files, written to a fresh directory; removed on drop.
-struct PythonDir(PathBuf);
-
-impl PythonDir {
-    fn new(tag: &str) -> PythonDir {
-        let dir = std::env::temp_dir().join(format!("vmm-memd-py-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        for (file, text) in PEER.iter().chain(MEMD.iter()).chain(FILES.iter()) {
-            let path = dir.join(file);
-            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-            std::fs::write(path, text).unwrap();
-        }
-        PythonDir(dir)
-    }
-
-    /// `python3 -m unittest -v MODULES` here with `env`, within [`DEADLINE`] (killed past
-    /// it): its success and its output (stdout and stderr, through a file: no pipe to fill).
-    fn unittest(&self, modules: &[&str], env: &[(&str, String)]) -> (bool, String) {
-        let log_path = self.0.join("unittest.log");
-        let log = std::fs::File::create(&log_path).unwrap();
-        let mut child = Command::new("python3")
-            .args(["-m", "unittest", "-v"])
-            .args(modules)
-            .current_dir(&self.0)
-            .env("PYTHONPATH", &self.0)
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start python3");
-        let started = Instant::now();
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break Some(status);
-            }
-            if started.elapsed() > DEADLINE {
-                let _ = child.kill();
-                let _ = child.wait();
-                break None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let out = std::fs::read_to_string(&log_path).unwrap_or_default();
-        match status {
-            Some(status) => (status.success(), out),
-            None => (false, format!("killed after {DEADLINE:?}:\n{out}")),
-        }
-    }
-}
-
-impl Drop for PythonDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Each of `tests` ran and passed (a `... ok` line), none skipped.
-fn assert_passed(out: &str, tests: &[&str]) {
-    for test in tests {
-        let line = out.lines().find(|l| l.starts_with(&format!("{test} ")));
-        assert!(
-            line.is_some_and(|l| l.ends_with(" ok")),
-            "{test} did not run and pass: {line:?}\n{out}"
-        );
-    }
-}
-
 /// `python3` (3.9+) with numpy 2.1+ (DLPack 1.0: read-only arrays).
 fn python3_with_numpy() -> Result<(), String> {
     python3_can("", "no python3 (3.9 or newer) on PATH").and_then(|()| {
@@ -224,7 +109,7 @@ fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
     let region = format!("rust-for-python-{}", std::process::id());
     let size = 10_000u64;
     let generation = publish(&rust, &region, 1, size);
-    let py = PythonDir::new("client");
+    let py = PythonDir::new("client", &[PEER, MEMD, &FILES]);
     let env = [
         ("VMM_MEMD_SOCKET", service.socket.clone()),
         ("VMM_MEMD_QUOTA", "1073741824".to_owned()),
@@ -323,7 +208,7 @@ fn the_python_package_installs_offline_into_a_fresh_venv() {
     if !run_unless(test, python3_can("", "no python3 (3.9 or newer) on PATH")) {
         return;
     }
-    let py = PythonDir::new("install");
+    let py = PythonDir::new("install", &[PEER, MEMD, &FILES]);
     let (ok, out) = py.unittest(&["test_memd_install"], &[]);
     assert!(ok && out.contains("\nOK"), "{out}");
     if out.contains("cannot make a venv with pip here") {
@@ -355,7 +240,7 @@ fn a_python_reader_sees_service_gone_and_reattaches_after_a_restart() {
         return;
     }
     let mut service = ServiceProc::start(&[]);
-    let py = PythonDir::new("restart");
+    let py = PythonDir::new("restart", &[PEER, MEMD, &FILES]);
     let control = py.0.join("control");
     std::fs::create_dir(&control).unwrap();
     let env = [
@@ -406,7 +291,7 @@ fn torch_attaches_a_gpu_region_zero_copy_from_python() {
     let region = format!("gpu-for-torch-{}", std::process::id());
     let uuid = gpu_common::parse_uuid(&gpu_common::uuid_hex(0));
     let generation = gpu_common::publish_gpu(&rust, &region, uuid, 2, 3 << 20);
-    let py = PythonDir::new("torch");
+    let py = PythonDir::new("torch", &[PEER, MEMD, &FILES]);
     let env = [
         ("VMM_MEMD_SOCKET", service.socket.clone()),
         ("VMM_MEMD_GPU_REGION", format!("{region}:{generation}")),

@@ -15,13 +15,15 @@
 //! failure.
 
 mod common;
+#[path = "common/python.rs"]
+mod python;
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::ServiceProc;
+use python::{PythonDir, python3_can, run_unless};
 
 /// The `vmm_ipc_peer` package, module by module.
 const PEER: &[(&str, &str)] = &include!("../../python/vmm_ipc_peer_files.rs");
@@ -42,67 +44,6 @@ const DEADLINE: Duration = Duration::from_secs(540);
 /// The service's quota: the model is 2.47 GB, chunks are rounded up to the granularity.
 const QUOTA: &str = "17179869184";
 
-/// `Ok` when `python3` runs the `-c` program `check`; else `Err(missing)`.
-fn python3_can(check: &str, missing: &str) -> Result<(), String> {
-    let program = format!("import sys; assert sys.version_info >= (3, 9); {check}");
-    let ok = Command::new("python3")
-        .args(["-c", &program])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if ok { Ok(()) } else { Err(missing.to_owned()) }
-}
-
-/// `true` when `requirement` holds; otherwise one `SKIP <test>: <reason>` line on the real
-/// stderr and in `VMM_SKIP_LOG`, and `false`; a failure under `VMM_REQUIRE_GPU=1` (or
-/// `VMM_REQUIRE_PYTHON=1`).
-fn run_unless(test: &str, requirement: Result<(), String>) -> bool {
-    let Err(reason) = requirement else {
-        return true;
-    };
-    let strict = ["VMM_REQUIRE_PYTHON", "VMM_REQUIRE_GPU"]
-        .iter()
-        .any(|v| std::env::var(v).is_ok_and(|v| v == "1"));
-    assert!(
-        !strict,
-        "{test} would be skipped, but VMM_REQUIRE_PYTHON=1 or VMM_REQUIRE_GPU=1 requires it: \
-         {reason}"
-    );
-    let line = format!("SKIP {test}: {reason}\n");
-    let _ = std::io::stderr().write_all(line.as_bytes());
-    if let Some(path) = std::env::var_os("VMM_SKIP_LOG") {
-        let _ = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .and_then(|mut log| log.write_all(line.as_bytes()));
-    }
-    false
-}
-
-/// The Python files, written to a fresh directory; removed on drop.
-struct PythonDir(PathBuf);
-
-impl PythonDir {
-    fn new() -> PythonDir {
-        let dir = std::env::temp_dir().join(format!("vmm-memd-torch-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        for (file, text) in PEER.iter().chain(MEMD.iter()).chain(FILES.iter()) {
-            let path = dir.join(file);
-            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-            std::fs::write(path, text).unwrap();
-        }
-        PythonDir(dir)
-    }
-}
-
-impl Drop for PythonDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 #[test]
 fn a_torch_engine_restarts_without_reloading() {
     let test = "a_torch_engine_restarts_without_reloading";
@@ -118,7 +59,7 @@ fn a_torch_engine_restarts_without_reloading() {
         return;
     }
     let mut service = ServiceProc::start(&["--quota-bytes", QUOTA]);
-    let py = PythonDir::new();
+    let py = PythonDir::new("torch-engine", &[PEER, MEMD, &FILES]);
     let control = py.0.join("control");
     std::fs::create_dir(&control).unwrap();
     let log_path = py.0.join("unittest.log");

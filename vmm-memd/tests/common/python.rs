@@ -2,7 +2,7 @@
 //! files written to a temporary directory (a staged test executable needs no checkout), one
 //! `python3 -m unittest` run within a deadline, and the skip rule: without `python3` a test
 //! prints one `SKIP` line and passes, unless `VMM_REQUIRE_PYTHON=1` (or `VMM_REQUIRE_GPU=1`)
-//! makes that a failure. (`python_client.rs` has its own copy of these, from before.)
+//! makes that a failure.
 #![allow(dead_code)]
 
 use std::io::Write;
