@@ -28,14 +28,16 @@ stage() { # $1 = tests|benches; reads cargo's JSON messages on stdin
 # VMM_REQUIRE_GPU=1 their skip is a failure): they are not staged until a run carries etcd.
 cargo test --workspace --exclude vmm-registry --release --no-run --message-format=json-render-diagnostics "$@" | stage tests
 cargo bench --workspace --exclude vmm-registry --no-run --message-format=json-render-diagnostics "$@" | stage benches
+# Where cargo puts what it builds (CARGO_TARGET_DIR or the workspace's target/).
+target=$(cargo metadata --format-version 1 --no-deps | jq -r .target_directory)
 # The examples run.sh runs on the GPU (the fabric example over mutual TLS, to Rust and Python).
 mkdir -p .gpu/examples
 cargo build --release -p vmm-core --features tls --example fabric_tcp
-cp target/release/examples/fabric_tcp .gpu/examples/fabric_tcp
+cp "$target/release/examples/fabric_tcp" .gpu/examples/fabric_tcp
 # The service's own programs (the GMS comparison in vmm-bench/gms/ runs the real vmm-memd).
 cargo build --release -p vmm-memd --bins
 mkdir -p .gpu/examples/bin
-cp target/release/vmm-memd target/release/vmm-memctl .gpu/examples/bin/
+cp "$target/release/vmm-memd" "$target/release/vmm-memctl" .gpu/examples/bin/
 cp "$here/run.sh" .gpu/run.sh
 # An A/B in one lease (ab.sh, compare.py): AB_BASE=<a bench executable of another build> stages
 # it as .gpu/base/vmm-bench beside this build's.
