@@ -129,6 +129,8 @@ class Replies(unittest.TestCase):
             (b"\x0a" + bytes(range(16)), e.NoSuchDevice(bytes(range(16)))),
             (b"\x0b" + b"\x01" * 16 + b"\x02" + string("oom"),
              e.DeviceFailed(b"\x01" * 16, "Read", "oom")),
+            (b"\x0b" + b"\x01" * 16 + b"\x03" + string("no copy"),
+             e.DeviceFailed(b"\x01" * 16, "Copy", "no copy")),
             (b"\x0c" + string("r") + b"\x02\x03" + b"\xaa" * 32 + b"\xbb" * 32,
              e.DigestMismatch("r", 2, 3, b"\xaa" * 32, b"\xbb" * 32)),
             (b"\x0d" + string("r") + b"\x02", e.FabricUnavailable("r", 2)),
@@ -169,8 +171,8 @@ class Replies(unittest.TestCase):
                            "unknown variant 3")
         self.assertRefused(reply(2**32 - 1), "unknown variant")
         self.assertRefused(reply(0, b"\x0e"), "unknown variant 14")
-        self.assertRefused(reply(0, b"\x0b" + b"\x01" * 16 + b"\x03" + string("x")),
-                           "unknown variant 3")
+        self.assertRefused(reply(0, b"\x0b" + b"\x01" * 16 + b"\x04" + string("x")),
+                           "unknown variant 4")
         # A fixed-size byte array cut short.
         self.assertRefused(reply(0, b"\x0a" + bytes(15)), "end inside")
         self.assertRefused(reply(7, b"\x01" + string("k") + b"\x00\x00\x01\x0d\x00"),

@@ -118,7 +118,7 @@ class NoSuchDevice(Refused):
 
 class DeviceFailed(Refused):
     """The CUDA driver refused the service an operation (``op``: ``"Allocate"``,
-    ``"Import"``, ``"Read"``) on ``device`` (a UUID); ``error`` is vmm-core's account."""
+    ``"Import"``, ``"Read"``, ``"Copy"``) on ``device`` (a UUID); ``error`` is vmm-core's account."""
     FIELDS = ("device", "op", "error")
 
 

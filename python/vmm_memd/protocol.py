@@ -378,7 +378,7 @@ def meta_pages(entries):
 _RIGHTS = ("Read", "Write", "Delete")
 _RULES = ("Decode", "RegionName", "Chunks", "Metadata", "NotWriting", "AlreadyWriting", "Acl",
           "NoSuchLease", "Backend", "NotAsleep")
-_GPU_OPS = ("Allocate", "Import", "Read")
+_GPU_OPS = ("Allocate", "Import", "Read", "Copy")
 _SCOPES = ("Connection", "Uid", "All")
 _REPLIES = ("Refused", "List", "Status", "Began", "Done", "Committed", "Attached", "MetaPage",
             "Renewed", "Metrics", "BeganGpu", "AttachedGpu", "Verified", "Slept", "Woke")

@@ -26,8 +26,9 @@ impl Client {
     /// `ResourceOptions::read_only`). A fabric handle does not keep memory alive: keep the
     /// lease (this connection) until every importer has imported.
     /// [`Refusal::FabricUnavailable`](crate::Refusal::FabricUnavailable) where the chunks
-    /// cannot be shared so (a host region, no fabric support, a generation the service took
-    /// back from its keeper after a restart).
+    /// cannot be shared so (a host region, no fabric support). A generation the service took
+    /// back from its keeper after a restart is first copied, on the device, into chunks that
+    /// can be (once: the copies are the generation's from then on).
     pub fn attach_fabric(&self, region: &str, generation: Option<u64>) -> Result<FabricAttached> {
         let reply = self.request(&Request::AttachFabric {
             region: region.to_owned(),

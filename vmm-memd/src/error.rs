@@ -248,6 +248,9 @@ pub enum GpuOp {
     Import,
     /// Reading a chunk to the host (digest).
     Read,
+    /// Copying a chunk on the device into a fresh fabric-shareable one (a generation taken
+    /// back from the keeper, attached as fabric handles).
+    Copy,
 }
 
 impl std::fmt::Display for GpuOp {
@@ -256,6 +259,7 @@ impl std::fmt::Display for GpuOp {
             GpuOp::Allocate => "allocating a chunk",
             GpuOp::Import => "importing a chunk",
             GpuOp::Read => "reading a chunk",
+            GpuOp::Copy => "copying a chunk into a fabric-shareable one",
         })
     }
 }

@@ -21,8 +21,8 @@ pub(crate) struct Chunk {
     pub(crate) fd: ChunkFd,
     pub(crate) len: u64,
     /// The service's own allocation of a fabric-shareable GPU chunk it made (not one taken
-    /// back from the keeper): what fabric handles are exported from (an fd import cannot be
-    /// exported again).
+    /// back from the keeper, until a fabric attach copied it: `registry/refabric.rs`): what
+    /// fabric handles are exported from (an fd import cannot be exported again).
     pub(crate) origin: Option<vmm_core::cuda::VirtualMemoryBuffer>,
 }
 

@@ -126,6 +126,38 @@ impl Gpus {
         Ok((fd, resources.fabric.then_some(buffer)))
     }
 
+    /// A fabric-shareable copy of the chunk `fd` (`len` bytes) on device `uuid`, made on the
+    /// device: a fresh chunk ([`create`](Self::create)) with the bytes copied in, as its fd
+    /// and its allocation (what fabric handles are exported from); `None` where this device's
+    /// chunks are not fabric-shareable. For a generation taken back from the keeper: its
+    /// chunks are imports of the fds it held, and an import cannot be exported again.
+    pub(crate) fn fabric_copy(
+        &self,
+        uuid: &[u8; 16],
+        fd: &OwnedFd,
+        len: u64,
+    ) -> Result<Option<(OwnedFd, VirtualMemoryBuffer)>, Refusal> {
+        let resources = self.resources(uuid)?;
+        if !resources.fabric {
+            return Ok(None);
+        }
+        let source = map_read_only(&resources.read, uuid, fd, len)?;
+        let (copy, allocation) = self.create(uuid, len, false)?;
+        let allocation = allocation.ok_or(Refusal::DeviceFailed {
+            device: *uuid,
+            op: GpuOp::Allocate,
+            error: "a fabric-shareable chunk came without its allocation".into(),
+        })?;
+        allocation
+            .copy_from(&source)
+            .map_err(|e| Refusal::DeviceFailed {
+                device: *uuid,
+                op: GpuOp::Copy,
+                error: e.to_string(),
+            })?;
+        Ok(Some((copy, allocation)))
+    }
+
     /// The SHA-256 digest of each chunk's bytes, read through a read-only mapping of its own.
     pub(crate) fn digests(
         &self,

@@ -226,11 +226,12 @@ pub enum Request {
     /// `Attach` a GPU region's generation as fabric handles, for importers on other nodes of
     /// the fabric (a process there needs an IMEX channel): the reply is
     /// [`Response::AttachedGpu`], the `MetaPage`s, then one `CUDA_FABRIC` descriptor per
-    /// chunk. Refused with `FabricUnavailable` for a host region, for chunks that are not
-    /// fabric-shareable, and for a generation the service took back from its keeper after a
-    /// restart (a fabric handle is exported from the allocation, which only the service that
-    /// made it holds). The lease keeps the memory while importers import: a fabric handle
-    /// does not keep memory alive.
+    /// chunk. Refused with `FabricUnavailable` for a host region and for chunks that are not
+    /// fabric-shareable. A generation the service took back from its keeper after a restart
+    /// is copied on the device into fresh fabric-shareable chunks first (a fabric handle is
+    /// exported from the allocation, which only the service that made it held; see
+    /// `registry/refabric.rs`). The lease keeps the memory while importers import: a fabric
+    /// handle does not keep memory alive.
     AttachFabric {
         /// The region.
         region: String,

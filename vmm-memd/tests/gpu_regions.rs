@@ -382,8 +382,10 @@ fn a_gpu_begin_over_the_quota_is_refused_before_allocating() {
 
 /// Where the device and the processes have fabric support (an IMEX channel; `SKIP`
 /// otherwise): `AttachFabric` gives the chunks as fabric handles that import (read-only here)
-/// to the published bytes; after a restart of the service, whose keeper holds fds only, the
-/// same request is refused with `FabricUnavailable` and the fd attach still works.
+/// to the published bytes. After a SIGKILL and restart of the service, whose keeper holds fds
+/// only, the same request copies the generation into fabric-shareable chunks: the same
+/// generation, the same bytes and digests, an fd attach beside it, the quota unchanged, and
+/// it holds over a second restart (the keeper holds the copies).
 #[test]
 fn fabric_handles_where_the_fabric_is_there() {
     let mut service = ServiceProc::start(&[]);
@@ -407,14 +409,35 @@ fn fabric_handles_where_the_fabric_is_there() {
         assert_eq!(bytes, gpu_common::pattern(1, i, len));
         offset += len;
     }
+    let digests = client.verify("fab", None).unwrap();
+    let used = client.status().unwrap().used;
     drop((mapped, attached, client));
-    service.signal(libc::SIGKILL);
-    let _ = service.child.wait();
-    service.restart();
-    let client = service.connect();
-    assert!(matches!(
-        client.attach_fabric("fab", None),
-        Err(MemdError::Refused(Refusal::FabricUnavailable { .. }))
-    ));
-    assert!(attached_intact(&client.attach("fab").unwrap()));
+    for restart in 1..=2 {
+        service.signal(libc::SIGKILL);
+        let _ = service.child.wait();
+        service.restart();
+        let client = service.connect();
+        let attached = client.attach_fabric("fab", None).unwrap_or_else(|e| {
+            panic!("restart {restart}: a kept generation as fabric handles: {e:?}")
+        });
+        assert_eq!(
+            attached.generation, 1,
+            "restart {restart}: nothing reloaded"
+        );
+        let mapped = reader.import_fabric(&attached.descriptor).unwrap();
+        let mut offset = 0;
+        for (i, &len) in sizes.iter().enumerate() {
+            let mut bytes = vec![0u8; len];
+            mapped.read_at(offset, &mut bytes).unwrap();
+            assert_eq!(
+                bytes,
+                gpu_common::pattern(1, i, len),
+                "restart {restart}, chunk {i}"
+            );
+            offset += len;
+        }
+        assert!(attached_intact(&client.attach("fab").unwrap()));
+        assert_eq!(client.verify("fab", None).unwrap(), digests);
+        assert_eq!(client.status().unwrap().used, used);
+    }
 }

@@ -86,6 +86,66 @@ fn allocate_fill_and_copy() {
 }
 
 #[test]
+fn copy_from_copies_on_the_device_across_chunk_boundaries() {
+    let Some(_gpu) = alone(cuda_vmm_ipc()) else {
+        return;
+    };
+    let r = resource();
+    let g = r.granularity();
+    // The source: one chunk of 4 granules, a pattern in it.
+    let src = r.allocate(4 * g).unwrap();
+    let data = pattern(4 * g, 7);
+    src.write_at(0, &data).unwrap();
+    // The destination: two chunks of 2 granules (two exports imported as one buffer), so the
+    // copy crosses a chunk boundary of one side in the middle of the other's chunk.
+    let (left, right) = (r.allocate(2 * g).unwrap(), r.allocate(2 * g).unwrap());
+    let (dl, dr) = (left.export().unwrap(), right.export().unwrap());
+    let fds: Vec<_> = dl.fds().chain(dr.fds()).collect();
+    let both = IpcDescriptor::from_fds(&fds, &[2 * g, 2 * g], HandleType::PosixFd, 4 * g).unwrap();
+    let dst = r.import(&both).unwrap();
+    assert_eq!(dst.chunk_sizes(), vec![2 * g, 2 * g]);
+    dst.copy_from(&src).unwrap();
+    assert_eq!(read(&dst, 0, 4 * g), data);
+    assert_eq!(read(&right, 0, 2 * g), data[2 * g..]);
+    // And back, from two chunks into one.
+    src.fill(0).unwrap();
+    src.copy_from(&dst).unwrap();
+    assert_eq!(read(&src, 0, 4 * g), data);
+
+    // Refused before any driver call: another size, a read-only destination.
+    let small = r.allocate(g).unwrap();
+    let err = small.copy_from(&src).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::InvalidOption {
+                rule: vmm_core::error::OptionRule::Conflict,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let reader = VirtualMemoryResource::new(
+        &Device::new(0).unwrap(),
+        ResourceOptions::default().read_only(true),
+    )
+    .unwrap();
+    let read_only = reader.import(&src.export().unwrap()).unwrap();
+    let err = read_only.copy_from(&dst).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::InvalidOption {
+                rule: vmm_core::error::OptionRule::Conflict,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(read(&src, 0, 4 * g), data, "a refused copy wrote nothing");
+}
+
+#[test]
 fn export_import_alias_sees_writes_both_ways() {
     let Some(_gpu) = alone(cuda_vmm_ipc()) else {
         return;

@@ -452,6 +452,23 @@ pub(crate) unsafe fn memcpy_dtoh(dst: &mut [u8], src: CUdeviceptr) -> Result<()>
     })
 }
 
+/// `cuMemcpyDtoD_v2` of `count` bytes from `src` to `dst`, queued on the null stream (the
+/// caller synchronises).
+///
+/// # Safety
+///
+/// `src..src + count` must lie inside one mapping that the current context's device may read
+/// and `dst..dst + count` inside one it may write, both kept alive by the caller until the
+/// copy has finished (it synchronises, [`ctx_synchronize`], before either can be unmapped,
+/// also when a later call fails).
+pub(crate) unsafe fn memcpy_dtod(dst: CUdeviceptr, src: CUdeviceptr, count: usize) -> Result<()> {
+    init()?;
+    // SAFETY: the caller guarantees both device ranges.
+    check("cuMemcpyDtoD_v2", unsafe {
+        sys::cuMemcpyDtoD_v2(dst, src, count)
+    })
+}
+
 const EXPORT_CALL: &str = "cuMemExportToShareableHandle";
 
 /// `cuMemExportToShareableHandle` as a POSIX fd, owned (and made close-on-exec) at once.

@@ -25,6 +25,7 @@ mod gpu_requests;
 mod hashing;
 mod kept;
 mod leases;
+mod refabric;
 
 use crate::trace::event;
 use kept::keep;
@@ -494,6 +495,11 @@ impl Registry {
         };
         // A wake after a discard sleep: the memory is made again, zeroed.
         self.remake_if_discarded(&mut state, region, number)?;
+        // Fabric handles of a generation taken back from the keeper: copied into chunks
+        // they can be exported from.
+        if as_fabric {
+            self.refabric_if_kept(&mut state, region, number)?;
+        }
         let g = state
             .regions
             .get_mut(region)

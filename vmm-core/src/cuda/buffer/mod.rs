@@ -305,6 +305,47 @@ impl VirtualMemoryBuffer {
         queued.and(synchronised)
     }
 
+    /// Copy every byte of `src` into this buffer on the device (`cuMemcpyDtoD`, piece by
+    /// piece so that no call spans two chunks of either); returns once the copy is done. Both
+    /// must be as large and on the same device ([`Error::InvalidOption`](crate::Error::InvalidOption) with
+    /// rule `Conflict` otherwise, before any driver call), and this one writable. For moving
+    /// memory into chunks of another kind (fabric-shareable ones, say) without a trip through
+    /// the host.
+    pub fn copy_from(&self, src: &VirtualMemoryBuffer) -> Result<()> {
+        self.check_writable("copy_from")?;
+        if src.size() != self.size() || src.device() != self.device() {
+            return Err(crate::Error::option(
+                "src",
+                crate::error::OptionRule::Conflict,
+                format!(
+                    "copy_from: {} bytes on device {} into {} bytes on device {}",
+                    src.size(),
+                    src.device().ordinal(),
+                    self.size(),
+                    self.device().ordinal()
+                ),
+            ));
+        }
+        if self.inner.size == 0 {
+            return Ok(());
+        }
+        let _current = self.inner.device.make_current()?;
+        let queued = self
+            .pieces(0, self.inner.size)
+            .try_for_each(|(dst, at, len)| {
+                src.pieces(at, len).try_for_each(|(from, from_at, piece)| {
+                    // SAFETY: both `pieces` give ranges inside their buffer's own mappings (the
+                    // sizes are equal, checked above), which `self` and `src` keep alive; the
+                    // device (current, above) may read every mapping of `src` and write every one
+                    // of `self` (checked above); and the copy finishes before this returns (the
+                    // synchronise below runs whether or not a later copy failed).
+                    unsafe { driver::memcpy_dtod(dst + (from_at - at) as u64, from, piece) }
+                })
+            });
+        let synchronised = driver::ctx_synchronize();
+        queued.and(synchronised)
+    }
+
     /// Copy from `offset` into `dst`, after all earlier work on the device finished.
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check_range("read_at", offset, dst.len())?;
