@@ -6,6 +6,8 @@
 # Then, on the GPU machine, from that copy:  bash .gpu/run.sh [tests|benches|peers|all] [args]
 # Needs cargo, git and jq. The raw-driver and Python anchors (`peers`) are staged only where a
 # sibling checkout of the team's shared/ directory exists (../shared/anchors).
+# vmm-registry's two-node runs (they need etcd) are staged apart, under .gpu-netns/, by
+# gpu/stage-netns.sh; run them there with `bash .gpu-netns/run.sh` (gpu/run-netns.sh).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
