@@ -158,17 +158,8 @@ impl Gpus {
         Ok(Some((copy, allocation)))
     }
 
-    /// The SHA-256 digest of each chunk's bytes, read through a read-only mapping of its own.
-    pub(crate) fn digests(
-        &self,
-        uuid: &[u8; 16],
-        chunks: &[(ChunkFd, u64)],
-    ) -> Result<Vec<ChunkDigest>, Refusal> {
-        self.digests_until(uuid, chunks, &|| false)
-            .map(|d| d.expect("never stopped"))
-    }
-
-    /// [`digests`](Self::digests), given up (`None`) once `stopped()` says so: it is asked
+    /// The SHA-256 digest of each chunk's bytes, read through a read-only mapping of its
+    /// own; given up (`None`) once `stopped()` says so: it is asked
     /// between 16 MiB pieces, so a service stopping does not wait for a whole pass.
     pub(crate) fn digests_until(
         &self,

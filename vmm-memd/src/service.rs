@@ -592,36 +592,9 @@ impl Connection<'_, '_> {
                 Response::Woke { generation, zeroed }
             }
             Request::Verify { region, generation } => {
-                let (generation, backend, chunks, mut digests) =
-                    registry.verify_target(who, &region, generation)?;
-                if let Backend::Gpu { uuid } = backend {
-                    let now = registry.gpus().digests(&uuid, &chunks)?;
-                    if digests.is_empty() {
-                        // Not hashed yet (queued, or taken back from the keeper): this pass
-                        // is the generation's (see registry/hashing.rs), unless the
-                        // background pass recorded its own first.
-                        digests = match registry.record_digests(
-                            &region,
-                            generation,
-                            &chunks,
-                            now.clone(),
-                        ) {
-                            true => now.clone(),
-                            false => registry.verify_target(who, &region, Some(generation))?.3,
-                        };
-                    }
-                    let changed = digests.iter().zip(&now).position(|(a, b)| a != b);
-                    if let Some(chunk) = changed {
-                        return Err(Refusal::DigestMismatch {
-                            region,
-                            generation,
-                            chunk: chunk as u32,
-                            expected: digests[chunk],
-                            found: now[chunk],
-                        }
-                        .into());
-                    }
-                }
+                // Given up when the service stops or the client leaves (registry/verify.rs).
+                let (generation, digests) =
+                    registry.verify(who, &region, generation, &|| self.gone())?;
                 Response::Verified {
                     generation,
                     digests,

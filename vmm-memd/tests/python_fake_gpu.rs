@@ -6,29 +6,27 @@
 //! they met it only on a GPU machine (issue 32: the service's `CUDA_VMM` descriptors named no
 //! device, and the Python client refused them; a Python forgery of the service had named one).
 //!
-//! cudarc `dlopen`s `libcuda.so` by name, and the dynamic loader reads `LD_LIBRARY_PATH` once,
-//! when a process starts: so each test writes the embedded fake to a fresh directory and runs
-//! its body in a fresh exec of this test executable with that directory in `LD_LIBRARY_PATH`
-//! ([`on_fake_driver`]); the service it starts inherits it. The body first checks that the
-//! device it sees is the fake's (a real driver on the machine must not be picked instead).
+//! Each test's body runs in a fresh exec of this test executable on the fake driver
+//! (`common/fake_driver.rs`); the service it starts inherits it.
 //!
 //! Needs `python3` (3.9+; not numpy) for the service test: SKIP without it, a failure under
 //! `VMM_REQUIRE_PYTHON=1` (or `VMM_REQUIRE_GPU=1`).
 
 mod common;
+#[path = "common/fake_driver.rs"]
+mod fake_driver;
 #[path = "common/gpu.rs"]
 mod gpu_common;
 #[path = "common/python.rs"]
 mod python;
 
 use std::os::fd::{AsFd, AsRawFd};
-use std::process::{Command, Stdio};
-use std::time::Duration;
 
 use common::ServiceProc;
+use fake_driver::on_fake_driver;
 use python::PythonDir;
 use vmm_core::cuda::{Device, HandleType, IpcDescriptor, ResourceOptions, VirtualMemoryResource};
-use vmm_fake_driver::{DEVICE_NAME, DEVICE_UUID, GRANULARITY};
+use vmm_fake_driver::{DEVICE_UUID, GRANULARITY};
 
 /// The `vmm_ipc_peer` package, module by module.
 const PEER: &[(&str, &str)] = &include!("../../python/vmm_ipc_peer_files.rs");
@@ -55,52 +53,6 @@ const FILES: [(&str, &str); 4] = [
         include_str!("../../python/tests/fake_cuda/cuda/bindings/driver.py"),
     ),
 ];
-
-/// Set (to the fake's directory) in the fresh exec that runs a test's body on the fake driver.
-const FAKE_DIR_VAR: &str = "VMM_FAKE_DRIVER_DIR";
-
-/// How long a test's body may take in its own process.
-const BODY_DEADLINE: Duration = Duration::from_secs(400);
-
-/// Run `body` on the fake driver: here, when this process was started for that (with
-/// [`FAKE_DIR_VAR`] and the fake first in `LD_LIBRARY_PATH`); otherwise install the fake in a
-/// fresh owner-only directory and run test `test` alone in a fresh exec of this test
-/// executable so started, which must run it and pass (its output is the failure's message).
-fn on_fake_driver(test: &str, body: impl FnOnce()) {
-    if std::env::var_os(FAKE_DIR_VAR).is_some() {
-        let device = Device::new(0).expect("device 0 of the fake driver");
-        assert_eq!(
-            (device.name(), device.uuid()),
-            (DEVICE_NAME, &DEVICE_UUID),
-            "LD_LIBRARY_PATH={:?} loaded another libcuda.so than the fake",
-            std::env::var_os("LD_LIBRARY_PATH")
-        );
-        body();
-        return;
-    }
-    let dir = std::env::temp_dir().join(format!("vmm-fake-driver-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    vmm_fake_driver::install(&dir).expect("write the fake libcuda.so");
-    let log_path = dir.join("body.log");
-    let log = std::fs::File::create(&log_path).unwrap();
-    let mut child = Command::new(common::test_exe())
-        .args(["--exact", test, "--nocapture", "--test-threads=1", "-q"])
-        .env("LD_LIBRARY_PATH", vmm_fake_driver::library_path(&dir))
-        .env(FAKE_DIR_VAR, &dir)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .expect("start this test executable on the fake driver");
-    let status = python::wait_by(&mut child, BODY_DEADLINE);
-    let out = std::fs::read_to_string(&log_path).unwrap_or_default();
-    let _ = std::fs::remove_dir_all(&dir);
-    assert!(
-        status.is_some_and(|s| s.success()) && out.contains("1 passed"),
-        "{test} on the fake driver ({status:?}):\n{out}"
-    );
-    println!("{out}");
-}
 
 /// What vmm-core's GPU tests do first, on the fake: the availability check passes, no fabric;
 /// a buffer allocated, grown to two chunks, written across the boundary, exported (one memfd

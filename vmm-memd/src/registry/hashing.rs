@@ -11,11 +11,12 @@
 //! generation's.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
 use super::Registry;
 use super::kept::keep;
+use super::verify::holds;
 use crate::generation::ChunkFd;
 use crate::protocol::{Backend, ChunkDigest};
 use crate::trace::event;
@@ -128,12 +129,7 @@ impl Registry {
         else {
             return false;
         };
-        let same = g.chunks.len() == chunks.len()
-            && g.chunks
-                .iter()
-                .zip(chunks)
-                .all(|(c, (fd, _))| Arc::ptr_eq(&c.fd, fd));
-        if !g.digests.is_empty() || !same {
+        if !g.digests.is_empty() || !holds(g, chunks) {
             return false;
         }
         g.digests = digests;

@@ -26,6 +26,7 @@ mod hashing;
 mod kept;
 mod leases;
 mod refabric;
+mod verify;
 
 use crate::trace::event;
 use kept::keep;

@@ -330,18 +330,19 @@ impl VirtualMemoryBuffer {
             return Ok(());
         }
         let _current = self.inner.device.make_current()?;
-        let queued = self
-            .pieces(0, self.inner.size)
-            .try_for_each(|(dst, at, len)| {
-                src.pieces(at, len).try_for_each(|(from, from_at, piece)| {
-                    // SAFETY: both `pieces` give ranges inside their buffer's own mappings (the
-                    // sizes are equal, checked above), which `self` and `src` keep alive; the
-                    // device (current, above) may read every mapping of `src` and write every one
-                    // of `self` (checked above); and the copy finishes before this returns (the
-                    // synchronise below runs whether or not a later copy failed).
-                    unsafe { driver::memcpy_dtod(dst + (from_at - at) as u64, from, piece) }
-                })
-            });
+        let copies = copy_pieces(
+            self.mapped().map(|(ptr, chunk)| (ptr, chunk.size())),
+            src.mapped().map(|(ptr, chunk)| (ptr, chunk.size())),
+            self.inner.size,
+        );
+        let queued = copies.into_iter().try_for_each(|(to, from, len)| {
+            // SAFETY: `copy_pieces` gives ranges inside one mapping of each buffer (the sizes
+            // are equal, checked above), which `self` and `src` keep alive; the device
+            // (current, above) may read every mapping of `src` and write every one of `self`
+            // (checked above); and the copy finishes before this returns (the synchronise
+            // below runs whether or not a later copy failed).
+            unsafe { driver::memcpy_dtod(to, from, len) }
+        });
         let synchronised = driver::ctx_synchronize();
         queued.and(synchronised)
     }
@@ -390,9 +391,29 @@ fn pieces(
     out
 }
 
+/// The copies of the first `len` bytes of chunks `src` into chunks `dst` (each given as
+/// (address, size), in order) such that no copy spans two chunks of either side:
+/// (destination address, source address, length).
+fn copy_pieces(
+    dst: impl Iterator<Item = (CUdeviceptr, usize)>,
+    src: impl Iterator<Item = (CUdeviceptr, usize)>,
+    len: usize,
+) -> Vec<(CUdeviceptr, CUdeviceptr, usize)> {
+    let src: Vec<_> = src.collect();
+    let mut out = Vec::new();
+    for (to, at, piece) in pieces(dst, 0, len) {
+        // `at` is where this destination piece starts in the range; each source piece of the
+        // same bytes starts `from_at` bytes into the piece (`pieces` counts from its offset).
+        for (from, from_at, part) in pieces(src.iter().copied(), at, piece) {
+            out.push((to + from_at as u64, from, part));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{check_range, pieces};
+    use super::{check_range, copy_pieces, pieces};
     use crate::Error;
 
     #[test]
@@ -444,6 +465,29 @@ mod tests {
         assert_eq!(
             pieces(chunks.into_iter(), 2, 4),
             [(5002, 0, 2), (100, 2, 2)]
+        );
+    }
+
+    #[test]
+    fn copies_never_span_a_chunk_of_either_side() {
+        // Destination: two chunks of 20 at 1000 and 5000; source: one of 40 at 100.
+        let dst = [(1000, 20), (5000, 20)];
+        let src = [(100, 40)];
+        assert_eq!(
+            copy_pieces(dst.into_iter(), src.into_iter(), 40),
+            [(1000, 100, 20), (5000, 120, 20)]
+        );
+        // And back: the source split where the destination is not.
+        assert_eq!(
+            copy_pieces(src.into_iter(), dst.into_iter(), 40),
+            [(100, 1000, 20), (120, 5000, 20)]
+        );
+        // Boundaries that do not line up: 10 + 30 into 25 + 15.
+        let a = [(0, 10), (100, 30)];
+        let b = [(1000, 25), (2000, 15)];
+        assert_eq!(
+            copy_pieces(b.into_iter(), a.into_iter(), 40),
+            [(1000, 0, 10), (1010, 100, 15), (2000, 115, 15)]
         );
     }
 }
