@@ -30,6 +30,14 @@
         "vmm_memd/publishing.py",
         include_str!("vmm_memd/publishing.py"),
     ),
+    (
+        "vmm_memd/service.py",
+        include_str!("vmm_memd/service.py"),
+    ),
+    (
+        "vmm_memd/__main__.py",
+        include_str!("vmm_memd/__main__.py"),
+    ),
     ("vmm_memd/sleep.py", include_str!("vmm_memd/sleep.py")),
     ("vmm_memd/tensor.py", include_str!("vmm_memd/tensor.py")),
     ("vmm_memd/torch.py", include_str!("vmm_memd/torch.py")),

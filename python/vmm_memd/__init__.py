@@ -3,7 +3,7 @@ attached read-only and zero-copy.
 
     import numpy, vmm_memd
 
-    with vmm_memd.Client.connect("@vmm-memd") as client:       # the service's uid is checked
+    with vmm_memd.Client.connect() as client:    # $VMM_MEMD_SOCKET or @vmm-memd; its uid checked
         generation = vmm_memd.publish(client, "weights", {"embed": numpy.ones((4, 8), "f4")})
         attached = client.attach("weights")                      # a lease, read-only mappings
         embed = numpy.from_dlpack(attached["embed"])              # zero-copy, read-only
@@ -16,6 +16,9 @@ before it is mapped, and mapped ``PROT_READ``. Refusals arrive as typed exceptio
 (``QuotaExceeded``, ``NoSuchRegion``, ...), a dead service as ``ServiceGone``, a reply that
 breaks the protocol as ``BadReply``.
 
+``python -m vmm_memd`` starts the service that ``pip install`` put beside this interpreter
+(``vmm-memd``), on the socket ``Client.connect()`` uses by default (``vmm_memd.service``).
+
 ``vmm_memd.torch`` publishes a torch state dict and binds a model built on the meta device to
 an attached one, zero-copy (torch is imported only when it is used).
 """
@@ -25,7 +28,7 @@ from .errors import (  # noqa: F401
     NoSuchGeneration, NoSuchRegion, Os, QuotaExceeded, Refused, ServiceFailed, ServiceGone,
     StillMapped, TooLarge, Transport, WriterBusy, NoSuchDevice, DeviceFailed, DigestMismatch,
     FabricUnavailable, GpuImportFailed, GpuRegion, GpuSleepFailed, NotAsleep, NotMapped,
-    StaleLayout, StateDictError,
+    StaleLayout, StateDictError, ExecutableNotFound,
     StateDictMismatch, TooManyChunks, UnsupportedDevice, UnsupportedDtype,
 )
 from .sleep import Sleeping, layout_hash, layout_hash_on  # noqa: F401
@@ -36,6 +39,7 @@ from .attached import Attached  # noqa: F401
 from .writer import Writer  # noqa: F401
 from .publishing import ALIGNMENT, publish, publish_gpu  # noqa: F401
 from . import torch  # noqa: F401  (vmm_memd.torch: imports torch only when used)
+from . import service  # noqa: F401  (python -m vmm_memd)
 
 __all__ = [
     "Client", "Attached", "Writer", "Tensor", "publish", "publish_gpu", "ALIGNMENT", "Acl", "Dtype", "Gid",
@@ -46,4 +50,5 @@ __all__ = [
     "GpuImportFailed", "GpuSleepFailed", "NotAsleep", "NotMapped", "StaleLayout", "Sleeping",
     "layout_hash", "layout_hash_on", "StateDictError",
     "StateDictMismatch", "TooManyChunks", "UnsupportedDevice", "UnsupportedDtype",
+    "ExecutableNotFound", "service",
 ]

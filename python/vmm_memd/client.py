@@ -14,6 +14,7 @@ from . import gpu
 from .errors import (BadReply, GpuImportFailed, GpuRegion, GpuSleepFailed, InvalidRequest,
                      MemdError, NotMapped, Refused, ServiceGone, StaleLayout, Transport)
 from .mapping import ReadOnlyChunk
+from .service import default_socket
 from .sleep import Sleeping, layout_hash, layout_hash_on
 from .writer import Writer
 from .attached import Attached
@@ -52,17 +53,21 @@ class Client:
         self._devices = {}  # device ordinal -> vmm_ipc_cuda.Context (GPU writers)
 
     @classmethod
-    def connect(cls, name, expect_uids=None, expect_gids=(), timeout=10.0):
-        """Connect; the service must run as this process's uid unless ``expect_uids`` or
-        ``expect_gids`` say otherwise (checked by the kernel's credentials before anything is
-        sent). ServiceGone when nobody listens there."""
+    def connect(cls, name=None, expect_uids=None, expect_gids=(), timeout=10.0):
+        """Connect to ``name``, by default ``$VMM_MEMD_SOCKET`` or else ``@vmm-memd``
+        (:func:`vmm_memd.service.default_socket`: where ``python -m vmm_memd`` serves); the
+        service must run as this process's uid unless ``expect_uids`` or ``expect_gids`` say
+        otherwise (checked by the kernel's credentials before anything is sent). ServiceGone
+        when nobody listens there."""
+        if name is None:
+            name = default_socket()
         with _Transport():
             conn = peer.connect(name, expect_uids=expect_uids, expect_gids=expect_gids,
                                 timeout=timeout)
         return cls(conn, name)
 
     @classmethod
-    def reconnect(cls, name, within=10.0, **connect_args):
+    def reconnect(cls, name=None, within=10.0, **connect_args):
         """Connect, trying again every 10 ms for up to ``within`` seconds while nobody listens
         (ServiceGone): what a client does after its service died and is being restarted (its
         mappings stay valid meanwhile; its leases are gone, attach again). The last

@@ -258,3 +258,17 @@ class Os(MemdError):
         import os
         super().__init__(f"{op} failed: {os.strerror(errno)} (errno {errno})")
         self.op, self.errno = op, errno
+
+
+class ExecutableNotFound(MemdError, FileNotFoundError):
+    """A program of the package (``vmm-memd``, ``vmm-memctl``) is not where ``pip install``
+    puts it nor on ``PATH``: ``name`` is the program, ``searched`` the directories looked in
+    (in order), ``why`` what else is known (``$VMM_MEMD_BIN`` naming no executable)."""
+
+    def __init__(self, name, searched, why=""):
+        self.name, self.searched, self.why = name, tuple(searched), why
+        where = ", ".join(self.searched) or "nowhere"
+        super().__init__(
+            f"no {name} executable{': ' + why if why else ''} (looked in {where}); "
+            f"`pip install` the vmm-ipc package (its wheel carries {name}), or set "
+            f"VMM_MEMD_BIN to a {name} built with `cargo build --release -p vmm-memd`")

@@ -1,10 +1,12 @@
 //! The Python client (`python/vmm_memd`) against a real `vmm-memd`: this test executable plays
 //! the service (see `common`), publishes a region from Rust, and runs the Python tests
 //! (`python/tests/test_memd_*.py`, unittest) with `python3`; then it attaches what Python
-//! published and checks it here. Also: the package installs offline into a fresh venv.
+//! published and checks it here. Also: `python -m vmm_memd` starts the service, and `pip
+//! install ./python` into a fresh venv gives the venv the service and the client.
 //!
 //! The Python files are embedded in this executable and written to a temporary directory, so a
-//! staged copy of it needs only `python3` and numpy (no checkout). Without `python3` (3.9+), or
+//! staged copy of it needs only `python3` and numpy (no checkout); the pip install alone needs
+//! the checkout (it builds the wheel from it) and skips without one. Without `python3` (3.9+), or
 //! without numpy 2.1+ where the service tests need it, a test prints one `SKIP` line and
 //! passes, unless `VMM_REQUIRE_PYTHON=1` (or `VMM_REQUIRE_GPU=1`, as for every skip in the GPU
 //! runs) asks for a failure instead.
@@ -35,8 +37,8 @@ const FILES: [(&str, &str); 15] = [
     ),
     ("README.md", include_str!("../../python/README.md")),
     (
-        "build_backend/vmm_ipc_wheel.py",
-        include_str!("../../python/build_backend/vmm_ipc_wheel.py"),
+        "test_memd_service.py",
+        include_str!("../../python/tests/test_memd_service.py"),
     ),
     (
         "test_memd_codec.py",
@@ -202,35 +204,95 @@ fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
     assert_eq!(attached.tensor("pattern").unwrap(), expected.as_slice());
 }
 
+/// `python -m vmm_memd` (with `VMM_MEMD_BIN` naming this test executable, which plays
+/// `vmm-memd`) serves on the socket `Client.connect()` uses when given none, and stops on
+/// SIGTERM with status 0; its defaults and its typed error without a `vmm-memd`
+/// (`test_memd_service.py`).
 #[test]
-fn the_python_package_installs_offline_into_a_fresh_venv() {
-    let test = "the_python_package_installs_offline_into_a_fresh_venv";
+fn python_m_vmm_memd_serves_the_clients_default_socket() {
+    let test = "python_m_vmm_memd_serves_the_clients_default_socket";
     if !run_unless(test, python3_can("", "no python3 (3.9 or newer) on PATH")) {
         return;
     }
-    let py = PythonDir::new("install", &[PEER, MEMD, &FILES]);
-    let (ok, out) = py.unittest(&["test_memd_install"], &[]);
+    let py = PythonDir::new("python-m", &[PEER, MEMD, &FILES]);
+    let env = [
+        ("VMM_MEMD_BIN", common::test_exe().display().to_string()),
+        (common::PROGRAM_VAR, "vmm-memd".to_owned()),
+    ];
+    let (ok, out) = py.unittest(&["test_memd_service"], &env);
     assert!(ok && out.contains("\nOK"), "{out}");
-    if out.contains("cannot make a venv with pip here") {
-        // The Python test skips where no venv with pip can be made (no python3-venv): say
-        // so, as a skip. Only VMM_REQUIRE_PYTHON makes that a failure (it says nothing about
-        // the GPU).
+    assert_passed(
+        &out,
+        &[
+            "test_the_client_and_the_service_default_to_the_same_socket",
+            "test_the_command_adds_only_what_the_arguments_leave_out",
+            "test_the_program_is_found_in_the_first_directory_that_has_it",
+            "test_a_missing_program_is_typed_and_says_where_it_looked",
+            "test_python_m_vmm_memd_without_the_program_exits_127_and_says_why",
+            "test_python_m_vmm_memd_serves_a_client_that_names_no_socket",
+        ],
+    );
+}
+
+/// `pip install ./python` into a fresh venv (`test_memd_install.py`): maturin, fetched from
+/// PyPI by pip, builds the wheel with the `vmm-memd` and `vmm-memctl` programs in it, in
+/// release, in this workspace's target directory (`CARGO_TARGET_DIR`: what an earlier release
+/// build compiled is reused); then `python -m vmm_memd` from the venv serves, the venv's
+/// Python publishes and attaches a host region, and SIGTERM stops the service with status 0.
+///
+/// Needs the checkout (a staged test executable has none), `python3` that makes a venv with
+/// pip, and a package index for maturin: each missing is one `SKIP` line, a failure only under
+/// `VMM_REQUIRE_PYTHON=1` (CI; the GPU runs, staged without a checkout, do not set it).
+#[test]
+fn pip_install_gives_a_fresh_venv_the_service_and_the_client() {
+    let test = "pip_install_gives_a_fresh_venv_the_service_and_the_client";
+    if !run_unless(test, python3_can("", "no python3 (3.9 or newer) on PATH")) {
+        return;
+    }
+    let skip = |why: &str, out: &str| {
         assert!(
             std::env::var("VMM_REQUIRE_PYTHON").map_or(true, |v| v != "1"),
-            "{test}: the venv test skipped under VMM_REQUIRE_PYTHON=1\n{out}"
+            "{test}: skipped under VMM_REQUIRE_PYTHON=1: {why}\n{out}"
         );
-        let _ = std::io::stderr().write_all(
-            format!("SKIP {test}: python3 cannot make a venv with pip here\n").as_bytes(),
-        );
-        return;
+        let _ = std::io::stderr().write_all(format!("SKIP {test}: {why}\n").as_bytes());
+    };
+    let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../python");
+    if !source.join("pyproject.toml").exists() {
+        return skip(&format!("no checkout at {}", source.display()), "");
+    }
+    // The workspace's target directory (CARGO_TARGET_TMPDIR is its `tmp/`).
+    let target = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .parent()
+        .unwrap()
+        .to_owned();
+    let py = PythonDir::new("install", &[PEER, MEMD, &FILES]);
+    let env = [
+        ("VMM_PYTHON_SOURCE", source.display().to_string()),
+        ("CARGO_TARGET_DIR", target.display().to_string()),
+    ];
+    let started = std::time::Instant::now();
+    let (ok, out) = py.unittest_within(
+        &["test_memd_install"],
+        &env,
+        std::time::Duration::from_secs(1500),
+    );
+    assert!(ok && out.contains("\nOK"), "{out}");
+    for why in [
+        "cannot make a venv with pip here",
+        "cannot fetch maturin for the build",
+    ] {
+        if out.contains(why) {
+            return skip(why, &out);
+        }
     }
     assert_passed(
         &out,
         &[
-            "test_an_offline_install_with_build_isolation",
-            "test_an_editable_install",
+            "test_the_venv_has_the_packages_and_the_programs",
+            "test_python_m_vmm_memd_serves_what_the_venv_publishes_and_attaches",
         ],
     );
+    println!("{test}: {:.0?} in all\n{out}", started.elapsed());
 }
 
 #[test]

@@ -79,6 +79,16 @@ impl PythonDir {
     /// `python3 -m unittest -v MODULES` here with `env`, within [`DEADLINE`] (killed past
     /// it): its success and its output (stdout and stderr, through a file: no pipe to fill).
     pub fn unittest(&self, modules: &[&str], env: &[(&str, String)]) -> (bool, String) {
+        self.unittest_within(modules, env, DEADLINE)
+    }
+
+    /// [`PythonDir::unittest`] within `deadline` rather than [`DEADLINE`].
+    pub fn unittest_within(
+        &self,
+        modules: &[&str],
+        env: &[(&str, String)],
+        deadline: Duration,
+    ) -> (bool, String) {
         let log_path = self.0.join("unittest.log");
         let log = std::fs::File::create(&log_path).unwrap();
         let mut child = Command::new("python3")
@@ -93,11 +103,11 @@ impl PythonDir {
             .stderr(log)
             .spawn()
             .expect("start python3");
-        let status = wait_by(&mut child, DEADLINE);
+        let status = wait_by(&mut child, deadline);
         let out = std::fs::read_to_string(&log_path).unwrap_or_default();
         match status {
             Some(status) => (status.success(), out),
-            None => (false, format!("killed after {DEADLINE:?}:\n{out}")),
+            None => (false, format!("killed after {deadline:?}:\n{out}")),
         }
     }
 }
