@@ -137,13 +137,17 @@ impl World {
             .enable_all()
             .build()
             .expect("a runtime");
-        let client = runtime.block_on(Raw::connect(
-            &self.etcd.endpoint(),
-            self.pki.ca_pem().as_bytes(),
-            leaf.cert_pem.as_bytes(),
-            leaf.key_pem.as_bytes(),
-            &dns_name(SERVER),
-        ));
+        let client = {
+            // The channel's tasks are spawned on the runtime, so it is made inside it.
+            let _entered = runtime.enter();
+            Raw::connect(
+                &self.etcd.endpoint(),
+                self.pki.ca_pem().as_bytes(),
+                leaf.cert_pem.as_bytes(),
+                leaf.key_pem.as_bytes(),
+                &dns_name(SERVER),
+            )
+        };
         (runtime, client)
     }
 }
