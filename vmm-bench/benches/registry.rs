@@ -4,8 +4,9 @@
 //!
 //! - `registry/publish`: `Registry::publish` of a new name (the create-only transaction on the
 //!   process's lease, through the registry's background thread), next to
-//!   `registry/etcd-put`: a bare `put` of the same bytes with etcd's client on this thread's
-//!   runtime. The difference is the transaction's compare and the hop to the thread.
+//!   `registry/etcd-put`: a bare `put` of the same bytes with a raw gRPC client of etcd (the
+//!   test suite's, on vmm-etcd-api's generated clients) on this thread's runtime. The
+//!   difference is the transaction's compare and the hop to the thread.
 //! - `registry/watch-to-imported`: from a watch event's arrival (a locator another process's
 //!   registry just published) to imported: fetch over the mutual-TLS stream (handshake both
 //!   ways, request, descriptor), map the host stand-in, acknowledge. Next to
@@ -48,27 +49,8 @@ fn main() -> ExitCode {
 }
 
 /// A current-thread runtime and a raw etcd client of `world`'s etcd (the bare baseline).
-fn raw_client(world: &World) -> (tokio::runtime::Runtime, etcd_client::Client) {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a runtime");
-    let material = world.pki.issue(&vmm_tests::pki::LeafSpec::new("raw"));
-    let tls = etcd_client::TlsOptions::new()
-        .ca_certificate(etcd_client::Certificate::from_pem(world.pki.ca_pem()))
-        .identity(etcd_client::Identity::from_pem(
-            material.cert_pem,
-            material.key_pem,
-        ))
-        .domain_name(vmm_tests::pki::dns_name(support::SERVER));
-    let url = format!("https://{}", world.etcd.endpoint());
-    let client = runtime
-        .block_on(etcd_client::Client::connect(
-            [url],
-            Some(etcd_client::ConnectOptions::new().with_tls(tls)),
-        ))
-        .expect("connect");
-    (runtime, client)
+fn raw_client(world: &World) -> (tokio::runtime::Runtime, support::raw::Raw) {
+    world.raw_client("raw")
 }
 
 fn publish(criterion: &mut Criterion, world: &World) {
@@ -92,11 +74,9 @@ fn publish(criterion: &mut Criterion, world: &World) {
         numbered(b, &mut m, |m| {
             let key = format!("/bench/put/{m}");
             let started = Instant::now();
-            black_box(
-                runtime
-                    .block_on(client.put(key, value.clone(), None))
-                    .expect("put"),
-            );
+            runtime
+                .block_on(client.put(key, value.clone()))
+                .expect("put");
             started.elapsed()
         })
     });
@@ -121,7 +101,7 @@ fn watch_to_imported(criterion: &mut Criterion, world: &World) {
     let locator = locator_at("exporter", "exporter", server.local_addr(), 1);
     let (runtime, mut client) = raw_client(world);
     runtime
-        .block_on(client.put("/bench/get", vec![b'x'; 300], None))
+        .block_on(client.put("/bench/get", vec![b'x'; 300]))
         .expect("put the key to get");
     let mut group = criterion.benchmark_group(GROUP);
     let mut n = 0u64;
@@ -148,13 +128,7 @@ fn watch_to_imported(criterion: &mut Criterion, world: &World) {
         })
     });
     group.bench_function("etcd-get", |b| {
-        b.iter(|| {
-            black_box(
-                runtime
-                    .block_on(client.get("/bench/get", None))
-                    .expect("get"),
-            )
-        })
+        b.iter(|| black_box(runtime.block_on(client.get("/bench/get")).expect("get")))
     });
     group.finish();
     drop(buf);

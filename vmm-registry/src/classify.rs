@@ -1,19 +1,21 @@
-//! Which failure an etcd client error is: a TLS refusal (found by walking the error's
-//! sources down to rustls's own error), an unreachable etcd, or etcd's answer.
+//! Which failure an etcd call's error is: a TLS refusal (found by walking the error's
+//! sources down to rustls's own error), a permission etcd's RBAC denied, an unreachable
+//! etcd, or etcd's answer.
 
 use std::error::Error as StdError;
 use std::future::Future;
 use std::time::Duration;
 
-use crate::error::{Op, RegistryError, TlsFailure};
+use tonic::Code;
 
-/// Turn a client error of `op` into the registry's error.
+use crate::error::{EtcdError, Op, RegistryError, TlsFailure};
+
+/// Turn a failed call of `op` into the registry's error.
 ///
-/// A TLS failure is found by its rustls error below the client's; at open, the TLS probe
+/// A TLS failure is found by its rustls error below the call's; at open, the TLS probe
 /// (`tls_probe`) has already checked TLS both ways, with rustls's error intact.
-pub(crate) fn classify(op: Op, error: etcd_client::Error) -> RegistryError {
-    let causes = causes(&error);
-    if let Some(tls) = causes
+pub(crate) fn classify(op: Op, error: EtcdError) -> RegistryError {
+    if let Some(tls) = causes(&error)
         .iter()
         .find_map(|e| e.downcast_ref::<rustls::Error>())
     {
@@ -22,18 +24,17 @@ pub(crate) fn classify(op: Op, error: etcd_client::Error) -> RegistryError {
             source: TlsFailure::Rustls(tls.clone()),
         };
     }
-    if let etcd_client::Error::GRpcStatus(status) = &error
-        && status.code() == tonic::Code::PermissionDenied
-    {
-        return RegistryError::PermissionDenied { op, source: error };
-    }
     let unreachable = match &error {
-        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
-        etcd_client::Error::GRpcStatus(status) => {
-            status.code() == tonic::Code::Unavailable
-                || (status.code() == tonic::Code::Unknown && status.source().is_some())
+        EtcdError::Status(status) if status.code() == Code::PermissionDenied => {
+            return RegistryError::PermissionDenied { op, source: error };
         }
-        _ => false,
+        EtcdError::Connect(_) => true,
+        // The channel's own status when it reached no etcd: `Unavailable`, or `Unknown` with
+        // the transport's error below it (etcd's own answers carry no source).
+        EtcdError::Status(status) => {
+            status.code() == Code::Unavailable
+                || (status.code() == Code::Unknown && status.source().is_some())
+        }
     };
     if unreachable {
         RegistryError::Unreachable { op, source: error }
@@ -46,7 +47,7 @@ pub(crate) fn classify(op: Op, error: etcd_client::Error) -> RegistryError {
 pub(crate) async fn bounded<T>(
     op: Op,
     deadline: Duration,
-    future: impl Future<Output = Result<T, etcd_client::Error>>,
+    future: impl Future<Output = Result<T, EtcdError>>,
 ) -> Result<T, RegistryError> {
     match tokio::time::timeout(deadline, future).await {
         Ok(answer) => answer.map_err(|e| classify(op, e)),
@@ -59,13 +60,8 @@ pub(crate) async fn bounded<T>(
 
 /// Every error below `error`, outermost first. `io::Error` hides its inner error from
 /// `source()`, so it is opened with `get_ref`.
-fn causes(error: &etcd_client::Error) -> Vec<&(dyn StdError + 'static)> {
-    let mut current: Option<&(dyn StdError + 'static)> = match error {
-        etcd_client::Error::TransportError(e) => Some(e),
-        etcd_client::Error::GRpcStatus(e) => Some(e),
-        etcd_client::Error::IoError(e) => Some(e),
-        _ => None,
-    };
+fn causes(error: &EtcdError) -> Vec<&(dyn StdError + 'static)> {
+    let mut current = error.source();
     let mut all = Vec::new();
     while let Some(e) = current {
         all.push(e);
@@ -78,4 +74,58 @@ fn causes(error: &etcd_client::Error) -> Vec<&(dyn StdError + 'static)> {
         };
     }
     all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(code: Code) -> EtcdError {
+        EtcdError::Status(tonic::Status::new(code, "etcdserver: said so"))
+    }
+
+    #[test]
+    fn statuses_are_classified_by_their_code() {
+        assert!(matches!(
+            classify(Op::Publish, status(Code::PermissionDenied)),
+            RegistryError::PermissionDenied {
+                op: Op::Publish,
+                ..
+            }
+        ));
+        assert!(matches!(
+            classify(Op::List, status(Code::Unavailable)),
+            RegistryError::Unreachable { op: Op::List, .. }
+        ));
+        // etcd's own answers: no source below them.
+        for code in [Code::Unknown, Code::InvalidArgument, Code::NotFound] {
+            assert!(matches!(
+                classify(Op::Resolve, status(code)),
+                RegistryError::Etcd {
+                    op: Op::Resolve,
+                    ..
+                }
+            ));
+        }
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert!(matches!(
+            classify(Op::Open, EtcdError::Connect(refused)),
+            RegistryError::Unreachable { op: Op::Open, .. }
+        ));
+    }
+
+    #[test]
+    fn a_rustls_error_below_a_status_is_a_tls_failure() {
+        let tls = rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer);
+        let io = std::io::Error::new(std::io::ErrorKind::InvalidData, tls.clone());
+        let status = tonic::Status::from_error(Box::new(io));
+        assert_eq!(status.code(), Code::Unknown);
+        match classify(Op::KeepAlive, EtcdError::Status(status)) {
+            RegistryError::Tls {
+                op: Op::KeepAlive,
+                source: TlsFailure::Rustls(found),
+            } => assert_eq!(found, tls),
+            other => panic!("expected a TLS failure, got {other:?}"),
+        }
+    }
 }

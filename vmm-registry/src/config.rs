@@ -48,17 +48,6 @@ impl TlsMaterial {
             server_name: server_name.into(),
         }
     }
-
-    /// What etcd's client is configured with.
-    pub(crate) fn client_tls(&self) -> etcd_client::TlsOptions {
-        etcd_client::TlsOptions::new()
-            .ca_certificate(etcd_client::Certificate::from_pem(&self.ca_pem))
-            .identity(etcd_client::Identity::from_pem(
-                &self.cert_pem,
-                &self.key_pem,
-            ))
-            .domain_name(self.server_name.clone())
-    }
 }
 
 /// Everything [`Registry::open`](crate::Registry::open) needs.
@@ -168,7 +157,7 @@ impl RegistryConfig {
         Ok(())
     }
 
-    /// The endpoints as etcd's client takes them: always `https://`.
+    /// The endpoints as the channel takes them: always `https://`.
     pub(crate) fn urls(&self) -> Vec<String> {
         self.endpoints
             .iter()

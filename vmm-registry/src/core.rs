@@ -1,15 +1,16 @@
-//! The registry's operations as `async fn`s on etcd's client, each bounded by its deadline.
+//! The registry's operations as `async fn`s on its etcd client, each bounded by its deadline.
 //! The blocking [`Registry`](crate::Registry) runs them on its background thread; the
 //! `async` feature offers them directly.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
+use vmm_etcd_api::etcdserverpb::Compare;
 
 use crate::classify::{bounded, classify};
 use crate::config::RegistryConfig;
 use crate::error::{ConfigError, Op, RegistryError};
+use crate::etcd::{Etcd, delete_if, put_if, when_absent, when_lease};
 use crate::keys::{check_name, domain_prefix, export_key};
 use crate::lease::LeaseState;
 use crate::locator::{Entry, Locator, decode};
@@ -36,7 +37,7 @@ pub struct Listing {
 
 /// An open registry's shared state: the client, the names, the lease.
 pub(crate) struct Core {
-    pub(crate) client: Client,
+    pub(crate) client: Etcd,
     pub(crate) domain: String,
     pub(crate) owner: String,
     pub(crate) lease_id: i64,
@@ -61,30 +62,17 @@ impl Core {
     /// certificate, fails the open within its deadline.
     pub(crate) async fn open(config: RegistryConfig) -> Result<Core, RegistryError> {
         config.check()?;
-        let options = ConnectOptions::new()
-            .with_tls(config.tls.client_tls())
-            .with_connect_timeout(config.open_timeout)
-            // An etcd that stops answering (SIGSTOP, a dead link) is noticed by HTTP/2 pings.
-            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
-            .with_keep_alive_while_idle(true);
         let ttl = config.lease_ttl;
         let open = async {
             // A TLS refusal, either way, with rustls's error intact.
             crate::tls_probe::probe(&config.endpoints, &config.tls).await?;
-            let client = Client::connect(config.urls(), Some(options))
-                .await
-                .map_err(|e| match e {
-                    etcd_client::Error::InvalidArgs(_) | etcd_client::Error::InvalidUri(_) => {
-                        RegistryError::Config(ConfigError::Client(e))
-                    }
-                    e => classify(Op::Open, e),
-                })?;
-            let grant = client
-                .lease_client()
-                .grant(i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX), None)
+            // The channel connects at its first call: the grant.
+            let client = Etcd::connect(&config)?;
+            let lease_id = client
+                .grant(i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX))
                 .await
                 .map_err(|e| classify(Op::Open, e))?;
-            Ok::<_, RegistryError>((client, grant.id()))
+            Ok::<_, RegistryError>((client, lease_id))
         };
         let (client, lease_id) = tokio::time::timeout(config.open_timeout, open)
             .await
@@ -119,11 +107,9 @@ impl Core {
         name: &str,
         locator: &Locator,
     ) -> Result<Published, RegistryError> {
-        self.put_if(Op::Publish, name, locator, |key| {
-            Compare::create_revision(key, CompareOp::Equal, 0)
-        })
-        .await?
-        .map_err(|key| RegistryError::Duplicate { key })
+        self.put_if(Op::Publish, name, locator, when_absent)
+            .await?
+            .map_err(|key| RegistryError::Duplicate { key })
     }
 
     /// Replace the value of this process's locator `name` with `locator`, still under the
@@ -136,11 +122,9 @@ impl Core {
     ) -> Result<Published, RegistryError> {
         // An absent key compares as lease 0, which no granted lease is.
         let lease = self.lease_id;
-        self.put_if(Op::Update, name, locator, |key| {
-            Compare::lease(key, CompareOp::Equal, lease)
-        })
-        .await?
-        .map_err(|key| RegistryError::NotPublishedHere { key })
+        self.put_if(Op::Update, name, locator, |key| when_lease(key, lease))
+            .await?
+            .map_err(|key| RegistryError::NotPublishedHere { key })
     }
 
     /// Put `locator` as this owner's `name`, on the lease, if `condition` (made for the key)
@@ -161,31 +145,21 @@ impl Core {
         }
         let key = self.own_key(name)?;
         let value = locator.encode()?;
-        let txn = Txn::new()
-            .when([condition(key.clone())])
-            .and_then([TxnOp::put(
-                key.clone(),
-                value,
-                Some(PutOptions::new().with_lease(self.lease_id)),
-            )]);
-        let mut kv = self.client.kv_client();
-        let response = bounded(op, self.call_timeout, kv.txn(txn)).await?;
-        if !response.succeeded() {
+        let txn = put_if(condition(key.clone()), key.clone(), value, self.lease_id);
+        let response = bounded(op, self.call_timeout, self.client.txn(txn)).await?;
+        if !response.succeeded {
             return Ok(Err(key));
         }
-        let revision = response.header().map_or(0, |h| h.revision());
+        let revision = response.header.map_or(0, |h| h.revision);
         Ok(Ok(Published { key, revision }))
     }
 
     /// Remove this process's locator `name`; `false` when there was none on its lease.
     pub(crate) async fn unpublish(&self, name: &str) -> Result<bool, RegistryError> {
         let key = self.own_key(name)?;
-        let txn = Txn::new()
-            .when([Compare::lease(key.clone(), CompareOp::Equal, self.lease_id)])
-            .and_then([TxnOp::delete(key, None)]);
-        let mut kv = self.client.kv_client();
-        let response = bounded(Op::Unpublish, self.call_timeout, kv.txn(txn)).await?;
-        Ok(response.succeeded())
+        let txn = delete_if(when_lease(key.clone(), self.lease_id), key);
+        let response = bounded(Op::Unpublish, self.call_timeout, self.client.txn(txn)).await?;
+        Ok(response.succeeded)
     }
 
     /// The locator `owner` published as `name`, checked; `None` when there is none.
@@ -202,12 +176,16 @@ impl Core {
             })?;
         }
         let key = export_key(&self.domain, owner, name);
-        let mut kv = self.client.kv_client();
-        let response = bounded(Op::Resolve, self.call_timeout, kv.get(key.clone(), None)).await?;
-        let Some(kv) = response.kvs().first() else {
+        let response = bounded(
+            Op::Resolve,
+            self.call_timeout,
+            self.client.get(key.clone().into_bytes()),
+        )
+        .await?;
+        let Some(kv) = response.kvs.first() else {
             return Ok(None);
         };
-        decode(&self.domain, kv.key(), kv.value(), kv.mod_revision())
+        decode(&self.domain, &kv.key, &kv.value, kv.mod_revision)
             .map(Some)
             .map_err(|source| RegistryError::Value { key, source })
     }
@@ -220,37 +198,35 @@ impl Core {
     /// Revoke the lease: every locator of this process disappears at once.
     pub(crate) async fn revoke(&self) -> Result<(), RegistryError> {
         self.lease.close();
-        let mut lease = self.client.lease_client();
-        bounded(Op::Revoke, self.call_timeout, lease.revoke(self.lease_id)).await?;
+        bounded(
+            Op::Revoke,
+            self.call_timeout,
+            self.client.revoke(self.lease_id),
+        )
+        .await?;
         Ok(())
     }
 }
 
 /// Every locator under `domain`'s prefix, checked one by one.
 pub(crate) async fn list(
-    client: &Client,
+    client: &Etcd,
     domain: &str,
     deadline: Duration,
     op: Op,
 ) -> Result<Listing, RegistryError> {
-    let mut kv = client.kv_client();
-    let prefix = domain_prefix(domain);
-    let response = bounded(
-        op,
-        deadline,
-        kv.get(prefix, Some(GetOptions::new().with_prefix())),
-    )
-    .await?;
+    let prefix = domain_prefix(domain).into_bytes();
+    let response = bounded(op, deadline, client.get_prefix(prefix)).await?;
     let mut listing = Listing {
-        revision: response.header().map_or(0, |h| h.revision()),
+        revision: response.header.map_or(0, |h| h.revision),
         ..Listing::default()
     };
-    for kv in response.kvs() {
-        match decode(domain, kv.key(), kv.value(), kv.mod_revision()) {
+    for kv in &response.kvs {
+        match decode(domain, &kv.key, &kv.value, kv.mod_revision) {
             Ok(entry) => listing.entries.push(entry),
             Err(why) => listing
                 .refused
-                .push((String::from_utf8_lossy(kv.key()).into_owned(), why)),
+                .push((String::from_utf8_lossy(&kv.key).into_owned(), why)),
         }
     }
     Ok(listing)

@@ -129,9 +129,27 @@ pub enum ConfigError {
     /// The server name is not a DNS name or IP address.
     #[error("server name {0:?} is not a DNS name or IP address")]
     ServerName(String),
-    /// etcd's client refused the TLS material or an endpoint.
+    /// etcd's client (tonic's channel) refused the TLS material or an endpoint.
     #[error("etcd client refused the configuration")]
-    Client(#[source] etcd_client::Error),
+    Client(#[source] tonic::transport::Error),
+}
+
+/// What a failed call to etcd ended with.
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdError {
+    /// The call ended with a gRPC status: etcd's answer (its code and message), or the
+    /// channel's own when it could not reach etcd (the transport's error is its source).
+    #[error("gRPC status {:?}: {}", .0.code(), .0.message())]
+    Status(#[source] tonic::Status),
+    /// No endpoint accepted a connection.
+    #[error("connecting to etcd")]
+    Connect(#[source] std::io::Error),
+}
+
+impl From<tonic::Status> for EtcdError {
+    fn from(status: tonic::Status) -> EtcdError {
+        EtcdError::Status(status)
+    }
 }
 
 /// Every way a registry operation fails.
@@ -157,7 +175,7 @@ pub enum RegistryError {
         op: Op,
         /// What the client said.
         #[source]
-        source: etcd_client::Error,
+        source: EtcdError,
     },
     /// etcd's RBAC refused the request: the user (the client certificate's name) may not
     /// touch that key (each owner writes only its own prefix).
@@ -165,18 +183,18 @@ pub enum RegistryError {
     PermissionDenied {
         /// The operation.
         op: Op,
-        /// What the client said.
+        /// What etcd said.
         #[source]
-        source: etcd_client::Error,
+        source: EtcdError,
     },
     /// etcd answered with an error.
     #[error("{op}: etcd refused the request")]
     Etcd {
         /// The operation.
         op: Op,
-        /// What the client said.
+        /// What etcd said.
         #[source]
-        source: etcd_client::Error,
+        source: EtcdError,
     },
     /// The operation did not finish by its deadline.
     #[error("{op}: no answer within {after:?}")]

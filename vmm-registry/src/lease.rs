@@ -7,9 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper};
-
 use crate::error::{LeaseLoss, Op, RegistryError};
+use crate::etcd::{Etcd, KeepAlive};
 
 /// Retry a failed keep-alive this soon (or at TTL/3, if sooner).
 const RETRY: Duration = Duration::from_millis(500);
@@ -63,7 +62,7 @@ impl LeaseState {
 
 /// Keep lease `id` (of `ttl`) alive until the registry closes or the lease is lost.
 pub(crate) async fn keep_alive(
-    client: Client,
+    client: Etcd,
     id: i64,
     ttl: Duration,
     call_timeout: Duration,
@@ -71,7 +70,7 @@ pub(crate) async fn keep_alive(
 ) {
     let period = ttl / 3;
     let mut last_ok = Instant::now();
-    let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
+    let mut keeper = client.keep_alive(id);
     let mut wait = period;
     loop {
         tokio::time::sleep(wait).await;
@@ -79,7 +78,7 @@ pub(crate) async fn keep_alive(
             return;
         }
         let deadline = period.min(call_timeout);
-        match once(&client, id, &mut stream, deadline).await {
+        match once(&mut keeper, deadline).await {
             Ok(Some(left)) if left > 0 => {
                 last_ok = Instant::now();
                 wait = period;
@@ -91,18 +90,16 @@ pub(crate) async fn keep_alive(
                 return;
             }
             Err(RegistryError::Etcd { .. }) if gone(&client, id, deadline).await => {
-                // etcd answered, and the lease is not there (etcd's client says so only
-                // in words when it opens a keep-alive stream; its TTL query says it in
-                // numbers).
+                // etcd refused the keep-alive, and its TTL query says the lease is not
+                // there.
                 if !state.closing() {
                     state.lose(LeaseLoss::NotFound);
                 }
                 return;
             }
             Ok(None) | Err(_) => {
-                // etcd unreachable or slow: a new stream next time, sooner, until a whole
-                // TTL has passed without an answer.
-                stream = None;
+                // etcd unreachable or slow: a new stream next time (`renew` opens one),
+                // sooner, until a whole TTL has passed without an answer.
                 if last_ok.elapsed() >= ttl {
                     state.lose(LeaseLoss::NoKeepAlive);
                     return;
@@ -115,27 +112,12 @@ pub(crate) async fn keep_alive(
 
 /// One keep-alive: the TTL etcd says is left (0: the lease is gone; `None`: the stream
 /// ended, as when etcd restarts).
-async fn once(
-    client: &Client,
-    id: i64,
-    stream: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>,
-    deadline: Duration,
-) -> Result<Option<i64>, RegistryError> {
-    let attempt = async {
-        let (keeper, responses) = match stream {
-            Some(open) => open,
-            None => stream.insert(client.lease_client().keep_alive(id).await?),
-        };
-        keeper.keep_alive().await?;
-        Ok(responses.message().await?.map(|r| r.ttl()))
-    };
-    crate::classify::bounded(Op::KeepAlive, deadline, attempt).await
+async fn once(keeper: &mut KeepAlive, deadline: Duration) -> Result<Option<i64>, RegistryError> {
+    crate::classify::bounded(Op::KeepAlive, deadline, keeper.renew()).await
 }
 
 /// Whether etcd says lease `id` no longer exists (its remaining TTL is not positive).
-async fn gone(client: &Client, id: i64, deadline: Duration) -> bool {
-    let mut lease = client.lease_client();
-    let asked =
-        crate::classify::bounded(Op::KeepAlive, deadline, lease.time_to_live(id, None)).await;
-    asked.is_ok_and(|answer| answer.ttl() <= 0)
+async fn gone(client: &Etcd, id: i64, deadline: Duration) -> bool {
+    let asked = crate::classify::bounded(Op::KeepAlive, deadline, client.time_to_live(id)).await;
+    asked.is_ok_and(|ttl| ttl <= 0)
 }

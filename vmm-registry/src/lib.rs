@@ -34,6 +34,7 @@ mod classify;
 mod config;
 mod core;
 mod error;
+mod etcd;
 mod fetch;
 mod handoff;
 mod handoff_error;
@@ -53,7 +54,7 @@ pub use async_registry::{AsyncRegistry, AsyncWatch};
 pub use config::{DEFAULT_CALL_TIMEOUT, DEFAULT_LEASE_TTL, RegistryConfig, TlsMaterial};
 pub use core::{Listing, Published};
 pub use error::{
-    ConfigError, LeaseLoss, NameRule, Op, RegistryError, Result, TlsFailure, ValueError,
+    ConfigError, EtcdError, LeaseLoss, NameRule, Op, RegistryError, Result, TlsFailure, ValueError,
 };
 pub use fetch::{Fetched, Fetcher, gpu_uuid};
 pub use handoff::{HANDOFF_VERSION, MAX_HANDOFF_MESSAGE, MessageError};

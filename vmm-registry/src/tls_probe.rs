@@ -1,9 +1,9 @@
-//! The TLS check opening makes before etcd's client takes over: one handshake of our own,
+//! The TLS check opening makes before the registry's etcd channel takes over: one handshake of our own,
 //! with the same material, then one read of what etcd sends unprompted.
 //!
 //! Why: in TLS 1.3 the client's side of the handshake finishes before the server has checked
 //! the client's certificate, so an etcd that refuses it answers with an alert after the fact,
-//! which HTTP/2 (inside etcd's client) reduces to a closed connection. Here nothing is written
+//! which HTTP/2 (inside the channel) reduces to a closed connection. Here nothing is written
 //! after the handshake, so the alert arrives intact (no reset swallows it) and keeps rustls's
 //! own error. An etcd that accepts the certificate speaks first (HTTP/2's server settings,
 //! offered by ALPN `h2`), which ends the probe.
@@ -17,7 +17,7 @@ use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
 use crate::config::TlsMaterial;
-use crate::error::{ConfigError, Op, RegistryError, TlsFailure};
+use crate::error::{ConfigError, EtcdError, Op, RegistryError, TlsFailure};
 
 /// The rustls client configuration the material describes: its CA as the only root, its
 /// certificate and key as the client's identity, TLS 1.2 and 1.3 on ring, ALPN `h2`.
@@ -79,9 +79,7 @@ pub(crate) async fn probe(endpoints: &[String], tls: &TlsMaterial) -> Result<(),
     }
     Err(RegistryError::Unreachable {
         op: Op::Open,
-        source: etcd_client::Error::IoError(
-            last.unwrap_or_else(|| io::ErrorKind::NotConnected.into()),
-        ),
+        source: EtcdError::Connect(last.unwrap_or_else(|| io::ErrorKind::NotConnected.into())),
     })
 }
 

@@ -7,11 +7,12 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use etcd_client::{Client, EventType, WatchOptions};
 use tokio::sync::oneshot;
+use vmm_etcd_api::mvccpb::event::EventType;
 
 use crate::core::{Listing, list};
 use crate::error::{Op, RegistryError, ValueError};
+use crate::etcd::Etcd;
 use crate::keys::{domain_prefix, split_key};
 use crate::locator::{Entry, decode};
 
@@ -95,7 +96,7 @@ impl Sink {
 /// caller saw before; a compacted one makes the first event [`WatchEvent::Relisted`]).
 /// The task ends when the returned sender is dropped.
 pub(crate) async fn start(
-    client: Client,
+    client: Etcd,
     domain: String,
     deadline: Duration,
     runtime: tokio::runtime::Handle,
@@ -116,7 +117,7 @@ pub(crate) async fn start(
 
 /// [`start`] for a blocking [`Watch`].
 pub(crate) async fn start_blocking(
-    client: Client,
+    client: Etcd,
     domain: String,
     deadline: Duration,
     runtime: tokio::runtime::Handle,
@@ -140,16 +141,14 @@ pub(crate) async fn start_blocking(
 }
 
 /// Deliver every change from revision `next` on, until the receiver is gone.
-async fn follow(client: Client, domain: String, mut next: i64, deadline: Duration, events: Sink) {
-    let prefix = domain_prefix(&domain);
+async fn follow(client: Etcd, domain: String, mut next: i64, deadline: Duration, events: Sink) {
+    let prefix = domain_prefix(&domain).into_bytes();
     let mut backoff = Duration::from_millis(100);
     loop {
-        let options = WatchOptions::new().with_prefix().with_start_revision(next);
-        let mut watch_client = client.watch_client();
         let opened = crate::classify::bounded(
             Op::Watch,
             deadline,
-            watch_client.watch(prefix.clone(), Some(options)),
+            client.watch_prefix(prefix.clone(), next),
         )
         .await;
         let mut stream = match opened {
@@ -163,7 +162,7 @@ async fn follow(client: Client, domain: String, mut next: i64, deadline: Duratio
         // The stream ends (an error, or etcd gone) or asks to be replaced (compaction).
         while let Ok(Some(response)) = stream.message().await {
             backoff = Duration::from_millis(100);
-            if response.compact_revision() > 0 {
+            if response.compact_revision > 0 {
                 // The revisions we need are gone: take the whole domain as it is now.
                 match list(&client, &domain, deadline, Op::Watch).await {
                     Ok(listing) => {
@@ -176,28 +175,28 @@ async fn follow(client: Client, domain: String, mut next: i64, deadline: Duratio
                 }
                 break;
             }
-            if response.canceled() {
+            if response.canceled {
                 break;
             }
-            for event in response.events() {
-                let Some(kv) = event.kv() else { continue };
-                let revision = kv.mod_revision();
+            for event in &response.events {
+                let Some(kv) = &event.kv else { continue };
+                let revision = kv.mod_revision;
                 if revision < next {
                     // Delivered before the stream was replaced.
                     continue;
                 }
-                let delivered = match event.event_type() {
-                    EventType::Put => match decode(&domain, kv.key(), kv.value(), revision) {
+                let delivered = match event.r#type() {
+                    EventType::Put => match decode(&domain, &kv.key, &kv.value, revision) {
                         Ok(entry) => WatchEvent::Put(entry),
-                        Err(error) => refused(kv.key(), revision, error),
+                        Err(error) => refused(&kv.key, revision, error),
                     },
-                    EventType::Delete => match split_key(&domain, kv.key()) {
+                    EventType::Delete => match split_key(&domain, &kv.key) {
                         Some((owner, name)) => WatchEvent::Deleted {
                             owner: owner.to_owned(),
                             name: name.to_owned(),
                             revision,
                         },
-                        None => refused(kv.key(), revision, ValueError::Key),
+                        None => refused(&kv.key, revision, ValueError::Key),
                     },
                 };
                 if !events.send(delivered) {
@@ -205,10 +204,10 @@ async fn follow(client: Client, domain: String, mut next: i64, deadline: Duratio
                 }
             }
             if let Some(last) = response
-                .events()
+                .events
                 .iter()
-                .filter_map(|e| e.kv())
-                .map(|kv| kv.mod_revision())
+                .filter_map(|e| e.kv.as_ref())
+                .map(|kv| kv.mod_revision)
                 .max()
             {
                 next = next.max(last + 1);

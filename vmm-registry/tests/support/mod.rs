@@ -6,6 +6,7 @@
 pub mod etcd;
 pub mod handoff;
 pub mod netns;
+pub mod raw;
 pub mod stand_in;
 
 use std::net::SocketAddr;
@@ -14,6 +15,7 @@ use std::time::Duration;
 use vmm_registry::{ExportedObject, HandleKind, Locator, Registry, RegistryConfig, TlsMaterial};
 
 use etcd::{Etcd, EtcdTls, TempDir};
+use raw::{Access, Raw};
 use vmm_tests::pki::{Leaf, LeafSpec, Pki, dns_name};
 
 /// The domain every test publishes in.
@@ -67,48 +69,31 @@ impl World {
 
     /// Put `value` at `key` directly (as a hostile owner could, before RBAC).
     pub fn raw_put(&self, key: &str, value: Vec<u8>) {
-        self.raw(async |client| client.put(key, value, None).await.map(drop));
+        self.raw(async |client| client.put(key, value).await);
     }
 
     /// Turn etcd's RBAC on: users named by their certificates' names, `root` the
     /// administrator, each of `owners` reading the whole domain and writing only its own
     /// prefix.
     pub fn enable_rbac(&self, owners: &[&str]) {
-        use etcd_client::{Permission, UserAddOptions};
         let owners: Vec<String> = owners.iter().map(|o| (*o).to_owned()).collect();
         self.raw_as("root", async |client| {
-            client
-                .user_add("root", "", Some(UserAddOptions::new().with_no_pwd()))
-                .await?;
+            client.user_add("root").await?;
             client.user_grant_role("root", "root").await?;
             let domain = vmm_registry::domain_prefix(DOMAIN);
             for owner in &owners {
-                client.role_add(owner.as_str()).await?;
+                client.role_add(owner).await?;
                 let own = format!("{domain}{owner}/");
                 client
-                    .role_grant_permission(
-                        owner.as_str(),
-                        Permission::read_write(own).with_prefix(),
-                    )
+                    .role_grant_prefix(owner, &own, Access::ReadWrite)
                     .await?;
                 client
-                    .role_grant_permission(
-                        owner.as_str(),
-                        Permission::read(domain.clone()).with_prefix(),
-                    )
+                    .role_grant_prefix(owner, &domain, Access::Read)
                     .await?;
-                client
-                    .user_add(
-                        owner.as_str(),
-                        "",
-                        Some(UserAddOptions::new().with_no_pwd()),
-                    )
-                    .await?;
-                client
-                    .user_grant_role(owner.as_str(), owner.as_str())
-                    .await?;
+                client.user_add(owner).await?;
+                client.user_grant_role(owner, owner).await?;
             }
-            client.auth_enable().await.map(drop)
+            client.auth_enable().await
         })
         .expect("enable RBAC");
     }
@@ -116,25 +101,18 @@ impl World {
     /// Compact etcd's history up to its current revision.
     pub fn raw_compact(&self) {
         self.raw(async |client| {
-            let revision = client
-                .get("/", None)
-                .await?
-                .header()
-                .map_or(0, |h| h.revision());
-            client.compact(revision, None).await.map(drop)
+            let revision = client.revision().await?;
+            client.compact(revision).await
         });
     }
 
     /// Revoke lease `id` directly (as an operator could).
     pub fn raw_revoke(&self, id: i64) {
-        self.raw(async |client| client.lease_revoke(id).await.map(drop));
+        self.raw(async |client| client.lease_revoke(id).await);
     }
 
     /// Run `call` on a raw client of this etcd (5 s at most).
-    pub fn raw(
-        &self,
-        call: impl AsyncFnOnce(&mut etcd_client::Client) -> Result<(), etcd_client::Error>,
-    ) {
+    pub fn raw(&self, call: impl AsyncFnOnce(&mut Raw) -> Result<(), tonic::Status>) {
         self.raw_as("raw", call).expect("raw call");
     }
 
@@ -142,27 +120,35 @@ impl World {
     pub fn raw_as(
         &self,
         user: &str,
-        call: impl AsyncFnOnce(&mut etcd_client::Client) -> Result<(), etcd_client::Error>,
-    ) -> Result<(), etcd_client::Error> {
-        let leaf = issue(&self.pki, user);
-        let tls = etcd_client::TlsOptions::new()
-            .ca_certificate(etcd_client::Certificate::from_pem(self.pki.ca_pem()))
-            .identity(etcd_client::Identity::from_pem(leaf.cert_pem, leaf.key_pem))
-            .domain_name(dns_name(SERVER));
-        let url = format!("https://{}", self.etcd.endpoint());
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime");
+        call: impl AsyncFnOnce(&mut Raw) -> Result<(), tonic::Status>,
+    ) -> Result<(), tonic::Status> {
+        let (runtime, mut client) = self.raw_client(user);
         runtime.block_on(async {
-            let options = etcd_client::ConnectOptions::new().with_tls(tls);
-            let mut client = etcd_client::Client::connect([url], Some(options))
-                .await
-                .expect("raw connect");
             tokio::time::timeout(Duration::from_secs(5), call(&mut client))
                 .await
                 .expect("raw call in time")
         })
+    }
+
+    /// A current-thread runtime and a raw client on it whose certificate names `user`.
+    pub fn raw_client(&self, user: &str) -> (tokio::runtime::Runtime, Raw) {
+        let leaf = issue(&self.pki, user);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let client = {
+            // The channel's tasks are spawned on the runtime, so it is made inside it.
+            let _entered = runtime.enter();
+            Raw::connect(
+                &self.etcd.endpoint(),
+                self.pki.ca_pem().as_bytes(),
+                leaf.cert_pem.as_bytes(),
+                leaf.key_pem.as_bytes(),
+                &dns_name(SERVER),
+            )
+        };
+        (runtime, client)
     }
 }
 
