@@ -19,7 +19,8 @@ fn main() -> vmm_core::Result<()> {
     vmm_core::process::init(); // the first line of main: a child takes its role here
     let buf = HostBuffer::new(4096)?;
     let ctx = Context::new(StartMethod::Forkserver);
-    ctx.spawn(child, buf.clone())?.join(Duration::from_secs(10))?;
+    ctx.spawn(child, buf.clone())?
+        .join(Duration::from_secs(10))?;
     assert_eq!(buf.to_vec()[0], 0xAB);
     println!("the child wrote {:#x}", buf.to_vec()[0]);
     Ok(())
