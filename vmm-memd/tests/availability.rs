@@ -13,12 +13,11 @@
 //!   applies to an unprivileged sender past its `RLIMIT_NOFILE`): every one of its requests is
 //!   answered with its descriptors or a typed refusal, and others are served once it reads;
 //! - clients that exit while a forked child holds their socket, descriptors unread, stay
-//!   charged (the daemon parked such connections): ignored, vmm-memd does not yet;
-//! - attaches waiting for room in that budget hold no fds (ignored: they hold a dup of every
-//!   chunk, and eight of them run the service out of fds).
+//!   charged (the daemon parked such connections);
+//! - attaches waiting for room in that budget hold no fds (eight of them once ran the service
+//!   out of fds).
 //!
-//! The three ignored tests fail against vmm-memd as it is (each says why and what would fix
-//! it); run them with `--ignored`.
+//! None is ignored: each of these once failed against vmm-memd and passes since its fix.
 //!
 //! `availability_gpu.rs` has the daemon's two-GPU case. Roles are fresh execs of this test
 //! binary (see `common`); tests that need another uid or `prlimit` print one `SKIP` line
