@@ -343,6 +343,16 @@ fn a_sigstopped_exporter_holds_the_importer_only_until_its_deadline() {
         .expect("published");
     let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("a pid"));
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+    // `kill` returns before the kernel has stopped every thread: one still running could
+    // answer this fetch's handshake (CI once saw the fetch time out reading instead).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !support::etcd::all_threads_stopped(child.id()) {
+        assert!(
+            Instant::now() < deadline,
+            "the exporter did not stop within 5 s"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     // The kernel still completes the TCP handshake; nothing answers TLS.
     let fetcher = vmm_registry::Fetcher::new(
         options(&world.pki, "importer", &["nobody"]),

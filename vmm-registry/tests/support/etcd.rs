@@ -299,7 +299,7 @@ impl Drop for Etcd {
 }
 
 /// Whether every thread of `pid` is in the stopped state (`T`), read from `/proc`.
-fn all_threads_stopped(pid: u32) -> bool {
+pub fn all_threads_stopped(pid: u32) -> bool {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return false;
     };
