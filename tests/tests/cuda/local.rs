@@ -14,8 +14,8 @@ use vmm_core::cuda::{
 };
 use vmm_core::testing::cuda_vmm_ipc;
 
-use super::{alone, descriptor_refused, ipc, not_exportable, read, resource};
-use vmm_core::error::{DescriptorRule, ExportRule};
+use super::{alone, descriptor_refused, ipc, not_exportable, option_refused, read, resource};
+use vmm_core::error::{DescriptorRule, ExportRule, OptionRule};
 
 pub(super) fn open_fds() -> usize {
     vmm_core::testing::open_fds().unwrap()
@@ -114,34 +114,14 @@ fn copy_from_copies_on_the_device_across_chunk_boundaries() {
 
     // Refused before any driver call: another size, a read-only destination.
     let small = r.allocate(g).unwrap();
-    let err = small.copy_from(&src).unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            Error::InvalidOption {
-                rule: vmm_core::error::OptionRule::Conflict,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    option_refused(small.copy_from(&src), "src", OptionRule::Conflict);
     let reader = VirtualMemoryResource::new(
         &Device::new(0).unwrap(),
         ResourceOptions::default().read_only(true),
     )
     .unwrap();
     let read_only = reader.import(&src.export().unwrap()).unwrap();
-    let err = read_only.copy_from(&dst).unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            Error::InvalidOption {
-                rule: vmm_core::error::OptionRule::Conflict,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    option_refused(read_only.copy_from(&dst), "read_only", OptionRule::Conflict);
     assert_eq!(read(&src, 0, 4 * g), data, "a refused copy wrote nothing");
 }
 
