@@ -26,6 +26,10 @@ pub(crate) struct Chunk {
     pub(crate) origin: Option<vmm_core::cuda::VirtualMemoryBuffer>,
 }
 
+/// A generation's metadata as encoded `MetaPage` replies, shared by the attaches that send
+/// them.
+pub(crate) type MetaReplies = Arc<[Vec<u8>]>;
+
 /// A reader's lease on a generation.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Lease {
@@ -43,6 +47,11 @@ pub(crate) struct Generation {
     pub(crate) number: u64,
     pub(crate) chunks: Vec<Chunk>,
     pub(crate) meta: Vec<(String, TensorMeta)>,
+    /// The metadata as the encoded `MetaPage` replies an attach sends, made by the first
+    /// attach and shared by every later one: a committed generation's metadata never changes,
+    /// and encoding a large model's every attach (hundreds of entries, each a key and a shape)
+    /// was most of the service's part of an attach.
+    pub(crate) meta_replies: Option<MetaReplies>,
     /// The uid whose quota it is charged to.
     pub(crate) charged_to: u32,
     pub(crate) leases: HashMap<u64, Lease>,
@@ -83,6 +92,16 @@ impl Generation {
     /// Its chunks' fds, shared, to send (no fd is made).
     pub(crate) fn chunk_fds(&self) -> Vec<ChunkFd> {
         self.chunks.iter().map(|c| Arc::clone(&c.fd)).collect()
+    }
+
+    /// The metadata as encoded `MetaPage` replies: made once, then shared (call it only on a
+    /// committed generation, whose metadata is final).
+    pub(crate) fn meta_replies(&mut self) -> MetaReplies {
+        let meta = &self.meta;
+        Arc::clone(
+            self.meta_replies
+                .get_or_insert_with(|| crate::protocol::meta_replies(meta).into()),
+        )
     }
 
     /// Add metadata entries, each checked: a key of at most [`MAX_KEY_LEN`] bytes, at most

@@ -492,6 +492,18 @@ pub(crate) fn meta_pages(
     pages
 }
 
+/// `entries` as the encoded [`Response::MetaPage`] replies of an attach, pages of at most
+/// [`REPLY_META_PAGE_BYTES`] of entries each.
+pub(crate) fn meta_replies(entries: &[(String, TensorMeta)]) -> Vec<Vec<u8>> {
+    meta_pages(entries, REPLY_META_PAGE_BYTES)
+        .into_iter()
+        .map(|page| {
+            postcard::to_allocvec(&Response::MetaPage(page))
+                .expect("metadata entries always encode (strings, integers, enums)")
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -573,12 +585,17 @@ mod tests {
                 )
             })
             .collect();
-        let pages = meta_pages(&entries, REPLY_META_PAGE_BYTES);
-        assert_eq!(pages.iter().map(Vec::len).sum::<usize>(), 2000);
-        for page in pages {
-            let bytes = postcard::to_allocvec(&Response::MetaPage(page)).unwrap();
+        // An attach's pages, encoded once: each fits a DATA message, and together they
+        // decode to every entry, in order.
+        let mut decoded = Vec::new();
+        for bytes in meta_replies(&entries) {
             assert!(bytes.len() <= vmm_core::peer::MAX_DATA, "{}", bytes.len());
+            match postcard::from_bytes::<Response>(&bytes).unwrap() {
+                Response::MetaPage(page) => decoded.extend(page),
+                other => panic!("{other:?}"),
+            }
         }
+        assert_eq!(decoded, entries);
         // A writer's pages are requests, which the service decodes only up to MAX_REQUEST.
         let pages = meta_pages(&entries, REQUEST_META_PAGE_BYTES);
         assert_eq!(pages.iter().map(Vec::len).sum::<usize>(), 2000);

@@ -619,10 +619,9 @@ impl Connection<'_, '_> {
             registry.detach(conn, grant.lease);
             return Err(refusal.into());
         }
-        let pages = protocol::meta_pages(&grant.meta, protocol::REPLY_META_PAGE_BYTES);
         let (lease, generation) = (grant.lease, grant.generation);
         let chunks = grant.chunks.iter().map(|(_, len)| *len).collect();
-        let meta_pages = pages.len() as u32;
+        let meta_pages = grant.meta.len() as u32;
         let ttl_ms = registry.policy().lease_ttl.as_millis() as u64;
         self.send(&match grant.backend {
             Backend::Host => Response::Attached {
@@ -642,8 +641,8 @@ impl Connection<'_, '_> {
                 fabric: grant.fabric,
             },
         })?;
-        for page in pages {
-            self.send(&Response::MetaPage(page))?;
+        for page in grant.meta.iter() {
+            self.session.send_data(page)?;
         }
         match &grant.fabric_handles {
             Some(handles) => {

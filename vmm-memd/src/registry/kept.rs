@@ -63,6 +63,7 @@ impl Registry {
                     })
                     .collect(),
                 meta: record.meta,
+                meta_replies: None,
                 charged_to: record.charged_to,
                 leases: HashMap::new(),
                 digests: record.digests,

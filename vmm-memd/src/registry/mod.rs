@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use vmm_core::cuda::FabricDescriptor;
 
 use crate::error::{Refusal, RequestRule, Right};
-use crate::generation::{Chunk, ChunkFd, Generation, Lease};
+use crate::generation::{Chunk, ChunkFd, Generation, Lease, MetaReplies};
 use crate::gpu::Gpus;
 use crate::identity::Identity;
 use crate::keeper_link::KeeperLink;
@@ -102,7 +102,8 @@ pub(crate) struct Grant {
     pub(crate) lease: u64,
     pub(crate) generation: u64,
     pub(crate) chunks: Vec<(ChunkFd, u64)>,
-    pub(crate) meta: Vec<(String, TensorMeta)>,
+    /// The metadata, as the `MetaPage` replies to send.
+    pub(crate) meta: MetaReplies,
     pub(crate) backend: Backend,
     pub(crate) fabric: bool,
     /// The chunks as fabric handles (one single-chunk descriptor each), when asked for.
@@ -351,6 +352,7 @@ impl Registry {
             number: r.last_number() + 1,
             chunks: made,
             meta: Vec::new(),
+            meta_replies: None,
             charged_to: who.uid,
             leases: HashMap::new(),
             digests: Vec::new(),
@@ -538,7 +540,7 @@ impl Registry {
             lease,
             generation: g.number,
             chunks,
-            meta: g.meta.clone(),
+            meta: g.meta_replies(),
             backend,
             fabric,
             fabric_handles,
