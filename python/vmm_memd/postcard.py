@@ -75,12 +75,28 @@ class Writer:
         return bytes(self.out)
 
 
+class _Lazy:
+    """The words "``prefix`` ``what``", formatted only when an error message needs them: a
+    reader names what it reads on every call, and most calls succeed."""
+
+    __slots__ = ("prefix", "what")
+
+    def __init__(self, prefix, what):
+        self.prefix, self.what = prefix, what
+
+    def __str__(self):
+        return f"{self.prefix} {self.what}"
+
+    def __format__(self, spec):
+        return format(str(self), spec)
+
+
 class Reader:
     """Reads postcard encodings from ``data``; every method raises DecodeError on bytes that
     are not exactly what it reads."""
 
     def __init__(self, data):
-        self.data = memoryview(bytes(data))
+        self.data = bytes(data)  # at most a DATA message; indexing bytes is the fast path
         self.pos = 0
 
     def remaining(self):
@@ -96,22 +112,27 @@ class Reader:
     def varint(self, bits, what="an integer"):
         """An unsigned LEB128 varint of a ``bits``-bit type: at most ceil(bits / 7) bytes, its
         value within the type, in its shortest form."""
-        max_len = (bits + 6) // 7
-        value = 0
-        start = self.pos
-        for i in range(max_len):
-            b = self._byte(what)
-            value |= (b & 0x7F) << (7 * i)
-            if not b & 0x80:
+        data, pos = self.data, self.pos
+        end = len(data)
+        start, value, shift = pos, 0, 0
+        for i in range((bits + 6) // 7):
+            if pos >= end:
+                raise DecodeError(f"the bytes end inside {what} (at byte {pos})")
+            b = data[pos]
+            pos += 1
+            value |= (b & 0x7F) << shift
+            shift += 7
+            if b < 0x80:
                 if i > 0 and b == 0:
                     raise DecodeError(f"{what} at byte {start}: an overlong varint (not in its "
                                       f"shortest form)")
                 if value >> bits:
                     raise DecodeError(f"{what} at byte {start}: {value} does not fit "
                                       f"{bits} bits")
+                self.pos = pos
                 return value
-        raise DecodeError(f"{what} at byte {start}: a varint longer than the {max_len} bytes "
-                          f"of a {bits}-bit integer")
+        raise DecodeError(f"{what} at byte {start}: a varint longer than the "
+                          f"{(bits + 6) // 7} bytes of a {bits}-bit integer")
 
     def u32(self, what="a u32"):
         return self.varint(32, what)
@@ -142,7 +163,7 @@ class Reader:
     def length(self, cap, what):
         """A sequence length, refused past ``cap`` and past the bytes left (each element takes
         at least one byte) before anything is allocated for it."""
-        n = self.varint(64, f"the length of {what}")
+        n = self.varint(64, _Lazy("the length of", what))
         if n > cap:
             raise DecodeError(f"{what}: {n} elements announced, the cap is {cap}")
         if n > self.remaining():
@@ -164,7 +185,7 @@ class Reader:
     def variant(self, names, what):
         """An enum's variant index, checked against ``names`` (the variants in declaration
         order); returns the index."""
-        index = self.u32(f"the variant of {what}")
+        index = self.u32(_Lazy("the variant of", what))
         if index >= len(names):
             raise DecodeError(f"{what}: unknown variant {index} (it has {len(names)}: "
                               f"{', '.join(names)})")

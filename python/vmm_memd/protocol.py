@@ -358,19 +358,39 @@ def encode_wake(region):
 
 def meta_pages(entries):
     """``PutMeta`` requests carrying ``entries`` (key, TensorMeta), each at most MAX_REQUEST
-    bytes: cut by their exact encoded size."""
-    pages, page = [], []
+    bytes: cut by their exact encoded size. Each entry is encoded once (a page's size is its
+    header plus its entries' sizes), so a model's hundreds of entries cost linear time."""
+    pages, page, size = [], [], 0
     for entry in entries:
-        if len(encode_put_meta([entry])) > MAX_REQUEST:
+        w = Writer()
+        w.str(entry[0])
+        _tensor_meta(w, entry[1])
+        encoded = w.bytes()
+        if _put_meta_size(1, len(encoded)) > MAX_REQUEST:
             raise ValueError(f"metadata entry {entry[0]!r} alone is larger than a request "
                              f"({MAX_REQUEST} bytes)")
-        if page and len(encode_put_meta(page + [entry])) > MAX_REQUEST:
-            pages.append(encode_put_meta(page))
-            page = []
-        page.append(entry)
+        if page and _put_meta_size(len(page) + 1, size + len(encoded)) > MAX_REQUEST:
+            pages.append(_put_meta_request(page))
+            page, size = [], 0
+        page.append(encoded)
+        size += len(encoded)
     if page:
-        pages.append(encode_put_meta(page))
+        pages.append(_put_meta_request(page))
     return pages
+
+
+def _put_meta_size(count, entry_bytes):
+    """The bytes of a PutMeta request of ``count`` entries that encode to ``entry_bytes``."""
+    return len(_request(_PUT_META, lambda w: w.usize(count))) + entry_bytes
+
+
+def _put_meta_request(encoded_entries):
+    """A PutMeta request of entries encoded already (each key then TensorMeta)."""
+    def body(w):
+        w.usize(len(encoded_entries))
+        for encoded in encoded_entries:
+            w.out += encoded
+    return _request(_PUT_META, body)
 
 
 # ---- replies --------------------------------------------------------------------------------
@@ -422,9 +442,13 @@ def _refusal(r):
     return kind(*readers[kind.__name__]())
 
 
+_DTYPES = tuple(Dtype)
+_DTYPE_NAMES = tuple(d.name for d in _DTYPES)
+
+
 def _tensor_meta_of(r):
     chunk, offset, length = r.u32(), r.u64(), r.u64()
-    dtype = Dtype(r.variant([d.name for d in Dtype], "a dtype"))
+    dtype = _DTYPES[r.variant(_DTYPE_NAMES, "a dtype")]
     shape = tuple(r.seq(_BY_MESSAGE, "a shape", r.u64))
     return TensorMeta(chunk, offset, length, dtype, shape)
 
