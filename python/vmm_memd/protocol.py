@@ -446,11 +446,16 @@ _DTYPES = tuple(Dtype)
 _DTYPE_NAMES = tuple(d.name for d in _DTYPES)
 
 
+_META_WIDTHS = (32, 64, 64, 32)  # chunk, offset, length, the dtype's variant
+
+
 def _tensor_meta_of(r):
-    chunk, offset, length = r.u32(), r.u64(), r.u64()
-    dtype = _DTYPES[r.variant(_DTYPE_NAMES, "a dtype")]
-    shape = tuple(r.seq(_BY_MESSAGE, "a shape", r.u64))
-    return TensorMeta(chunk, offset, length, dtype, shape)
+    chunk, offset, length, dtype = r.varints(_META_WIDTHS, "a tensor's metadata")
+    if dtype >= len(_DTYPES):
+        raise DecodeError(f"a dtype: unknown variant {dtype} (it has {len(_DTYPES)}: "
+                          f"{', '.join(_DTYPE_NAMES)})")
+    shape = tuple(r.varints((64,) * r.length(_BY_MESSAGE, "a shape"), "a shape"))
+    return TensorMeta(chunk, offset, length, _DTYPES[dtype], shape)
 
 
 def _meta_entry(r):
