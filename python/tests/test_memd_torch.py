@@ -354,6 +354,56 @@ class HostRegion(unittest.TestCase):
             memd_torch.bind(skeleton(), persistent)
         self.assertEqual(caught.exception.unbound, ["scale"])
 
+    def test_tensors_are_views_of_one_import_per_chunk_and_odd_offsets_still_work(self):
+        torch.manual_seed(5)
+        model = Tiny()
+        memd_torch.publish_state_dict(self.client, self.region, memd_torch.model_state(model),
+                                      device="cpu")
+        attached, tensors = memd_torch.attach_state_dict(self.client, self.region)
+        chunk = attached.chunks[0]
+        for name, t in tensors.items():
+            # One storage, the whole chunk, for every tensor with bytes.
+            self.assertEqual(t.untyped_storage().data_ptr(), chunk.address, name)
+            self.assertEqual(t.data_ptr(), chunk.address + attached.meta[name].offset, name)
+        # A writer that placed a float32 at an offset that is no multiple of 4 (plan never
+        # does; the protocol allows it): imported on its own, same values.
+        values = torch.arange(5, dtype=torch.float32)
+        region = self.region + "-odd"
+        with self.client.begin(region, [64]) as writer:
+            writer.write(0, 2, values.numpy().tobytes())
+            writer.put("odd", vmm_memd.TensorMeta(0, 2, 20, Dtype.F32, (5,)))
+            writer.put("even", vmm_memd.TensorMeta(0, 24, 8, Dtype.F32, (2,)))
+            writer.commit()
+        attached, tensors = memd_torch.attach_state_dict(self.client, region)
+        self.assertTrue(torch.equal(tensors["odd"], values))
+        self.assertEqual(tensors["odd"].data_ptr(), attached.chunks[0].address + 2)
+        self.assertEqual(tensors["even"].data_ptr(), attached.chunks[0].address + 24)
+
+    def test_a_model_with_load_state_dict_hooks_is_bound_through_load_state_dict(self):
+        torch.manual_seed(5)
+        model = Tiny()
+        memd_torch.publish_state_dict(self.client, self.region, memd_torch.model_state(model),
+                                      device="cpu")
+        _, tensors = memd_torch.attach_state_dict(self.client, self.region)
+        seen = []
+        with torch.device("meta"):
+            hooked = Tiny()
+        hooked.proj._register_load_state_dict_pre_hook(
+            lambda state_dict, prefix, *rest: seen.append(prefix))
+        memd_torch.bind(hooked, tensors)
+        self.assertEqual(seen, ["proj."], "the hook ran: bind went through load_state_dict")
+        with torch.device("meta"):
+            plain = Tiny()
+        memd_torch.bind(plain, tensors)
+        ids = torch.tensor([[1, 4, 9]])
+        with torch.inference_mode():
+            self.assertTrue(torch.equal(hooked(ids), model(ids)))
+            self.assertTrue(torch.equal(plain(ids), model(ids)))
+        for (name, a), (_, b) in zip(hooked.state_dict(keep_vars=True).items(),
+                                     plain.state_dict(keep_vars=True).items()):
+            self.assertEqual((type(a), a.data_ptr(), a.requires_grad),
+                             (type(b), b.data_ptr(), b.requires_grad), name)
+
 
 if __name__ == "__main__":
     unittest.main()
