@@ -33,6 +33,9 @@
 //!   untimed. Before the first of these figures the bench waits, untimed, until the service
 //!   has taken the digests of every region (a `Verify` per region, in parallel), so no hashing
 //!   runs beside them: the service's steady state, not the seconds after a publish.
+//!   A third figure, interleaved with both, `.../raw-and-request`: the raw import and one
+//!   request's round trip on the same connection (`Renew`), timed together: the floor of any
+//!   attach through a service, shown next to the figure without a target.
 //! - `attach/16GiB-331-tensors-packed/memd` / `.../raw`: the same for 16 GiB as one chunk
 //!   with 331 equal tensors: target under 2 ms (absolute); the ratio to the raw import of
 //!   that one chunk is shown.
@@ -41,7 +44,11 @@
 //!   (started by one barrier; each times its own attach; they detach and unmap, untimed, once
 //!   all have attached): each reader's time is one iteration of `each` (eight per round).
 //!   `lone`: the first of those readers attaching alone. `.../round` (the slowest reader of a
-//!   round) is shown next to `lone` without a target. Threads, not processes: they share one
+//!   round) is shown next to `lone` without a target. The floor, interleaved with them: the
+//!   same eight threads import the region's held fds at once, with no service in the way
+//!   (`.../raw-each`, `.../raw-round`; each thread holds its own duplicates of the fds,
+//!   taken with `attach_unmapped`), against one raw import alone (`.../raw-lone`): how much
+//!   of the eight readers' slowdown is the driver's. Threads, not processes: they share one
 //!   driver context, so this is no kinder to the service than eight processes would be.
 //! - `sleep-wake/{2,16}GiB/memd` / `.../raw`: target at most 1.2x (the brief named none; a
 //!   wake is an attach at the slept address, so the attach target is carried over). The
@@ -50,7 +57,9 @@
 //!   range). The floor: a buffer imported from the held fds,
 //!   `VirtualMemoryBuffer::into_address_range` then `VirtualMemoryResource::import_at` of the
 //!   same descriptor into that range (unmap + release, then import + map + set access at the
-//!   same address). Time per GiB printed.
+//!   same address). Time per GiB printed. Interleaved with both, `.../raw-and-requests`: the
+//!   floor and two requests' round trips on the same connection (`Renew`: a sleep ends a
+//!   lease, a wake attaches), shown without a target.
 //! - `attach-after-restart/{2,16,64}GiB/memd` / `.../raw`: target at most 1.2x: the attach
 //!   rows again after the service was killed with SIGKILL and started again on the same
 //!   socket (its keeper held the chunks and handed them back; the floor imports the same fds
@@ -83,7 +92,7 @@ use vmm_core::cuda::{
 };
 use vmm_core::wire::endpoint::{ConnectOptions, Name};
 use vmm_memd::protocol::{Backend, Dtype, TensorMeta};
-use vmm_memd::{Attached, BeginOptions, Client};
+use vmm_memd::{BeginOptions, Client};
 
 use crate::memd_service::ServiceProcess;
 use crate::raw::RawCuda;
@@ -551,6 +560,20 @@ impl<'a> Bench<'a> {
         elapsed
     }
 
+    /// The floor of any attach through a service: the raw import of `region`'s held fds and
+    /// one request's round trip on the open connection (`Renew`, with no lease to renew: one
+    /// small request, one small reply), timed together.
+    fn time_raw_import_and_request(&self, region: &str) -> Duration {
+        let (reader, descriptor) = (&self.gpu().reader, &self.held(region).descriptor);
+        let client = self.client();
+        let t = Instant::now();
+        black_box(client.renew().expect("renew"));
+        let buffer = reader.import(descriptor).expect("import");
+        let elapsed = t.elapsed();
+        drop(buffer);
+        elapsed
+    }
+
     /// Delete the regions, close the held fds, stop the service (SIGTERM: its keeper lets
     /// everything go) and wait until the memory is back.
     fn stop(self) {
@@ -681,14 +704,25 @@ fn attach(group: &mut Group<'_>, bench: &Bench<'_>, lines: &mut Vec<Line>, after
             format!("{prefix}/{gib}GiB/raw"),
         );
         line(lines, &memd, &floor, ATTACH_TARGET, Extra::None);
-        group.bench_pair_prepared(
+        if after_restart {
+            group.bench_pair_prepared(
+                &format!("{prefix}/{gib}GiB"),
+                || bench.restarted(),
+                (&memd, || bench.time_attach(&region)),
+                (&floor, || bench.time_raw_import(&region)),
+            );
+            continue;
+        }
+        let request = format!("{prefix}/{gib}GiB/raw-and-request");
+        line(lines, &memd, &request, Target::None, Extra::None);
+        bench.ready();
+        group.bench_interleaved(
             &format!("{prefix}/{gib}GiB"),
-            || match after_restart {
-                false => bench.ready(),
-                true => bench.restarted(),
-            },
-            (&memd, || bench.time_attach(&region)),
-            (&floor, || bench.time_raw_import(&region)),
+            &mut [
+                (&memd, &mut || bench.time_attach(&region)),
+                (&floor, &mut || bench.time_raw_import(&region)),
+                (&request, &mut || bench.time_raw_import_and_request(&region)),
+            ],
         );
     }
 }
@@ -696,12 +730,19 @@ fn attach(group: &mut Group<'_>, bench: &Bench<'_>, lines: &mut Vec<Line>, after
 fn packed(group: &mut Group<'_>, bench: &Bench<'_>, lines: &mut Vec<Line>) {
     let id = format!("attach/{PACKED_GIB}GiB-{PACKED_TENSORS}-tensors-packed");
     let (memd, floor) = (format!("{id}/memd"), format!("{id}/raw"));
+    let request = format!("{id}/raw-and-request");
     line(lines, &memd, &floor, PACKED_TARGET, Extra::None);
-    group.bench_pair_prepared(
+    line(lines, &memd, &request, Target::None, Extra::None);
+    bench.ready();
+    group.bench_interleaved(
         &id,
-        || bench.ready(),
-        (&memd, || bench.time_attach(PACKED_NAME)),
-        (&floor, || bench.time_raw_import(PACKED_NAME)),
+        &mut [
+            (&memd, &mut || bench.time_attach(PACKED_NAME)),
+            (&floor, &mut || bench.time_raw_import(PACKED_NAME)),
+            (&request, &mut || {
+                bench.time_raw_import_and_request(PACKED_NAME)
+            }),
+        ],
     );
 }
 
@@ -712,6 +753,9 @@ enum Go {
     Together(Arc<Barrier>, Arc<Barrier>),
     /// Attach alone, then detach and unmap.
     Alone,
+    /// The floor: import the held fds of [`PACKED_NAME`] with the others (the same
+    /// barriers), with no service in the way; unmap untimed.
+    RawTogether(Arc<Barrier>, Arc<Barrier>),
 }
 
 /// [`READERS`] threads, each with its own connection to the service.
@@ -740,12 +784,21 @@ impl Readers {
 
     /// All attach at once: each reader's time.
     fn round(&self) -> Vec<Duration> {
+        self.all(Go::Together)
+    }
+
+    /// All import the held fds at once: each reader's time.
+    fn raw_round(&self) -> Vec<Duration> {
+        self.all(Go::RawTogether)
+    }
+
+    fn all(&self, what: fn(Arc<Barrier>, Arc<Barrier>) -> Go) -> Vec<Duration> {
         let (start, end) = (
             Arc::new(Barrier::new(READERS)),
             Arc::new(Barrier::new(READERS)),
         );
         for go in &self.go {
-            go.send(Go::Together(Arc::clone(&start), Arc::clone(&end)))
+            go.send(what(Arc::clone(&start), Arc::clone(&end)))
                 .expect("a reader");
         }
         (0..READERS).map(|_| self.wait()).collect()
@@ -781,6 +834,7 @@ fn reader(
     done: &Sender<Result<Duration, String>>,
 ) -> Result<(), String> {
     let client = Client::connect(name).map_err(|e| format!("connect: {e}"))?;
+    let (resource, descriptor) = held_by_reader(&client)?;
     while let Ok(what) = go.recv() {
         let together = match what {
             Go::Together(start, end) => {
@@ -788,6 +842,18 @@ fn reader(
                 Some(end)
             }
             Go::Alone => None,
+            Go::RawTogether(start, end) => {
+                start.wait();
+                let t = Instant::now();
+                let buffer = resource.import(&descriptor);
+                let elapsed = t.elapsed();
+                end.wait();
+                drop(buffer.map_err(|e| format!("import: {e}"))?);
+                if done.send(Ok(elapsed)).is_err() {
+                    return Ok(());
+                }
+                continue;
+            }
         };
         let t = Instant::now();
         let attached = client.attach(PACKED_NAME);
@@ -807,39 +873,68 @@ fn reader(
     Ok(())
 }
 
+/// A reader thread's own floor: a read-only resource of the packed region's device and a
+/// descriptor of the region's chunk fds (its own, taken with `attach_unmapped`; the lease
+/// given back), as the bench's raw import holds them.
+fn held_by_reader(client: &Client) -> Result<(VirtualMemoryResource, IpcDescriptor), String> {
+    let unmapped = client
+        .attach_unmapped(PACKED_NAME, None)
+        .map_err(|e| format!("attach_unmapped: {e}"))?;
+    let uuid = unmapped.device.ok_or("the packed region is not on a GPU")?;
+    let device = Device::by_uuid(&uuid).map_err(|e| format!("device: {e}"))?;
+    let resource = VirtualMemoryResource::new(&device, ResourceOptions::default().read_only(true))
+        .map_err(|e| format!("resource: {e}"))?;
+    let fds: Vec<BorrowedFd<'_>> = unmapped.chunks.iter().map(|(fd, _)| fd.as_fd()).collect();
+    let sizes: Vec<usize> = unmapped.chunks.iter().map(|&(_, s)| s as usize).collect();
+    let total = sizes.iter().sum();
+    let descriptor = IpcDescriptor::from_fds(&fds, &sizes, HandleType::PosixFd, total)
+        .map_err(|e| format!("descriptor: {e}"))?;
+    client
+        .detach_lease(unmapped.lease)
+        .map_err(|e| format!("detach: {e}"))?;
+    Ok((resource, descriptor))
+}
+
 fn readers(group: &mut Group<'_>, bench: &Bench<'_>, lines: &mut Vec<Line>) {
     let id = format!("attach-{READERS}-readers/{PACKED_GIB}GiB-packed");
-    let (each, round, lone) = (
-        format!("{id}/each"),
-        format!("{id}/round"),
-        format!("{id}/lone"),
-    );
+    let [each, round, lone, raw_each, raw_round, raw_lone] =
+        ["each", "round", "lone", "raw-each", "raw-round", "raw-lone"].map(|f| format!("{id}/{f}"));
     line(lines, &each, &lone, READERS_TARGET, Extra::None);
     line(lines, &round, &lone, Target::None, Extra::None);
-    let each_key = key(GROUP, &each);
-    let live: RefCell<Option<Readers>> = RefCell::new(None);
-    group.bench_pair_prepared(
+    // The driver's own floor: eight raw imports at once against one alone, and what the
+    // service adds to each of eight.
+    line(lines, &raw_each, &raw_lone, Target::None, Extra::None);
+    line(lines, &each, &raw_each, Target::None, Extra::None);
+    let (each_key, raw_each_key) = (key(GROUP, &each), key(GROUP, &raw_each));
+    bench.ready();
+    let readers = Readers::start(&bench.name());
+    // Untimed: each connection's first attach, each thread's first import.
+    drop(readers.round());
+    drop(readers.raw_round());
+    group.bench_interleaved(
         &id,
-        || {
-            bench.ready();
-            if live.borrow().is_none() {
-                let readers = Readers::start(&bench.name());
-                // Untimed: each connection's first attach.
-                drop(readers.round());
-                *live.borrow_mut() = Some(readers);
-            }
-        },
-        (&round, || {
-            let times = live.borrow().as_ref().expect("readers").round();
-            record::record(&each_key, &times);
-            times.into_iter().max().unwrap_or_default()
-        }),
-        (&lone, || live.borrow().as_ref().expect("readers").alone()),
+        &mut [
+            (&round, &mut || {
+                let times = readers.round();
+                record::record(&each_key, &times);
+                times.into_iter().max().unwrap_or_default()
+            }),
+            (&lone, &mut || readers.alone()),
+            (&raw_round, &mut || {
+                let times = readers.raw_round();
+                record::record(&raw_each_key, &times);
+                times.into_iter().max().unwrap_or_default()
+            }),
+            (&raw_lone, &mut || bench.time_raw_import(PACKED_NAME)),
+        ],
     );
-    if let Some(readers) = live.take() {
-        readers.stop();
-        record::note_interleaved(&[&each_key, &key(GROUP, &lone)]);
-    }
+    readers.stop();
+    record::note_interleaved(&[
+        &each_key,
+        &raw_each_key,
+        &key(GROUP, &lone),
+        &key(GROUP, &raw_lone),
+    ]);
 }
 
 fn sleep_wake(group: &mut Group<'_>, bench: &Bench<'_>, lines: &mut Vec<Line>) {
@@ -850,53 +945,59 @@ fn sleep_wake(group: &mut Group<'_>, bench: &Bench<'_>, lines: &mut Vec<Line>) {
             format!("sleep-wake/{gib}GiB/raw"),
         );
         line(lines, &memd, &floor, SLEEP_TARGET, Extra::PerGib(gib));
-        let attached: RefCell<Option<Attached>> = RefCell::new(None);
-        let mapped: RefCell<Option<VirtualMemoryBuffer>> = RefCell::new(None);
-        group.bench_pair_prepared(
+        let requests = format!("sleep-wake/{gib}GiB/raw-and-requests");
+        line(lines, &memd, &requests, Target::None, Extra::PerGib(gib));
+        bench.ready();
+        let attached = RefCell::new(Some(bench.client().attach(&region).expect("attach")));
+        let import = || {
+            let descriptor = &bench.held(&region).descriptor;
+            bench.gpu().reader.import(descriptor).expect("import")
+        };
+        let (mapped, mapped_too) = (RefCell::new(Some(import())), RefCell::new(Some(import())));
+        // The floor: unmap and release, then import at the same range.
+        let raw = |mapped: &RefCell<Option<VirtualMemoryBuffer>>, requests: usize| {
+            let (reader, descriptor) = (&bench.gpu().reader, &bench.held(&region).descriptor);
+            let client = bench.client();
+            let buffer = mapped.borrow_mut().take().expect("mapped");
+            let t = Instant::now();
+            for _ in 0..requests {
+                black_box(client.renew().expect("renew"));
+            }
+            let range = buffer
+                .into_address_range()
+                .unwrap_or_else(|_| panic!("the floor's buffer is shared"));
+            let buffer = reader
+                .import_at(descriptor, range)
+                .unwrap_or_else(|failed| panic!("import_at: {}", failed.0));
+            let elapsed = t.elapsed();
+            *mapped.borrow_mut() = Some(buffer);
+            elapsed
+        };
+        group.bench_interleaved(
             &format!("sleep-wake/{gib}GiB"),
-            || {
-                bench.ready();
-                if attached.borrow().is_none() {
-                    *attached.borrow_mut() = Some(bench.client().attach(&region).expect("attach"));
-                }
-                if mapped.borrow().is_none() {
-                    let descriptor = &bench.held(&region).descriptor;
-                    let buffer = bench.gpu().reader.import(descriptor).expect("import");
-                    *mapped.borrow_mut() = Some(buffer);
-                }
-            },
-            (&memd, || {
-                let client = bench.client();
-                let awake = attached.borrow_mut().take().expect("attached");
-                let t = Instant::now();
-                let sleeping = client.sleep(awake).expect("sleep");
-                let woken = client
-                    .wake(sleeping)
-                    .unwrap_or_else(|failed| panic!("wake: {}", failed.error));
-                let elapsed = t.elapsed();
-                *attached.borrow_mut() = Some(woken);
-                elapsed
-            }),
-            (&floor, || {
-                let (reader, descriptor) = (&bench.gpu().reader, &bench.held(&region).descriptor);
-                let buffer = mapped.borrow_mut().take().expect("mapped");
-                let t = Instant::now();
-                let range = buffer
-                    .into_address_range()
-                    .unwrap_or_else(|_| panic!("the floor's buffer is shared"));
-                let buffer = reader
-                    .import_at(descriptor, range)
-                    .unwrap_or_else(|failed| panic!("import_at: {}", failed.0));
-                let elapsed = t.elapsed();
-                *mapped.borrow_mut() = Some(buffer);
-                elapsed
-            }),
+            &mut [
+                (&memd, &mut || {
+                    let client = bench.client();
+                    let awake = attached.borrow_mut().take().expect("attached");
+                    let t = Instant::now();
+                    let sleeping = client.sleep(awake).expect("sleep");
+                    let woken = client
+                        .wake(sleeping)
+                        .unwrap_or_else(|failed| panic!("wake: {}", failed.error));
+                    let elapsed = t.elapsed();
+                    *attached.borrow_mut() = Some(woken);
+                    elapsed
+                }),
+                (&floor, &mut || raw(&mapped, 0)),
+                // A sleep ends a lease (one request), a wake attaches (another).
+                (&requests, &mut || raw(&mapped_too, 2)),
+            ],
         );
         if let Some(awake) = attached.take() {
             // Its lease may have expired meanwhile (10 s without a renewal): no matter.
             let _ = bench.client().detach(&awake);
         }
-        drop(mapped);
+        drop((mapped, mapped_too));
     }
 }
 
