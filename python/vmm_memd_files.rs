@@ -17,6 +17,10 @@
     ("vmm_memd/dlpack.py", include_str!("vmm_memd/dlpack.py")),
     ("vmm_memd/errors.py", include_str!("vmm_memd/errors.py")),
     ("vmm_memd/gpu.py", include_str!("vmm_memd/gpu.py")),
+    (
+        "vmm_memd/keep_alive.py",
+        include_str!("vmm_memd/keep_alive.py"),
+    ),
     ("vmm_memd/mapping.py", include_str!("vmm_memd/mapping.py")),
     (
         "vmm_memd/postcard.py",

@@ -4,7 +4,9 @@ messages of the peer protocol (``vmm_ipc_peer``)."""
 
 import contextlib
 import errno
+import functools
 import time
+import weakref
 
 import vmm_ipc_peer as peer
 from vmm_ipc_peer.decoding import _discard
@@ -15,6 +17,7 @@ from .errors import (BadReply, GpuImportFailed, GpuRegion, GpuSleepFailed, Inval
                      MemdError, NotMapped, Refused, ServiceGone, StaleLayout, Transport)
 from .mapping import ReadOnlyChunk
 from .service import default_socket
+from .keep_alive import Renewer, Turns
 from .sleep import Sleeping, layout_hash, layout_hash_on
 from .writer import Writer
 from .attached import Attached
@@ -42,15 +45,32 @@ class _Transport:
         return False
 
 
+def _exchange(method):
+    """The method is one exchange with the service (a request and every message of its
+    reply): it holds the connection's turn throughout, so the renewal thread waits."""
+    @functools.wraps(method)
+    def exchange(self, *args, **kwargs):
+        with self._turns.call():
+            return method(self, *args, **kwargs)
+    return exchange
+
+
 class Client:
     """A connection to vmm-memd on endpoint ``name`` (``@abstract`` or a path). One request
-    at a time: use it from one thread at a time (or a connection per thread). Leases are not
-    renewed behind your back: call :meth:`renew` within the TTL (``Attached.ttl``)."""
+    at a time: use it from one thread at a time (or a connection per thread).
+
+    Its leases are kept alive while it holds any: from the first attach on, a daemon thread
+    of this client renews them every third of their TTL (``Attached.ttl``), taking turns with
+    the client's own calls on the connection; :meth:`set_keep_alive` turns that off (then
+    call :meth:`renew` within the TTL). A stopped process stops that thread too, so its
+    leases still end by TTL."""
 
     def __init__(self, conn, name):
         self.conn, self.name = conn, name
         self._contexts = {}  # device UUID -> vmm_ipc_cuda.Context (GPU regions)
         self._devices = {}  # device ordinal -> vmm_ipc_cuda.Context (GPU writers)
+        self._turns = Turns()
+        self._renewer = None
 
     @classmethod
     def connect(cls, name=None, expect_uids=None, expect_gids=(), timeout=10.0):
@@ -82,7 +102,37 @@ class Client:
                 time.sleep(0.01)
 
     def close(self):
+        """Close the connection (every lease it holds ends), after the renewal thread."""
+        self._turns.end()
+        if self._renewer is not None:
+            self._renewer.join()
         self.conn.close()
+
+    def set_keep_alive(self, on):
+        """Keep this connection's leases alive (the default) or not: with it on, a thread
+        renews them every third of their TTL while the connection holds any; with it off,
+        they end one TTL after the last :meth:`renew`."""
+        self._turns.set_enabled(on)
+
+    def _lease_taken(self, ttl):
+        """A lease with this TTL (seconds) was taken: renew from now on (the thread starts
+        with the first lease)."""
+        if self._turns.lease_taken(ttl) and self._renewer is None:
+            self._renewer = Renewer(self._turns, weakref.WeakMethod(self._renew_now))
+            # A client dropped without close() stops its thread too.
+            weakref.finalize(self, self._turns.end)
+
+    def _renew_now(self):
+        """The renewal thread's exchange (it holds the connection): leases renewed."""
+        with _Transport():
+            self.conn.send_data(p.encode_renew())
+            data = self.conn.recv_data()
+        reply = p.decode_response(data)
+        if isinstance(reply, Refused):
+            raise reply
+        if not isinstance(reply, p.Renewed):
+            raise BadReply(f"expected Renewed, got {type(reply).__name__}")
+        return reply.count
 
     def __enter__(self):
         return self
@@ -92,6 +142,7 @@ class Client:
 
     # ---- the exchange --------------------------------------------------------------------
 
+    @_exchange
     def request_raw(self, data):
         """Send ``data`` as one request; the decoded reply (a Refused is returned, not
         raised). For conformance and attack tests."""
@@ -163,6 +214,7 @@ class Client:
         (cuda.bindings needed: GpuRegion without it, or without that device)."""
         return self._attach(region, generation, None)
 
+    @_exchange
     def _attach(self, region, generation, sleeping):
         """``attach``, mapping the generation at ``sleeping``'s addresses if it is given
         (StaleLayout, with nothing mapped and the lease given back, for another layout)."""
@@ -172,6 +224,7 @@ class Client:
         if len(reply.chunks) > p.MAX_CHUNKS or reply.meta_pages > p.MAX_META_ENTRIES:
             raise BadReply(f"{len(reply.chunks)} chunks and {reply.meta_pages} metadata pages "
                            f"announced")
+        self._lease_taken(reply.ttl_ms / 1000.0)
         meta = {}
         for _ in range(reply.meta_pages):
             page = self._expect(self.reply(), p.MetaPage)
@@ -379,6 +432,7 @@ class Client:
         finally:
             self.conn.sock.settimeout(timeout)
 
+    @_exchange
     def begin_gpu(self, region, chunks, device=0, acl=p.Acl(), wait=0.0):
         """Begin the next generation of GPU region ``region`` on device ``device`` (an ordinal
         of this process; the region is created there if new) with chunks of at least these
@@ -423,6 +477,7 @@ class Client:
                 d.close()
         return Writer(self, region, reply.generation, [], gpu=mapped)
 
+    @_exchange
     def begin(self, region, chunks, acl=p.Acl(), wait=0.0):
         """Begin the next generation of ``region`` with chunks of these sizes (bytes); wait up
         to ``wait`` seconds for another writer to finish. A Writer, its chunks mapped writable."""

@@ -30,6 +30,7 @@ impl Client {
     /// back from its keeper after a restart is first copied, on the device, into chunks that
     /// can be (once: the copies are the generation's from then on).
     pub fn attach_fabric(&self, region: &str, generation: Option<u64>) -> Result<FabricAttached> {
+        let _turn = self.turn();
         let reply = self.request(&Request::AttachFabric {
             region: region.to_owned(),
             generation,
@@ -52,6 +53,7 @@ impl Client {
                 chunks.len()
             )));
         }
+        self.leased(Duration::from_millis(ttl_ms));
         let meta = self.meta_pages(meta_pages)?;
         let mut handles = Vec::with_capacity(chunks.len());
         for &size in &chunks {
@@ -150,7 +152,9 @@ impl Client {
     /// process that hands the memory on rather than reading it (vmm-registry's publisher).
     /// A failure part way through the chunks leaves the connection out of step: drop it.
     pub fn attach_unmapped(&self, region: &str, generation: Option<u64>) -> Result<Unmapped> {
+        let _turn = self.turn();
         let reply = self.attach_reply(region, generation)?;
+        self.leased(reply.ttl);
         let chunks = match reply.gpu {
             Some((device, _)) => self.gpu_descriptors(&reply.chunks, &device)?,
             None => reply
@@ -195,6 +199,7 @@ impl Client {
             ttl,
             gpu,
         } = self.attach_reply(region, generation)?;
+        self.leased(ttl);
         let backend = gpu.map_or(Backend::Host, |(uuid, _)| Backend::Gpu { uuid });
         if let Some(p) = place.as_ref() {
             let found = layout_hash_on(&chunks, &meta, backend);

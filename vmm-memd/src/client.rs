@@ -2,6 +2,8 @@
 //! (every lease it holds ends when it closes, process death included).
 
 use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use vmm_core::peer::{Descriptor, PeerMessage, Session};
@@ -11,15 +13,37 @@ use vmm_core::wire::endpoint::{ConnectOptions, Name};
 use crate::attach::Attached;
 use crate::error::{MemdError, Result};
 use crate::gpu_mapping::GpuChunks;
+use crate::keep_alive::{Next, Turn, Turns};
 use crate::protocol::{
     Acl, Backend, ChunkDigest, REQUEST_META_PAGE_BYTES, RegionSummary, Request, Response, Status,
     TensorMeta, meta_pages,
 };
 
 /// A connection to the service.
+///
+/// Its leases are kept alive while it holds any: a thread of this client renews them every
+/// third of their TTL (see [`set_keep_alive`](Self::set_keep_alive)). A stopped process stops
+/// that thread too, so its leases still end by TTL. Calls take turns with that thread on the
+/// connection; [`session`](Self::session) bypasses those turns (use it with renewal off).
 #[derive(Debug)]
 pub struct Client {
+    shared: Arc<Shared>,
+    renewer: Mutex<Option<Renewer>>,
+}
+
+/// What a client and its renewal thread share.
+#[derive(Debug)]
+struct Shared {
     session: Session,
+    turns: Turns,
+}
+
+/// The renewal thread, started by the first lease, and the process that started it (a
+/// forked child's copy of the client has no such thread).
+#[derive(Debug)]
+struct Renewer {
+    thread: JoinHandle<()>,
+    pid: u32,
 }
 
 /// Options of [`Client::begin`].
@@ -55,7 +79,13 @@ impl Client {
             }
             e => e.into(),
         })?;
-        Ok(Client { session })
+        Ok(Client {
+            shared: Arc::new(Shared {
+                session,
+                turns: Turns::default(),
+            }),
+            renewer: Mutex::new(None),
+        })
     }
 
     /// Connect with `options`, trying again every 10 ms for up to `within` while no service
@@ -74,15 +104,51 @@ impl Client {
         }
     }
 
-    /// The session, for what this API does not cover.
+    /// The session, for what this API does not cover (its exchanges do not take turns with
+    /// the renewal thread: turn renewal off first, [`set_keep_alive`](Self::set_keep_alive)).
     pub fn session(&self) -> &Session {
-        &self.session
+        &self.shared.session
+    }
+
+    /// Keep this connection's leases alive (the default) or not: with it on, a thread
+    /// renews them every third of their TTL while the connection holds any, from the first
+    /// attach on; with it off, they end one TTL after the last [`renew`](Self::renew).
+    pub fn set_keep_alive(&self, on: bool) {
+        self.shared.turns.set_enabled(on);
+    }
+
+    /// This call's turn on the connection (held for its whole exchange).
+    pub(crate) fn turn(&self) -> Turn<'_> {
+        self.shared.turns.call()
+    }
+
+    /// A lease with this TTL was taken: renew from now on (the thread starts with the first).
+    pub(crate) fn leased(&self, ttl: Duration) {
+        if !self.shared.turns.leased(ttl) {
+            return;
+        }
+        let mut renewer = self.renewer.lock().unwrap_or_else(|e| e.into_inner());
+        if renewer.is_none() {
+            let shared = Arc::clone(&self.shared);
+            let spawned = std::thread::Builder::new()
+                .name("vmm-memd-renew".into())
+                .spawn(move || renew_while_leased(&shared));
+            // Without a thread (the process is out of them) leases end by TTL, as with
+            // renewal off.
+            if let Ok(thread) = spawned {
+                *renewer = Some(Renewer {
+                    thread,
+                    pid: std::process::id(),
+                });
+            }
+        }
     }
 
     /// Send raw bytes as one request and read the reply: for conformance tests and peers in
     /// other languages that want to see what the service answers to any bytes.
     pub fn request_raw(&self, bytes: &[u8]) -> Result<Response> {
-        self.session.send_data(bytes)?;
+        let _turn = self.turn();
+        self.shared.session.send_data(bytes)?;
         self.reply()
     }
 
@@ -96,12 +162,14 @@ impl Client {
     }
 
     pub(crate) fn reply(&self) -> Result<Response> {
-        let bytes = self.session.recv_data()?;
+        debug_assert!(self.shared.turns.in_call(), "an exchange outside a turn");
+        let bytes = self.shared.session.recv_data()?;
         postcard::from_bytes(&bytes).map_err(|e| MemdError::BadReply(e.to_string()))
     }
 
     pub(crate) fn descriptor(&self, size: u64) -> Result<HostDescriptor> {
-        match self.session.recv_message()? {
+        debug_assert!(self.shared.turns.in_call(), "an exchange outside a turn");
+        match self.shared.session.recv_message()? {
             PeerMessage::Descriptor(Descriptor::Host(d)) if d.size() as u64 == size => Ok(d),
             PeerMessage::Descriptor(d) => Err(MemdError::BadReply(format!(
                 "expected a host descriptor of {size} bytes, got {d:?}"
@@ -116,7 +184,8 @@ impl Client {
     /// `device` (the UUID the reply before announced); its fd. Anything else is `BadReply`
     /// (its fds closed), as the Python client refuses it too.
     fn gpu_descriptor(&self, size: u64, device: &[u8; 16]) -> Result<OwnedFd> {
-        match self.session.recv_message()? {
+        debug_assert!(self.shared.turns.in_call(), "an exchange outside a turn");
+        match self.shared.session.recv_message()? {
             PeerMessage::Descriptor(Descriptor::Cuda(d))
                 if d.size() as u64 == size
                     && d.chunk_sizes().len() == 1
@@ -186,6 +255,7 @@ impl Client {
     /// Begin the next generation of `region` with chunks of these sizes: see
     /// [`Writer`].
     pub fn begin(&self, region: &str, chunks: &[u64], options: BeginOptions) -> Result<Writer<'_>> {
+        let _turn = self.turn();
         let (acl, wait_ms) = (options.acl, options.wait.as_millis() as u64);
         let (region, chunks_asked) = (region.to_owned(), chunks.to_vec());
         let request = match options.backend {
@@ -289,6 +359,7 @@ impl Client {
     /// [`attach`](Self::attach) generation `generation` (`None`: the current one), if the
     /// service still holds it (a lease or the retention setting keeps it).
     pub fn attach_generation(&self, region: &str, generation: Option<u64>) -> Result<Attached> {
+        let _turn = self.turn();
         self.attach_placed(region, generation, &mut None)
     }
 
@@ -320,9 +391,10 @@ impl Client {
     /// reply, a refusal, or [`MemdError::ServiceGone`] (the service died: whether the
     /// generation landed is then unknown until the region is read again).
     pub fn commit_pending(&self) -> Result<u64> {
+        let _turn = self.turn();
         let bytes = postcard::to_allocvec(&Request::Commit)
             .map_err(|e| MemdError::BadReply(format!("encoding a request: {e}")))?;
-        self.session.send_data(&bytes)?;
+        self.shared.session.send_data(&bytes)?;
         let reply = loop {
             match self.reply() {
                 Err(MemdError::Core(vmm_core::Error::Timeout { .. })) => continue,
@@ -347,6 +419,53 @@ impl Client {
             region: region.to_owned(),
         })
         .map(drop)
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.shared.turns.stop();
+        let renewer = self
+            .renewer
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(renewer) = renewer.filter(|r| r.pid == std::process::id()) {
+            // It ends within one renewal (the connection's own timeout bounds that).
+            let _ = renewer.thread.join();
+        }
+    }
+}
+
+/// The renewal thread: renew while the last renewal renewed something (or a lease was
+/// taken since), until the client goes. A renewal that fails (the service gone, or a
+/// timeout, which leaves the connection out of step with its replies) turns renewal off:
+/// the leases end by TTL, as they would without it.
+fn renew_while_leased(shared: &Shared) {
+    let mut idle = false;
+    while let Next::Renew = shared.turns.next(idle) {
+        let renewed = renew(&shared.session);
+        shared.turns.renewed();
+        match renewed {
+            Ok(n) => idle = n == 0,
+            Err(_) => {
+                shared.turns.set_enabled(false);
+                idle = true;
+            }
+        }
+    }
+}
+
+/// One `Renew` exchange: how many leases it renewed.
+fn renew(session: &Session) -> Result<u32> {
+    let bytes = postcard::to_allocvec(&Request::Renew)
+        .map_err(|e| MemdError::BadReply(format!("encoding a request: {e}")))?;
+    session.send_data(&bytes)?;
+    let reply = session.recv_data()?;
+    match postcard::from_bytes(&reply).map_err(|e| MemdError::BadReply(e.to_string()))? {
+        Response::Renewed(n) => Ok(n),
+        Response::Refused(refusal) => Err(refusal.into()),
+        other => Err(unexpected("Renewed", &other)),
     }
 }
 
@@ -408,6 +527,8 @@ impl Writer<'_> {
     /// refused with [`Refusal::StillMapped`](crate::Refusal::StillMapped) leaves it pending:
     /// drop the stray mapping and [`Client::commit_pending`], or [`Client::abort_pending`].
     pub fn commit(mut self) -> Result<u64> {
+        let client = self.client;
+        let _turn = client.turn();
         self.finished = true;
         self.chunks.clear();
         // The GPU mapping goes before the commit, whose digests then see the final bytes.
@@ -425,6 +546,8 @@ impl Writer<'_> {
 
     /// Free the generation now.
     pub fn abort(mut self) -> Result<()> {
+        let client = self.client;
+        let _turn = client.turn();
         self.finished = true;
         self.chunks.clear();
         self.gpu = None;
@@ -435,9 +558,11 @@ impl Writer<'_> {
 impl Drop for Writer<'_> {
     fn drop(&mut self) {
         if !self.finished {
+            let client = self.client;
+            let _turn = client.turn();
             self.chunks.clear();
             self.gpu = None;
-            let _ = self.client.request(&Request::Abort);
+            let _ = client.request(&Request::Abort);
         }
     }
 }

@@ -49,6 +49,7 @@ mod gpu;
 mod gpu_mapping;
 mod identity;
 mod inflight;
+mod keep_alive;
 pub mod keeper;
 mod keeper_link;
 pub mod keeper_wire;

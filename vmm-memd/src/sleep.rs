@@ -206,6 +206,7 @@ impl Client {
     /// addresses, if its layout is the one that slept ([`MemdError::StaleLayout`]
     /// otherwise: nothing is mapped, the lease it took is given back).
     pub fn wake(&self, sleeping: Sleeping) -> std::result::Result<Attached, Box<WakeFailed>> {
+        let _turn = self.turn();
         let Sleeping {
             region,
             generation,

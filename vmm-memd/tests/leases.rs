@@ -1,5 +1,6 @@
 //! Leases come from the connection: a reader SIGKILLed, a reader whose process exits while
-//! another process still holds its socket, a SIGSTOPped reader (TTL), renewal.
+//! another process still holds its socket, a SIGSTOPped reader (TTL, though its client
+//! renews), renewal by hand and by the client's keep-alive.
 
 mod common;
 
@@ -123,6 +124,8 @@ fn renewal_keeps_a_lease_past_its_ttl_and_an_expired_one_is_not_renewed() {
     let writer = service.connect();
     publish(&writer, "weights", 1, 4096);
     let reader = service.connect();
+    // Renewal by hand: the client's own keep-alive off.
+    reader.set_keep_alive(false);
     let attached = reader.attach("weights").unwrap();
     assert_eq!(attached.ttl, Duration::from_millis(200));
     publish(&writer, "weights", 1, 4096);
@@ -136,4 +139,53 @@ fn renewal_keeps_a_lease_past_its_ttl_and_an_expired_one_is_not_renewed() {
     assert_eq!(reader.renew().unwrap(), 0, "an expired lease is gone");
     // Expiry does not touch the mapping: the bytes are the kernel's to keep.
     assert!(common::holds(&attached.chunks[0], 1));
+}
+
+#[test]
+fn the_client_keeps_its_leases_alive_until_told_not_to() {
+    let service = ServiceProc::start(&["--lease-ttl-ms", "400"]);
+    let writer = service.connect();
+    publish(&writer, "weights", 1, 4096);
+    let reader = service.connect();
+    let attached = reader.attach("weights").unwrap();
+    // Generation 2 retires 1: only the reader's lease keeps it.
+    publish(&writer, "weights", 1, 4096);
+    std::thread::sleep(Duration::from_millis(2000));
+    assert_eq!(
+        readers_of(&writer, 1),
+        [std::process::id() as i32],
+        "kept for 5 TTLs by the client's renewals"
+    );
+    assert_eq!(writer.status().unwrap().expired_leases, 0);
+    reader.set_keep_alive(false);
+    let gone = until(Duration::from_secs(3), || readers_of(&writer, 1).is_empty());
+    assert!(gone.is_some(), "with renewal off the lease ends by TTL");
+    assert_eq!(writer.status().unwrap().expired_leases, 1);
+    assert!(common::holds(&attached.chunks[0], 1), "the mapping stays");
+}
+
+#[test]
+fn renewals_never_come_between_a_call_and_its_reply() {
+    // A TTL of 30 ms: the client renews every 10 ms while it attaches and detaches, each
+    // attach several messages (the reply, metadata, 4 descriptors). A renewal sent or read
+    // inside one of them would desynchronise the connection (BadReply, a wrong reply).
+    let service = ServiceProc::start(&["--lease-ttl-ms", "30"]);
+    let writer = service.connect();
+    publish(&writer, "weights", 4, 4096);
+    let reader = service.connect();
+    let held = reader.attach("weights").unwrap();
+    let until = Instant::now() + Duration::from_secs(2);
+    let mut attaches = 0;
+    while Instant::now() < until {
+        let attached = reader.attach("weights").unwrap();
+        assert_eq!(attached.chunks.len(), 4);
+        reader.detach(&attached).unwrap();
+        assert!(reader.list().unwrap().iter().any(|r| r.region == "weights"));
+        attaches += 1;
+    }
+    eprintln!("{attaches} attaches while the client renewed every 10 ms");
+    // The connection is still in step: a last exchange of each kind.
+    assert_eq!(reader.attach("weights").unwrap().chunks.len(), 4);
+    assert!(reader.renew().unwrap() >= 1);
+    drop(held);
 }

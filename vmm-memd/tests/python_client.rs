@@ -30,7 +30,7 @@ const PEER: &[(&str, &str)] = &include!("../../python/vmm_ipc_peer_files.rs");
 const MEMD: &[(&str, &str)] = &include!("../../python/vmm_memd_files.rs");
 
 /// The packaging, and the tests.
-const FILES: [(&str, &str); 15] = [
+const FILES: [(&str, &str); 16] = [
     (
         "pyproject.toml",
         include_str!("../../python/pyproject.toml"),
@@ -75,6 +75,10 @@ const FILES: [(&str, &str); 15] = [
     (
         "test_memd_torch.py",
         include_str!("../../python/tests/test_memd_torch.py"),
+    ),
+    (
+        "test_memd_keep_alive.py",
+        include_str!("../../python/tests/test_memd_keep_alive.py"),
     ),
     (
         "fake_cuda/cuda/__init__.py",
@@ -328,6 +332,36 @@ fn a_python_reader_sees_service_gone_and_reattaches_after_a_restart() {
     assert_passed(
         &out,
         &["test_a_restart_is_service_gone_and_the_mapping_stays"],
+    );
+}
+
+/// The Python client renews its leases by itself (`test_memd_keep_alive.py`): against two
+/// services of short TTLs (400 ms and 30 ms), a lease kept for 5 TTLs and lost by TTL once
+/// renewal is off, renewals every 10 ms that never come between a call and its reply, and
+/// none while a call holds the connection.
+#[test]
+fn the_python_client_keeps_its_leases_alive() {
+    let test = "the_python_client_keeps_its_leases_alive";
+    if !run_unless(test, python3_with_numpy()) {
+        return;
+    }
+    let slow = ServiceProc::start(&["--lease-ttl-ms", "400"]);
+    let fast = ServiceProc::start(&["--lease-ttl-ms", "30"]);
+    let py = PythonDir::new("keep-alive", &[PEER, MEMD, &FILES]);
+    let env = [
+        ("VMM_MEMD_SOCKET_TTL_400", slow.socket.clone()),
+        ("VMM_MEMD_SOCKET_TTL_30", fast.socket.clone()),
+    ];
+    let (ok, out) = py.unittest(&["test_memd_keep_alive"], &env);
+    assert!(ok && out.contains("\nOK"), "{out}");
+    assert_passed(
+        &out,
+        &[
+            "test_a_client_keeps_its_lease_past_the_ttl_until_told_not_to",
+            "test_renewals_never_come_between_a_call_and_its_reply",
+            "test_a_renewal_waits_for_the_call_that_holds_the_connection",
+            "test_closing_a_client_ends_its_renewal_thread",
+        ],
     );
 }
 
