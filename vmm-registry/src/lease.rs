@@ -367,3 +367,57 @@ async fn gone(core: &Core, id: i64, deadline: Duration) -> bool {
         crate::classify::bounded(Op::KeepAlive, deadline, core.client.time_to_live(id)).await;
     asked.is_ok_and(|ttl| ttl <= 0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_backoff_doubles_up_to_a_second_or_the_period() {
+        let mut backoff = Backoff::new(Duration::from_secs(10) / 3);
+        let waits: Vec<u64> = (0..6).map(|_| backoff.next().as_millis() as u64).collect();
+        assert_eq!(waits, [100, 200, 400, 800, 1000, 1000]);
+        // TTL 2 s: never longer than a period, so a renewal is due before the lease could end.
+        let mut backoff = Backoff::new(Duration::from_secs(2) / 3);
+        let waits: Vec<u64> = (0..5).map(|_| backoff.next().as_millis() as u64).collect();
+        assert_eq!(waits, [100, 200, 400, 666, 666]);
+    }
+
+    #[test]
+    fn a_loss_refuses_publishing_until_the_grant_and_is_reported_in_order() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime");
+        let state = LeaseState::new(7);
+        assert!(state.check().is_ok());
+        runtime.block_on(state.lose(7, LeaseLoss::NotFound));
+        assert!(matches!(
+            state.check(),
+            Err(RegistryError::LeaseLost {
+                reason: LeaseLoss::NotFound
+            })
+        ));
+        runtime.block_on(state.granted(8));
+        assert!(state.check().is_ok());
+        assert_eq!(state.id(), 8);
+        assert!(matches!(
+            state.events().as_slice(),
+            [
+                LeaseEvent::Lost { lease: 7, .. },
+                LeaseEvent::Granted { lease: 8 }
+            ]
+        ));
+        assert!(state.next_event(Duration::ZERO).is_none());
+    }
+
+    #[test]
+    fn unread_events_are_capped_oldest_first() {
+        let state = LeaseState::new(1);
+        for lease in 0..=MAX_LEASE_EVENTS as i64 {
+            state.push(LeaseEvent::Granted { lease });
+        }
+        let events = state.events();
+        assert_eq!(events.len(), MAX_LEASE_EVENTS);
+        assert!(matches!(events[0], LeaseEvent::Granted { lease: 1 }));
+    }
+}
