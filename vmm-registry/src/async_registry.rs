@@ -11,6 +11,7 @@ use tokio::task::JoinHandle;
 use crate::config::RegistryConfig;
 use crate::core::{Core, Listing, Published};
 use crate::error::{LeaseLoss, RegistryError};
+use crate::lease::LeaseEvent;
 use crate::locator::{Entry, Locator};
 use crate::watch::{Sink, WatchEvent};
 
@@ -27,13 +28,7 @@ impl AsyncRegistry {
     /// As [`Registry::open`](crate::Registry::open), on the current tokio runtime.
     pub async fn open(config: RegistryConfig) -> Result<AsyncRegistry, RegistryError> {
         let core = Arc::new(Core::open(config).await?);
-        let keep_alive = tokio::spawn(crate::lease::keep_alive(
-            core.client.clone(),
-            core.lease_id,
-            core.ttl,
-            core.call_timeout,
-            core.lease.clone(),
-        ));
+        let keep_alive = tokio::spawn(crate::lease::keep_alive(core.clone()));
         Ok(AsyncRegistry { core, keep_alive })
     }
 
@@ -95,9 +90,15 @@ impl AsyncRegistry {
         self.core.lease.lost()
     }
 
-    /// The lease's id (etcd's).
+    /// As [`Registry::lease_events`](crate::Registry::lease_events): every lease event not
+    /// yet taken, oldest first, without waiting.
+    pub fn lease_events(&self) -> Vec<LeaseEvent> {
+        self.core.lease.events()
+    }
+
+    /// As [`Registry::lease_id`](crate::Registry::lease_id).
     pub fn lease_id(&self) -> i64 {
-        self.core.lease_id
+        self.core.lease.id()
     }
 
     /// Revoke the lease (every locator of this process disappears at once) and stop.

@@ -58,6 +58,21 @@ pub(crate) async fn bounded<T>(
     }
 }
 
+/// Run `future` (which classifies its own errors) for `op` within `deadline`, all of it: a
+/// wait for a lock included, so that a blocking caller's deadline holds.
+pub(crate) async fn within<T>(
+    op: Op,
+    deadline: Duration,
+    future: impl Future<Output = Result<T, RegistryError>>,
+) -> Result<T, RegistryError> {
+    tokio::time::timeout(deadline, future)
+        .await
+        .unwrap_or(Err(RegistryError::Deadline {
+            op,
+            after: deadline,
+        }))
+}
+
 /// Every error below `error`, outermost first. `io::Error` hides its inner error from
 /// `source()`, so it is opened with `get_ref`.
 fn causes(error: &EtcdError) -> Vec<&(dyn StdError + 'static)> {

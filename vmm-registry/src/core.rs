@@ -2,17 +2,14 @@
 //! The blocking [`Registry`](crate::Registry) runs them on its background thread; the
 //! `async` feature offers them directly.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use vmm_etcd_api::etcdserverpb::Compare;
-
-use crate::classify::{bounded, classify};
+use crate::classify::{bounded, classify, within};
 use crate::config::RegistryConfig;
 use crate::error::{ConfigError, Op, RegistryError};
 use crate::etcd::{Etcd, delete_if, put_if, when_absent, when_lease};
 use crate::keys::{check_name, domain_prefix, export_key};
-use crate::lease::LeaseState;
+use crate::lease::{LeaseState, Record};
 use crate::locator::{Entry, Locator, decode};
 
 /// What a successful publish wrote.
@@ -35,15 +32,24 @@ pub struct Listing {
     pub revision: i64,
 }
 
-/// An open registry's shared state: the client, the names, the lease.
+/// An open registry's shared state: the client, the names, the lease (which changes only
+/// when etcd says the one held is gone) and what was published under it.
 pub(crate) struct Core {
     pub(crate) client: Etcd,
     pub(crate) domain: String,
     pub(crate) owner: String,
-    pub(crate) lease_id: i64,
     pub(crate) ttl: Duration,
     pub(crate) call_timeout: Duration,
-    pub(crate) lease: Arc<LeaseState>,
+    pub(crate) lease: LeaseState,
+}
+
+/// What a put requires of its key.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Expect {
+    /// Absent (a publish, or a republish after a lost lease): else `Duplicate`.
+    Absent,
+    /// On this lease (an update of our own key): else `NotPublishedHere`.
+    OnLease(i64),
 }
 
 impl std::fmt::Debug for Core {
@@ -51,7 +57,7 @@ impl std::fmt::Debug for Core {
         f.debug_struct("Core")
             .field("domain", &self.domain)
             .field("owner", &self.owner)
-            .field("lease_id", &self.lease_id)
+            .field("lease_id", &self.lease.id())
             .field("ttl", &self.ttl)
             .finish_non_exhaustive()
     }
@@ -84,10 +90,9 @@ impl Core {
             client,
             domain: config.domain,
             owner: config.owner,
-            lease_id,
             ttl,
             call_timeout: config.call_timeout,
-            lease: Arc::new(LeaseState::default()),
+            lease: LeaseState::new(lease_id),
         })
     }
 
@@ -101,42 +106,84 @@ impl Core {
     }
 
     /// Publish `locator` as `name` under this owner, attached to the lease; refused if the
-    /// name is taken ([`RegistryError::Duplicate`]).
+    /// name is taken ([`RegistryError::Duplicate`]). Remembered, so that it is published
+    /// again if etcd ever says the lease is gone.
     pub(crate) async fn publish(
         &self,
         name: &str,
         locator: &Locator,
     ) -> Result<Published, RegistryError> {
-        self.put_if(Op::Publish, name, locator, when_absent)
-            .await?
-            .map_err(|key| RegistryError::Duplicate { key })
+        let deadline = self.call_timeout;
+        within(Op::Publish, deadline, async {
+            let mut records = self.lease.records.lock().await;
+            self.lease.check()?;
+            let lease = self.lease.id();
+            let published = self
+                .put_record(Op::Publish, name, locator, lease, Expect::Absent, deadline)
+                .await?;
+            records.insert(
+                name.to_owned(),
+                Record {
+                    locator: locator.clone(),
+                    lease: Some(lease),
+                },
+            );
+            Ok(published)
+        })
+        .await
     }
 
     /// Replace the value of this process's locator `name` with `locator`, still under the
     /// process's lease, by a transaction that compares the key's lease with ours: a key that
     /// is absent, or another process's, is left alone ([`RegistryError::NotPublishedHere`]).
+    /// A locator of ours that went with a lost lease and waits to be published again is
+    /// absent from etcd: it is put back now, with the new value, if its name is still free.
     pub(crate) async fn update(
         &self,
         name: &str,
         locator: &Locator,
     ) -> Result<Published, RegistryError> {
-        // An absent key compares as lease 0, which no granted lease is.
-        let lease = self.lease_id;
-        self.put_if(Op::Update, name, locator, |key| when_lease(key, lease))
-            .await?
-            .map_err(|key| RegistryError::NotPublishedHere { key })
+        let deadline = self.call_timeout;
+        within(Op::Update, deadline, async {
+            let mut records = self.lease.records.lock().await;
+            self.lease.check()?;
+            let lease = self.lease.id();
+            let expect = match records.get(name) {
+                Some(record) if record.lease != Some(lease) => Expect::Absent,
+                // An absent key compares as lease 0, which no granted lease is.
+                _ => Expect::OnLease(lease),
+            };
+            let published = self
+                .put_record(Op::Update, name, locator, lease, expect, deadline)
+                .await
+                .map_err(|e| match e {
+                    RegistryError::Duplicate { key } => RegistryError::NotPublishedHere { key },
+                    e => e,
+                })?;
+            records.insert(
+                name.to_owned(),
+                Record {
+                    locator: locator.clone(),
+                    lease: Some(lease),
+                },
+            );
+            Ok(published)
+        })
+        .await
     }
 
-    /// Put `locator` as this owner's `name`, on the lease, if `condition` (made for the key)
-    /// holds: what `publish` and `update` share. `Err(key)` when it did not hold.
-    async fn put_if(
+    /// Put `locator` as this owner's `name` on `lease`, if the key is as `expect` says
+    /// (else `Duplicate` or `NotPublishedHere`), within `deadline`: what publish, update and
+    /// the republish after a lost lease share. The caller holds the records' lock.
+    pub(crate) async fn put_record(
         &self,
         op: Op,
         name: &str,
         locator: &Locator,
-        condition: impl FnOnce(String) -> Compare,
-    ) -> Result<Result<Published, String>, RegistryError> {
-        self.lease.check()?;
+        lease: i64,
+        expect: Expect,
+        deadline: Duration,
+    ) -> Result<Published, RegistryError> {
         if locator.owner != self.owner {
             return Err(RegistryError::NotOurOwner {
                 ours: self.owner.clone(),
@@ -145,21 +192,35 @@ impl Core {
         }
         let key = self.own_key(name)?;
         let value = locator.encode()?;
-        let txn = put_if(condition(key.clone()), key.clone(), value, self.lease_id);
-        let response = bounded(op, self.call_timeout, self.client.txn(txn)).await?;
+        let condition = match expect {
+            Expect::Absent => when_absent(key.clone()),
+            Expect::OnLease(lease) => when_lease(key.clone(), lease),
+        };
+        let txn = put_if(condition, key.clone(), value, lease);
+        let response = bounded(op, deadline, self.client.txn(txn)).await?;
         if !response.succeeded {
-            return Ok(Err(key));
+            return Err(match expect {
+                Expect::Absent => RegistryError::Duplicate { key },
+                Expect::OnLease(_) => RegistryError::NotPublishedHere { key },
+            });
         }
         let revision = response.header.map_or(0, |h| h.revision);
-        Ok(Ok(Published { key, revision }))
+        Ok(Published { key, revision })
     }
 
-    /// Remove this process's locator `name`; `false` when there was none on its lease.
+    /// Remove this process's locator `name`; `false` when there was none on its lease. It is
+    /// forgotten first, so a lease lost meanwhile never brings it back.
     pub(crate) async fn unpublish(&self, name: &str) -> Result<bool, RegistryError> {
         let key = self.own_key(name)?;
-        let txn = delete_if(when_lease(key.clone(), self.lease_id), key);
-        let response = bounded(Op::Unpublish, self.call_timeout, self.client.txn(txn)).await?;
-        Ok(response.succeeded)
+        let deadline = self.call_timeout;
+        within(Op::Unpublish, deadline, async {
+            let mut records = self.lease.records.lock().await;
+            records.remove(name);
+            let txn = delete_if(when_lease(key.clone(), self.lease.id()), key);
+            let response = bounded(Op::Unpublish, deadline, self.client.txn(txn)).await?;
+            Ok(response.succeeded)
+        })
+        .await
     }
 
     /// The locator `owner` published as `name`, checked; `None` when there is none.
@@ -201,7 +262,7 @@ impl Core {
         bounded(
             Op::Revoke,
             self.call_timeout,
-            self.client.revoke(self.lease_id),
+            self.client.revoke(self.lease.id()),
         )
         .await?;
         Ok(())

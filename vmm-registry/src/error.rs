@@ -245,8 +245,14 @@ pub enum RegistryError {
         #[source]
         source: ValueError,
     },
-    /// The process's lease is gone: every locator it published is unpublished.
-    #[error("the lease is lost ({reason:?}): this process's locators are unpublished")]
+    /// etcd said the process's lease is gone, and its replacement is not granted yet: the
+    /// locators it held are unpublished, and nothing can be published now. Transient: a new
+    /// lease is being granted, and the locators come back under it by themselves
+    /// ([`LeaseEvent::Granted`](crate::LeaseEvent::Granted), then
+    /// [`LeaseEvent::Republished`](crate::LeaseEvent::Republished)).
+    #[error(
+        "the lease is lost ({reason:?}): this process's locators are unpublished until a new lease is granted"
+    )]
     LeaseLost {
         /// Why.
         reason: LeaseLoss,
@@ -271,13 +277,14 @@ pub enum TlsFailure {
     Closed(std::io::ErrorKind),
 }
 
-/// Why the lease was lost.
+/// Why the lease was lost. Only etcd's own answer counts: a keep-alive that fails or times
+/// out (etcd down, restarting, stopped) is tried again, since etcd restores its leases when
+/// it returns, and giving up then would unpublish a live exporter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LeaseLoss {
-    /// etcd says the lease no longer exists (it expired or was revoked).
+    /// etcd says the lease no longer exists (it expired on etcd's clock, or was revoked): a
+    /// keep-alive answered with TTL 0, or refused with `LeaseTimeToLive` then saying so.
     NotFound,
-    /// No keep-alive succeeded for a whole TTL: etcd has expired it, or will.
-    NoKeepAlive,
 }
 
 /// Results of this crate.

@@ -1,38 +1,147 @@
-//! The process's one lease: granted at open, kept alive every TTL/3 on the background
-//! thread, revoked at a clean shutdown. When it is lost (etcd says it is gone, or no
-//! keep-alive succeeded for a whole TTL) the loss is recorded where every caller sees it:
-//! from then on the process's locators are unpublished and publishing is refused.
+//! The process's one lease, and what rides on it: granted at open, kept alive every TTL/3 on
+//! the background thread, revoked at a clean shutdown.
+//!
+//! An etcd that does not answer (down, restarting, SIGSTOPped, a dead link) is not a lost
+//! lease. etcd keeps its leases across a restart and gives each a fresh TTL when its leader
+//! is elected, so a client that gave up during an outage would unpublish a live exporter
+//! about a TTL after etcd came back. The keep-alive therefore keeps trying, with backoff,
+//! for as long as it takes, and counts the lease lost only when etcd itself answers that it
+//! is gone: a keep-alive answered with TTL 0 (etcd's answer for a lease it does not have), or
+//! a keep-alive etcd refused after which its `LeaseTimeToLive` says the lease is not there.
+//! A transport error, a timeout or `Unavailable` never ends the lease.
+//!
+//! When etcd does say so, the locators that were on the lease went with it (etcd deleted
+//! them): the loss is reported ([`LeaseEvent::Lost`]), a new lease is granted
+//! ([`LeaseEvent::Granted`]), and every locator this process had published is put again
+//! under it, each reported ([`LeaseEvent::Republished`], or [`LeaseEvent::NotRepublished`]
+//! when its name was taken meanwhile). For that the registry remembers what it published:
+//! the last value of each name, written under the same lock as every publish, update and
+//! unpublish, so the republish never resurrects a name that was unpublished, nor an old value.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex, PoisonError};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use crate::core::{Core, Expect};
 use crate::error::{LeaseLoss, Op, RegistryError};
-use crate::etcd::{Etcd, KeepAlive};
+use crate::etcd::KeepAlive;
+use crate::locator::Locator;
 
-/// Retry a failed keep-alive this soon (or at TTL/3, if sooner).
-const RETRY: Duration = Duration::from_millis(500);
+/// The first retry of a failed keep-alive (or grant) comes this soon; each further one
+/// twice as late, up to [`RETRY_MAX`] (or TTL/3, if sooner).
+const RETRY_FIRST: Duration = Duration::from_millis(100);
 
-/// Whether the lease is still held, shared by the keep-alive task and every caller.
-#[derive(Debug, Default)]
+/// The longest wait between two tries while etcd does not answer: short enough that a lease
+/// etcd restored at its return is renewed well within its TTL.
+const RETRY_MAX: Duration = Duration::from_secs(1);
+
+/// The most lease events kept for a caller who does not read them (the oldest go first).
+pub const MAX_LEASE_EVENTS: usize = 1024;
+
+/// What happened to the process's lease, in the order it happened
+/// ([`Registry::next_lease_event`](crate::Registry::next_lease_event)).
+#[derive(Debug)]
+pub enum LeaseEvent {
+    /// etcd answered that lease `lease` is gone: the locators published under it
+    /// (`unpublished`) went with it. A new lease is being granted; until then
+    /// [`publish`](crate::Registry::publish) and [`update`](crate::Registry::update) are
+    /// [`RegistryError::LeaseLost`].
+    Lost {
+        /// The lease that is gone.
+        lease: i64,
+        /// How etcd said so.
+        reason: LeaseLoss,
+        /// The names this process had published under it.
+        unpublished: Vec<String>,
+    },
+    /// A new lease, `lease`, replaces the lost one: every publish is on it from now on, and
+    /// the lost locators are being published again under it.
+    Granted {
+        /// The new lease.
+        lease: i64,
+    },
+    /// Locator `name` was published again under `lease`, with its last value.
+    Republished {
+        /// Its name.
+        name: String,
+        /// The lease it is on now.
+        lease: i64,
+        /// The value published (the last one this process published or updated).
+        locator: Locator,
+        /// The revision that wrote it.
+        revision: i64,
+    },
+    /// Locator `name` could not be published again, and this process no longer publishes it:
+    /// its name was taken meanwhile ([`RegistryError::Duplicate`]: another process of the
+    /// same owner published it) or etcd's RBAC denies it now
+    /// ([`RegistryError::PermissionDenied`]). Any other failure is retried instead.
+    NotRepublished {
+        /// Its name.
+        name: String,
+        /// Why.
+        error: RegistryError,
+    },
+}
+
+/// A locator this process published: its last value, and the lease it is on now (`None`
+/// after that lease was lost, until it is published again).
+#[derive(Debug)]
+pub(crate) struct Record {
+    pub(crate) locator: Locator,
+    pub(crate) lease: Option<i64>,
+}
+
+/// What this process published, by name (under [`LeaseState::records`]' lock).
+pub(crate) type Records = BTreeMap<String, Record>;
+
+/// Whether the lease is held, which one, and what happened to it: shared by the keep-alive
+/// task and every caller.
+#[derive(Debug)]
 pub(crate) struct LeaseState {
-    lost: Mutex<Option<LeaseLoss>>,
+    /// The lease held now (or, between a loss and the next grant, the one lost).
+    id: AtomicI64,
+    status: Mutex<Status>,
     changed: Condvar,
     closing: AtomicBool,
+    /// What this process published. Every publish, update and unpublish holds it across its
+    /// transaction, as do the loss and the republish, so the record is what etcd holds.
+    pub(crate) records: tokio::sync::Mutex<Records>,
+}
+
+#[derive(Debug, Default)]
+struct Status {
+    /// Set from a loss until the next grant.
+    lost: Option<LeaseLoss>,
+    events: VecDeque<LeaseEvent>,
 }
 
 impl LeaseState {
-    pub(crate) fn lose(&self, reason: LeaseLoss) {
-        let mut lost = self.lost.lock().unwrap_or_else(PoisonError::into_inner);
-        lost.get_or_insert(reason);
-        self.changed.notify_all();
+    pub(crate) fn new(id: i64) -> LeaseState {
+        LeaseState {
+            id: AtomicI64::new(id),
+            status: Mutex::default(),
+            changed: Condvar::new(),
+            closing: AtomicBool::new(false),
+            records: tokio::sync::Mutex::new(Records::new()),
+        }
     }
 
+    fn status(&self) -> std::sync::MutexGuard<'_, Status> {
+        self.status.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The lease held now (between a loss and the next grant: the one lost).
+    pub(crate) fn id(&self) -> i64 {
+        self.id.load(Ordering::SeqCst)
+    }
+
+    /// Why no lease is held now: `Some` from a loss until the next grant.
     pub(crate) fn lost(&self) -> Option<LeaseLoss> {
-        *self.lost.lock().unwrap_or_else(PoisonError::into_inner)
+        self.status().lost
     }
 
-    /// `Err(LeaseLost)` once the lease is gone.
+    /// `Err(LeaseLost)` while no lease is held.
     pub(crate) fn check(&self) -> Result<(), RegistryError> {
         match self.lost() {
             Some(reason) => Err(RegistryError::LeaseLost { reason }),
@@ -40,14 +149,28 @@ impl LeaseState {
         }
     }
 
-    /// Wait up to `timeout` for the lease to be lost.
-    pub(crate) fn wait_lost(&self, timeout: Duration) -> Option<LeaseLoss> {
-        let lost = self.lost.lock().unwrap_or_else(PoisonError::into_inner);
-        let (lost, _) = self
+    fn push(&self, event: LeaseEvent) {
+        let mut status = self.status();
+        if status.events.len() == MAX_LEASE_EVENTS {
+            status.events.pop_front();
+        }
+        status.events.push_back(event);
+        self.changed.notify_all();
+    }
+
+    /// The next lease event, waiting up to `timeout` for one.
+    pub(crate) fn next_event(&self, timeout: Duration) -> Option<LeaseEvent> {
+        let status = self.status();
+        let (mut status, _) = self
             .changed
-            .wait_timeout_while(lost, timeout, |lost| lost.is_none())
+            .wait_timeout_while(status, timeout, |status| status.events.is_empty())
             .unwrap_or_else(PoisonError::into_inner);
-        *lost
+        status.events.pop_front()
+    }
+
+    /// Every lease event not yet taken, oldest first.
+    pub(crate) fn events(&self) -> Vec<LeaseEvent> {
+        self.status().events.drain(..).collect()
     }
 
     /// The registry is shutting down: the keep-alive stops without calling that a loss.
@@ -58,54 +181,176 @@ impl LeaseState {
     fn closing(&self) -> bool {
         self.closing.load(Ordering::SeqCst)
     }
+
+    /// etcd said lease `id` is gone: publishing stops until a new one is granted, every
+    /// record waits to be published again, and the loss is reported.
+    async fn lose(&self, id: i64, reason: LeaseLoss) {
+        let mut records = self.records.lock().await;
+        self.status().lost = Some(reason);
+        for record in records.values_mut() {
+            record.lease = None;
+        }
+        let unpublished = records.keys().cloned().collect();
+        self.push(LeaseEvent::Lost {
+            lease: id,
+            reason,
+            unpublished,
+        });
+    }
+
+    /// Lease `id` replaces the lost one.
+    async fn granted(&self, id: i64) {
+        let _records = self.records.lock().await;
+        self.id.store(id, Ordering::SeqCst);
+        self.status().lost = None;
+        self.push(LeaseEvent::Granted { lease: id });
+    }
 }
 
-/// Keep lease `id` (of `ttl`) alive until the registry closes or the lease is lost.
-pub(crate) async fn keep_alive(
-    client: Etcd,
-    id: i64,
-    ttl: Duration,
-    call_timeout: Duration,
-    state: std::sync::Arc<LeaseState>,
-) {
-    let period = ttl / 3;
-    let mut last_ok = Instant::now();
-    let mut keeper = client.keep_alive(id);
+/// Waits between tries: [`RETRY_FIRST`], doubling up to a cap.
+struct Backoff {
+    next: Duration,
+    cap: Duration,
+}
+
+impl Backoff {
+    fn new(period: Duration) -> Backoff {
+        let cap = period.min(RETRY_MAX);
+        Backoff {
+            next: RETRY_FIRST.min(cap),
+            cap,
+        }
+    }
+
+    fn next(&mut self) -> Duration {
+        let wait = self.next;
+        self.next = (self.next * 2).min(self.cap);
+        wait
+    }
+}
+
+/// Keep the process's lease alive until the registry closes; when etcd says it is gone,
+/// grant a new one and publish again what was on it.
+pub(crate) async fn keep_alive(core: Arc<Core>) {
+    let state = &core.lease;
+    let period = core.ttl / 3;
+    // Each call gets no longer than a period: a renewal that hangs must not delay the next.
+    let deadline = period.min(core.call_timeout);
+    loop {
+        let id = state.id();
+        if !hold(&core, id, period, deadline).await || state.closing() {
+            return;
+        }
+        state.lose(id, LeaseLoss::NotFound).await;
+        let Some(new) = grant(&core, period, deadline).await else {
+            return;
+        };
+        state.granted(new).await;
+    }
+}
+
+/// Renew lease `id` every `period` (after a failure sooner, with backoff, for as long as
+/// etcd does not answer), publishing again after each renewal what waits to be. `true` once
+/// etcd answered that the lease is gone; `false` when the registry closes.
+async fn hold(core: &Core, id: i64, period: Duration, deadline: Duration) -> bool {
+    let state = &core.lease;
+    let mut keeper = core.client.keep_alive(id);
+    let mut backoff = Backoff::new(period);
+    // Right after a grant, the lost locators go back at once.
+    republish(core, id, Instant::now() + period, deadline).await;
     let mut wait = period;
     loop {
         tokio::time::sleep(wait).await;
         if state.closing() {
-            return;
+            return false;
         }
-        let deadline = period.min(call_timeout);
         match once(&mut keeper, deadline).await {
             Ok(Some(left)) if left > 0 => {
-                last_ok = Instant::now();
-                wait = period;
+                let renewed = Instant::now();
+                backoff = Backoff::new(period);
+                republish(core, id, renewed + period, deadline).await;
+                wait = period.saturating_sub(renewed.elapsed());
             }
-            Ok(Some(_)) => {
-                if !state.closing() {
-                    state.lose(LeaseLoss::NotFound);
-                }
-                return;
+            // etcd's answer for a lease it does not have (expired on its clock, or revoked).
+            Ok(Some(_)) => return true,
+            // etcd refused the keep-alive, and its TTL query says the lease is not there.
+            Err(RegistryError::Etcd { .. }) if gone(core, id, deadline).await => return true,
+            // etcd unreachable, slow, restarting, or refusing for another reason: not an
+            // answer about the lease. Try again (`renew` opens a new stream), with backoff.
+            Ok(None) | Err(_) => wait = backoff.next(),
+        }
+    }
+}
+
+/// Grant a lease of the registry's TTL, trying with backoff until etcd grants one; `None`
+/// when the registry closes first (a lease granted then is revoked at once).
+async fn grant(core: &Core, period: Duration, deadline: Duration) -> Option<i64> {
+    let ttl = i64::try_from(core.ttl.as_secs()).unwrap_or(i64::MAX);
+    let mut backoff = Backoff::new(period);
+    loop {
+        if core.lease.closing() {
+            return None;
+        }
+        match crate::classify::bounded(Op::KeepAlive, deadline, core.client.grant(ttl)).await {
+            Ok(id) if core.lease.closing() => {
+                // Best effort: unrevoked, it expires within its TTL.
+                let _ =
+                    crate::classify::bounded(Op::Revoke, deadline, core.client.revoke(id)).await;
+                return None;
             }
-            Err(RegistryError::Etcd { .. }) if gone(&client, id, deadline).await => {
-                // etcd refused the keep-alive, and its TTL query says the lease is not
-                // there.
-                if !state.closing() {
-                    state.lose(LeaseLoss::NotFound);
-                }
-                return;
+            Ok(id) => return Some(id),
+            Err(_) => tokio::time::sleep(backoff.next()).await,
+        }
+    }
+}
+
+/// Publish again, under lease `id`, every record not on it, until `until`; what fails for
+/// etcd's or the network's reasons waits for the next renewal.
+async fn republish(core: &Core, id: i64, until: Instant, deadline: Duration) {
+    let state = &core.lease;
+    let Ok(mut records) = tokio::time::timeout(deadline, state.records.lock()).await else {
+        return;
+    };
+    let pending: Vec<String> = records
+        .iter()
+        .filter(|(_, record)| record.lease != Some(id))
+        .map(|(name, _)| name.clone())
+        .collect();
+    for name in pending {
+        if state.closing() || state.id() != id || Instant::now() >= until {
+            return;
+        }
+        let Some(record) = records.get_mut(&name) else {
+            continue;
+        };
+        match core
+            .put_record(
+                Op::Publish,
+                &name,
+                &record.locator,
+                id,
+                Expect::Absent,
+                deadline,
+            )
+            .await
+        {
+            Ok(published) => {
+                record.lease = Some(id);
+                state.push(LeaseEvent::Republished {
+                    name,
+                    lease: id,
+                    locator: record.locator.clone(),
+                    revision: published.revision,
+                });
             }
-            Ok(None) | Err(_) => {
-                // etcd unreachable or slow: a new stream next time (`renew` opens one),
-                // sooner, until a whole TTL has passed without an answer.
-                if last_ok.elapsed() >= ttl {
-                    state.lose(LeaseLoss::NoKeepAlive);
-                    return;
-                }
-                wait = period.min(RETRY);
+            Err(
+                error @ (RegistryError::Duplicate { .. } | RegistryError::PermissionDenied { .. }),
+            ) => {
+                records.remove(&name);
+                state.push(LeaseEvent::NotRepublished { name, error });
             }
+            // Unreachable, slow, or the new lease gone too: the next renewal says which.
+            Err(_) => return,
         }
     }
 }
@@ -117,7 +362,62 @@ async fn once(keeper: &mut KeepAlive, deadline: Duration) -> Result<Option<i64>,
 }
 
 /// Whether etcd says lease `id` no longer exists (its remaining TTL is not positive).
-async fn gone(client: &Etcd, id: i64, deadline: Duration) -> bool {
-    let asked = crate::classify::bounded(Op::KeepAlive, deadline, client.time_to_live(id)).await;
+async fn gone(core: &Core, id: i64, deadline: Duration) -> bool {
+    let asked =
+        crate::classify::bounded(Op::KeepAlive, deadline, core.client.time_to_live(id)).await;
     asked.is_ok_and(|ttl| ttl <= 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_backoff_doubles_up_to_a_second_or_the_period() {
+        let mut backoff = Backoff::new(Duration::from_secs(10) / 3);
+        let waits: Vec<u64> = (0..6).map(|_| backoff.next().as_millis() as u64).collect();
+        assert_eq!(waits, [100, 200, 400, 800, 1000, 1000]);
+        // TTL 2 s: never longer than a period, so a renewal is due before the lease could end.
+        let mut backoff = Backoff::new(Duration::from_secs(2) / 3);
+        let waits: Vec<u64> = (0..5).map(|_| backoff.next().as_millis() as u64).collect();
+        assert_eq!(waits, [100, 200, 400, 666, 666]);
+    }
+
+    #[test]
+    fn a_loss_refuses_publishing_until_the_grant_and_is_reported_in_order() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime");
+        let state = LeaseState::new(7);
+        assert!(state.check().is_ok());
+        runtime.block_on(state.lose(7, LeaseLoss::NotFound));
+        assert!(matches!(
+            state.check(),
+            Err(RegistryError::LeaseLost {
+                reason: LeaseLoss::NotFound
+            })
+        ));
+        runtime.block_on(state.granted(8));
+        assert!(state.check().is_ok());
+        assert_eq!(state.id(), 8);
+        assert!(matches!(
+            state.events().as_slice(),
+            [
+                LeaseEvent::Lost { lease: 7, .. },
+                LeaseEvent::Granted { lease: 8 }
+            ]
+        ));
+        assert!(state.next_event(Duration::ZERO).is_none());
+    }
+
+    #[test]
+    fn unread_events_are_capped_oldest_first() {
+        let state = LeaseState::new(1);
+        for lease in 0..=MAX_LEASE_EVENTS as i64 {
+            state.push(LeaseEvent::Granted { lease });
+        }
+        let events = state.events();
+        assert_eq!(events.len(), MAX_LEASE_EVENTS);
+        assert!(matches!(events[0], LeaseEvent::Granted { lease: 1 }));
+    }
 }

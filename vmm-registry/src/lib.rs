@@ -6,6 +6,10 @@
 //! process's one lease. The lease is kept alive every TTL/3 on a background thread; a clean
 //! shutdown revokes it (the locators disappear at once) and a crash lets it expire (they
 //! disappear within the TTL). Importers resolve a name or watch the domain.
+//! - The registry rides out etcd outages: the keep-alive goes on trying, with backoff, until
+//!   etcd itself answers that the lease is gone (etcd restores its leases when it returns);
+//!   then it grants a new lease, publishes every locator again under it, and says so
+//!   ([`LeaseEvent`]).
 //!
 //! - etcd is spoken to over mutual TLS only; there is no plaintext fallback, and a TLS
 //!   failure is its own error ([`RegistryError::Tls`]).
@@ -61,6 +65,7 @@ pub use handoff::{HANDOFF_VERSION, MAX_HANDOFF_MESSAGE, MessageError};
 pub use handoff_error::{FetchError, ServeError};
 pub use handoff_metadata::{DEFAULT_MAX_METADATA, MetadataError, PAGE_PAYLOAD, PAGE_TAG, PageRule};
 pub use keys::{MAX_NAME_LEN, domain_prefix, export_key};
+pub use lease::{LeaseEvent, MAX_LEASE_EVENTS};
 pub use locator::{Entry, ExportedObject, HandleKind, Locator, MAX_LOCATOR_BYTES};
 pub use registry::Registry;
 pub use serve::{ExportServer, MAX_IN_FLIGHT, Outcome, Served};

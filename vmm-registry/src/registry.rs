@@ -8,11 +8,13 @@ use crate::background::Background;
 use crate::config::RegistryConfig;
 use crate::core::{Core, Listing, Published};
 use crate::error::{LeaseLoss, Op, RegistryError};
+use crate::lease::LeaseEvent;
 use crate::locator::{Entry, Locator};
 use crate::watch::Watch;
 
-/// A process's connection to the registry: one lease, kept alive on a background thread,
-/// under which it publishes its locators. Dropping it revokes the lease (as [`close`]
+/// A process's connection to the registry: one lease, kept alive on a background thread
+/// through any etcd outage, under which it publishes its locators (and publishes them again
+/// under a new lease if etcd says the lease is gone: [`next_lease_event`](Self::next_lease_event)). Dropping it revokes the lease (as [`close`]
 /// does, with the call deadline), so a clean exit unpublishes at once and a crash
 /// unpublishes within the TTL.
 ///
@@ -35,13 +37,9 @@ impl Registry {
         let open_timeout = config.open_timeout;
         let core = background.run(Op::Open, open_timeout, Core::open(config))?;
         let core = Arc::new(core);
-        background.handle().spawn(crate::lease::keep_alive(
-            core.client.clone(),
-            core.lease_id,
-            core.ttl,
-            core.call_timeout,
-            core.lease.clone(),
-        ));
+        background
+            .handle()
+            .spawn(crate::lease::keep_alive(core.clone()));
         Ok(Registry {
             core,
             open_timeout,
@@ -125,19 +123,29 @@ impl Registry {
         )
     }
 
-    /// Why the lease was lost, if it was (then this process's locators are unpublished).
+    /// Why no lease is held now: `Some` from the moment etcd said the lease is gone until a
+    /// new one is granted (then the locators it held are being published again). An etcd
+    /// that does not answer is not a loss: the lease is kept alive through any outage.
     pub fn lease_lost(&self) -> Option<LeaseLoss> {
         self.core.lease.lost()
     }
 
-    /// Wait up to `timeout` for the lease to be lost.
-    pub fn wait_lease_lost(&self, timeout: Duration) -> Option<LeaseLoss> {
-        self.core.lease.wait_lost(timeout)
+    /// The next thing that happened to the lease (a loss etcd reported, the new lease, each
+    /// locator published again), waiting up to `timeout`; `None` if nothing did. Events are
+    /// kept, oldest first, until taken (at most [`MAX_LEASE_EVENTS`](crate::MAX_LEASE_EVENTS)).
+    pub fn next_lease_event(&self, timeout: Duration) -> Option<LeaseEvent> {
+        self.core.lease.next_event(timeout)
     }
 
-    /// The lease's id (etcd's).
+    /// Every lease event not yet taken, oldest first, without waiting.
+    pub fn lease_events(&self) -> Vec<LeaseEvent> {
+        self.core.lease.events()
+    }
+
+    /// The lease held now (etcd's id): the one granted at open, until etcd says it is gone;
+    /// then the one granted in its place ([`LeaseEvent::Granted`]).
     pub fn lease_id(&self) -> i64 {
-        self.core.lease_id
+        self.core.lease.id()
     }
 
     /// The open timeout this registry was opened with.

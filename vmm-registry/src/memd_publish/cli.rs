@@ -17,7 +17,9 @@ use super::publisher_config::{PublisherConfig, Regions};
 
 /// Exit status: stopped by SIGINT or SIGTERM (the lease revoked: every locator gone).
 pub const EXIT_STOPPED: i32 = 0;
-/// Exit status: the registry lease was lost, or the service was gone past the bound.
+/// Exit status: the service was gone past the bound. (An etcd outage, or a registry lease
+/// etcd says is gone, ends nothing: the registry rides out the one and republishes under a
+/// new lease after the other.)
 pub const EXIT_LOST: i32 = 1;
 /// Exit status: a usage error.
 pub const EXIT_USAGE: i32 = 2;
@@ -53,9 +55,11 @@ client of the service: it publishes what the service lets its uid read, no more.
   -h, --help           this text
 
 Prints `listening ADDR lease ID` once started, then one line per change on stdout
-(published, updated, unpublished, served, failed, service-gone, reconnected).
-Exit status: 0 stopped by SIGINT or SIGTERM (its locators removed at once), 1 the registry
-lease lost or the service gone past --reconnect-ms, 2 usage error, 3 could not start.";
+(published, updated, unpublished, served, failed, service-gone, reconnected; and when etcd
+says the registry lease is gone: `unpublished R lease-lost`, `lease ID` for the new lease,
+`republished R G`). An etcd outage is ridden out: the lease is kept alive until etcd returns.
+Exit status: 0 stopped by SIGINT or SIGTERM (its locators removed at once), 1 the service
+gone past --reconnect-ms, 2 usage error, 3 could not start.";
 
 /// A usage error.
 #[derive(Debug, thiserror::Error)]

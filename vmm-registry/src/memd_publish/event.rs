@@ -15,6 +15,10 @@ pub enum Withdrawal {
     /// Its current generation cannot be handed to another node (a GPU generation without
     /// fabric handles, as after a restart of the service).
     NotShareable,
+    /// etcd said the publisher's registry lease is gone (it expired on etcd's clock, or was
+    /// revoked), and the locator went with it. The offer stays: the registry grants a new
+    /// lease and publishes the locator again ([`PublishEvent::Republished`]).
+    LeaseLost,
 }
 
 /// One thing the publisher did or met.
@@ -41,6 +45,19 @@ pub enum PublishEvent {
         region: String,
         /// Why.
         why: Withdrawal,
+    },
+    /// The registry granted a new lease, `lease`, in place of one etcd said is gone; the
+    /// locators are published again under it.
+    LeaseGranted {
+        /// The new lease (etcd's id).
+        lease: i64,
+    },
+    /// A region's locator, gone with a lost lease, was published again under the new one.
+    Republished {
+        /// The region.
+        region: String,
+        /// The generation published.
+        generation: u64,
     },
     /// One region failed this time (tried again at the next poll).
     Failed {
@@ -71,8 +88,13 @@ impl fmt::Display for PublishEvent {
                 let why = match why {
                     Withdrawal::Gone => "gone",
                     Withdrawal::NotShareable => "not-shareable",
+                    Withdrawal::LeaseLost => "lease-lost",
                 };
                 write!(f, "unpublished {region} {why}")
+            }
+            PublishEvent::LeaseGranted { lease } => write!(f, "lease {lease}"),
+            PublishEvent::Republished { region, generation } => {
+                write!(f, "republished {region} {generation}")
             }
             PublishEvent::Failed { region, error } => {
                 write!(f, "failed {region}: {error}")?;

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::error::{LeaseLoss, NameRule, RegistryError};
+use crate::error::{NameRule, RegistryError};
 use crate::handoff_error::ServeError;
 use crate::host_stand_in::StandInError;
 
@@ -25,13 +25,6 @@ pub enum PublishError {
     ServiceGone {
         /// How long the publisher tried.
         after: Duration,
-    },
-    /// The registry lease is lost (etcd expired or revoked it): every locator of this
-    /// publisher is unpublished, and it stops rather than serve memory no one can find.
-    #[error("the registry lease is lost ({reason:?})")]
-    LeaseLost {
-        /// Why.
-        reason: LeaseLoss,
     },
 }
 

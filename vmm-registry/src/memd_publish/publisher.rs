@@ -10,6 +10,7 @@ use vmm_memd::{Client, MemdError, Refusal};
 
 use crate::error::RegistryError;
 use crate::keys::check_name;
+use crate::lease::LeaseEvent;
 use crate::locator::{ExportedObject, HandleKind};
 use crate::registry::Registry;
 use crate::serve::ExportServer;
@@ -129,14 +130,14 @@ impl MemdPublisher {
     }
 
     /// One round: bring the offers and the registry in step with the service, renew the
-    /// service's leases when due, and report what changed and what hand-offs ended.
-    /// [`PublishError::LeaseLost`] and [`PublishError::ServiceGone`] (gone for the whole
-    /// bound) end the publisher; a region's failure is an event, tried again next time.
+    /// service's leases when due, and report what changed, what hand-offs ended and what
+    /// happened to the registry lease. [`PublishError::ServiceGone`] (gone for the whole
+    /// bound) ends the publisher; a region's failure is an event, tried again next time. An
+    /// etcd outage ends nothing (the registry keeps its lease alive through it), nor does a
+    /// lease etcd says is gone: the registry publishes every locator again under a new one.
     pub fn poll(&mut self) -> Result<Vec<PublishEvent>, PublishError> {
-        if let Some(reason) = self.registry.lease_lost() {
-            return Err(PublishError::LeaseLost { reason });
-        }
         let mut events = Vec::new();
+        self.lease_events(&mut events);
         self.retry_unpublish(&mut events);
         if let Some((client, fresh)) = self.link.take()? {
             match self.sync(&client, fresh, &mut events) {
@@ -412,6 +413,40 @@ impl MemdPublisher {
             self.unpublish.insert(region.clone());
         }
         events.push(PublishEvent::Unpublished { region, why });
+    }
+
+    /// Report what happened to the registry lease, region by region. The registry itself
+    /// publishes every locator again under its new lease; a locator it could not publish
+    /// again (its name taken meanwhile) is published afresh at the next sync.
+    fn lease_events(&mut self, events: &mut Vec<PublishEvent>) {
+        for event in self.registry.lease_events() {
+            match event {
+                LeaseEvent::Lost { unpublished, .. } => {
+                    for region in unpublished {
+                        events.push(PublishEvent::Unpublished {
+                            region,
+                            why: Withdrawal::LeaseLost,
+                        });
+                    }
+                }
+                LeaseEvent::Granted { lease } => events.push(PublishEvent::LeaseGranted { lease }),
+                LeaseEvent::Republished { name, locator, .. } => {
+                    events.push(PublishEvent::Republished {
+                        region: name,
+                        generation: locator.generation,
+                    });
+                }
+                LeaseEvent::NotRepublished { name, error } => {
+                    if let Some(slot) = self.slots.get_mut(&name) {
+                        slot.published = false;
+                    }
+                    events.push(PublishEvent::Failed {
+                        region: name,
+                        error: RegionError::Registry(error),
+                    });
+                }
+            }
+        }
     }
 
     fn retry_unpublish(&mut self, events: &mut Vec<PublishEvent>) {

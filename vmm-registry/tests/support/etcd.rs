@@ -285,6 +285,13 @@ impl Etcd {
         self.launch();
     }
 
+    /// Start it again after [`kill`](Self::kill) or [`stop`](Self::stop), on the same ports
+    /// and data (an outage of the caller's length).
+    pub fn start_again(&mut self) {
+        assert!(self.child.is_none(), "etcd still runs");
+        self.launch();
+    }
+
     /// SIGKILL it and start it again, on the same ports and data.
     pub fn kill_and_restart(&mut self) {
         self.kill();

@@ -111,6 +111,19 @@ impl World {
         self.raw(async |client| client.lease_revoke(id).await);
     }
 
+    /// The lease `owner`'s locator `name` is attached to (`None`: there is no such key), read
+    /// directly; `Err` while etcd does not answer (5 s at most).
+    pub fn key_lease(&self, owner: &str, name: &str) -> Result<Option<i64>, tonic::Status> {
+        let key = vmm_registry::export_key(DOMAIN, owner, name);
+        let (runtime, mut client) = self.raw_client("raw");
+        runtime.block_on(async {
+            match tokio::time::timeout(Duration::from_secs(5), client.get(key)).await {
+                Ok(answer) => Ok(answer?.kvs.first().map(|kv| kv.lease)),
+                Err(_) => Err(tonic::Status::deadline_exceeded("no answer within 5 s")),
+            }
+        })
+    }
+
     /// Run `call` on a raw client of this etcd (5 s at most).
     pub fn raw(&self, call: impl AsyncFnOnce(&mut Raw) -> Result<(), tonic::Status>) {
         self.raw_as("raw", call).expect("raw call");
