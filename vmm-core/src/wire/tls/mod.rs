@@ -58,4 +58,4 @@ pub use tls_options::{
     TlsOptions,
 };
 pub use tls_stream::TlsStream;
-pub use verify::spki_sha256;
+pub use verify::{MAX_INTERMEDIATES, spki_sha256};
