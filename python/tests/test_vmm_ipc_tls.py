@@ -39,10 +39,11 @@ def cert(name):
 
 def config(name, allow=None, pins=None, ca="ca.pem", crl=True, **kw):
     """``name``'s certificate and key, trusting ``ca``; whom to accept: ``allow`` names or
-    ``pins``."""
+    ``pins``; the CRLs: ``crl.pem`` (True), none (False) or the file named."""
+    crl = "crl.pem" if crl is True else crl
     return peer.TlsConfig(cert(f"{name}.pem"), cert(f"{name}.key"), cert(ca),
                           allow_names=allow or (), spki_sha256=pins or (),
-                          crl=cert("crl.pem") if crl else None, **kw)
+                          crl=cert(crl) if crl else None, **kw)
 
 
 def server_config(**kw):
@@ -307,6 +308,67 @@ class Mutual(unittest.TestCase):
                 # The client sent nothing: the server read no message.
                 self.assertEqual(len(got), 1)
                 self.assertNotIsInstance(got[0], (bytes, peer.FabricDescriptor), got)
+
+
+class TrustRules(unittest.TestCase):
+    """The trust rules of docs/security.md ("Trust rules"), each run as an attack on this
+    peer: a client certificate (or a CRL) built to break one rule, refused by a Python
+    listener with that rule's TlsReason, 0 application bytes to the client. Rust runs the same
+    attacks (tests/tests/tls/trust_rules.rs); the certificates come from
+    ``peer_python::tls::write_certificates``."""
+
+    # (the client's certificate, the listener's CRL file or False, the reason, whether a
+    # legitimate client is still served under those CRLs). The listener trusts ``ca`` and a
+    # second root without keyCertSign.
+    ATTACKS = [
+        ("revokedsub", "crl-revokedsub.pem", peer.TlsReason.REVOKED, True),
+        ("nocrlabove", "crl-subonly.pem", peer.TlsReason.REVOCATION_UNKNOWN, False),
+        ("client", "crl-stale.pem", peer.TlsReason.CRL_EXPIRED, False),
+        ("nocertsign", False, peer.TlsReason.NOT_AN_ISSUER, True),
+        ("nocertsignroot", False, peer.TlsReason.NOT_AN_ISSUER, True),
+        ("keyagreement", False, peer.TlsReason.WRONG_USAGE, True),
+        ("noku", False, peer.TlsReason.WRONG_USAGE, True),
+        ("caleaf", False, peer.TlsReason.CA_LEAF, True),
+        ("depthover", False, peer.TlsReason.CHAIN_TOO_LONG, True),
+        ("wildcard", False, peer.TlsReason.NAME_NOT_ALLOWED, True),
+    ]
+
+    def test_a_trust_rule_refuses_its_attack(self):
+        log = io.StringIO()
+        with contextlib.redirect_stderr(log):
+            for name, crl, kind, served in self.ATTACKS:
+                with self.subTest(f"{name} ({crl or 'no CRL'})"):
+                    exporter = Exporter(self, server_config(crl=crl,
+                                                            ca="ca-and-nocertsignroot.pem"))
+                    got, ended = refused_client(exporter.address,
+                                                tls_client(client_config(name)))
+                    self.assertEqual(len(got), 0)
+                    self.assertIsInstance(ended, (peer.TlsRefused, peer.PeerClosed), ended)
+                    self.assertTrue(wait_for(lambda: exporter.listener.refusals == 1), name)
+                    refusal = exporter.listener.refused[-1]
+                    self.assertIs(refusal.kind, kind, refusal.reason)
+                    if served:
+                        desc, _, _ = importer(exporter.address)
+                        self.assertEqual(desc.handles, [HANDLE])
+                        self.assertTrue(wait_for(lambda: exporter.served == [b"imported"]))
+                    exporter.close()
+                    self.assertEqual(exporter.errors, [])
+
+    def test_a_chain_at_the_depth_limit_is_served(self):
+        self.assertEqual(peer.MAX_INTERMEDIATES, 6)
+        for crl in (False, "crl-depthlimit.pem"):
+            with self.subTest(crl or "no CRL"):
+                exporter = Exporter(self, server_config(crl=crl))
+                desc, _, names = importer(exporter.address, client_config("depthlimit"))
+                self.assertEqual(desc.handles, [HANDLE])
+                self.assertEqual(names, [SERVER])
+                self.assertTrue(wait_for(lambda: exporter.served == [b"imported"]))
+                self.assertEqual(exporter.listener.refusals, 0)
+                exporter.close()
+
+    def test_a_wildcard_is_no_allowed_name(self):
+        with self.assertRaisesRegex(ValueError, "wildcard"):
+            config("server", allow=["*.vmm.test"])
 
 
 class Relay:

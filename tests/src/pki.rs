@@ -226,7 +226,12 @@ fn ca_params(label: &str, key_usages: Vec<KeyUsagePurpose>) -> CertificateParams
 impl Pki {
     /// A new CA called `label` (its common name), valid from a day ago for ten days.
     pub fn new(label: &str) -> Pki {
-        let params = ca_params(label, ca_key_usages());
+        Pki::root_with_usages(label, ca_key_usages())
+    }
+
+    /// A new root CA with exactly these `keyUsage` bits (none: no `keyUsage` at all).
+    pub fn root_with_usages(label: &str, key_usages: Vec<KeyUsagePurpose>) -> Pki {
+        let params = ca_params(label, key_usages);
         let serial = params.serial_number.clone().expect("a serial");
         let key = KeyPair::generate().expect("a CA key");
         Pki {

@@ -8,14 +8,15 @@
 use rcgen::KeyUsagePurpose;
 use rstest::rstest;
 use vmm_core::error::TlsReason;
-use vmm_core::wire::tls::{MAX_INTERMEDIATES, TlsListener, TlsOptions};
-use vmm_tests::pki::{Leaf, LeafSpec};
+use vmm_core::wire::tls::{MAX_INTERMEDIATES, TlsIdentity, TlsListener, TlsOptions};
+use vmm_tests::pki::{Leaf, LeafSpec, Pki};
 use vmm_tests::turns::exclusive;
 
 use super::world::*;
 use super::{serve_importer, serve_the_legitimate_importer, wait_for_refusal};
 
-/// One attack: what the exporter is given besides the world's root, and who connects.
+/// One attack: what the exporter is given besides the world's root (and a second root,
+/// without `keyCertSign`), and who connects.
 #[derive(Debug, Clone, Copy)]
 enum Attack {
     /// An intermediate CA its root's CRL revokes issued the client's leaf (the leaf itself
@@ -28,6 +29,9 @@ enum Attack {
     StaleCrl,
     /// The client's leaf was issued by an intermediate whose `keyUsage` lacks `keyCertSign`.
     IssuerWithoutKeyCertSign,
+    /// The client's leaf was issued by a root, trusted by the exporter, whose `keyUsage`
+    /// lacks `keyCertSign`.
+    RootWithoutKeyCertSign,
     /// The client's leaf has `keyUsage` without `digitalSignature` (`keyAgreement` only).
     LeafWithoutDigitalSignature,
     /// The client's leaf has no `keyUsage` at all.
@@ -40,11 +44,20 @@ enum Attack {
     WildcardName,
 }
 
+/// A root the exporter trusts besides the world's, for the attack on a root's key usage.
+fn second_root() -> Pki {
+    Pki::root_with_usages(
+        "no keyCertSign",
+        vec![KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature],
+    )
+}
+
 /// The attacker's leaf (with its chain) and the CRLs the exporter is given.
-fn stage(world: &World, attack: Attack) -> (Leaf, Vec<Vec<u8>>) {
+fn stage(world: &World, attack: Attack, second_root: &Pki) -> (Leaf, Vec<Vec<u8>>) {
     let importer = || LeafSpec::new("importer");
     let root = &world.pki;
     match attack {
+        Attack::RootWithoutKeyCertSign => (second_root.issue(&importer()), vec![]),
         Attack::RevokedIntermediate => {
             let sub = root.intermediate("revoked");
             let (_, root_crl) = root.crl_revoking_cas(&[&sub]);
@@ -83,6 +96,7 @@ fn stage(world: &World, attack: Attack) -> (Leaf, Vec<Vec<u8>>) {
 #[case::intermediate_without_crl(Attack::IntermediateWithoutCrl, TlsReason::RevocationUnknown)]
 #[case::stale_crl(Attack::StaleCrl, TlsReason::CrlExpired)]
 #[case::issuer_without_key_cert_sign(Attack::IssuerWithoutKeyCertSign, TlsReason::NotAnIssuer)]
+#[case::root_without_key_cert_sign(Attack::RootWithoutKeyCertSign, TlsReason::NotAnIssuer)]
 #[case::leaf_without_digital_signature(Attack::LeafWithoutDigitalSignature, TlsReason::WrongUsage)]
 #[case::leaf_without_key_usage(Attack::LeafWithoutKeyUsage, TlsReason::WrongUsage)]
 #[case::ca_leaf(Attack::CaLeaf, TlsReason::CaLeaf)]
@@ -91,12 +105,20 @@ fn stage(world: &World, attack: Attack) -> (Leaf, Vec<Vec<u8>>) {
 fn a_trust_rule_refuses_its_attack(#[case] attack: Attack, #[case] expected: TlsReason) {
     let _turn = exclusive();
     let world = World::new();
-    let (leaf, crls) = stage(&world, attack);
+    let second_root = second_root();
+    let (leaf, crls) = stage(&world, attack, &second_root);
     // The CRLs of these two refuse every peer of this root: no legitimate one is left.
     let no_one_left = matches!(attack, Attack::StaleCrl | Attack::IntermediateWithoutCrl);
-    let exporter = crls
-        .into_iter()
-        .fold(world.exporter_options(), TlsOptions::crl_der);
+    let identity = TlsIdentity::from_pem(
+        world.exporter.chain_pem.as_bytes(),
+        world.exporter.key_pem.as_bytes(),
+    )
+    .unwrap();
+    let roots = vec![world.pki.ca_der(), second_root.ca_der()];
+    let exporter = crls.into_iter().fold(
+        TlsOptions::new(identity, roots, names("importer")).unwrap(),
+        TlsOptions::crl_der,
+    );
     let listener = TlsListener::bind("127.0.0.1:0", &exporter).unwrap();
     let addr = listener.local_addr().unwrap();
     let attacker = try_as_importer(addr, options(&world.pki, &leaf, names("exporter")));
