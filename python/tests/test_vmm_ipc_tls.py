@@ -366,6 +366,23 @@ class TrustRules(unittest.TestCase):
                 self.assertEqual(exporter.listener.refusals, 0)
                 exporter.close()
 
+    def test_the_newest_current_crl_of_a_ca_decides(self):
+        # A stale CRL beside a current one of the same CA refuses no one.
+        exporter = Exporter(self, server_config(crl="crl-stale-then-current.pem"))
+        desc, _, _ = importer(exporter.address)
+        self.assertEqual(desc.handles, [HANDLE])
+        self.assertTrue(wait_for(lambda: exporter.served == [b"imported"]))
+        self.assertEqual(exporter.listener.refusals, 0)
+        exporter.close()
+        # Of two current CRLs, the newer (which revokes the client) decides.
+        with contextlib.redirect_stderr(io.StringIO()):
+            exporter = Exporter(self, server_config(crl="crl-older-then-newer.pem"))
+            got, _ = refused_client(exporter.address, tls_client(client_config("newlyrevoked")))
+            self.assertEqual(len(got), 0)
+            self.assertTrue(wait_for(lambda: exporter.listener.refusals == 1))
+            self.assertIs(exporter.listener.refused[-1].kind, peer.TlsReason.REVOKED)
+            exporter.close()
+
     def test_a_wildcard_is_no_allowed_name(self):
         with self.assertRaisesRegex(ValueError, "wildcard"):
             config("server", allow=["*.vmm.test"])

@@ -313,13 +313,30 @@ impl Pki {
         self.crl_of(&[], true)
     }
 
+    /// This CA's CRL revoking `revoked`, issued `ago` (its `thisUpdate`), its `nextUpdate` a
+    /// day from now: of two current CRLs, the one issued later is the newer.
+    pub fn crl_issued(&self, revoked: &[&Leaf], ago: Duration) -> (String, Vec<u8>) {
+        let serials: Vec<SerialNumber> = revoked.iter().map(|l| l.serial.clone()).collect();
+        let now = OffsetDateTime::now_utc();
+        self.crl_between(&serials, now - ago, now + Duration::days(1))
+    }
+
     fn crl_of(&self, serials: &[SerialNumber], stale: bool) -> (String, Vec<u8>) {
         let now = OffsetDateTime::now_utc();
-        let (this_update, next_update) = if stale {
-            (now - Duration::days(2), now - Duration::hours(1))
+        if stale {
+            self.crl_between(serials, now - Duration::days(2), now - Duration::hours(1))
         } else {
-            (now - Duration::hours(1), now + Duration::days(1))
-        };
+            self.crl_between(serials, now - Duration::hours(1), now + Duration::days(1))
+        }
+    }
+
+    fn crl_between(
+        &self,
+        serials: &[SerialNumber],
+        this_update: OffsetDateTime,
+        next_update: OffsetDateTime,
+    ) -> (String, Vec<u8>) {
+        let now = OffsetDateTime::now_utc();
         let params = CertificateRevocationListParams {
             this_update,
             next_update,

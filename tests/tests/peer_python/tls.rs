@@ -78,8 +78,20 @@ fn write_trust_rule_attacks(ca: &Pki, dir: &Path) {
     let unlisted_sub = ca.intermediate("no CRL above");
     unlisted_sub.issue(&client()).write(dir, "nocrlabove");
     write_crls("crl-subonly", &[unlisted_sub.crl(&[]).0]);
-    // A CRL past its nextUpdate (the valid client is the attacker).
+    // A CRL past its nextUpdate (the valid client is the attacker); beside a current one of
+    // the same CA, it refuses no one.
     write_crls("crl-stale", &[ca.stale_crl().0]);
+    write_crls("crl-stale-then-current", &[ca.stale_crl().0, ca.crl(&[]).0]);
+    // Of two current CRLs of one CA, the newer decides: it revokes `newlyrevoked`.
+    let newly_revoked = ca.issue(&client());
+    newly_revoked.write(dir, "newlyrevoked");
+    write_crls(
+        "crl-older-then-newer",
+        &[
+            ca.crl_issued(&[], time::Duration::hours(3)).0,
+            ca.crl_issued(&[&newly_revoked], time::Duration::hours(1)).0,
+        ],
+    );
     // keyUsage: issuers without keyCertSign (an intermediate; a root trusted besides `ca`);
     // leaves without digitalSignature.
     ca.intermediate_with_usages(
@@ -189,6 +201,7 @@ fn python_mutual_tls() {
         "test_a_trust_rule_refuses_its_attack",
         "test_a_chain_at_the_depth_limit_is_served",
         "test_a_wildcard_is_no_allowed_name",
+        "test_the_newest_current_crl_of_a_ca_decides",
     ] {
         assert!(out.contains(test), "{test} did not run:\n{out}");
     }

@@ -155,3 +155,34 @@ fn a_chain_at_the_depth_limit_is_served(#[case] crls: bool) {
     serve_importer(&listener, options(&world.pki, &leaf, names("exporter")));
     assert!(listener.refused().is_empty(), "{:?}", listener.refused());
 }
+
+/// Of several CRLs of one CA, a current one decides before a stale one, and the newest
+/// current one before an older (as OpenSSL chooses): a stale CRL given beside a current one
+/// refuses no one, and a revocation in the newer of two current CRLs refuses its leaf.
+#[test]
+fn the_newest_current_crl_of_a_ca_decides() {
+    let _turn = exclusive();
+    let world = World::new();
+    let root = &world.pki;
+    let exporter = world
+        .exporter_options()
+        .crl_der(root.stale_crl().1)
+        .crl_der(root.crl(&[]).1);
+    let listener = TlsListener::bind("127.0.0.1:0", &exporter).unwrap();
+    serve_the_legitimate_importer(&world, &listener);
+    assert!(listener.refused().is_empty(), "{:?}", listener.refused());
+
+    let revoked = root.issue(&LeafSpec::new("importer"));
+    let older = root.crl_issued(&[], time::Duration::hours(3)).1;
+    let newer = root.crl_issued(&[&revoked], time::Duration::hours(1)).1;
+    let exporter = world.exporter_options().crl_der(older).crl_der(newer);
+    let listener = TlsListener::bind("127.0.0.1:0", &exporter).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let attacker = try_as_importer(addr, options(root, &revoked, names("exporter")));
+    assert_eq!(
+        wait_for_refusal(&listener, &attacker),
+        Some(TlsReason::Revoked)
+    );
+    assert!(attacker.join().unwrap().is_err());
+    serve_the_legitimate_importer(&world, &listener);
+}

@@ -79,6 +79,10 @@ pub(super) struct PeerVerifier {
     anchor_issues: Vec<bool>,
     hints: Vec<DistinguishedName>,
     crls: Vec<CertRevocationList<'static>>,
+    /// Per CRL: its `thisUpdate` and `nextUpdate` (Unix seconds), to offer webpki, which
+    /// takes the first CRL of an issuer it finds, a current one first and the newest of those
+    /// (as OpenSSL chooses among CRLs of one CA).
+    crl_times: Vec<(i64, Option<i64>)>,
     check: PeerCheck,
     role: PeerRole,
     algorithms: WebPkiSupportedAlgorithms,
@@ -129,11 +133,27 @@ impl PeerVerifier {
                     })
             })
             .collect::<Result<Vec<_>>>()?;
+        let crl_times = options
+            .crls
+            .iter()
+            .map(|der| match x509_parser::parse_x509_crl(der.as_ref()) {
+                Ok((_, crl)) => Ok((
+                    crl.last_update().timestamp(),
+                    crl.next_update().map(|t| t.timestamp()),
+                )),
+                Err(e) => Err(Error::option(
+                    "tls CRL",
+                    OptionRule::Form,
+                    format!("not a usable CRL ({e})"),
+                )),
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Arc::new(PeerVerifier {
             anchors,
             anchor_issues,
             hints,
             crls,
+            crl_times,
             check: options.peer.clone(),
             role,
             algorithms: rustls::crypto::ring::default_provider().signature_verification_algorithms,
@@ -156,7 +176,7 @@ impl PeerVerifier {
             PeerRole::Client => KeyUsage::client_auth(),
             PeerRole::Server => KeyUsage::server_auth(),
         };
-        let crls: Vec<&CertRevocationList<'_>> = self.crls.iter().collect();
+        let crls = self.crls_in_order(now);
         let revocation = RevocationOptionsBuilder::new(&crls).ok().map(|builder| {
             builder
                 .with_depth(RevocationCheckDepth::Chain)
@@ -205,6 +225,24 @@ impl PeerVerifier {
             }
         }
         Ok(())
+    }
+}
+
+impl PeerVerifier {
+    /// The CRLs as webpki should meet them at `now`: current ones first, newest first; then
+    /// the stale ones (which refuse, [`TlsReason::CrlExpired`], where no current CRL of the
+    /// same CA was given).
+    fn crls_in_order(&self, now: UnixTime) -> Vec<&CertRevocationList<'static>> {
+        let now = i64::try_from(now.as_secs()).unwrap_or(i64::MAX);
+        let mut order: Vec<usize> = (0..self.crls.len()).collect();
+        order.sort_by_key(|&i| {
+            let (this_update, next_update) = self.crl_times[i];
+            (
+                next_update.is_some_and(|t| t <= now),
+                std::cmp::Reverse(this_update),
+            )
+        });
+        order.into_iter().map(|i| &self.crls[i]).collect()
     }
 }
 
