@@ -19,8 +19,9 @@ and CUDA_FABRIC messages over a connected stream socket (TCP), with the same byt
     reply = peer.read_message(sock)                # Data or FabricDescriptor
 
 A plain stream, loopback included, authenticates no one. Mutual TLS (TLS 1.3, the standard
-library's ``ssl``) carries the same framing with both ends authenticated, by a CA and a
-certificate name (DNS subjectAltName) or a pin of the peer's key:
+library's ``ssl``, Python 3.10+) carries the same framing with both ends authenticated, by a
+CA and a certificate name (DNS subjectAltName) or a pin of the peer's key, under the trust
+rules Rust's peer enforces too (docs/security.md):
 
     config = peer.TlsConfig("exporter.pem", "exporter.key", "ca.pem",
                             allow_names=["importer.example"], crl="ca.crl")

@@ -175,6 +175,12 @@ def check_chain(chain, what):
                          TlsReason.BAD_CERTIFICATE) from None
 
 
+def _has_verified_chain():
+    """Whether ``verified_chain`` can read a chain in this Python."""
+    return (hasattr(ssl.SSLSocket, "get_verified_chain")
+            or hasattr(getattr(ssl._ssl, "_SSLSocket", None), "get_verified_chain"))
+
+
 def verified_chain(sock):
     """The chain OpenSSL verified for ``sock``'s peer, DER, leaf first, root last (public
     since Python 3.13; ``_sslobj``'s before, since 3.10); [] where there is none."""
@@ -233,6 +239,10 @@ class TlsConfig:
                  handshake_timeout=10.0, timeout=DEFAULT_TIMEOUT):
         if ssl is None:
             raise ImportError("this Python has no ssl module: mutual TLS is not available")
+        if not _has_verified_chain():
+            raise ImportError("this Python's ssl does not give a peer's verified chain (3.10 "
+                              "and later do): the trust rules of docs/security.md cannot be "
+                              "checked, so mutual TLS is not available")
         if isinstance(allow_names, str):
             allow_names = (allow_names,)
         if isinstance(spki_sha256, (str, bytes, bytearray)):
