@@ -84,8 +84,8 @@ pub enum TlsReason {
     /// The peer's own certificate is a CA certificate (`basicConstraints` `cA` true): a leaf
     /// that could issue certificates is refused.
     CaLeaf,
-    /// The peer's chain has more intermediates than
-    /// [`MAX_INTERMEDIATES`](crate::wire::tls::MAX_INTERMEDIATES).
+    /// The peer's chain has more intermediates than `wire::tls::MAX_INTERMEDIATES` (6; the
+    /// Python peer's `MAX_INTERMEDIATES` is the same).
     ChainTooLong,
 }
 

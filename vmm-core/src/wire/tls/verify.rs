@@ -319,7 +319,7 @@ pub(super) fn sha256(bytes: &[u8]) -> [u8; 32] {
 }
 
 /// webpki's refusal as the certificate error rustls sends an alert for (and that
-/// `stream::reason` reads back as a [`TlsReason`](crate::error::TlsReason)).
+/// `stream::reason` reads back as a [`TlsReason`]).
 fn certificate_error(e: webpki::Error) -> rustls::Error {
     use webpki::Error as W;
     let error = match e {
