@@ -235,20 +235,24 @@ class Mutual(unittest.TestCase):
     def test_refused_clients_get_nothing_and_the_next_is_served(self):
         before = open_fds()
         log = io.StringIO()
-        cases = [
-            ("no client certificate", no_certificate, "CERTIFICATE"),
-            ("a foreign CA", tls_client(client_config("foreign")), "unable to get local issuer"),
-            ("expired", tls_client(client_config("expired")), "expired"),
-            ("not yet valid", tls_client(client_config("notyet")), "not yet valid"),
-            ("no clientAuth usage", tls_client(client_config("serveronly")), "purpose"),
-            ("revoked by the CRL", tls_client(client_config("revoked")), "revoked"),
+        R = peer.TlsReason
+        cases = [  # (case, client, why in words, why typed: None where no certificate's)
+            ("no client certificate", no_certificate, "CERTIFICATE", None),
+            ("a foreign CA", tls_client(client_config("foreign")), "unable to get local issuer",
+             R.UNKNOWN_ISSUER),
+            ("expired", tls_client(client_config("expired")), "expired", R.EXPIRED),
+            ("not yet valid", tls_client(client_config("notyet")), "not yet valid",
+             R.NOT_YET_VALID),
+            ("no clientAuth usage", tls_client(client_config("serveronly")), "purpose",
+             R.WRONG_USAGE),
+            ("revoked by the CRL", tls_client(client_config("revoked")), "revoked", R.REVOKED),
             ("the right CA, the wrong name", tls_client(client_config("wrongname")),
-             "intruder.vmm.test, none of the allowed client.vmm.test"),
-            ("a plaintext client", plaintext, "TLS failed"),
+             "intruder.vmm.test, none of the allowed client.vmm.test", R.NAME_NOT_ALLOWED),
+            ("a plaintext client", plaintext, "TLS failed", None),
         ]
         with contextlib.redirect_stderr(log):
             exporter = Exporter(self, server_config())
-            for n, (case, make, why) in enumerate(cases, 1):
+            for n, (case, make, why, kind) in enumerate(cases, 1):
                 with self.subTest(case):
                     got, ended = refused_client(exporter.address, make)
                     if make is plaintext:
@@ -261,6 +265,7 @@ class Mutual(unittest.TestCase):
                                               f"{case}: {ended!r}")
                     self.assertTrue(wait_for(lambda: exporter.listener.refusals == n), case)
                     self.assertIn(why, exporter.listener.refused[-1].reason)
+                    self.assertIs(exporter.listener.refused[-1].kind, kind, case)
                     # The next legitimate client is served.
                     desc, _, _ = importer(exporter.address)
                     self.assertEqual(desc.handles, [HANDLE])
@@ -273,6 +278,7 @@ class Mutual(unittest.TestCase):
             self.assertIsInstance(ended, peer.PeerClosed)
             self.assertTrue(wait_for(lambda: pinned.listener.refusals == 1))
             self.assertIn("is not pinned", pinned.listener.refused[-1].reason)
+            self.assertIs(pinned.listener.refused[-1].kind, peer.TlsReason.PIN_MISMATCH)
             importer(pinned.address)
             self.assertTrue(wait_for(lambda: pinned.served == [b"imported"]))
             exporter.close()
@@ -284,8 +290,10 @@ class Mutual(unittest.TestCase):
         self.assertEqual(open_fds(), before)
 
     def test_the_client_refuses_a_self_signed_or_wrongly_named_server(self):
-        for server, why in (("selfsigned", "self-signed"),
-                            ("otherserver", "other.vmm.test, none of the allowed")):
+        for server, why, kind in (
+                ("selfsigned", "self-signed", peer.TlsReason.UNKNOWN_ISSUER),
+                ("otherserver", "other.vmm.test, none of the allowed",
+                 peer.TlsReason.NAME_NOT_ALLOWED)):
             with self.subTest(server):
                 listener = peer.tls_listen(("127.0.0.1", 0), config(server, allow=[CLIENT]),
                                            log=False)
@@ -304,6 +312,7 @@ class Mutual(unittest.TestCase):
                 with self.assertRaises(peer.TlsRefused) as caught:
                     peer.tls_connect(listener.address, client_config(), timeout=10)
                 self.assertIn(why, str(caught.exception))
+                self.assertIs(caught.exception.kind, kind)
                 thread.join(timeout=30)
                 # The client sent nothing: the server read no message.
                 self.assertEqual(len(got), 1)
