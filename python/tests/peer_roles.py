@@ -15,7 +15,8 @@ Mutual TLS (for driving Python as either end of a TLS descriptor stream from Rus
   ``LISTENING HOST:PORT`` first, then waits); the importer connects to it.
 - ``CERTDIR``: a directory with ``ca.pem`` (the CA the other side's certificate must chain
   to), ``OWN.pem`` and ``OWN.key`` (this side's certificate and PKCS#8 key, PEM), and
-  ``crl.pem`` if there is a CRL (then it is checked).
+  ``crl.pem`` if there is a CRL (then it is checked; ``VMM_TLS_CRL=FILE`` names another file
+  of CERTDIR instead).
 - ``PEER``: whom to accept: a DNS name the other side's certificate must carry (its SAN), or
   ``sha256:HEX`` for a pin of its key (SHA-256 of its DER SubjectPublicKeyInfo). The importer
   sends it as the SNI when it is a name.
@@ -24,7 +25,8 @@ Mutual TLS (for driving Python as either end of a TLS descriptor stream from Rus
   2 MiB); ``OWNER_UUID`` the owner device's UUID, 32 hex digits (default ``11`` * 16).
 
 ``tls-export`` accepts one importer (clients it refuses are logged on stderr and skipped, for
-up to 60 s), sends one CUDA_FABRIC descriptor, waits for a DATA reply and prints
+up to 60 s, and each printed as ``REFUSED KIND``, its TlsReason's value, once one is
+accepted), sends one CUDA_FABRIC descriptor, waits for a DATA reply and prints
 ``OK exported N fabric handle(s) over mutual TLS to NAMES; reply REPLY``. ``tls-import``
 receives one descriptor, prints ``DESCRIPTOR chunks=[...] size=N owner=HEX`` and
 ``HANDLES HEX,...`` (a test role prints the bearer tokens so that a test can compare them;
@@ -139,8 +141,9 @@ def cuda_importer(name, expect_uid, seed):
 
 def _tls_config(certdir, own, who):
     """The TlsConfig of the TLS roles: ``certdir``'s ``ca.pem``, ``own``'s certificate and key,
-    ``crl.pem`` if there; accepting ``who`` (a DNS name, or ``sha256:HEX``)."""
-    crl = os.path.join(certdir, "crl.pem")
+    ``crl.pem`` (or ``$VMM_TLS_CRL``) if there; accepting ``who`` (a DNS name, or
+    ``sha256:HEX``)."""
+    crl = os.path.join(certdir, os.environ.get("VMM_TLS_CRL", "crl.pem"))
     accept = ({"spki_sha256": [who[len("sha256:"):]]} if who.startswith("sha256:")
               else {"allow_names": [who]})
     return peer.TlsConfig(os.path.join(certdir, f"{own}.pem"), os.path.join(certdir, f"{own}.key"),
@@ -162,6 +165,8 @@ def tls_export(address, certdir, own, who, handles="fake", chunk_size=str(2 << 2
         host, port = listener.address
         print(f"LISTENING {host}:{port}", flush=True)
         with listener.accept(timeout=60) as conn:
+            for refusal in listener.refused:
+                print(f"REFUSED {refusal.kind.value if refusal.kind else None}", flush=True)
             conn.send_descriptor(desc)
             reply = conn.recv_data()
             print(f"OK exported {len(handle_list)} fabric handle(s) over mutual TLS to "

@@ -39,10 +39,11 @@ def cert(name):
 
 def config(name, allow=None, pins=None, ca="ca.pem", crl=True, **kw):
     """``name``'s certificate and key, trusting ``ca``; whom to accept: ``allow`` names or
-    ``pins``."""
+    ``pins``; the CRLs: ``crl.pem`` (True), none (False) or the file named."""
+    crl = "crl.pem" if crl is True else crl
     return peer.TlsConfig(cert(f"{name}.pem"), cert(f"{name}.key"), cert(ca),
                           allow_names=allow or (), spki_sha256=pins or (),
-                          crl=cert("crl.pem") if crl else None, **kw)
+                          crl=cert(crl) if crl else None, **kw)
 
 
 def server_config(**kw):
@@ -234,20 +235,24 @@ class Mutual(unittest.TestCase):
     def test_refused_clients_get_nothing_and_the_next_is_served(self):
         before = open_fds()
         log = io.StringIO()
-        cases = [
-            ("no client certificate", no_certificate, "CERTIFICATE"),
-            ("a foreign CA", tls_client(client_config("foreign")), "unable to get local issuer"),
-            ("expired", tls_client(client_config("expired")), "expired"),
-            ("not yet valid", tls_client(client_config("notyet")), "not yet valid"),
-            ("no clientAuth usage", tls_client(client_config("serveronly")), "purpose"),
-            ("revoked by the CRL", tls_client(client_config("revoked")), "revoked"),
+        R = peer.TlsReason
+        cases = [  # (case, client, why in words, why typed: None where no certificate's)
+            ("no client certificate", no_certificate, "CERTIFICATE", None),
+            ("a foreign CA", tls_client(client_config("foreign")), "unable to get local issuer",
+             R.UNKNOWN_ISSUER),
+            ("expired", tls_client(client_config("expired")), "expired", R.EXPIRED),
+            ("not yet valid", tls_client(client_config("notyet")), "not yet valid",
+             R.NOT_YET_VALID),
+            ("no clientAuth usage", tls_client(client_config("serveronly")), "purpose",
+             R.WRONG_USAGE),
+            ("revoked by the CRL", tls_client(client_config("revoked")), "revoked", R.REVOKED),
             ("the right CA, the wrong name", tls_client(client_config("wrongname")),
-             "intruder.vmm.test, none of the allowed client.vmm.test"),
-            ("a plaintext client", plaintext, "TLS failed"),
+             "intruder.vmm.test, none of the allowed client.vmm.test", R.NAME_NOT_ALLOWED),
+            ("a plaintext client", plaintext, "TLS failed", None),
         ]
         with contextlib.redirect_stderr(log):
             exporter = Exporter(self, server_config())
-            for n, (case, make, why) in enumerate(cases, 1):
+            for n, (case, make, why, kind) in enumerate(cases, 1):
                 with self.subTest(case):
                     got, ended = refused_client(exporter.address, make)
                     if make is plaintext:
@@ -260,6 +265,7 @@ class Mutual(unittest.TestCase):
                                               f"{case}: {ended!r}")
                     self.assertTrue(wait_for(lambda: exporter.listener.refusals == n), case)
                     self.assertIn(why, exporter.listener.refused[-1].reason)
+                    self.assertIs(exporter.listener.refused[-1].kind, kind, case)
                     # The next legitimate client is served.
                     desc, _, _ = importer(exporter.address)
                     self.assertEqual(desc.handles, [HANDLE])
@@ -272,6 +278,7 @@ class Mutual(unittest.TestCase):
             self.assertIsInstance(ended, peer.PeerClosed)
             self.assertTrue(wait_for(lambda: pinned.listener.refusals == 1))
             self.assertIn("is not pinned", pinned.listener.refused[-1].reason)
+            self.assertIs(pinned.listener.refused[-1].kind, peer.TlsReason.PIN_MISMATCH)
             importer(pinned.address)
             self.assertTrue(wait_for(lambda: pinned.served == [b"imported"]))
             exporter.close()
@@ -283,8 +290,10 @@ class Mutual(unittest.TestCase):
         self.assertEqual(open_fds(), before)
 
     def test_the_client_refuses_a_self_signed_or_wrongly_named_server(self):
-        for server, why in (("selfsigned", "self-signed"),
-                            ("otherserver", "other.vmm.test, none of the allowed")):
+        for server, why, kind in (
+                ("selfsigned", "self-signed", peer.TlsReason.UNKNOWN_ISSUER),
+                ("otherserver", "other.vmm.test, none of the allowed",
+                 peer.TlsReason.NAME_NOT_ALLOWED)):
             with self.subTest(server):
                 listener = peer.tls_listen(("127.0.0.1", 0), config(server, allow=[CLIENT]),
                                            log=False)
@@ -303,10 +312,89 @@ class Mutual(unittest.TestCase):
                 with self.assertRaises(peer.TlsRefused) as caught:
                     peer.tls_connect(listener.address, client_config(), timeout=10)
                 self.assertIn(why, str(caught.exception))
+                self.assertIs(caught.exception.kind, kind)
                 thread.join(timeout=30)
                 # The client sent nothing: the server read no message.
                 self.assertEqual(len(got), 1)
                 self.assertNotIsInstance(got[0], (bytes, peer.FabricDescriptor), got)
+
+
+class TrustRules(unittest.TestCase):
+    """The trust rules of docs/security.md ("Trust rules"), each run as an attack on this
+    peer: a client certificate (or a CRL) built to break one rule, refused by a Python
+    listener with that rule's TlsReason, 0 application bytes to the client. Rust runs the same
+    attacks (tests/tests/tls/trust_rules.rs); the certificates come from
+    ``peer_python::tls::write_certificates``."""
+
+    # (the client's certificate, the listener's CRL file or False, the reason, whether a
+    # legitimate client is still served under those CRLs). The listener trusts ``ca`` and a
+    # second root without keyCertSign.
+    ATTACKS = [
+        ("revokedsub", "crl-revokedsub.pem", peer.TlsReason.REVOKED, True),
+        ("nocrlabove", "crl-subonly.pem", peer.TlsReason.REVOCATION_UNKNOWN, False),
+        ("client", "crl-stale.pem", peer.TlsReason.CRL_EXPIRED, False),
+        ("nocertsign", False, peer.TlsReason.NOT_AN_ISSUER, True),
+        ("nocertsignroot", False, peer.TlsReason.NOT_AN_ISSUER, True),
+        ("keyagreement", False, peer.TlsReason.WRONG_USAGE, True),
+        ("noku", False, peer.TlsReason.WRONG_USAGE, True),
+        ("caleaf", False, peer.TlsReason.CA_LEAF, True),
+        ("depthover", False, peer.TlsReason.CHAIN_TOO_LONG, True),
+        ("wildcard", False, peer.TlsReason.NAME_NOT_ALLOWED, True),
+    ]
+
+    def test_a_trust_rule_refuses_its_attack(self):
+        log = io.StringIO()
+        with contextlib.redirect_stderr(log):
+            for name, crl, kind, served in self.ATTACKS:
+                with self.subTest(f"{name} ({crl or 'no CRL'})"):
+                    exporter = Exporter(self, server_config(crl=crl,
+                                                            ca="ca-and-nocertsignroot.pem"))
+                    got, ended = refused_client(exporter.address,
+                                                tls_client(client_config(name)))
+                    self.assertEqual(len(got), 0)
+                    self.assertIsInstance(ended, (peer.TlsRefused, peer.PeerClosed), ended)
+                    self.assertTrue(wait_for(lambda: exporter.listener.refusals == 1), name)
+                    refusal = exporter.listener.refused[-1]
+                    self.assertIs(refusal.kind, kind, refusal.reason)
+                    if served:
+                        desc, _, _ = importer(exporter.address)
+                        self.assertEqual(desc.handles, [HANDLE])
+                        self.assertTrue(wait_for(lambda: exporter.served == [b"imported"]))
+                    exporter.close()
+                    self.assertEqual(exporter.errors, [])
+
+    def test_a_chain_at_the_depth_limit_is_served(self):
+        self.assertEqual(peer.MAX_INTERMEDIATES, 6)
+        for crl in (False, "crl-depthlimit.pem"):
+            with self.subTest(crl or "no CRL"):
+                exporter = Exporter(self, server_config(crl=crl))
+                desc, _, names = importer(exporter.address, client_config("depthlimit"))
+                self.assertEqual(desc.handles, [HANDLE])
+                self.assertEqual(names, [SERVER])
+                self.assertTrue(wait_for(lambda: exporter.served == [b"imported"]))
+                self.assertEqual(exporter.listener.refusals, 0)
+                exporter.close()
+
+    def test_the_newest_current_crl_of_a_ca_decides(self):
+        # A stale CRL beside a current one of the same CA refuses no one.
+        exporter = Exporter(self, server_config(crl="crl-stale-then-current.pem"))
+        desc, _, _ = importer(exporter.address)
+        self.assertEqual(desc.handles, [HANDLE])
+        self.assertTrue(wait_for(lambda: exporter.served == [b"imported"]))
+        self.assertEqual(exporter.listener.refusals, 0)
+        exporter.close()
+        # Of two current CRLs, the newer (which revokes the client) decides.
+        with contextlib.redirect_stderr(io.StringIO()):
+            exporter = Exporter(self, server_config(crl="crl-older-then-newer.pem"))
+            got, _ = refused_client(exporter.address, tls_client(client_config("newlyrevoked")))
+            self.assertEqual(len(got), 0)
+            self.assertTrue(wait_for(lambda: exporter.listener.refusals == 1))
+            self.assertIs(exporter.listener.refused[-1].kind, peer.TlsReason.REVOKED)
+            exporter.close()
+
+    def test_a_wildcard_is_no_allowed_name(self):
+        with self.assertRaisesRegex(ValueError, "wildcard"):
+            config("server", allow=["*.vmm.test"])
 
 
 class Relay:

@@ -19,8 +19,9 @@ and CUDA_FABRIC messages over a connected stream socket (TCP), with the same byt
     reply = peer.read_message(sock)                # Data or FabricDescriptor
 
 A plain stream, loopback included, authenticates no one. Mutual TLS (TLS 1.3, the standard
-library's ``ssl``) carries the same framing with both ends authenticated, by a CA and a
-certificate name (DNS subjectAltName) or a pin of the peer's key:
+library's ``ssl``, Python 3.10+) carries the same framing with both ends authenticated, by a
+CA and a certificate name (DNS subjectAltName) or a pin of the peer's key, under the trust
+rules Rust's peer enforces too (docs/security.md):
 
     config = peer.TlsConfig("exporter.pem", "exporter.key", "ca.pem",
                             allow_names=["importer.example"], crl="ca.crl")
@@ -110,10 +111,12 @@ from .constants import (  # noqa: F401
     FRAME_INLINE, HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD, HEADER, IDLE_TIMEOUT,
     KIND_CUDA_FABRIC, KIND_CUDA_VMM, KIND_DATA, KIND_HELLO, KIND_HOST_MEMFD, KIND_NAMES,
     KIND_REFUSED, KIND_VERSIONS, LOCATION_DEVICE, LOCATION_HOST_NUMA, LOG_BURST, LOG_INTERVAL,
-    MAGIC, MAX_BODY, MAX_CHUNKS, MAX_CONNECTIONS, MAX_DATA, MAX_HANDSHAKES, MAX_MESSAGE,
-    MAX_PER_UID, REFUSALS_KEPT, STREAM_KINDS, TMPFS_MAGIC, VERSION, VERSIONS,
+    MAGIC, MAX_BODY, MAX_CHUNKS, MAX_CONNECTIONS, MAX_DATA, MAX_HANDSHAKES, MAX_INTERMEDIATES,
+    MAX_MESSAGE, MAX_PER_UID, REFUSALS_KEPT, STREAM_KINDS, TMPFS_MAGIC, VERSION, VERSIONS,
 )
-from .errors import PeerClosed, PeerRefused, ProtocolError, TlsError, TlsRefused  # noqa: F401
+from .errors import (  # noqa: F401
+    PeerClosed, PeerRefused, ProtocolError, TlsError, TlsReason, TlsRefused,
+)
 from .credentials import Credentials, overflow_ids, peer_credentials  # noqa: F401
 from .hostile_fds import SO_PEEK_OFF, SO_TIMESTAMP, _Closer, _close_all, _drain_unix  # noqa: F401
 from .memfd import pattern, sealed_memfd  # noqa: F401
@@ -132,6 +135,7 @@ __all__ = [
     "PeerRefused", "PeerClosed", "Credentials", "HostDescriptor", "VmmDescriptor",
     "FabricDescriptor", "Connection", "Listener", "connect", "StreamConnection", "write_message",
     "read_message", "encode", "decode", "sealed_memfd", "pattern", "TlsConfig", "TlsRefused",
-    "TlsError", "TlsRefusal", "TlsListener", "TlsConnection", "tls_listen", "tls_connect",
-    "spki_of", "spki_sha256_of", "MAX_HANDSHAKES", "MAX_CONNECTIONS", "MAX_PER_UID", "IDLE_TIMEOUT",
+    "TlsReason", "TlsError", "TlsRefusal", "TlsListener", "TlsConnection", "tls_listen",
+    "tls_connect", "spki_of", "spki_sha256_of", "MAX_HANDSHAKES", "MAX_INTERMEDIATES",
+    "MAX_CONNECTIONS", "MAX_PER_UID", "IDLE_TIMEOUT",
 ]

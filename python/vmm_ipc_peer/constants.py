@@ -42,3 +42,7 @@ _DRAIN_MAX = 1024  # packets and fds drained from a refused client before its co
 MAX_CONNECTIONS, MAX_PER_UID, IDLE_TIMEOUT = 64, 16, 60.0
 FD_LIMIT_PAUSE = 0.05  # seconds accept waits at the fd limit before it tries again
 MAX_HANDSHAKES = 64  # TLS handshakes a TlsListener runs at once
+# The most intermediate certificates a TLS peer's chain may have between its leaf and a
+# trusted root; one more is refused (TlsReason.CHAIN_TOO_LONG). Rust's
+# vmm_core::wire::tls::MAX_INTERMEDIATES (webpki's own limit) is the same.
+MAX_INTERMEDIATES = 6

@@ -14,14 +14,39 @@ except ImportError:  # a Python built without OpenSSL: everything but TLS works
 
 from .accepting import _RefusalLog
 from .constants import DEFAULT_TIMEOUT, FD_LIMIT_PAUSE, MAX_HANDSHAKES
-from .errors import PeerClosed, PeerRefused, ProtocolError, TlsError, TlsRefused
+from .errors import PeerClosed, PeerRefused, ProtocolError, TlsError, TlsReason, TlsRefused
 from .stream import StreamConnection
 
 
-TlsRefusal = namedtuple("TlsRefusal", "address reason")
+# A refused client: its address, why in words, and why as a TlsReason (None for a refusal
+# that is no certificate's: a handshake past its deadline, a plaintext client).
+TlsRefusal = namedtuple("TlsRefusal", "address reason kind", defaults=(None,))
 
 # TLS alerts that mean "your certificate is refused" (OpenSSL's reason names).
 _REFUSAL_ALERTS = ("CERTIFICATE", "UNKNOWN_CA", "ACCESS_DENIED")
+
+# OpenSSL's verify codes (X509_V_ERR_*) as the TlsReason of the rule each breaks; any other
+# is BAD_CERTIFICATE.
+_VERIFY_CODES = {
+    2: TlsReason.UNKNOWN_ISSUER,        # UNABLE_TO_GET_ISSUER_CERT
+    3: TlsReason.REVOCATION_UNKNOWN,    # UNABLE_TO_GET_CRL
+    9: TlsReason.NOT_YET_VALID,         # CERT_NOT_YET_VALID
+    10: TlsReason.EXPIRED,              # CERT_HAS_EXPIRED
+    12: TlsReason.CRL_EXPIRED,          # CRL_HAS_EXPIRED
+    18: TlsReason.UNKNOWN_ISSUER,       # DEPTH_ZERO_SELF_SIGNED_CERT
+    19: TlsReason.UNKNOWN_ISSUER,       # SELF_SIGNED_CERT_IN_CHAIN
+    20: TlsReason.UNKNOWN_ISSUER,       # UNABLE_TO_GET_ISSUER_CERT_LOCALLY
+    21: TlsReason.UNKNOWN_ISSUER,       # UNABLE_TO_VERIFY_LEAF_SIGNATURE
+    22: TlsReason.CHAIN_TOO_LONG,       # CERT_CHAIN_TOO_LONG
+    23: TlsReason.REVOKED,              # CERT_REVOKED
+    26: TlsReason.WRONG_USAGE,          # INVALID_PURPOSE
+    32: TlsReason.NOT_AN_ISSUER,        # KEYUSAGE_NO_CERTSIGN
+    33: TlsReason.REVOCATION_UNKNOWN,   # UNABLE_TO_GET_CRL_ISSUER
+    37: TlsReason.NOT_AN_ISSUER,        # INVALID_NON_CA
+    39: TlsReason.WRONG_USAGE,          # KEYUSAGE_NO_DIGITAL_SIGNATURE
+    79: TlsReason.NOT_AN_ISSUER,        # INVALID_CA
+    92: TlsReason.NOT_AN_ISSUER,        # CA_CERT_MISSING_KEY_USAGE
+}
 
 
 def _tls_failure(e, what):
@@ -30,7 +55,8 @@ def _tls_failure(e, what):
     if ssl is None or isinstance(e, (PeerClosed, PeerRefused, ProtocolError, TimeoutError)):
         return None
     if isinstance(e, ssl.SSLCertVerificationError):
-        return TlsRefused(f"{what}: the peer's certificate was refused: {e.verify_message}")
+        return TlsRefused(f"{what}: the peer's certificate was refused: {e.verify_message}",
+                          _VERIFY_CODES.get(e.verify_code, TlsReason.BAD_CERTIFICATE))
     if isinstance(e, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionResetError,
                       BrokenPipeError, ConnectionAbortedError)):
         return PeerClosed(f"{what}: the connection was cut ({type(e).__name__}); a TLS "
@@ -38,7 +64,8 @@ def _tls_failure(e, what):
     if isinstance(e, ssl.SSLError):
         reason = e.reason or str(e)
         if "ALERT" in reason and any(w in reason for w in _REFUSAL_ALERTS):
-            return TlsRefused(f"{what}: the peer refused this side (TLS alert {reason})")
+            return TlsRefused(f"{what}: the peer refused this side (TLS alert {reason})",
+                              TlsReason.REFUSED_BY_PEER)
         return TlsError(f"{what}: TLS failed ({reason})")
     return None
 
@@ -144,8 +171,8 @@ class TlsListener(_RefusalLog):
     certificate, so the client learns of a refusal as an alert or a closed connection on its
     first read). A refused client (a bad chain, names, pin, no certificate, a plaintext client,
     a handshake past its deadline) is closed, counted in ``refusals``, remembered in
-    ``refused`` (the last ``REFUSALS_KEPT``, as TlsRefusal(address, reason)) and logged at a
-    bounded rate; ``accept`` goes on to the next connection.
+    ``refused`` (the last ``REFUSALS_KEPT``, as TlsRefusal(address, reason, kind)) and logged
+    at a bounded rate; ``accept`` goes on to the next connection.
 
     Handshakes run side by side, non-blocking, inside ``accept`` (no threads): at most
     ``max_handshakes`` at once (default 64; further connections wait in the backlog), so
@@ -232,26 +259,27 @@ class TlsListener(_RefusalLog):
             return None
         except (OSError, ValueError) as e:
             failure = _tls_failure(e, what) or e
-            self._refuse(fd, str(failure) or type(failure).__name__)
+            self._refuse(fd, str(failure) or type(failure).__name__,
+                         getattr(failure, "kind", None))
             return None
         try:
             names, pin = self.config.check_peer(h.sock, what)
         except TlsRefused as e:
-            self._refuse(fd, str(e))
+            self._refuse(fd, str(e), e.kind)
             return None
         del self._pending[fd]
         h.sock.settimeout(self.config.timeout)
         return TlsConnection(h.sock, names, pin, h.peer, self.config.timeout)
 
-    def _refuse(self, fd, reason):
+    def _refuse(self, fd, reason, kind=None):
         h = self._pending.pop(fd)
         h.sock.close()
         if not reason.startswith("TLS client"):
             reason = f"TLS client {h.peer[0]}:{h.peer[1]}: {reason}"
-        self._note(h.peer, reason)
+        self._note(h.peer, reason, kind)
 
-    def _note(self, peer, reason):
-        self._note_refusal(TlsRefusal(peer, reason), f"refused: {reason}")
+    def _note(self, peer, reason, kind=None):
+        self._note_refusal(TlsRefusal(peer, reason, kind), f"refused: {reason}")
 
     def close(self):
         """Stop listening and drop the handshakes in progress (an ``accept`` blocked in

@@ -41,6 +41,9 @@ pub struct LeafSpec {
     not_before: OffsetDateTime,
     not_after: OffsetDateTime,
     usages: Vec<ExtendedKeyUsagePurpose>,
+    key_usages: Vec<KeyUsagePurpose>,
+    ca: bool,
+    dns_names: Option<Vec<String>>,
 }
 
 impl LeafSpec {
@@ -56,7 +59,31 @@ impl LeafSpec {
                 ExtendedKeyUsagePurpose::ClientAuth,
                 ExtendedKeyUsagePurpose::ServerAuth,
             ],
+            key_usages: vec![KeyUsagePurpose::DigitalSignature],
+            ca: false,
+            dns_names: None,
         }
+    }
+
+    /// With exactly these `keyUsage` bits (none: no `keyUsage` extension at all) in place of
+    /// `digitalSignature`.
+    pub fn key_usages(mut self, key_usages: Vec<KeyUsagePurpose>) -> LeafSpec {
+        self.key_usages = key_usages;
+        self
+    }
+
+    /// A CA certificate (`basicConstraints` `cA` true) used as a leaf: it keeps the leaf's
+    /// key usages (`digitalSignature`) and extended key usages.
+    pub fn ca_leaf(mut self) -> LeafSpec {
+        self.ca = true;
+        self
+    }
+
+    /// With these DNS names as its subject-alternative names in place of [`dns_name`] of its
+    /// name (a wildcard such as `*.vmm.test` included).
+    pub fn dns_names(mut self, names: &[&str]) -> LeafSpec {
+        self.dns_names = Some(names.iter().map(|n| n.to_string()).collect());
+        self
     }
 
     /// Valid for a day that ended an hour ago.
@@ -88,15 +115,21 @@ impl LeafSpec {
     }
 
     fn params(&self, serial: SerialNumber) -> CertificateParams {
-        let mut params =
-            CertificateParams::new(vec![dns_name(&self.name)]).expect("a valid DNS name");
+        let names = self
+            .dns_names
+            .clone()
+            .unwrap_or_else(|| vec![dns_name(&self.name)]);
+        let mut params = CertificateParams::new(names).expect("a valid DNS name");
         let mut dn = DistinguishedName::new();
         dn.push(DnType::CommonName, self.name.clone());
         params.distinguished_name = dn;
         params.not_before = self.not_before;
         params.not_after = self.not_after;
         params.serial_number = Some(serial);
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.key_usages = self.key_usages.clone();
+        if self.ca {
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        }
         params.extended_key_usages = self.usages.clone();
         params.use_authority_key_identifier_extension = true;
         params
@@ -110,6 +143,9 @@ pub struct Leaf {
     pub name: String,
     /// The certificate, PEM.
     pub cert_pem: String,
+    /// The certificate and the intermediates above it (nearest first, the root not included),
+    /// PEM: what this side presents. Only the certificate for a leaf a root issued.
+    pub chain_pem: String,
     /// The private key (PKCS#8), PEM.
     pub key_pem: String,
     /// The certificate, DER.
@@ -123,6 +159,7 @@ impl Leaf {
     /// A new key, and the certificate `sign` makes of `spec`'s parameters with it.
     fn make(
         spec: &LeafSpec,
+        intermediates: &str,
         sign: impl FnOnce(&CertificateParams, &KeyPair) -> Result<rcgen::Certificate, rcgen::Error>,
     ) -> Leaf {
         let key = KeyPair::generate().expect("a leaf key");
@@ -131,6 +168,7 @@ impl Leaf {
         Leaf {
             name: spec.name.clone(),
             cert_pem: cert.pem(),
+            chain_pem: format!("{}{intermediates}", cert.pem()),
             key_pem: key.serialize_pem(),
             cert_der: cert.der().to_vec(),
             key_der: key.serialize_der(),
@@ -138,43 +176,99 @@ impl Leaf {
         }
     }
 
-    /// Write `<dir>/<file>.pem` (certificate) and `<dir>/<file>.key` (key); their paths.
+    /// Write `<dir>/<file>.pem` (certificate, then its intermediates: [`chain_pem`]) and
+    /// `<dir>/<file>.key` (key); their paths.
+    ///
+    /// [`chain_pem`]: Leaf::chain_pem
     pub fn write(&self, dir: &Path, file: &str) -> (PathBuf, PathBuf) {
         let cert = dir.join(format!("{file}.pem"));
         let key = dir.join(format!("{file}.key"));
-        std::fs::write(&cert, &self.cert_pem).expect("write a certificate");
+        std::fs::write(&cert, &self.chain_pem).expect("write a certificate");
         std::fs::write(&key, &self.key_pem).expect("write a key");
         (cert, key)
     }
 }
 
-/// A certificate authority made for one test: it issues leaves and revokes them.
+/// A certificate authority made for one test: it issues leaves and revokes them. A root
+/// ([`Pki::new`]) or an intermediate ([`Pki::intermediate`]).
 #[derive(Debug)]
 pub struct Pki {
     issuer: CertifiedIssuer<'static, KeyPair>,
+    serial: SerialNumber,
+    /// This CA's certificate and the intermediates above it, PEM (empty for a root).
+    chain_pem: String,
+}
+
+/// The key usages of a CA this module makes by default.
+fn ca_key_usages() -> Vec<KeyUsagePurpose> {
+    vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ]
+}
+
+fn ca_params(label: &str, key_usages: Vec<KeyUsagePurpose>) -> CertificateParams {
+    let mut params = CertificateParams::new(Vec::<String>::new()).expect("no names");
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, format!("vmm-ipc test CA {label}"));
+    params.distinguished_name = dn;
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.key_usages = key_usages;
+    let now = OffsetDateTime::now_utc();
+    params.not_before = now - Duration::days(1);
+    params.not_after = now + Duration::days(10);
+    params.serial_number = Some(next_serial());
+    params.use_authority_key_identifier_extension = true;
+    params
 }
 
 impl Pki {
     /// A new CA called `label` (its common name), valid from a day ago for ten days.
     pub fn new(label: &str) -> Pki {
-        let mut params = CertificateParams::new(Vec::<String>::new()).expect("no names");
-        let mut dn = DistinguishedName::new();
-        dn.push(DnType::CommonName, format!("vmm-ipc test CA {label}"));
-        params.distinguished_name = dn;
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        let now = OffsetDateTime::now_utc();
-        params.not_before = now - Duration::days(1);
-        params.not_after = now + Duration::days(10);
-        params.serial_number = Some(next_serial());
+        Pki::root_with_usages(label, ca_key_usages())
+    }
+
+    /// A new root CA with exactly these `keyUsage` bits (none: no `keyUsage` at all).
+    pub fn root_with_usages(label: &str, key_usages: Vec<KeyUsagePurpose>) -> Pki {
+        let params = ca_params(label, key_usages);
+        let serial = params.serial_number.clone().expect("a serial");
         let key = KeyPair::generate().expect("a CA key");
         Pki {
             issuer: CertifiedIssuer::self_signed(params, key).expect("a CA certificate"),
+            serial,
+            chain_pem: String::new(),
         }
+    }
+
+    /// An intermediate CA called `label` that this CA issues (`keyCertSign`, `cRLSign`,
+    /// `digitalSignature`).
+    pub fn intermediate(&self, label: &str) -> Pki {
+        self.intermediate_with_usages(label, ca_key_usages())
+    }
+
+    /// An intermediate CA with exactly these `keyUsage` bits (none: no `keyUsage` at all).
+    pub fn intermediate_with_usages(&self, label: &str, key_usages: Vec<KeyUsagePurpose>) -> Pki {
+        let params = ca_params(label, key_usages);
+        let serial = params.serial_number.clone().expect("a serial");
+        let key = KeyPair::generate().expect("a CA key");
+        let issuer =
+            CertifiedIssuer::signed_by(params, key, &self.issuer).expect("an intermediate");
+        let chain_pem = format!("{}{}", issuer.pem(), self.chain_pem);
+        Pki {
+            issuer,
+            serial,
+            chain_pem,
+        }
+    }
+
+    /// A chain of `count` (at least 1) intermediates under this CA, each issuing the next: the
+    /// last, which issues leaves.
+    pub fn chain_of(&self, count: usize) -> Pki {
+        assert!(count >= 1, "a chain of at least one intermediate");
+        (1..count).fold(self.intermediate("level 1"), |ca, n| {
+            ca.intermediate(&format!("level {}", n + 1))
+        })
     }
 
     /// The CA's certificate, PEM.
@@ -194,23 +288,64 @@ impl Pki {
         path
     }
 
-    /// A leaf as `spec` says, signed by this CA.
+    /// A leaf as `spec` says, signed by this CA (its chain: this CA's intermediates).
     pub fn issue(&self, spec: &LeafSpec) -> Leaf {
-        Leaf::make(spec, |params, key| params.signed_by(key, &self.issuer))
+        Leaf::make(spec, &self.chain_pem, |params, key| {
+            params.signed_by(key, &self.issuer)
+        })
     }
 
     /// This CA's CRL revoking `revoked` (valid from an hour ago for a day), PEM and DER.
     pub fn crl(&self, revoked: &[&Leaf]) -> (String, Vec<u8>) {
+        let serials: Vec<SerialNumber> = revoked.iter().map(|l| l.serial.clone()).collect();
+        self.crl_of(&serials, false)
+    }
+
+    /// This CA's CRL revoking the intermediate CAs `revoked` (which it issued).
+    pub fn crl_revoking_cas(&self, revoked: &[&Pki]) -> (String, Vec<u8>) {
+        let serials: Vec<SerialNumber> = revoked.iter().map(|ca| ca.serial.clone()).collect();
+        self.crl_of(&serials, false)
+    }
+
+    /// This CA's CRL revoking nothing, but stale: issued two days ago, its `nextUpdate` an
+    /// hour ago.
+    pub fn stale_crl(&self) -> (String, Vec<u8>) {
+        self.crl_of(&[], true)
+    }
+
+    /// This CA's CRL revoking `revoked`, issued `ago` (its `thisUpdate`), its `nextUpdate` a
+    /// day from now: of two current CRLs, the one issued later is the newer.
+    pub fn crl_issued(&self, revoked: &[&Leaf], ago: Duration) -> (String, Vec<u8>) {
+        let serials: Vec<SerialNumber> = revoked.iter().map(|l| l.serial.clone()).collect();
+        let now = OffsetDateTime::now_utc();
+        self.crl_between(&serials, now - ago, now + Duration::days(1))
+    }
+
+    fn crl_of(&self, serials: &[SerialNumber], stale: bool) -> (String, Vec<u8>) {
+        let now = OffsetDateTime::now_utc();
+        if stale {
+            self.crl_between(serials, now - Duration::days(2), now - Duration::hours(1))
+        } else {
+            self.crl_between(serials, now - Duration::hours(1), now + Duration::days(1))
+        }
+    }
+
+    fn crl_between(
+        &self,
+        serials: &[SerialNumber],
+        this_update: OffsetDateTime,
+        next_update: OffsetDateTime,
+    ) -> (String, Vec<u8>) {
         let now = OffsetDateTime::now_utc();
         let params = CertificateRevocationListParams {
-            this_update: now - Duration::hours(1),
-            next_update: now + Duration::days(1),
+            this_update,
+            next_update,
             crl_number: next_serial(),
             issuing_distribution_point: None,
-            revoked_certs: revoked
+            revoked_certs: serials
                 .iter()
-                .map(|leaf| RevokedCertParams {
-                    serial_number: leaf.serial.clone(),
+                .map(|serial| RevokedCertParams {
+                    serial_number: serial.clone(),
                     revocation_time: now - Duration::minutes(30),
                     reason_code: None,
                     invalidity_date: None,
@@ -225,7 +360,7 @@ impl Pki {
 
 /// A leaf that signs itself (no CA vouches for it), as `spec` says.
 pub fn self_signed(spec: &LeafSpec) -> Leaf {
-    Leaf::make(spec, |params, key| params.self_signed(key))
+    Leaf::make(spec, "", |params, key| params.self_signed(key))
 }
 
 /// The DER bytes of the first PEM block in `pem`.

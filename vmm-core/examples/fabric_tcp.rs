@@ -12,8 +12,9 @@
 //!
 //! The exporter allocates a buffer with `HandleType::Fabric`, fills it and listens on
 //! 127.0.0.1 ([`TlsListener`]); the importer connects ([`TlsConnector`]). Each checks the other's
-//! certificate in the TLS handshake: the chain ends at the demo's CA, it is valid now, it has
-//! the extended key usage of its role, and it names the peer expected
+//! certificate in the TLS handshake by the trust rules of `docs/security.md`: the chain ends at
+//! the demo's CA, it is valid now, it has the key usages of its role (`digitalSignature`, and
+//! the extended key usage), it is no CA, and it names the peer expected
 //! (`importer.vmm.example` / `exporter.vmm.example`). Only then does the exporter write the
 //! `FabricDescriptor` ([`StreamWriter::write_descriptor`]); the importer reads it
 //! ([`StreamReader::read_message`]: the header is checked before anything more is read, the
@@ -29,7 +30,8 @@
 //! Certificates: without `--certs`, the demo makes a CA and the two leaves at run time (rcgen,
 //! valid for a day) in a fresh 0700 directory. With `--certs DIR`, DIR holds `ca.pem` (the
 //! CA both sides trust), `exporter.pem`/`exporter.key` (SAN `exporter.vmm.example`,
-//! serverAuth) and `importer.pem`/`importer.key` (SAN `importer.vmm.example`, clientAuth), PEM;
+//! digitalSignature, serverAuth) and `importer.pem`/`importer.key` (SAN
+//! `importer.vmm.example`, digitalSignature, clientAuth), PEM;
 //! `--exporter-name` and `--importer-name` change the names expected.
 //!
 //! The Python side (`examples/python/fabric_tls.py`, found from the current directory, or
@@ -405,6 +407,9 @@ mod demo_certs {
             let key = KeyPair::generate()?;
             let mut params = CertificateParams::new(vec![name.to_owned()])?;
             params.distinguished_name.push(DnType::CommonName, name);
+            // The trust rules (docs/security.md) of both peers: a leaf signs with its key
+            // (`digitalSignature`) and is used for its role only.
+            params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
             params.extended_key_usages = vec![usage];
             // Strict X.509 checkers (Python's `ssl` as vmm_ipc_peer sets it) require the
             // authority key identifier.

@@ -17,7 +17,9 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout};
 
+use rcgen::KeyUsagePurpose;
 use vmm_core::testing::skip_unless;
+use vmm_core::wire::tls::MAX_INTERMEDIATES;
 use vmm_tests::endpoint::finish;
 use vmm_tests::pki::{LeafSpec, Pki, self_signed};
 use vmm_tests::turns::exclusive;
@@ -51,6 +53,91 @@ pub fn write_certificates(dir: &Path) {
         .issue(&LeafSpec::new("client"))
         .write(dir, "foreign");
     self_signed(&LeafSpec::new("server")).write(dir, "selfsigned");
+    write_trust_rule_attacks(&ca, dir);
+}
+
+/// The attacks on the trust rules (`TrustRules` in `test_vmm_ipc_tls.py`; Rust runs the same
+/// in `tests/tests/tls/trust_rules.rs`): leaves named `client` that break one rule each, and
+/// the CRL files that go with them. Each `.pem` holds the leaf and its intermediates.
+fn write_trust_rule_attacks(ca: &Pki, dir: &Path) {
+    let client = || LeafSpec::new("client");
+    let write_crls = |file: &str, crls: &[String]| {
+        std::fs::write(dir.join(format!("{file}.pem")), crls.concat()).unwrap();
+    };
+    // Whole-chain revocation: the root's CRL revokes the intermediate, not the leaf.
+    let revoked_sub = ca.intermediate("revoked");
+    revoked_sub.issue(&client()).write(dir, "revokedsub");
+    write_crls(
+        "crl-revokedsub",
+        &[
+            ca.crl_revoking_cas(&[&revoked_sub]).0,
+            revoked_sub.crl(&[]).0,
+        ],
+    );
+    // A CA of the chain without a CRL: only the intermediate's is given, not the root's.
+    let unlisted_sub = ca.intermediate("no CRL above");
+    unlisted_sub.issue(&client()).write(dir, "nocrlabove");
+    write_crls("crl-subonly", &[unlisted_sub.crl(&[]).0]);
+    // A CRL past its nextUpdate (the valid client is the attacker); beside a current one of
+    // the same CA, it refuses no one.
+    write_crls("crl-stale", &[ca.stale_crl().0]);
+    write_crls("crl-stale-then-current", &[ca.stale_crl().0, ca.crl(&[]).0]);
+    // Of two current CRLs of one CA, the newer decides: it revokes `newlyrevoked`.
+    let newly_revoked = ca.issue(&client());
+    newly_revoked.write(dir, "newlyrevoked");
+    write_crls(
+        "crl-older-then-newer",
+        &[
+            ca.crl_issued(&[], time::Duration::hours(3)).0,
+            ca.crl_issued(&[&newly_revoked], time::Duration::hours(1)).0,
+        ],
+    );
+    // keyUsage: issuers without keyCertSign (an intermediate; a root trusted besides `ca`);
+    // leaves without digitalSignature.
+    ca.intermediate_with_usages(
+        "no keyCertSign",
+        vec![KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature],
+    )
+    .issue(&client())
+    .write(dir, "nocertsign");
+    let no_cert_sign_root = Pki::root_with_usages(
+        "no keyCertSign",
+        vec![KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature],
+    );
+    no_cert_sign_root
+        .issue(&client())
+        .write(dir, "nocertsignroot");
+    std::fs::write(
+        dir.join("ca-and-nocertsignroot.pem"),
+        format!("{}{}", ca.ca_pem(), no_cert_sign_root.ca_pem()),
+    )
+    .unwrap();
+    ca.issue(&client().key_usages(vec![KeyUsagePurpose::KeyAgreement]))
+        .write(dir, "keyagreement");
+    ca.issue(&client().key_usages(vec![])).write(dir, "noku");
+    // A CA leaf.
+    ca.issue(&client().ca_leaf()).write(dir, "caleaf");
+    // Depth: at the limit (with a CRL of every CA of the chain) and one over.
+    let mut cas = vec![ca.intermediate("level 1")];
+    for n in 2..=MAX_INTERMEDIATES {
+        let next = cas.last().unwrap().intermediate(&format!("level {n}"));
+        cas.push(next);
+    }
+    cas.last()
+        .unwrap()
+        .issue(&client())
+        .write(dir, "depthlimit");
+    let mut crls = vec![ca.crl(&[]).0];
+    crls.extend(cas.iter().map(|ca| ca.crl(&[]).0));
+    write_crls("crl-depthlimit", &crls);
+    cas.last()
+        .unwrap()
+        .intermediate("one over")
+        .issue(&client())
+        .write(dir, "depthover");
+    // A wildcard name where `client.vmm.test` is allowed.
+    ca.issue(&client().dns_names(&["*.vmm.test"]))
+        .write(dir, "wildcard");
 }
 
 /// The Python files and the certificates of [`write_certificates`] in `<dir>/certs`.
@@ -111,6 +198,10 @@ fn python_mutual_tls() {
         "test_a_relay_that_flips_a_byte_or_cuts_the_stream",
         "test_deadlines_at_both_ends",
         "test_the_attacker_that_connects_first_gets_nothing",
+        "test_a_trust_rule_refuses_its_attack",
+        "test_a_chain_at_the_depth_limit_is_served",
+        "test_a_wildcard_is_no_allowed_name",
+        "test_the_newest_current_crl_of_a_ca_decides",
     ] {
         assert!(out.contains(test), "{test} did not run:\n{out}");
     }

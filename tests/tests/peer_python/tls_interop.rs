@@ -3,7 +3,9 @@
 //! both ways, each with an intruder first: a valid chain under another name is refused by the
 //! other language's side before a handle byte crosses, and the legitimate peer then gets
 //! exactly the handles sent. The handles are stand-ins (the GPU's real ones cross in
-//! `fabric_tcp` and the fabric example).
+//! `fabric_tcp` and the fabric example). And the trust rules (`docs/security.md`) across the
+//! languages: each attack certificate of `write_certificates`, presented by one language's
+//! peer, is refused by the other's with the same reason.
 
 use std::path::Path;
 use std::time::Duration;
@@ -176,4 +178,128 @@ fn python_exporter_to_rust_importer_over_mutual_tls() {
     assert_eq!(imported.unwrap(), sent);
     let out = finish_ok_after(exporter, TIMEOUT, Some(stdout));
     assert!(out.contains("reply imported (refused 1 before)"), "{out}");
+}
+
+/// The trust rules' attacks (`write_trust_rule_attacks`): the client's certificate, the CRL
+/// file the listener is given (none for the rules that are no CRL's: a chain that breaks two
+/// rules may be refused for either), the reason, and whether a legitimate client is served
+/// after.
+const TRUST_RULE_ATTACKS: &[(&str, Option<&str>, TlsReason, bool)] = &[
+    (
+        "revokedsub",
+        Some("crl-revokedsub.pem"),
+        TlsReason::Revoked,
+        true,
+    ),
+    (
+        "nocrlabove",
+        Some("crl-subonly.pem"),
+        TlsReason::RevocationUnknown,
+        false,
+    ),
+    (
+        "client",
+        Some("crl-stale.pem"),
+        TlsReason::CrlExpired,
+        false,
+    ),
+    ("nocertsign", None, TlsReason::NotAnIssuer, true),
+    ("keyagreement", None, TlsReason::WrongUsage, true),
+    ("noku", None, TlsReason::WrongUsage, true),
+    ("caleaf", None, TlsReason::CaLeaf, true),
+    ("depthover", None, TlsReason::ChainTooLong, true),
+    ("wildcard", None, TlsReason::NameNotAllowed, true),
+];
+
+/// A Python importer presents each attack certificate to a Rust listener: refused with the
+/// rule's reason, no handle read.
+#[test]
+fn rust_refuses_python_peers_that_break_a_trust_rule() {
+    let _turn = exclusive();
+    if !skip_unless(python3_tls()) {
+        return;
+    }
+    let (py, certs) = python_with_certificates();
+    let dir = certs.to_str().unwrap();
+    for &(leaf, crl, reason, _) in TRUST_RULE_ATTACKS {
+        let mut options = rust_options(&certs, "server", "client.vmm.test");
+        if let Some(crl) = crl {
+            options = options.crl_pem_file(certs.join(crl)).unwrap();
+        }
+        let listener = TlsListener::bind("127.0.0.1:0", &options).unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let intruder = role(&py, "tls-import", &[&address, dir, leaf, "server.vmm.test"]);
+        let deadline = std::time::Instant::now() + TIMEOUT;
+        while listener.refused().is_empty() {
+            assert!(std::time::Instant::now() < deadline, "{leaf}: not refused");
+            match listener.accept(Some(Duration::from_millis(100))) {
+                Err(Error::Timeout { .. }) => {}
+                other => panic!("{leaf} ({crl:?}) was admitted: {other:?}"),
+            }
+        }
+        assert_eq!(
+            listener.refused()[0].reason,
+            Some(reason),
+            "{leaf} ({crl:?})"
+        );
+        let (output, out) = finish(intruder, None, TIMEOUT);
+        assert!(
+            !output.status.success() && !out.contains("HANDLES"),
+            "{leaf}:\n{out}"
+        );
+    }
+}
+
+/// A Rust importer presents each attack certificate to a Python exporter: refused with the
+/// rule's reason (the exporter prints it), no message read; then a legitimate Rust importer
+/// is served.
+#[test]
+fn python_refuses_rust_peers_that_break_a_trust_rule() {
+    let _turn = exclusive();
+    if !skip_unless(python3_tls()) {
+        return;
+    }
+    let (py, certs) = python_with_certificates();
+    let dir = certs.to_str().unwrap();
+    for &(leaf, crl, reason, served) in TRUST_RULE_ATTACKS.iter().filter(|a| a.3) {
+        let mut exporter = super::python(
+            &py,
+            &[
+                "peer_roles.py",
+                "tls-export",
+                "127.0.0.1:0",
+                dir,
+                "server",
+                "client.vmm.test",
+            ],
+        )
+        // A file that is not there: no CRL.
+        .env("VMM_TLS_CRL", crl.unwrap_or("no-crl.pem"))
+        .spawn()
+        .unwrap();
+        let (address, stdout) = listening_address(&mut exporter);
+        let intruder = TlsConnector::new(&rust_options(&certs, leaf, "server.vmm.test"))
+            .unwrap()
+            .connect(address.as_str())
+            .and_then(|mut stream| StreamReader::new(&mut stream).read_message());
+        assert!(intruder.is_err(), "{leaf} read a message: {intruder:?}");
+        assert!(served);
+        let mut stream = TlsConnector::new(&rust_options(&certs, "client", "server.vmm.test"))
+            .unwrap()
+            .connect(address.as_str())
+            .unwrap();
+        match StreamReader::new(&mut stream).read_message().unwrap() {
+            PeerMessage::Descriptor(_) => {}
+            other => panic!("{other:?}"),
+        }
+        StreamWriter::new(&mut stream)
+            .write_data(b"imported")
+            .unwrap();
+        let out = finish_ok_after(exporter, TIMEOUT, Some(stdout));
+        assert!(
+            out.contains(&format!("REFUSED {reason:?}\n")),
+            "{leaf} ({crl:?}): want {reason:?}:\n{out}"
+        );
+        assert!(out.contains("(refused 1 before)"), "{leaf}:\n{out}");
+    }
 }

@@ -32,6 +32,7 @@ use vmm_tests::pki::{LeafSpec, Pki, self_signed};
 use vmm_tests::turns::exclusive;
 
 mod relay;
+mod trust_rules;
 mod world;
 
 use relay::{Tamper, relay};
@@ -162,11 +163,15 @@ fn wait_for_refusal<T>(listener: &TlsListener, attacker: &JoinHandle<T>) -> Opti
 
 /// The next, legitimate importer is served on the same listener.
 fn serve_the_legitimate_importer(world: &World, listener: &TlsListener) {
+    serve_importer(listener, world.importer_options());
+}
+
+/// An importer with `importer`'s options is served on `listener`.
+fn serve_importer(listener: &TlsListener, importer: TlsOptions) {
     let addr = listener.local_addr().unwrap();
     let buf = HostBuffer::new(SIZE).unwrap();
     buf.write_at(0, &pattern(1, SIZE)).unwrap();
     let (descriptor, _fd) = stand_in(&buf);
-    let importer = world.importer_options();
     let good = std::thread::spawn(move || import_from(addr, &importer));
     let mut stream = listener.accept(Some(WAIT)).unwrap();
     assert_eq!(export_on(&mut stream, &descriptor).unwrap(), b"matched");

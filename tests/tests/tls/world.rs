@@ -23,7 +23,7 @@ pub(crate) const WAIT: Duration = Duration::from_secs(20);
 
 /// One side's options: `leaf`'s identity, `pki`'s root, admitting `peer`.
 pub(crate) fn options(pki: &Pki, leaf: &Leaf, peer: PeerCheck) -> TlsOptions {
-    let identity = TlsIdentity::from_pem(leaf.cert_pem.as_bytes(), leaf.key_pem.as_bytes())
+    let identity = TlsIdentity::from_pem(leaf.chain_pem.as_bytes(), leaf.key_pem.as_bytes())
         .expect("a test identity");
     TlsOptions::new(identity, vec![pki.ca_der()], peer)
         .expect("test options")

@@ -46,7 +46,8 @@ pub enum TlsReason {
     NotYetValid,
     /// The peer's certificate is revoked by a CRL this side was given.
     Revoked,
-    /// The peer's certificate lacks the extended key usage of its role (client
+    /// The peer's certificate lacks the key usages of its role: `digitalSignature` in its
+    /// `keyUsage` (which it must carry), and the extended key usage of its role (client
     /// authentication for the side that connects, server authentication for the side that
     /// accepts).
     WrongUsage,
@@ -71,6 +72,21 @@ pub enum TlsReason {
     Truncated,
     /// Another breach of the TLS protocol by the peer.
     Protocol,
+    /// A CRL this side was given is past its `nextUpdate`: revocation cannot be decided, so
+    /// the peer is refused (fail closed) until a current CRL is given.
+    CrlExpired,
+    /// CRLs were given, but none from a CA that issued a certificate of the peer's chain:
+    /// its revocation status is unknown, so it is refused (fail closed).
+    RevocationUnknown,
+    /// A certificate that issued another in the peer's chain (an intermediate, or the root)
+    /// is not fit to: it lacks `keyCertSign` in its `keyUsage`, or is no CA.
+    NotAnIssuer,
+    /// The peer's own certificate is a CA certificate (`basicConstraints` `cA` true): a leaf
+    /// that could issue certificates is refused.
+    CaLeaf,
+    /// The peer's chain has more intermediates than `wire::tls::MAX_INTERMEDIATES` (6; the
+    /// Python peer's `MAX_INTERMEDIATES` is the same).
+    ChainTooLong,
 }
 
 impl fmt::Display for TlsReason {
@@ -84,8 +100,8 @@ impl fmt::Display for TlsReason {
             TlsReason::NotYetValid => f.write_str("the peer's certificate is not valid yet"),
             TlsReason::Revoked => f.write_str("the peer's certificate is revoked"),
             TlsReason::WrongUsage => f.write_str(
-                "the peer's certificate lacks the extended key usage of its role (clientAuth \
-                 for the connecting side, serverAuth for the accepting side)",
+                "the peer's certificate lacks the key usage of its role (digitalSignature, and \
+                 clientAuth for the connecting side, serverAuth for the accepting side)",
             ),
             TlsReason::NameNotAllowed => {
                 f.write_str("the peer's certificate names none of the allowed names")
@@ -105,6 +121,20 @@ impl fmt::Display for TlsReason {
                 f.write_str("the stream was cut (it ended without TLS's closing message)")
             }
             TlsReason::Protocol => f.write_str("the peer broke the TLS protocol"),
+            TlsReason::CrlExpired => f.write_str(
+                "a CRL given is past its nextUpdate: revocation cannot be decided (fail closed)",
+            ),
+            TlsReason::RevocationUnknown => f.write_str(
+                "no CRL given from a CA of the peer's chain: its revocation status is unknown",
+            ),
+            TlsReason::NotAnIssuer => f.write_str(
+                "a certificate that issued another in the peer's chain lacks keyCertSign or is \
+                 no CA",
+            ),
+            TlsReason::CaLeaf => f.write_str("the peer's certificate is a CA certificate"),
+            TlsReason::ChainTooLong => f.write_str(
+                "the peer's chain has more intermediates than the limit (MAX_INTERMEDIATES)",
+            ),
         }
     }
 }

@@ -7,11 +7,15 @@
 //! only on a [`TlsStream`], made by rustls (TLS 1.3, the `ring` provider, synchronous: no async
 //! runtime), both ways authenticated:
 //!
-//! - each side checks the other's certificate chain against the roots it was given, its
-//!   validity period, its extended key usage for its role (`clientAuth` for the side that
-//!   connects, `serverAuth` for the side that accepts), the CRLs it was given, and then an
-//!   explicit allow-list: a subject-alternative name ([`PeerCheck::Names`]) or the SHA-256 of
-//!   the public key ([`PeerCheck::SpkiSha256`]). There is no "anyone the CA signed";
+//! - each side checks the other's certificate chain by the trust rules of `docs/security.md`,
+//!   which the Python peer enforces the same: the roots it was given (at most
+//!   [`MAX_INTERMEDIATES`] intermediates, each issuer with `keyCertSign`), the validity
+//!   period, the key usages of its role (`digitalSignature`; `clientAuth` for the side that
+//!   connects, `serverAuth` for the side that accepts), no CA leaf, the CRLs it was given for
+//!   the whole chain (failing closed on a stale CRL or a CA without one), and then an explicit
+//!   allow-list: a subject-alternative name compared whole ([`PeerCheck::Names`]) or the
+//!   SHA-256 of the public key ([`PeerCheck::SpkiSha256`]). There is no "anyone the CA
+//!   signed";
 //! - these checks run inside the handshake, and a stream exists only once the handshake has
 //!   finished. On the accepting side that is after the client's certificate passed: in TLS
 //!   1.3 the client finishes its handshake before the server has checked the client's
@@ -58,4 +62,4 @@ pub use tls_options::{
     TlsOptions,
 };
 pub use tls_stream::TlsStream;
-pub use verify::spki_sha256;
+pub use verify::{MAX_INTERMEDIATES, spki_sha256};

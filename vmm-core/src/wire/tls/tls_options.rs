@@ -86,8 +86,9 @@ impl TlsIdentity {
 #[derive(Clone, PartialEq, Eq)]
 pub enum PeerCheck {
     /// The peer's certificate must carry one of these names as a subject-alternative name
-    /// (DNS names or IP addresses; a DNS pattern such as `*.example` in the certificate matches
-    /// as TLS matches server names).
+    /// (DNS names or IP addresses), compared whole: a DNS name ignoring ASCII case, and a
+    /// wildcard such as `*.example` in the certificate matches nothing (the Python peer's
+    /// rule too: `docs/security.md`, "Trust rules").
     Names(Vec<String>),
     /// The SHA-256 of the peer certificate's DER `SubjectPublicKeyInfo` must be one of these
     /// ([`spki_sha256`](super::spki_sha256) computes it from a certificate).
@@ -205,8 +206,12 @@ impl TlsOptions {
         )
     }
 
-    /// Also refuse peers whose certificate a CRL (DER) revokes. Once any CRL is given, a leaf
-    /// whose issuer has no CRL here is refused too (its status is unknown: fail closed).
+    /// Also refuse peers a CRL (DER) revokes, the leaf or any CA of its chain but the root.
+    /// Once any CRL is given, every CA of the peer's chain (the root included) needs a CRL
+    /// here: a peer with one whose CRL is missing is refused
+    /// ([`TlsReason::RevocationUnknown`](crate::error::TlsReason::RevocationUnknown)), and so
+    /// is any peer while a CRL needed is past its `nextUpdate`
+    /// ([`TlsReason::CrlExpired`](crate::error::TlsReason::CrlExpired)): fail closed.
     pub fn crl_der(mut self, der: Vec<u8>) -> TlsOptions {
         self.crls.push(der.into());
         self

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use rustls::{CertificateError, ClientConnection, InvalidMessage, ServerConnection, StreamOwned};
 
+use super::verify::TrustRule;
 use crate::error::{TlsReason, TlsStep};
 use crate::wire::AuthenticatedStream;
 use crate::wire::timed::{TimedStream, time_left};
@@ -279,6 +280,13 @@ pub(super) fn reason(e: &rustls::Error) -> TlsReason {
                 CertificateError::NotValidForName
                 | CertificateError::NotValidForNameContext { .. } => TlsReason::NameNotAllowed,
                 CertificateError::ApplicationVerificationFailure => TlsReason::PinMismatch,
+                CertificateError::ExpiredRevocationList
+                | CertificateError::ExpiredRevocationListContext { .. } => TlsReason::CrlExpired,
+                CertificateError::UnknownRevocationStatus => TlsReason::RevocationUnknown,
+                CertificateError::Other(other) => other
+                    .0
+                    .downcast_ref::<TrustRule>()
+                    .map_or(TlsReason::BadCertificate, |rule| rule.0),
                 _ => TlsReason::BadCertificate,
             }
         }
