@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import unittest
 
 import vmm_memd
@@ -235,6 +236,33 @@ class Refusals(Service):
         with self.assertRaises(vmm_memd.InvalidRequest) as caught:
             self.client.request(b"\x63", object)
         self.assertEqual(caught.exception.rule, "Decode")
+
+    def test_a_tokened_commit_is_known_and_its_token_is_not_taken_twice(self):
+        region = fresh("token")
+        token, other_token = vmm_memd.commit_token(), vmm_memd.commit_token()
+        with self.client.begin(region, [4096], token=token) as w:
+            generation = w.commit()
+        self.assertEqual(self.client.commit_state(region, token),
+                         vmm_memd.CommitState("Landed", generation))
+        with self.assertRaises(vmm_memd.InvalidRequest) as caught:
+            self.client.begin(region, [4096], token=token)
+        self.assertEqual(caught.exception.rule, "Token")
+        with self.client.begin(region, [4096]) as w:  # the refused one was aborted
+            self.assertEqual(w.commit(), generation + 1)
+        # A writer's connection open with its generation: Pending; gone before its commit:
+        # Unknown, and nothing landed.
+        other = vmm_memd.Client.connect(SOCKET)
+        other.begin(region, [4096], token=other_token)
+        self.assertEqual(self.client.commit_state(region, other_token).state, "Pending")
+        other.close()
+        deadline = time.monotonic() + 5
+        while self.client.commit_state(region, other_token).state == "Pending" \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(self.client.commit_state(region, other_token),
+                         vmm_memd.CommitState("Unknown"))
+        self.assertEqual([r.generation for r in self.client.list() if r.region == region],
+                         [generation + 1])
 
     def test_a_second_writer_waits_then_is_refused_writer_busy(self):
         region = fresh("busy")

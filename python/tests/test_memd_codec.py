@@ -50,6 +50,12 @@ class Requests(unittest.TestCase):
                          b"\x0b\x01r\x01\x80\x20\x00\x00\x00\x05\x01" + bytes(range(16)))
         with self.assertRaises(ValueError):
             p.encode_begin_gpu("r", [4096], bytes(15))
+        # A commit token's 16 bytes as they are (the same test checks them against postcard).
+        self.assertEqual(p.encode_token(bytes(range(16))), b"\x11" + bytes(range(16)))
+        self.assertEqual(p.encode_commit_state("r", bytes(range(16))),
+                         b"\x12\x01r" + bytes(range(16)))
+        with self.assertRaises(ValueError):
+            p.encode_token(bytes(17))
 
     def test_values_outside_their_types_are_not_encoded(self):
         for bad in (-1, 2**64):
@@ -102,6 +108,10 @@ class Replies(unittest.TestCase):
                                      (3, 4, 6), 1),), 5, 6, True))
         self.assertEqual(p.decode_response(reply(13, b"\x03\x02")), p.Slept(3, 2))
         self.assertEqual(p.decode_response(reply(14, b"\x03\x01")), p.Woke(3, True))
+        self.assertEqual(p.decode_response(reply(15, b"\x00\x07")), p.CommitState("Landed", 7))
+        self.assertEqual(p.decode_response(reply(15, b"\x01")), p.CommitState("Pending"))
+        self.assertEqual(p.decode_response(reply(15, b"\x02")), p.CommitState("Unknown"))
+        self.assertRefused(reply(15, b"\x03"), "unknown variant 3")
 
     def test_the_gpu_replies_decode(self):
         uuid = bytes(range(16))
@@ -166,7 +176,7 @@ class Replies(unittest.TestCase):
         self.assertRefused(reply(4, b"\x00"), "trailing")
         self.assertRefused(reply(5, b"\x07\x07"), "trailing")
         # Unknown variants: of the reply, of a refusal, of a dtype, of a rule.
-        self.assertRefused(reply(15), "unknown variant 15")
+        self.assertRefused(reply(16), "unknown variant 16")
         self.assertRefused(reply(1, b"\x01" + string("r") + b"\x02\x03\x03"),
                            "unknown variant 3")
         self.assertRefused(reply(2**32 - 1), "unknown variant")
@@ -177,7 +187,7 @@ class Replies(unittest.TestCase):
         self.assertRefused(reply(0, b"\x0a" + bytes(15)), "end inside")
         self.assertRefused(reply(7, b"\x01" + string("k") + b"\x00\x00\x01\x0d\x00"),
                            "unknown variant 13")
-        self.assertRefused(reply(0, b"\x06\x0a" + string("x")), "unknown variant 10")
+        self.assertRefused(reply(0, b"\x06\x0b" + string("x")), "unknown variant 11")
         # Varints: overlong (not shortest), longer than the type, past the type's range.
         self.assertRefused(reply(5, b"\x80\x00"), "overlong")
         self.assertRefused(b"\x84\x00", "overlong")

@@ -32,9 +32,9 @@ from .errors import (  # noqa: F401
     StateDictMismatch, TooManyChunks, UnsupportedDevice, UnsupportedDtype,
 )
 from .sleep import Sleeping, layout_hash, layout_hash_on  # noqa: F401
-from .protocol import Acl, Dtype, Gid, TensorMeta, Uid  # noqa: F401
+from .protocol import Acl, CommitState, Dtype, Gid, TensorMeta, Uid  # noqa: F401
 from .tensor import Tensor  # noqa: F401
-from .client import Client  # noqa: F401
+from .client import Client, commit_token  # noqa: F401
 from .attached import Attached  # noqa: F401
 from .writer import Writer  # noqa: F401
 from .publishing import ALIGNMENT, publish, publish_gpu  # noqa: F401
@@ -50,5 +50,5 @@ __all__ = [
     "GpuImportFailed", "GpuSleepFailed", "NotAsleep", "NotMapped", "StaleLayout", "Sleeping",
     "layout_hash", "layout_hash_on", "StateDictError",
     "StateDictMismatch", "TooManyChunks", "UnsupportedDevice", "UnsupportedDtype",
-    "ExecutableNotFound", "service",
+    "ExecutableNotFound", "service", "CommitState", "commit_token",
 ]

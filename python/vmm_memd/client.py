@@ -5,6 +5,7 @@ messages of the peer protocol (``vmm_ipc_peer``)."""
 import contextlib
 import errno
 import functools
+import os
 import time
 import weakref
 
@@ -433,7 +434,7 @@ class Client:
             self.conn.sock.settimeout(timeout)
 
     @_exchange
-    def begin_gpu(self, region, chunks, device=0, acl=p.Acl(), wait=0.0):
+    def begin_gpu(self, region, chunks, device=0, acl=p.Acl(), wait=0.0, token=None):
         """Begin the next generation of GPU region ``region`` on device ``device`` (an ordinal
         of this process; the region is created there if new) with chunks of at least these
         sizes (the service rounds each up to the device's granularity). A Writer whose ``gpu``
@@ -475,12 +476,36 @@ class Client:
         finally:
             for d in descriptors:
                 d.close()
-        return Writer(self, region, reply.generation, [], gpu=mapped)
+        return self._named(Writer(self, region, reply.generation, [], gpu=mapped), token)
+
+    def _named(self, writer, token):
+        """``writer``, its generation named by ``token`` if one is given (a refusal aborts
+        the generation and is raised)."""
+        if token is not None:
+            try:
+                self.request(p.encode_token(token), p.Done)
+            except MemdError:
+                writer._unmap()
+                writer.finished = True
+                self.abort_pending_quietly()
+                raise
+        return writer
+
+    def commit_state(self, region, token):
+        """What became of ``region``'s generation named ``token`` (``begin(..., token=)``):
+        a CommitState, "Landed" (with its generation), "Pending" (its writer's connection is
+        open and has not committed: ask again once it has ended) or "Unknown" (it did not
+        land). Needs the region's write right."""
+        return self.request(p.encode_commit_state(region, token), p.CommitState)
 
     @_exchange
-    def begin(self, region, chunks, acl=p.Acl(), wait=0.0):
+    def begin(self, region, chunks, acl=p.Acl(), wait=0.0, token=None):
         """Begin the next generation of ``region`` with chunks of these sizes (bytes); wait up
-        to ``wait`` seconds for another writer to finish. A Writer, its chunks mapped writable."""
+        to ``wait`` seconds for another writer to finish. A Writer, its chunks mapped writable.
+        ``token`` (16 bytes of the writer's choosing, ``commit_token()``) names the generation:
+        after a commit whose reply was lost, :meth:`commit_state` says whether it landed; a
+        token the region knows already is refused (InvalidRequest, rule "Token") and the
+        generation aborted."""
         chunks = [int(c) for c in chunks]
         reply = self._begin_request(p.encode_begin(region, chunks, acl, int(wait * 1000)),
                                     p.Began, wait)
@@ -501,7 +526,7 @@ class Client:
             if not isinstance(e, ServiceGone):
                 self.abort_pending_quietly()
             raise
-        return Writer(self, region, reply.generation, maps)
+        return self._named(Writer(self, region, reply.generation, maps), token)
 
     def commit_pending(self, timeout=None):
         """Commit this connection's pending generation; its number. ``timeout`` (seconds), when
@@ -543,6 +568,11 @@ class Client:
     def delete(self, region):
         """Delete ``region`` (needs the delete right)."""
         self.request(p.encode_delete(region), p.Done)
+
+
+def commit_token():
+    """A fresh commit token: 16 random bytes (``os.urandom``)."""
+    return os.urandom(16)
 
 
 def _remapped(sleeping, index, descriptor, size):

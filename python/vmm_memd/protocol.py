@@ -202,10 +202,23 @@ class Woke:
     zeroed: bool
 
 
+@dataclass(frozen=True)
+class CommitState:
+    """What became of a generation named by a writer's token: ``state`` is "Landed" (then
+    ``generation`` is its number), "Pending" (its writer's connection is open and has not
+    committed: ask again once it has ended) or "Unknown" (it did not land)."""
+    state: str
+    generation: Optional[int] = None
+
+
 # ---- requests -------------------------------------------------------------------------------
 
 (_LIST, _STATUS, _BEGIN, _PUT_META, _COMMIT, _ABORT, _ATTACH, _DETACH, _RENEW, _DELETE,
- _METRICS, _BEGIN_ON, _VERIFY, _DISCARD, _ATTACH_FABRIC, _SLEEP, _WAKE) = range(17)
+ _METRICS, _BEGIN_ON, _VERIFY, _DISCARD, _ATTACH_FABRIC, _SLEEP, _WAKE, _TOKEN,
+ _COMMIT_STATE) = range(19)
+
+#: The tokens of a region's latest tokened commits that ``CommitState`` remembers.
+MAX_LANDED_TOKENS = 64
 
 
 def _request(index, body=None):
@@ -356,6 +369,29 @@ def encode_wake(region):
     return _request(_WAKE, lambda w: w.str(region))
 
 
+def _token(token):
+    token = bytes(token)
+    if len(token) != 16:
+        raise ValueError(f"a commit token is 16 bytes, not {len(token)}")
+    return token
+
+
+def encode_token(token):
+    """Name this connection's pending generation with ``token`` (16 bytes)."""
+    token = _token(token)
+    return _request(_TOKEN, lambda w: w.out.extend(token))
+
+
+def encode_commit_state(region, token):
+    """What became of ``region``'s generation named ``token`` (needs the write right)."""
+    token = _token(token)
+
+    def body(w):
+        w.str(region)
+        w.out.extend(token)
+    return _request(_COMMIT_STATE, body)
+
+
 def meta_pages(entries):
     """``PutMeta`` requests carrying ``entries`` (key, TensorMeta), each at most MAX_REQUEST
     bytes: cut by their exact encoded size. Each entry is encoded once (a page's size is its
@@ -397,11 +433,13 @@ def _put_meta_request(encoded_entries):
 
 _RIGHTS = ("Read", "Write", "Delete")
 _RULES = ("Decode", "RegionName", "Chunks", "Metadata", "NotWriting", "AlreadyWriting", "Acl",
-          "NoSuchLease", "Backend", "NotAsleep")
+          "NoSuchLease", "Backend", "NotAsleep", "Token")
 _GPU_OPS = ("Allocate", "Import", "Read", "Copy")
 _SCOPES = ("Connection", "Uid", "All")
 _REPLIES = ("Refused", "List", "Status", "Began", "Done", "Committed", "Attached", "MetaPage",
-            "Renewed", "Metrics", "BeganGpu", "AttachedGpu", "Verified", "Slept", "Woke")
+            "Renewed", "Metrics", "BeganGpu", "AttachedGpu", "Verified", "Slept", "Woke",
+            "CommitState")
+_COMMIT_STATES = ("Landed", "Pending", "Unknown")
 _SLEEP_STATES = ("Awake", "Falling", "Asleep")
 
 
@@ -528,6 +566,9 @@ def decode_response(data):
         value = Slept(r.u64(), r.u32())
     elif name == "Woke":
         value = Woke(r.u64(), r.bool())
+    elif name == "CommitState":
+        state = _COMMIT_STATES[r.variant(_COMMIT_STATES, "a commit state")]
+        value = CommitState(state, r.u64() if state == "Landed" else None)
     else:
         value = Verified(r.u64(), tuple(r.seq(MAX_CHUNKS, "digests",
                                               lambda: _fixed(r, 32, "a digest"))))
@@ -539,7 +580,8 @@ __all__ = [
     "Dtype", "TensorMeta", "Uid", "Gid", "Acl", "RegionSummary", "GenerationStatus",
     "RegionStatus", "Status", "Began", "Done", "Committed", "AttachedReply", "MetaPage",
     "Renewed", "Metrics", "RegionList", "BeganGpu", "AttachedGpuReply", "Verified",
-    "Slept", "Woke", "decode_response", "encode_verify", "encode_begin_gpu", "encode_layout",
-    "encode_discard", "encode_sleep", "encode_wake", "meta_pages", "MAX_REQUEST",
+    "Slept", "Woke", "CommitState", "decode_response", "encode_verify", "encode_begin_gpu", "encode_layout",
+    "encode_discard", "encode_sleep", "encode_wake", "encode_token", "encode_commit_state",
+    "meta_pages", "MAX_LANDED_TOKENS", "MAX_REQUEST",
     "MAX_DATA", "MAX_CHUNKS", "MAX_META_ENTRIES", "MAX_KEY_LEN", "MAX_REGION_NAME",
 ]

@@ -15,8 +15,8 @@ use crate::error::{MemdError, Result};
 use crate::gpu_mapping::GpuChunks;
 use crate::keep_alive::{Next, Turn, Turns};
 use crate::protocol::{
-    Acl, Backend, ChunkDigest, REQUEST_META_PAGE_BYTES, RegionSummary, Request, Response, Status,
-    TensorMeta, meta_pages,
+    Acl, Backend, ChunkDigest, CommitState, REQUEST_META_PAGE_BYTES, RegionSummary, Request,
+    Response, Status, TensorMeta, meta_pages,
 };
 
 /// A connection to the service.
@@ -57,6 +57,35 @@ pub struct BeginOptions {
     /// Where a region this creates lives (an existing region's must match): host memory
     /// (default; sent as the original `Begin`, which every service speaks) or a GPU.
     pub backend: Backend,
+    /// A token naming the generation (16 bytes of the writer's choosing, random: see
+    /// [`commit_token`]): after a commit whose reply was lost, [`Client::commit_state`] with
+    /// it says whether the generation landed. A token the region knows already is refused
+    /// (`InvalidRequest` with rule `Token`) and the generation aborted.
+    pub token: Option<[u8; 16]>,
+}
+
+/// A fresh commit token: 16 bytes from the kernel's random source (`getrandom`).
+pub fn commit_token() -> Result<[u8; 16]> {
+    let mut token = [0u8; 16];
+    let mut filled = 0;
+    while filled < token.len() {
+        // SAFETY: the pointer and length are those of the unfilled rest of `token`.
+        let n = unsafe {
+            libc::getrandom(token[filled..].as_mut_ptr().cast(), token.len() - filled, 0)
+        };
+        if n < 0 {
+            let source = std::io::Error::last_os_error();
+            if source.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(MemdError::Os {
+                op: "getrandom",
+                source,
+            });
+        }
+        filled += n as usize;
+    }
+    Ok(token)
 }
 
 impl Client {
@@ -293,14 +322,33 @@ impl Client {
             ),
             other => return Err(unexpected("Began", &other)),
         };
-        Ok(Writer {
+        let writer = Writer {
             client: self,
             generation,
             chunks: buffers,
             gpu,
             meta: Vec::new(),
             finished: false,
-        })
+        };
+        if let Some(token) = options.token {
+            // Refused: the writer's drop aborts the generation.
+            self.request(&Request::Token { token })?;
+        }
+        Ok(writer)
+    }
+
+    /// What became of `region`'s generation named `token` ([`BeginOptions::token`]): landed
+    /// (as which generation), pending (its writer's connection is open and has not
+    /// committed: ask again once it has ended), or unknown (it did not land). Needs the
+    /// region's write right.
+    pub fn commit_state(&self, region: &str, token: [u8; 16]) -> Result<CommitState> {
+        match self.request(&Request::CommitState {
+            region: region.to_owned(),
+            token,
+        })? {
+            Response::CommitState(state) => Ok(state),
+            other => Err(unexpected("CommitState", &other)),
+        }
     }
 
     /// Map a pending host generation's chunks writable.

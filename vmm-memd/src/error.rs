@@ -47,6 +47,8 @@ pub enum RequestRule {
     Backend,
     /// A `Wake` of a generation that is awake (no sleep asked, none to call off).
     NotAsleep,
+    /// A `Token` the region knows already (a landed generation's, or its pending one's).
+    Token,
 }
 
 /// A refusal by the service: sent as the reply to the request it refuses, so a client matches

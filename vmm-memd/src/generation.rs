@@ -52,6 +52,8 @@ pub(crate) struct Generation {
     /// and encoding a large model's every attach (hundreds of entries, each a key and a shape)
     /// was most of the service's part of an attach.
     pub(crate) meta_replies: Option<MetaReplies>,
+    /// The token its writer named it with (`Request::Token`), if any.
+    pub(crate) token: Option<[u8; 16]>,
     /// The uid whose quota it is charged to.
     pub(crate) charged_to: u32,
     pub(crate) leases: HashMap<u64, Lease>,

@@ -43,6 +43,8 @@ pub(crate) struct GenerationRecord {
     /// Its memory was discarded (a discard sleep): the entry carries the record only, no
     /// chunks; `chunks` are the sizes to make again.
     pub(crate) discarded: bool,
+    /// The token its writer named it with: a commit's outcome is known after a restart too.
+    pub(crate) token: Option<[u8; 16]>,
 }
 
 /// A generation taken back from the keeper.

@@ -64,7 +64,7 @@ mod trace;
 
 pub use admin::{RegionSlept, RegionWoke};
 pub use attach::{Attached, FabricAttached, Unmapped};
-pub use client::{BeginOptions, Client, Writer};
+pub use client::{BeginOptions, Client, Writer, commit_token};
 pub use error::{GpuOp, MemdError, Refusal, RequestRule, Result, Right};
 pub use gpu_mapping::GpuChunks;
 pub use inflight::InFlightScope;

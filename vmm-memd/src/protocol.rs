@@ -257,7 +257,44 @@ pub enum Request {
         /// The region.
         region: String,
     },
+    /// Name this connection's pending generation with `token`, a value the writer chose (16
+    /// random bytes): after a commit whose reply was lost, [`Request::CommitState`] with the
+    /// token says whether that generation landed. The reply is [`Response::Done`];
+    /// `InvalidRequest` with rule `NotWriting` without a pending generation, with rule
+    /// `Token` for a token the region knows already (landed, or naming its pending one).
+    Token {
+        /// The writer's token.
+        token: [u8; 16],
+    },
+    /// What became of `region`'s generation named `token` (needs the region's write right):
+    /// [`Response::CommitState`].
+    CommitState {
+        /// The region.
+        region: String,
+        /// The writer's token.
+        token: [u8; 16],
+    },
 }
+
+/// What became of a generation named by a writer's token ([`Request::CommitState`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CommitState {
+    /// It was committed, as this generation (it may have been retired since).
+    Landed {
+        /// Its number.
+        generation: u64,
+    },
+    /// It is the region's pending generation: its writer's connection is open and has not
+    /// committed it (yet). Ask again once that connection has ended.
+    Pending,
+    /// The region knows no generation of that token: it did not land (its writer's
+    /// connection ended before the commit), or it landed more than
+    /// [`MAX_LANDED_TOKENS`] tokened commits ago, or the region was deleted since.
+    Unknown,
+}
+
+/// The tokens of a region's latest tokened commits that [`Request::CommitState`] remembers.
+pub const MAX_LANDED_TOKENS: usize = 64;
 
 /// One generation's view in [`Status`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -432,6 +469,8 @@ pub enum Response {
         /// leases was called off, and the contents stayed).
         zeroed: bool,
     },
+    /// The reply to [`Request::CommitState`].
+    CommitState(CommitState),
 }
 
 /// Decode a request, refusing one longer than [`MAX_REQUEST`] before reading a byte of it.

@@ -591,6 +591,13 @@ impl Connection<'_, '_> {
                 let (generation, zeroed) = registry.wake_region(who, &region)?;
                 Response::Woke { generation, zeroed }
             }
+            Request::Token { token } => {
+                registry.set_token(conn, &writing()?, token)?;
+                Response::Done
+            }
+            Request::CommitState { region, token } => {
+                Response::CommitState(registry.commit_state(who, &region, token)?)
+            }
             Request::Verify { region, generation } => {
                 // Given up when the service stops or the client leaves (registry/verify.rs).
                 let (generation, digests) =

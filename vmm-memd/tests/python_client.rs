@@ -175,6 +175,7 @@ fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
             "test_the_default_packs_a_llama_into_few_chunks",
             "test_bad_names_and_sizes_are_refused",
             "test_a_dtype_vmm_memd_cannot_name_is_unsupported_dtype",
+            "test_a_tokened_commit_is_known_and_its_token_is_not_taken_twice",
         ],
     );
     // Where python3 has torch (the GPU machine), a state dict on a host region, bound to a
@@ -187,6 +188,8 @@ fn the_python_client_publishes_attaches_and_refuses_against_the_service() {
                 "test_views_scalars_empty_tensors_and_several_chunks_round_trip",
                 "test_what_cannot_be_published_is_refused_typed_before_anything_is_sent",
                 "test_tensors_that_do_not_fit_the_model_are_state_dict_mismatch",
+                "test_tensors_are_views_of_one_import_per_chunk_and_odd_offsets_still_work",
+                "test_a_model_with_load_state_dict_hooks_is_bound_through_load_state_dict",
             ],
         );
     }
@@ -447,6 +450,17 @@ fn the_python_codecs_golden_requests_are_postcards() {
     let mut expected = b"\x0b\x01r\x01\x80\x20\x00\x00\x00\x05\x01".to_vec();
     expected.extend_from_slice(&uuid);
     assert_eq!(bytes(&begin_on), expected);
+    // A commit token: 16 bytes as they are (`encode_token`, `encode_commit_state`).
+    let mut expected = b"\x11".to_vec();
+    expected.extend_from_slice(&uuid);
+    assert_eq!(bytes(&Request::Token { token: uuid }), expected);
+    let mut expected = b"\x12\x01r".to_vec();
+    expected.extend_from_slice(&uuid);
+    let state = Request::CommitState {
+        region: "r".into(),
+        token: uuid,
+    };
+    assert_eq!(bytes(&state), expected);
 }
 
 /// The layout hash the Python client takes before a sleep (`vmm_memd.layout_hash`, and

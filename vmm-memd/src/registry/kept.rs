@@ -50,6 +50,7 @@ impl Registry {
                     generations: BTreeMap::new(),
                     pending: None,
                     waiting: VecDeque::new(),
+                    landed: VecDeque::new(),
                 });
             let generation = Generation {
                 number: record.generation,
@@ -64,6 +65,7 @@ impl Registry {
                     .collect(),
                 meta: record.meta,
                 meta_replies: None,
+                token: record.token,
                 charged_to: record.charged_to,
                 leases: HashMap::new(),
                 digests: record.digests,
@@ -71,6 +73,9 @@ impl Registry {
                 discarded: record.discarded.then(|| record.chunks.clone()),
             };
             let bytes = generation.bytes();
+            if let Some(token) = generation.token {
+                super::tokens::landed(r, token, record.generation);
+            }
             r.current = r.current.max(Some(record.generation));
             r.generations.insert(record.generation, generation);
             *state.used.entry(record.charged_to).or_default() += bytes;
@@ -160,6 +165,7 @@ pub(super) fn keep(state: &mut State, region: &str, number: u64) {
         fabric: r.fabric,
         digests: g.digests.clone(),
         discarded: g.discarded.is_some(),
+        token: g.token,
     };
     let fds: Vec<_> = g.chunks.iter().map(|c| c.fd.as_fd()).collect();
     // A failure marks the keeper lost; the service's keeper thread replaces it and sends

@@ -26,6 +26,7 @@ mod hashing;
 mod kept;
 mod leases;
 mod refabric;
+mod tokens;
 mod verify;
 
 use crate::trace::event;
@@ -65,6 +66,9 @@ struct Region {
     pending: Option<(u64, i32, Generation)>,
     /// Connections waiting for the writer slot, first come first served.
     waiting: VecDeque<u64>,
+    /// The tokens of its latest tokened commits and their generations, oldest first (at most
+    /// `MAX_LANDED_TOKENS`; see `tokens`).
+    landed: VecDeque<([u8; 16], u64)>,
 }
 
 impl Region {
@@ -264,6 +268,7 @@ impl Registry {
                 generations: BTreeMap::new(),
                 pending: None,
                 waiting: VecDeque::new(),
+                landed: VecDeque::new(),
             });
         if r.may(who, Right::Read) && r.backend != backend {
             let refusal = backend_refusal(region, r.backend);
@@ -353,6 +358,7 @@ impl Registry {
             chunks: made,
             meta: Vec::new(),
             meta_replies: None,
+            token: None,
             charged_to: who.uid,
             leases: HashMap::new(),
             digests: Vec::new(),
@@ -430,6 +436,9 @@ impl Registry {
             uid = generation.charged_to,
             bytes = generation.bytes()
         );
+        if let Some(token) = generation.token {
+            tokens::landed(r, token, number);
+        }
         r.generations.insert(number, generation);
         r.current = Some(number);
         keep(&mut state, region, number);
