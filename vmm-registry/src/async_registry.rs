@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 use crate::config::RegistryConfig;
 use crate::core::{Core, Listing, Published};
 use crate::error::{LeaseLoss, RegistryError};
-use crate::lease::LeaseEvent;
+use crate::lease_state::LeaseEvent;
 use crate::locator::{Entry, Locator};
 use crate::watch::{Sink, WatchEvent};
 

@@ -9,7 +9,7 @@ use crate::config::RegistryConfig;
 use crate::error::{ConfigError, Op, RegistryError};
 use crate::etcd::{Etcd, delete_if, put_if, when_absent, when_lease};
 use crate::keys::{check_name, domain_prefix, export_key};
-use crate::lease::{LeaseState, Record};
+use crate::lease_state::{LeaseState, Record};
 use crate::locator::{Entry, Locator, decode};
 
 /// What a successful publish wrote.

@@ -8,7 +8,7 @@ use crate::background::Background;
 use crate::config::RegistryConfig;
 use crate::core::{Core, Listing, Published};
 use crate::error::{LeaseLoss, Op, RegistryError};
-use crate::lease::LeaseEvent;
+use crate::lease_state::LeaseEvent;
 use crate::locator::{Entry, Locator};
 use crate::watch::Watch;
 

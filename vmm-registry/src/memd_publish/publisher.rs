@@ -10,7 +10,7 @@ use vmm_memd::{Client, MemdError, Refusal};
 
 use crate::error::RegistryError;
 use crate::keys::check_name;
-use crate::lease::LeaseEvent;
+use crate::lease_state::LeaseEvent;
 use crate::locator::{ExportedObject, HandleKind};
 use crate::registry::Registry;
 use crate::serve::ExportServer;
