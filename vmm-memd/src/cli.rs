@@ -189,6 +189,8 @@ pub fn main(args: &[String]) -> i32 {
     // below stay as they are).
     #[cfg(feature = "tracing")]
     crate::trace::install_stderr_subscriber();
+    // The caps on fds in flight follow the soft limit: as high as this process may go.
+    crate::fd_limit::raise();
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGINT, on_stop as *const () as libc::sighandler_t);
