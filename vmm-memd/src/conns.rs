@@ -9,7 +9,9 @@
 //! while it is not evicted, and is evicted only while it serves none, so no request of an
 //! evicted connection is ever served (its client sees `ServiceGone`), and a connection gains
 //! a lease or a pending generation only inside a request. An evicted connection's slot is
-//! free at once (its thread may take a tick to end), and is counted once.
+//! free at once (its thread may take a tick to end), and is counted once. The eviction is
+//! decided before the newcomer's `HELLO` is sent: a newcomer that is gone by then has still
+//! cost its uid that idle connection (as the idle timeout would have, later).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
