@@ -24,11 +24,13 @@ Serve named memory regions with generations to local processes (see vmm-memd/REA
   --max-wait-ms MS         the longest a writer waits for a region (default 60000)
   --retain N               keep N retired generations per region without leases (default 0)
   --max-connections N      connections at once (default 256)
-  --max-connections-per-uid N   of one uid (default 64)
+  --max-connections-per-uid N   of one uid (default 64; at the cap a newcomer evicts the
+                           uid's longest-idle connection without a lease or pending generation)
   --idle-timeout-ms MS     close a connection that sent no request for MS while it holds no
                            lease and no pending generation (default 300000; 0: never)
-  --max-fds-in-flight N    descriptor fds sent and not read yet, in all (default 4096)
-  --max-fds-in-flight-per-uid N   to one uid (default 1024)
+  --max-fds-in-flight N    descriptor fds sent and not read yet, in all (default 4096; at
+                           most half the soft RLIMIT_NOFILE, raised to the hard one at start)
+  --max-fds-in-flight-per-uid N   to one uid (default 1024; at most a quarter of the total)
   --no-keeper              no keeper process: a crash of the service loses every region
   --keeper-linger-ms MS    a keeper lets everything go once no service has been connected
                            for MS (default: it waits for a restart for ever)
@@ -189,6 +191,8 @@ pub fn main(args: &[String]) -> i32 {
     // below stay as they are).
     #[cfg(feature = "tracing")]
     crate::trace::install_stderr_subscriber();
+    // The caps on fds in flight follow the soft limit: as high as this process may go.
+    crate::fd_limit::raise();
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGINT, on_stop as *const () as libc::sighandler_t);

@@ -16,7 +16,8 @@ use crate::keeper_wire::{self, KeeperError, KeeperMsg};
 /// Run the keeper on `name` until the service says `Quit`, or until no service has been
 /// connected for `linger` (`None`: forever). The process's exit status.
 pub fn run(name: &Name, linger: Option<Duration>) -> i32 {
-    raise_fd_limit();
+    // It holds one fd per chunk and one per generation, as many as the service.
+    crate::fd_limit::raise();
     let listener = match keeper_wire::listen(name) {
         Ok(listener) => listener,
         Err(e) => {
@@ -142,20 +143,4 @@ fn serve_one(
         }
     }
     Ok(true)
-}
-
-/// Raise the soft `RLIMIT_NOFILE` to the hard one: the keeper holds one fd per chunk and one
-/// per generation, as many as the service.
-fn raise_fd_limit() {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit with a live local.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 {
-            limit.rlim_cur = limit.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
-        }
-    }
 }

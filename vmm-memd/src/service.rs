@@ -1,11 +1,13 @@
 //! [`Service`]: the registry served on a [`Listener`], one thread per connection, within caps
-//! on connections in all and per uid, with one reaper thread that ends leases past their TTL
-//! and gives back the fds-in-flight charge of ended connections once their fds are read.
+//! on connections in all and per uid (a uid at its cap gets a slot by the eviction of its own
+//! longest-idle connection that holds no lease and no pending generation: `conns.rs`), with
+//! one reaper thread that ends leases past their TTL and gives back the fds-in-flight charge
+//! of ended connections once their fds are read.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vmm_core::cuda::{DeviceIdentity, HandleType, IpcDescriptor};
@@ -13,6 +15,7 @@ use vmm_core::peer::{MAX_DATA, PeerMessage, Session};
 use vmm_core::shm::HostDescriptor;
 use vmm_core::wire::endpoint::{Credentials, Listener};
 
+use crate::conns::{Admitted, Conns};
 use crate::error::{Refusal, RequestRule};
 use crate::generation::ChunkFd;
 use crate::identity::{self, Identity};
@@ -24,11 +27,14 @@ use crate::trace::event;
 
 /// Connections served at once unless told otherwise: 256.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
-/// Connections one uid may hold at once unless told otherwise: 64.
+/// Connections one uid may hold at once unless told otherwise: 64. A uid at this cap gets a
+/// slot for a new connection by the eviction of its longest-idle connection that serves no
+/// request and holds no lease and no pending generation; refused when it has none.
 pub const DEFAULT_MAX_CONNECTIONS_PER_UID: usize = 64;
 /// A lease's TTL unless told otherwise: 10 s.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
-/// Descriptor fds in flight to one uid's connections unless told otherwise: 1024.
+/// Descriptor fds in flight to one uid's connections unless told otherwise: 1024 (and at most
+/// a quarter of the cap in all, so that one uid always leaves room for the others).
 pub const DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID: usize = 1024;
 /// Descriptor fds in flight in all unless told otherwise: 4096 (and at most half the
 /// service's soft `RLIMIT_NOFILE`).
@@ -106,13 +112,15 @@ impl Service {
     }
 
     /// Set the caps on descriptor fds in flight (sent, not read yet): per uid and in all
-    /// (clamped: see [`DEFAULT_MAX_FDS_IN_FLIGHT`]). A connection has at most one reply's in
-    /// flight whatever these are.
+    /// (clamped: see [`DEFAULT_MAX_FDS_IN_FLIGHT`] and [`DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID`]).
+    /// A connection has at most one reply's in flight whatever these are; a reply with more
+    /// descriptors than the cap per uid is refused (`FdsInFlight` with scope `Uid`).
     pub fn set_max_fds_in_flight(&mut self, per_uid: usize, total: usize) {
         self.max_fds_in_flight = (per_uid, total);
     }
 
-    /// Set the caps on connections: in all, and per uid (each at least 1).
+    /// Set the caps on connections: in all, and per uid (each at least 1; see
+    /// [`DEFAULT_MAX_CONNECTIONS_PER_UID`] for a uid at its cap).
     pub fn set_max_connections(&mut self, total: usize, per_uid: usize) {
         self.max_connections = total.max(1);
         self.max_connections_per_uid = per_uid.clamp(1, self.max_connections);
@@ -182,8 +190,7 @@ impl Service {
         kept: bool,
     ) -> vmm_core::Result<()> {
         let budget = FdBudget::new(self.max_fds_in_flight.0, self.max_fds_in_flight.1);
-        let held: Mutex<HashMap<u32, usize>> = Mutex::new(HashMap::new());
-        let lock = || held.lock().unwrap_or_else(|e| e.into_inner());
+        let conns = Conns::new(self.max_connections, self.max_connections_per_uid);
         let next_conn = AtomicU64::new(0);
         // Connections that ended with descriptor fds unread: the kernel counts those fds
         // against this uid until the peer's socket reads or closes them (a forked child may
@@ -193,6 +200,7 @@ impl Service {
         std::thread::scope(|scope| {
             let budget = &budget;
             let parked = &parked;
+            let conns = &conns;
             scope.spawn(move || {
                 while !halt.is_set() {
                     registry.expire(Instant::now());
@@ -220,14 +228,7 @@ impl Service {
                 let admitted = Session::accept_admitting(
                     listener,
                     Some(Duration::from_millis(100)),
-                    &mut |peer| {
-                        admit(
-                            &lock(),
-                            peer,
-                            self.max_connections,
-                            self.max_connections_per_uid,
-                        )
-                    },
+                    &mut |peer| admit(conns, registry, peer),
                 );
                 let session = match admitted {
                     Ok(session) => session,
@@ -250,8 +251,8 @@ impl Service {
                     }
                 };
                 let uid = session.peer().uid;
-                *lock().entry(uid).or_default() += 1;
                 let conn = next_conn.fetch_add(1, Ordering::Relaxed);
+                conns.insert(conn, uid);
                 event!(
                     DEBUG,
                     "memd.conn.accepted",
@@ -259,7 +260,6 @@ impl Service {
                     uid,
                     pid = session.peer().pid
                 );
-                let lock = &lock;
                 let started = std::thread::Builder::new()
                     .name("vmm-memd-conn".into())
                     .spawn_scoped(scope, move || {
@@ -273,6 +273,7 @@ impl Service {
                             halt,
                             charge: budget.charge(uid),
                             idle_timeout: self.idle_timeout,
+                            conns,
                         };
                         let conversed = served.converse();
                         if let Err(e) = &conversed {
@@ -298,20 +299,11 @@ impl Service {
                                 .unwrap_or_else(|e| e.into_inner())
                                 .push((session, charge));
                         }
-                        let mut held = lock();
-                        if let Some(n) = held.get_mut(&uid) {
-                            *n -= 1;
-                            if *n == 0 {
-                                held.remove(&uid);
-                            }
-                        }
+                        conns.remove(conn);
                     });
                 if let Err(e) = started {
                     eprintln!("vmm-memd: cannot start a connection thread: {e}");
-                    let mut held = lock();
-                    if let Some(n) = held.get_mut(&uid) {
-                        *n -= 1;
-                    }
+                    conns.remove(conn);
                     std::thread::sleep(Duration::from_millis(50));
                 }
             }
@@ -332,30 +324,34 @@ impl Halt<'_> {
     }
 }
 
-/// The connection caps, checked on the accepting thread before `HELLO`.
-fn admit(
-    held: &MutexGuard<'_, HashMap<u32, usize>>,
-    peer: &Credentials,
-    total: usize,
-    per_uid: usize,
-) -> Result<(), String> {
-    let all: usize = held.values().sum();
-    let mine = held.get(&peer.uid).copied().unwrap_or(0);
-    let refused = if all >= total {
-        format!("the service holds {all} connections, its cap")
-    } else if mine >= per_uid {
-        format!("this uid holds {mine} connections, the cap per uid")
-    } else {
-        return Ok(());
-    };
-    event!(
-        WARN,
-        "memd.conn.refused",
-        uid = peer.uid,
-        pid = peer.pid,
-        reason = %refused
-    );
-    Err(refused)
+/// The connection caps, checked on the accepting thread before `HELLO`: a uid at its cap
+/// evicts its longest-idle connection without a lease or a pending generation, if it has one
+/// (whose thread ends at its next wake).
+#[cfg_attr(not(feature = "tracing"), allow(unused_variables))]
+fn admit(conns: &Conns, registry: &Registry, peer: &Credentials) -> Result<(), String> {
+    match conns.admit(peer.uid, &|conn| registry.holds_leases(conn)) {
+        Ok(Admitted::Free) => Ok(()),
+        Ok(Admitted::Evicted { conn }) => {
+            event!(
+                INFO,
+                "memd.conn.evicting",
+                conn,
+                uid = peer.uid,
+                for_pid = peer.pid
+            );
+            Ok(())
+        }
+        Err(full) => {
+            event!(
+                WARN,
+                "memd.conn.refused",
+                uid = peer.uid,
+                pid = peer.pid,
+                reason = %full
+            );
+            Err(full.to_string())
+        }
+    }
 }
 
 /// What the next wait on a connection found.
@@ -380,6 +376,8 @@ struct Connection<'a, 's> {
     charge: Charge<'s>,
     /// See [`Service::set_idle_timeout`].
     idle_timeout: Option<Duration>,
+    /// The live connections (this one's eviction).
+    conns: &'a Conns,
 }
 
 impl Connection<'_, '_> {
@@ -391,6 +389,23 @@ impl Connection<'_, '_> {
             // A stop is heeded between requests whether or not one waits: a client that
             // always has a request queued must not keep the service from stopping.
             if self.halt.is_set() {
+                return Ok(());
+            }
+            // Evicted for a new connection of its uid: between requests only (an evicted
+            // connection starts none, see `Conns::begin_request`).
+            let evicted = match woke {
+                Woke::Request => !self.conns.begin_request(self.conn),
+                _ => self.conns.evicted(self.conn),
+            };
+            if evicted {
+                event!(
+                    INFO,
+                    "memd.conn.evicted",
+                    conn = self.conn,
+                    uid = self.identity.uid,
+                    pid = self.identity.pid,
+                    idle_ms = last_request.elapsed().as_millis() as u64
+                );
                 return Ok(());
             }
             match woke {
@@ -408,24 +423,34 @@ impl Connection<'_, '_> {
                 Woke::Idle => continue,
                 Woke::Request => last_request = Instant::now(),
             }
-            let bytes = match self.session.recv_message() {
-                Ok(PeerMessage::Data(bytes)) => bytes,
-                Ok(PeerMessage::Descriptor(_)) => {
-                    // Dropping it closes its fds; a client never sends descriptors.
-                    self.refuse(Refusal::InvalidRequest {
-                        rule: RequestRule::Decode,
-                        detail: "clients send DATA requests only, not descriptors".into(),
-                    })?;
-                    continue;
-                }
-                Err(vmm_core::Error::Disconnected(_)) => return Ok(()),
-                Err(e) => return Err(e),
-            };
-            match protocol::decode_request(&bytes) {
-                Ok(request) => self.answer(request)?,
-                Err(refusal) => self.refuse(refusal)?,
+            let served = self.serve_one();
+            self.conns.end_request(self.conn, self.writing.is_some());
+            if served? {
+                return Ok(());
             }
         }
+    }
+
+    /// Receive and answer one request; whether the client has gone.
+    fn serve_one(&mut self) -> vmm_core::Result<bool> {
+        let bytes = match self.session.recv_message() {
+            Ok(PeerMessage::Data(bytes)) => bytes,
+            Ok(PeerMessage::Descriptor(_)) => {
+                // Dropping it closes its fds; a client never sends descriptors.
+                self.refuse(Refusal::InvalidRequest {
+                    rule: RequestRule::Decode,
+                    detail: "clients send DATA requests only, not descriptors".into(),
+                })?;
+                return Ok(false);
+            }
+            Err(vmm_core::Error::Disconnected(_)) => return Ok(true),
+            Err(e) => return Err(e),
+        };
+        match protocol::decode_request(&bytes) {
+            Ok(request) => self.answer(request)?,
+            Err(refusal) => self.refuse(refusal)?,
+        }
+        Ok(false)
     }
 
     /// Whether the connection, `quiet` since its last request, has been idle too long: it

@@ -387,13 +387,18 @@ fn connections_per_uid_are_capped() {
             }
         }
     };
-    let (_a, _b) = (connect(), connect());
+    // Both hold a lease, so neither can be evicted for a newcomer of their uid (an idle one
+    // would be: `availability.rs`).
+    let (a, b) = (connect(), connect());
+    publish(&a, "w", 1, 4096);
+    let leases = (a.attach("w").unwrap(), b.attach("w").unwrap());
     let err = service.try_connect().unwrap_err();
     assert!(
         matches!(&err, MemdError::Core(vmm_core::Error::PeerRefused { .. })),
         "{err:?}"
     );
-    drop(_a);
+    drop((leases, b));
+    drop(a);
     // Its slot frees once the service sees the hang-up (within a poll tick).
     common::until(Duration::from_secs(2), || service.try_connect().is_ok())
         .expect("a slot frees when a connection ends");

@@ -15,7 +15,13 @@
 //! - clients that exit while a forked child holds their socket, descriptors unread, stay
 //!   charged (the daemon parked such connections);
 //! - attaches waiting for room in that budget hold no fds (eight of them once ran the service
-//!   out of fds).
+//!   out of fds);
+//! - one uid that asks for descriptors on 16 connections and never reads them takes at most a
+//!   quarter of that budget at the usual soft file limit of 1024, so the owner's own client is
+//!   served (it once took all 512);
+//! - a uid at its connection cap (64) gets a slot for its new client by the eviction of its
+//!   longest-idle connection that holds no lease and no pending generation (its new client
+//!   was once refused until the 5-minute idle timeout).
 //!
 //! None is ignored: each of these once failed against vmm-memd and passes since its fix.
 //!
@@ -34,6 +40,7 @@ use std::time::{Duration, Instant};
 use common::{NOBODY, PROGRAM_VAR, Role, ServiceProc, holds, is_root, publish, role_args};
 use common::{role_client, say, test_exe, until};
 use vmm_core::wire::endpoint::{Allow, ConnectOptions, Name};
+use vmm_memd::BeginOptions;
 use vmm_memd::protocol::{Request, Response};
 use vmm_memd::{Client, InFlightScope, MemdError, Refusal};
 
@@ -99,6 +106,44 @@ fn role_entry() {
                 }
             }
             say(&format!("FORKED {pid}"));
+        }
+        // Publish a region of ARGS[1] chunks, ask for it on ARGS[0] connections at once and
+        // read only each reply's first message (never a descriptor): say HOGGING, the replies
+        // that attached, those refused with scope Uid, and that cap; then hold on to them.
+        "hog" => {
+            let (conns, chunks): (usize, usize) =
+                (args[0].parse().unwrap(), args[1].parse().unwrap());
+            let writer = role_client();
+            publish(&writer, "hog", chunks, 4096);
+            let attach = postcard::to_allocvec(&Request::Attach {
+                region: "hog".into(),
+                generation: None,
+            })
+            .unwrap();
+            let hogs: Vec<Client> = (0..conns).map(|_| role_client()).collect();
+            for hog in &hogs {
+                hog.session().send_data(&attach).unwrap();
+            }
+            until(Duration::from_secs(60), || {
+                hogs.iter().all(|hog| answered_session(hog.session()))
+            })
+            .expect("every request is answered");
+            let (mut attached, mut refused, mut cap) = (0, 0, 0);
+            for hog in &hogs {
+                match postcard::from_bytes(&hog.session().recv_data().unwrap()).unwrap() {
+                    Response::Attached { .. } => attached += 1,
+                    Response::Refused(Refusal::FdsInFlight {
+                        scope: InFlightScope::Uid,
+                        cap: uid_cap,
+                        ..
+                    }) => (refused, cap) = (refused + 1, uid_cap),
+                    other => panic!("hog: {other:?}"),
+                }
+            }
+            say(&format!("HOGGING {attached} {refused} {cap}"));
+            loop {
+                std::thread::park();
+            }
         }
         other => panic!("unknown role {other}"),
     }
@@ -320,6 +365,9 @@ fn sigterm_stops_the_service_within_2_s_while_clients_chat() {
 /// Chunks of the region the reader-less connections ask for: one descriptor fd each.
 const CHUNKS: usize = 32;
 
+/// A uid's share of the fds in flight under `--nofile=128`: a quarter of half the limit.
+const SHARE: usize = 16;
+
 #[test]
 fn many_connections_that_never_read_their_descriptors_stay_below_the_kernels_limit() {
     if !is_root() || !prlimit_works() {
@@ -342,22 +390,23 @@ fn many_connections_that_never_read_their_descriptors_stay_below_the_kernels_lim
     let options = ConnectOptions::default().expect(Allow::none().uid(NOBODY));
     let connect = || Client::connect_with(&service.name, &options).unwrap();
     let writer = connect();
-    publish(&writer, "w", CHUNKS, 4096);
-    // Six connections each ask for the region's 32 descriptors and read nothing: 192 fds,
-    // more than the kernel lets the service's uid have in flight. One after another, each
-    // answered before the next asks: the service holds a waiting attach's chunk fds while it
-    // waits for room (up to 1 s), and several waiting at once would run it out of fds instead.
+    publish(&writer, "w", 8, 4096);
+    // Twenty connections each ask for the region's 8 descriptors and read nothing: 160 fds,
+    // more than the kernel lets the service's uid have in flight (128). The budget is half
+    // the service's limit in all (64), a quarter of that per uid (16): two replies.
     let attach = postcard::to_allocvec(&Request::Attach {
         region: "w".into(),
         generation: None,
     })
     .unwrap();
-    let hogs: Vec<Client> = (0..6).map(|_| connect()).collect();
+    let hogs: Vec<Client> = (0..20).map(|_| connect()).collect();
     for hog in &hogs {
         hog.session().send_data(&attach).unwrap();
-        until(Duration::from_secs(10), || answered_session(hog.session()))
-            .expect("the request is answered");
     }
+    until(Duration::from_secs(60), || {
+        hogs.iter().all(|hog| answered_session(hog.session()))
+    })
+    .expect("every request is answered");
     let (mut attached, mut refused) = (0, 0);
     for hog in &hogs {
         let session = hog.session();
@@ -366,23 +415,32 @@ fn many_connections_that_never_read_their_descriptors_stay_below_the_kernels_lim
                 for _ in 0..meta_pages {
                     session.recv_data().unwrap();
                 }
-                for _ in 0..CHUNKS {
+                for _ in 0..8 {
                     session.recv_descriptor().unwrap();
                 }
                 attached += 1;
             }
-            // The cap per uid is clamped to the one in all here: either may speak.
             Response::Refused(Refusal::FdsInFlight {
-                scope: InFlightScope::Uid | InFlightScope::All,
+                scope: InFlightScope::Uid,
+                cap: 16,
                 ..
             }) => refused += 1,
             other => panic!("{other:?}"),
         }
     }
-    // At most half the service's limit in flight: 64 fds, 2 replies.
-    assert_eq!((attached, refused), (2, 4));
+    assert_eq!((attached, refused), (2, 18));
     // Read up: served again.
-    assert_eq!(connect().attach("w").unwrap().chunks.len(), CHUNKS);
+    assert_eq!(connect().attach("w").unwrap().chunks.len(), 8);
+    // A reply larger than a uid's share never fits under a limit this small: a generation
+    // of 32 chunks is refused, typed (and so no region has one to attach).
+    match connect().begin("big", &[4096; CHUNKS], BeginOptions::default()) {
+        Err(MemdError::Refused(Refusal::FdsInFlight {
+            scope: InFlightScope::Uid,
+            cap: 16,
+            ..
+        })) => {}
+        other => panic!("{other:?}"),
+    }
     drop((hogs, writer));
     assert_eq!(service.stop().code(), Some(0));
 }
@@ -404,7 +462,9 @@ fn answered_session(session: &vmm_core::peer::Session) -> bool {
 /// client that exits while a forked child holds its socket is forgotten at once (its pidfd),
 /// but the kernel still counts the fds against the service's uid. Before the fix the charge
 /// went back with the connection: five such clients put 160 fds in flight, and the next send
-/// to anyone failed with `ETOOMANYREFS`.
+/// to anyone failed with `ETOOMANYREFS`. Since a uid's share is a quarter of the budget (16
+/// fds under `--nofile=128`), the clients ask for 16 chunks each, and ten of them would put
+/// 160 in flight without the parking.
 #[test]
 fn clients_that_exit_with_descriptors_unread_stay_charged() {
     if !is_root() || !prlimit_works() {
@@ -424,9 +484,9 @@ fn clients_that_exit_with_descriptors_unread_stay_charged() {
     let service = Wrapped::start(&wrapper, &["--no-keeper", "--allow-uid", "0"]);
     let options = ConnectOptions::default().expect(Allow::none().uid(NOBODY));
     let client = Client::connect_with(&service.name, &options).unwrap();
-    publish(&client, "w", CHUNKS, 4096);
+    publish(&client, "w", SHARE, 4096);
     let mut children = Vec::new();
-    for _ in 0..5 {
+    for _ in 0..10 {
         let mut forker = Command::new(test_exe())
             .args([
                 "--exact",
@@ -479,7 +539,8 @@ impl Drop for KillOnDrop {
 /// uid asking at once for a 32-chunk region (two replies fit the budget of 64 under
 /// `--nofile=128`) ran the service out of fds: the others were answered
 /// `ServiceFailed { op: "dup(chunk memfd)", errno: EMFILE }` instead of a typed
-/// `FdsInFlight`.
+/// `FdsInFlight`. Since a uid's share is a quarter of the budget (16 there), the region has
+/// 16 chunks: one reply fits, seven wait (112 dups would pass the limit of 128).
 #[test]
 fn attaches_waiting_for_room_hold_no_fds() {
     if !prlimit_works() {
@@ -488,7 +549,7 @@ fn attaches_waiting_for_room_hold_no_fds() {
     }
     let service = Wrapped::start(&["prlimit", "--nofile=128:128"], &["--no-keeper"]);
     let client = Client::connect(&service.name).unwrap();
-    publish(&client, "w", CHUNKS, 4096);
+    publish(&client, "w", SHARE, 4096);
     let attach = postcard::to_allocvec(&Request::Attach {
         region: "w".into(),
         generation: None,
@@ -510,4 +571,86 @@ fn attaches_waiting_for_room_hold_no_fds() {
             other => panic!("{other:?}"),
         }
     }
+}
+
+/// One uid that asks for descriptors on many connections and never reads them takes at most
+/// a quarter of the budget of fds in flight, at the usual soft file limit of 1024 (half of it
+/// in all, 512; a quarter of that per uid, 128). Before the fix the cap per uid was clamped
+/// only to the total: 16 connections of another uid asking for 32 chunks each took all 512,
+/// and the owner's own client was refused `FdsInFlight { scope: All, in_flight: 512, cap: 512 }`
+/// for as long as they held their sockets.
+#[test]
+fn one_uid_that_never_reads_leaves_room_for_the_others() {
+    if !is_root() || !prlimit_works() {
+        println!(
+            "SKIP one_uid_that_never_reads_leaves_room_for_the_others: needs root (setpriv) and \
+             prlimit"
+        );
+        return;
+    }
+    let service = ServiceProc::start_under(&["prlimit", "--nofile=1024:1024"], &["--no-keeper"]);
+    let owner = service.connect();
+    let generation = publish(&owner, "mine", CHUNKS, 4096);
+    // Uid 65534: 16 connections, a 32-chunk attach on each, nothing read.
+    let mut hog = Role::spawn("hog", &service, &["16", &CHUNKS.to_string()], true);
+    let hogging = hog.expect_line();
+    // The owner is served meanwhile, on two connections at once (its own share is 128 too).
+    let second = service.connect();
+    let attached = [owner.attach("mine"), second.attach("mine")];
+    for attached in &attached {
+        match attached {
+            Ok(attached) => {
+                assert_eq!(attached.chunks.len(), CHUNKS);
+                assert!(attached.chunks.iter().all(|c| holds(c, generation)));
+            }
+            Err(e) => panic!("the owner is refused while uid {NOBODY} says {hogging}: {e:?}"),
+        }
+    }
+    // The other uid had its share: 4 replies of 32 in flight, 12 refused at its cap of 128.
+    assert_eq!(hogging, "HOGGING 4 12 128");
+    drop(hog);
+}
+
+/// A uid at its connection cap (64) gets a slot for its new client by the eviction of its
+/// longest-idle connection that holds no lease and no pending generation (at the usual soft
+/// file limit of 1024). Before the fix, with 64 idle connections of one uid open, that uid's
+/// next client was refused at once (`PeerRefused`), and stayed refused until the 5-minute
+/// idle timeout closed one.
+#[test]
+fn a_uid_at_its_connection_cap_evicts_its_longest_idle_connection() {
+    if !prlimit_works() {
+        println!("SKIP a_uid_at_its_connection_cap_evicts_its_longest_idle_connection: no prlimit");
+        return;
+    }
+    let service = ServiceProc::start_under(&["prlimit", "--nofile=1024:1024"], &[]);
+    // The two oldest connections are busy: one holds a lease, one writes a pending generation.
+    let reader = service.connect();
+    let generation = publish(&reader, "w", 1, 4096);
+    let lease = reader.attach("w").unwrap();
+    let writer = service.connect();
+    let pending = writer
+        .begin("kv", &[4096], BeginOptions::default())
+        .unwrap();
+    // 62 more that say nothing after their handshake: 64, the cap per uid.
+    let idle: Vec<Client> = (0..62).map(|_| service.connect()).collect();
+    // A new client of this uid is served: the longest-idle free connection (idle[0]) goes.
+    let newcomer = match service.try_connect() {
+        Ok(client) => client,
+        Err(e) => panic!("a new client of a uid at its cap is refused: {e:?}"),
+    };
+    newcomer.list().unwrap();
+    let gone = idle[0].list();
+    assert!(matches!(gone, Err(MemdError::ServiceGone(_))), "{gone:?}");
+    // A request makes idle[1] the most recent: the next newcomer evicts idle[2].
+    idle[1].list().unwrap();
+    let again = service.try_connect();
+    assert!(again.is_ok(), "{again:?}");
+    let gone = idle[2].list();
+    assert!(matches!(gone, Err(MemdError::ServiceGone(_))), "{gone:?}");
+    idle[1].list().unwrap();
+    idle[3].list().unwrap();
+    // The busy ones were never chosen, though they were idle longest.
+    reader.list().unwrap();
+    assert!(holds(&lease.chunks[0], generation));
+    assert_eq!(pending.commit().unwrap(), 1);
 }

@@ -208,13 +208,19 @@ fn an_in_process_service_emits_its_events_and_a_refusal_names_the_uid_and_the_re
 
 /// The program, built with the feature, prints its events on stderr through the fmt
 /// subscriber (`VMM_MEMD_LOG=info`), and its own lines as before: a refusal with the uid and
-/// the reason, its keeper SIGKILLed and replaced, its stop.
+/// the reason, an idle connection evicted for a newcomer of its uid at its cap (1 here), its
+/// keeper SIGKILLed and replaced, its stop.
 #[test]
 fn the_program_prints_its_events_on_stderr() {
     let socket = format!("@vmm-memd-tracing-program-{}", std::process::id());
     let mut service = program("vmm-memd")
         .args(["--socket", &socket, "--quota-bytes", "4096"])
-        .args(["--keeper-linger-ms", "20000"])
+        .args([
+            "--keeper-linger-ms",
+            "20000",
+            "--max-connections-per-uid",
+            "1",
+        ])
         .env("VMM_MEMD_LOG", "info")
         .stdin(Stdio::null())
         .stderr(Stdio::piped())
@@ -233,7 +239,11 @@ fn the_program_prints_its_events_on_stderr() {
         refused,
         Err(MemdError::Refused(Refusal::NoSuchRegion { .. }))
     ));
-    drop(client);
+    // A second client of this uid, at its cap: the first (idle, no lease) is evicted.
+    let second = Client::connect(&name).unwrap();
+    second.list().unwrap();
+    assert!(matches!(client.list(), Err(MemdError::ServiceGone(_))));
+    drop((client, second));
     let keeper = keeper_pid_of(&socket).expect("a keeper");
     // SAFETY: kill of the keeper our child started (found by its command line just now).
     unsafe { libc::kill(keeper, libc::SIGKILL) };
@@ -258,6 +268,12 @@ fn the_program_prints_its_events_on_stderr() {
         .unwrap_or_else(|| panic!("no refusal event in\n{stderr}"));
     assert!(line.contains(&format!("uid={}", euid())), "{line}");
     assert!(line.contains("NoSuchRegion"), "{line}");
+    let evicted = stderr
+        .lines()
+        .find(|l| l.contains("memd.conn.evicted"))
+        .unwrap_or_else(|| panic!("no eviction event in\n{stderr}"));
+    assert!(evicted.contains(&format!("uid={}", euid())), "{evicted}");
+    assert!(stderr.contains("memd.conn.evicting"), "{stderr}");
     assert!(stderr.contains("memd.keeper.lost"), "{stderr}");
     let restart = stderr
         .lines()

@@ -97,23 +97,33 @@ pub struct ServiceProc {
     pub child: Child,
     pub socket: String,
     pub extra: Vec<String>,
+    /// A program it runs under (`prlimit --nofile=...`), which execs it (same pid).
+    pub wrapper: Vec<String>,
 }
 
 impl ServiceProc {
     /// Start `vmm-memd` on a fresh abstract socket with a quota of 1 GiB and `extra` options,
     /// admitting uid 65534 too; wait until it answers.
     pub fn start(extra: &[&str]) -> ServiceProc {
+        ServiceProc::start_under(&[], extra)
+    }
+
+    /// [`start`](Self::start) under `wrapper` (a program that execs the rest of its command
+    /// line, such as `prlimit --nofile=1024:1024`).
+    pub fn start_under(wrapper: &[&str], extra: &[&str]) -> ServiceProc {
         let socket = format!(
             "@vmm-memd-test-{}-{}",
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         );
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-        let child = ServiceProc::spawn(&socket, &extra);
+        let wrapper: Vec<String> = wrapper.iter().map(|s| s.to_string()).collect();
+        let child = ServiceProc::spawn(&wrapper, &socket, &extra);
         let service = ServiceProc {
             child,
             socket,
             extra,
+            wrapper,
         };
         service.wait_up();
         service
@@ -121,12 +131,23 @@ impl ServiceProc {
 
     /// Start the service again on the same socket with the same options (after it ended).
     pub fn restart(&mut self) {
-        self.child = ServiceProc::spawn(&self.socket, &self.extra);
+        self.child = ServiceProc::spawn(&self.wrapper, &self.socket, &self.extra);
         self.wait_up();
     }
 
-    fn spawn(socket: &str, extra: &[String]) -> Child {
-        program("vmm-memd")
+    fn spawn(wrapper: &[String], socket: &str, extra: &[String]) -> Child {
+        let mut command = match wrapper.split_first() {
+            None => program("vmm-memd"),
+            Some((first, rest)) => {
+                let mut command = Command::new(first);
+                command
+                    .args(rest)
+                    .arg(test_exe())
+                    .env(PROGRAM_VAR, "vmm-memd");
+                command
+            }
+        };
+        command
             .args(["--socket", socket, "--quota-bytes", "1073741824"])
             .args(["--allow-uid", &NOBODY.to_string()])
             .args(["--keeper-linger-ms", "20000"])

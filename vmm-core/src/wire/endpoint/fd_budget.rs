@@ -68,10 +68,16 @@ impl FdBudget {
     /// At most `total` fds in flight in all, `per_uid` to one client uid, `per_connection` on
     /// one connection, each at least 1. `total` is clamped to half this process's soft
     /// `RLIMIT_NOFILE` (the kernel's limit on the sender's uid, which the server's other fds
-    /// share), `per_uid` to `total`, `per_connection` to `per_uid`; see [`caps`](Self::caps).
+    /// share), `per_uid` to a quarter of `total` ([`uid_share`]: one uid never takes the
+    /// room of the others, at any file limit), `per_connection` to `per_uid`; see
+    /// [`caps`](Self::caps).
+    ///
+    /// A send of more fds than the uid's share (a reply with many chunks under a tiny file
+    /// limit) can never fit: [`FdWindow::try_reserve`] refuses it with scope
+    /// [`InFlightScope::Uid`], as any other send past that cap.
     pub fn new(per_connection: usize, per_uid: usize, total: usize) -> FdBudget {
         let total = total.min(nofile_soft_limit() / 2).max(1);
-        let per_uid = per_uid.clamp(1, total);
+        let per_uid = per_uid.clamp(1, uid_share(total));
         FdBudget {
             per_connection: per_connection.clamp(1, per_uid),
             per_uid,
@@ -183,6 +189,13 @@ impl Drop for FdWindow<'_> {
     }
 }
 
+/// The most fds in flight one uid may have under a cap of `total` in all: a quarter of it
+/// (at least 1), so that at least three quarters stay for other uids whatever `total` is
+/// (with `total` at least 2, some room always stays).
+pub fn uid_share(total: usize) -> usize {
+    (total / 4).max(1)
+}
+
 /// `SIOCOUTQ`: the bytes (of socket memory) sent on `socket` that its peer has not read yet;
 /// taken as unread (1) when it cannot be asked.
 fn unread_bytes(socket: BorrowedFd<'_>) -> usize {
@@ -217,18 +230,66 @@ mod tests {
     fn caps_are_clamped_and_at_least_one() {
         let budget = FdBudget::new(0, 0, 0);
         assert_eq!(budget.caps(), (1, 1, 1));
-        let budget = FdBudget::new(100, 10, 20);
-        assert_eq!(budget.caps(), (10, 10, 20));
+        let budget = FdBudget::new(100, 5, 20);
+        assert_eq!(budget.caps(), (5, 5, 20));
         let budget = FdBudget::new(1, 1, usize::MAX);
         assert_eq!(budget.caps().2, nofile_soft_limit() / 2);
     }
 
     #[test]
+    fn one_uid_gets_at_most_a_quarter_of_the_total() {
+        // Asked for more than a quarter (or for all of it): a quarter.
+        assert_eq!(FdBudget::new(100, 10, 20).caps(), (5, 5, 20));
+        assert_eq!(FdBudget::new(100, 20, 20).caps(), (5, 5, 20));
+        // Below 4 in all, still at least 1 each (room stays for others from 2 on).
+        assert_eq!(FdBudget::new(9, 9, 2).caps(), (1, 1, 2));
+        for total in 1..=4096 {
+            let share = uid_share(total);
+            assert!(share >= 1 && share * 4 <= total.max(4), "{total}: {share}");
+            assert!(total < 2 || share < total, "{total}: {share}");
+        }
+        // At this process's soft limit (the usual 1024: 512 in all, 128 per uid), 16
+        // connections of one uid each asking for 32 take at most the uid's share, and another
+        // uid still fits.
+        let budget = FdBudget::new(usize::MAX, usize::MAX, usize::MAX);
+        let (_, per_uid, total) = budget.caps();
+        assert_eq!(per_uid, uid_share(total));
+        let mut mine: Vec<_> = (0..16).map(|_| budget.window(1)).collect();
+        let took = mine
+            .iter_mut()
+            .map(|w| w.try_reserve(32))
+            .filter(Result::is_ok)
+            .count();
+        assert_eq!(took, (per_uid / 32).min(16));
+        let mut other = budget.window(2);
+        other.try_reserve(32.min(per_uid)).unwrap();
+    }
+
+    #[test]
+    fn a_send_larger_than_a_uids_share_is_refused_with_scope_uid() {
+        let budget = FdBudget::new(usize::MAX, usize::MAX, 64);
+        assert_eq!(budget.caps(), (16, 16, 64));
+        let refused = budget.window(1).try_reserve(32).unwrap_err();
+        assert_eq!(
+            refused,
+            InFlightExceeded {
+                scope: InFlightScope::Uid,
+                in_flight: 0,
+                cap: 16
+            }
+        );
+        assert_eq!(budget.in_flight(), 0);
+    }
+
+    #[test]
     fn each_cap_refuses_in_order_and_nothing_is_charged_by_a_refusal() {
-        let budget = FdBudget::new(4, 6, 8);
+        // A total of 24: 6 per uid (a quarter), 4 per connection.
+        let budget = FdBudget::new(4, 6, 24);
+        assert_eq!(budget.caps(), (4, 6, 24));
         let mut a = budget.window(1);
         let mut b = budget.window(1);
-        let mut c = budget.window(2);
+        let mut others: Vec<_> = (2..5).map(|uid| budget.window(uid)).collect();
+        let mut c = budget.window(5);
         a.try_reserve(4).unwrap();
         let refused = a.try_reserve(1).unwrap_err();
         assert_eq!(refused.scope, InFlightScope::Connection);
@@ -237,25 +298,34 @@ mod tests {
         let refused = b.try_reserve(1).unwrap_err();
         assert_eq!(refused.scope, InFlightScope::Uid);
         assert_eq!((refused.in_flight, refused.cap), (6, 6));
-        c.try_reserve(2).unwrap();
+        // Three more uids at their share (two connections each): 24 in all.
+        let mut seconds = Vec::new();
+        for other in &mut others {
+            other.try_reserve(4).unwrap();
+            let mut second = budget.window(other.uid);
+            second.try_reserve(2).unwrap();
+            seconds.push(second);
+        }
         let refused = c.try_reserve(1).unwrap_err();
         assert_eq!(refused.scope, InFlightScope::All);
-        assert_eq!((refused.in_flight, refused.cap), (8, 8));
-        assert_eq!(budget.in_flight(), 8);
+        assert_eq!((refused.in_flight, refused.cap), (24, 24));
+        assert_eq!(budget.in_flight(), 24);
         assert_eq!(
             a.try_reserve(usize::MAX).unwrap_err().scope,
             InFlightScope::Uid
         );
         drop(a);
-        assert_eq!(budget.in_flight(), 4);
-        drop((b, c));
+        assert_eq!(budget.in_flight(), 20);
+        drop((b, c, others));
+        assert_eq!(budget.in_flight(), 6);
+        drop(seconds);
         assert_eq!(budget.in_flight(), 0);
     }
 
     #[test]
     fn a_charge_is_given_back_once_the_peer_has_read_everything() {
         let (mut server, mut client) = UnixStream::pair().unwrap();
-        let budget = FdBudget::new(2, 2, 2);
+        let budget = FdBudget::new(2, 2, 8);
         let mut window = budget.window(7);
         window.try_reserve(2).unwrap();
         server.write_all(b"reply").unwrap();

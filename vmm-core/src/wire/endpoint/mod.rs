@@ -120,6 +120,7 @@
 //!   flight, charged by the kernel to the sender's uid (`ETOOMANYREFS` past its
 //!   `RLIMIT_NOFILE`). Sends are bounded by the connection's timeout; how many fds a server
 //!   lets one peer leave unread is the server's to cap ([`FdBudget`]: per connection, per uid
+//!   (at most a quarter of the one in all, so one uid always leaves room for the others)
 //!   and in all, from `SIOCOUTQ`; vmm-memd uses it).
 //! - **What an admitted peer does with memory it was given**: it may read and write it for as
 //!   long as it keeps the mapping.
@@ -142,7 +143,7 @@ pub(crate) use closer::started as closer_threads_started;
 pub use connection::{ConnectOptions, Connection, DEFAULT_TIMEOUT};
 pub(crate) use creds::maybe_overflow_uid;
 pub use creds::{Allow, Credentials};
-pub use fd_budget::{FdBudget, FdWindow, InFlightExceeded, InFlightScope};
+pub use fd_budget::{FdBudget, FdWindow, InFlightExceeded, InFlightScope, uid_share};
 pub use listener::{Greeting, LOG_BURST, LOG_INTERVAL, Listener, ListenerOptions};
 pub use name::Name;
 pub use peer_process::{PeerProcess, peer_pidfd, pidfd_exited};
