@@ -9,7 +9,8 @@ A stopped process (SIGSTOP) stops this thread too, so its leases still end by TT
 The connection carries one exchange at a time (a request, then every message of its reply), so
 the thread and the client's calls take turns: each exchange of the client holds a turn for its
 whole length (nested ones too: a count, not a lock), and the thread renews only between them,
-holding the connection meanwhile. vmm-memd's Rust client does the same (src/keep_alive.rs).
+holding the connection meanwhile. A due renewal goes before the next exchange, so a client
+making calls back to back cannot starve it. vmm-memd's Rust client does the same (src/keep_alive.rs).
 """
 
 import contextlib
@@ -25,6 +26,9 @@ class Turns:
         self._cond = threading.Condition()
         self.calls = 0  # exchanges of the client in progress (nested ones counted)
         self.renewing = False  # the renewal thread holds the connection
+        # The renewal thread is due and waits for the exchanges in progress to end: a new one
+        # waits behind it, so that back-to-back calls cannot starve it.
+        self.wanted = False
         self.enabled = True
         self.ttl = None  # seconds, as the last attach's reply said
         self.leased = False  # a lease was taken since the thread last looked
@@ -35,7 +39,7 @@ class Turns:
         """The connection for an exchange of the client (waits while the thread renews: one
         small request and its reply)."""
         with self._cond:
-            while self.renewing:
+            while self.calls == 0 and (self.renewing or self.wanted):
                 self._cond.wait()
             self.calls += 1
         try:
@@ -71,18 +75,24 @@ class Turns:
             due = None
             while True:
                 if self.stop:
+                    self.wanted = False
+                    self._cond.notify_all()
                     return False
                 if self.leased:
                     self.leased, idle, due = False, False, None
                 if self.ttl is None or not self.enabled or idle:
+                    if self.wanted:
+                        self.wanted = False
+                        self._cond.notify_all()
                     self._cond.wait()
                     continue
                 if due is None:
                     due = time.monotonic() + self.ttl / 3
                 now = time.monotonic()
                 if now >= due and self.calls == 0:
-                    self.renewing = True
+                    self.renewing, self.wanted = True, False
                     return True
+                self.wanted = now >= due
                 self._cond.wait(None if now >= due else due - now)
 
     def renewed(self):

@@ -10,7 +10,8 @@
 //! The connection carries one exchange at a time (a request, then every message of its
 //! reply), so the thread and the client's own calls take turns: each public call of the
 //! client holds a [`Turn`] for its whole exchange (nested calls too: a count, not a lock), and
-//! the thread renews only between calls, holding the connection meanwhile.
+//! the thread renews only between calls, holding the connection meanwhile. A due renewal goes
+//! before the next call, so a client making calls back to back cannot starve it.
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -28,6 +29,9 @@ struct TurnState {
     calls: usize,
     /// The renewal thread holds the connection.
     renewing: bool,
+    /// The renewal thread is due and waits for the calls in progress to end: a new call
+    /// waits behind it, so that a client busy with back-to-back calls cannot starve it.
+    wanted: bool,
     /// Renew at all (on by default; [`Client::set_keep_alive`](crate::Client::set_keep_alive)).
     enabled: bool,
     /// The leases' TTL, as the last attach's reply said.
@@ -43,6 +47,7 @@ impl Default for TurnState {
         TurnState {
             calls: 0,
             renewing: false,
+            wanted: false,
             enabled: true,
             ttl: None,
             leased: false,
@@ -78,11 +83,11 @@ impl Turns {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The connection for a call of the client (waits while the thread renews: one small
-    /// request and its reply).
+    /// The connection for a call of the client (waits while the thread renews, or is due
+    /// to: one small request and its reply). A call inside a call never waits.
     pub(crate) fn call(&self) -> Turn<'_> {
         let mut state = self.lock();
-        while state.renewing {
+        while state.calls == 0 && (state.renewing || state.wanted) {
             state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
         }
         state.calls += 1;
@@ -124,6 +129,8 @@ impl Turns {
         let mut due: Option<Instant> = None;
         loop {
             if state.stop {
+                state.wanted = false;
+                self.changed.notify_all();
                 return Next::Stop;
             }
             if state.leased {
@@ -132,6 +139,10 @@ impl Turns {
                 due = None;
             }
             let (Some(ttl), true, false) = (state.ttl, state.enabled, idle) else {
+                if state.wanted {
+                    state.wanted = false;
+                    self.changed.notify_all();
+                }
                 state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
                 continue;
             };
@@ -139,8 +150,10 @@ impl Turns {
             let now = Instant::now();
             if now >= due && state.calls == 0 {
                 state.renewing = true;
+                state.wanted = false;
                 return Next::Renew;
             }
+            state.wanted = now >= due;
             state = match now >= due {
                 // A call holds the connection: its end wakes us.
                 true => self.changed.wait(state).unwrap_or_else(|e| e.into_inner()),

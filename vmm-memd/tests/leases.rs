@@ -7,6 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{Role, ServiceProc, publish, role_args, role_client, say, until};
+use vmm_memd::{MemdError, Refusal, RequestRule};
 
 /// The entry of role processes (does nothing in a plain test run).
 #[test]
@@ -179,13 +180,22 @@ fn renewals_never_come_between_a_call_and_its_reply() {
     while Instant::now() < until {
         let attached = reader.attach("weights").unwrap();
         assert_eq!(attached.chunks.len(), 4);
-        reader.detach(&attached).unwrap();
+        // A 30 ms lease may run out on a loaded machine before it is detached: the refusal
+        // is then this request's own reply, still in step.
+        match reader.detach(&attached) {
+            Ok(())
+            | Err(MemdError::Refused(Refusal::InvalidRequest {
+                rule: RequestRule::NoSuchLease,
+                ..
+            })) => {}
+            Err(e) => panic!("the detach's reply: {e:?}"),
+        }
         assert!(reader.list().unwrap().iter().any(|r| r.region == "weights"));
         attaches += 1;
     }
     eprintln!("{attaches} attaches while the client renewed every 10 ms");
     // The connection is still in step: a last exchange of each kind.
     assert_eq!(reader.attach("weights").unwrap().chunks.len(), 4);
-    assert!(reader.renew().unwrap() >= 1);
+    reader.renew().unwrap();
     drop(held);
 }
