@@ -55,7 +55,7 @@ mod tls_options;
 mod tls_stream;
 mod verify;
 
-pub use handshake::{TlsAcceptor, TlsConnector};
+pub use handshake::{CONNECT_ATTEMPT, TlsAcceptor, TlsConnector};
 pub use tls_listener::{MAX_HANDSHAKES, TlsListener, TlsRefusal};
 pub use tls_options::{
     DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MESSAGE_TIMEOUT, MAX_ALLOWED_PEERS, PeerCheck, TlsIdentity,

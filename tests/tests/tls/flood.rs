@@ -1,0 +1,239 @@
+//! Availability of the TLS listener under attack from outside: clients that connect and stall
+//! (saying nothing, or half a ClientHello), pending by the hundred, and one local process that
+//! floods the listener with such connections as fast as it can. The legitimate importer is
+//! served within its handshake deadline all the same (at least 19 of 20 imports).
+//!
+//! The flooder is another process (started by vmm-core, so it is killed with the test): its
+//! threads connect in a loop, each connection sending nothing or half a ClientHello, and keep
+//! the last few hundred open. It counts its connections in a shared memfd, so the test reports
+//! the rate it flooded at (a report, never an assertion: speed is not tested here).
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use vmm_core::process::{Context, StartMethod};
+use vmm_core::shm::{HostBuffer, HostDescriptor};
+use vmm_core::wire::tls::{MAX_HANDSHAKES, TlsListener};
+use vmm_tests::pattern;
+use vmm_tests::turns::exclusive;
+
+use super::world::*;
+
+/// The first bytes of a ClientHello: a handshake record of 512 bytes of which 75 come.
+pub(crate) const HALF_HELLO: &[u8] = &[
+    0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+];
+
+/// Threads of the flooding process: half connect and send half a ClientHello (each waiting
+/// for its connection), half connect without waiting (non-blocking) and say nothing, so the
+/// flood goes on while the kernel's queue of the listener is full.
+const FLOOD_THREADS: usize = 6;
+/// Connections each flooding thread keeps open (the oldest is closed for a new one).
+const FLOOD_KEPT: usize = 128;
+/// The longest a flooder floods (the test kills it long before).
+const FLOOD_MAX: Duration = Duration::from_secs(300);
+/// Legitimate imports, and how many of them must succeed.
+const IMPORTS: usize = 20;
+const MUST_SUCCEED: usize = 19;
+
+/// Open `n` connections to `addr` that stall: every other one says nothing, the rest send
+/// half a ClientHello.
+pub(crate) fn stallers(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+    (0..n)
+        .map(|i| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            if i % 2 == 1 {
+                s.write_all(HALF_HELLO).unwrap();
+            }
+            s
+        })
+        .collect()
+}
+
+/// The flooding process: connect as fast as it can, until killed (or [`FLOOD_MAX`] has
+/// passed), counting the connections made in `counter` (one `u64` per thread).
+fn flooder((addr, counter): (String, HostDescriptor)) {
+    let addr: SocketAddr = addr.parse().unwrap();
+    let counter = Arc::new(HostBuffer::import(&counter).unwrap());
+    let threads: Vec<_> = (0..FLOOD_THREADS)
+        .map(|t| {
+            let counter = Arc::clone(&counter);
+            std::thread::spawn(move || {
+                let mut kept = std::collections::VecDeque::with_capacity(FLOOD_KEPT);
+                let mut made = 0u64;
+                let started = Instant::now();
+                while started.elapsed() < FLOOD_MAX {
+                    let opened = if t % 3 != 0 {
+                        TcpStream::connect(addr).ok().map(|mut s| {
+                            let _ = s.write_all(HALF_HELLO);
+                            OwnedFd::from(s)
+                        })
+                    } else {
+                        connect_without_waiting(addr)
+                    };
+                    let Some(fd) = opened else { continue };
+                    if kept.len() == FLOOD_KEPT {
+                        kept.pop_front();
+                    }
+                    kept.push_back(fd);
+                    made += 1;
+                    if made.is_multiple_of(16) {
+                        counter.write_at(t * 8, &made.to_le_bytes()).unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+/// A TCP connection to `addr` started and not waited for (it may never be accepted).
+fn connect_without_waiting(addr: SocketAddr) -> Option<OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let SocketAddr::V4(v4) = addr else {
+        panic!("an IPv4 listener")
+    };
+    // SAFETY: a new socket, owned at once.
+    let raw = unsafe {
+        libc::socket(
+            libc::AF_INET,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if raw < 0 {
+        return None;
+    }
+    // SAFETY: `raw` is a new fd nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: v4.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*v4.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: `sin` is a valid sockaddr_in of the length given.
+    let rc = unsafe {
+        libc::connect(
+            fd.as_raw_fd(),
+            (&raw const sin).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        )
+    };
+    let in_progress = std::io::Error::last_os_error().raw_os_error() == Some(libc::EINPROGRESS);
+    (rc == 0 || in_progress).then_some(fd)
+}
+
+/// The connections the flooder has made so far.
+fn flooded(counter: &HostBuffer) -> u64 {
+    let mut total = 0;
+    for t in 0..FLOOD_THREADS {
+        let mut word = [0u8; 8];
+        counter.read_at(t * 8, &mut word).unwrap();
+        total += u64::from_le_bytes(word);
+    }
+    total
+}
+
+/// The exporter's loop: serve every stream the listener hands out (the stand-in descriptor,
+/// fresh, each time) until `stop`.
+fn exporter_loop(listener: Arc<TlsListener>, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let buf = HostBuffer::new(SIZE).unwrap();
+        let (descriptor, _fd) = stand_in(&buf);
+        while !stop.load(Ordering::Relaxed) {
+            if let Ok(mut stream) = listener.accept(Some(Duration::from_millis(200))) {
+                buf.write_at(0, &pattern(1, SIZE)).unwrap();
+                let _ = export_on(&mut stream, &descriptor);
+            }
+        }
+    })
+}
+
+/// `IMPORTS` legitimate imports one after another, each bounded by the importer's handshake
+/// deadline (and its message deadlines): how many succeeded, and the errors of the others.
+fn legitimate_imports(world: &World, addr: SocketAddr) -> (usize, Vec<vmm_core::Error>) {
+    let importer = world.importer_options();
+    let mut ok = 0;
+    let mut errors = Vec::new();
+    for _ in 0..IMPORTS {
+        match import_from(addr, &importer) {
+            Ok(()) => ok += 1,
+            Err(e) => errors.push(e),
+        }
+    }
+    (ok, errors)
+}
+
+#[test]
+fn the_importer_is_served_while_200_stalled_handshakes_are_pending() {
+    let _turn = exclusive();
+    let world = World::new();
+    let listener = Arc::new(world.listener());
+    let addr = listener.local_addr().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let exporter = exporter_loop(Arc::clone(&listener), Arc::clone(&stop));
+    // 200 stallers connect first, and 200 more between every two imports.
+    let mut held = stallers(addr, 200);
+    let importer = world.importer_options();
+    let mut ok = 0;
+    let mut errors = Vec::new();
+    for _ in 0..IMPORTS {
+        match import_from(addr, &importer) {
+            Ok(()) => ok += 1,
+            Err(e) => errors.push(e),
+        }
+        held.extend(stallers(addr, 200));
+        held.drain(..held.len().saturating_sub(400));
+    }
+    stop.store(true, Ordering::Relaxed);
+    exporter.join().unwrap();
+    eprintln!(
+        "{ok} of {IMPORTS} imports served beside 200 to 400 stalled handshakes (the listener runs {MAX_HANDSHAKES} at once)"
+    );
+    assert!(ok >= MUST_SUCCEED, "{ok} of {IMPORTS} served: {errors:?}");
+}
+
+#[test]
+fn the_importer_is_served_while_a_local_process_floods_the_listener() {
+    let _turn = exclusive();
+    let world = World::new();
+    let listener = Arc::new(world.listener());
+    let addr = listener.local_addr().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let exporter = exporter_loop(Arc::clone(&listener), Arc::clone(&stop));
+    let counter = HostBuffer::new(4096).unwrap();
+    counter.write_at(0, &[0; 64]).unwrap();
+    let flood = Context::new(StartMethod::Spawn)
+        .spawn(flooder, (addr.to_string(), counter.export().unwrap()))
+        .unwrap();
+    // The flood is under way before the first import.
+    let until = Instant::now() + WAIT;
+    while flooded(&counter) < 1000 {
+        assert!(Instant::now() < until, "the flooder never got going");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (before, started) = (flooded(&counter), Instant::now());
+    let (ok, errors) = legitimate_imports(&world, addr);
+    let (after, took) = (flooded(&counter), started.elapsed());
+    flood.kill().unwrap();
+    let _ = flood.join(WAIT);
+    stop.store(true, Ordering::Relaxed);
+    exporter.join().unwrap();
+    let rate = (after - before) as f64 / took.as_secs_f64();
+    eprintln!(
+        "{ok} of {IMPORTS} imports served in {took:.1?} while one process ({FLOOD_THREADS} threads) opened {} stalling connections, {rate:.0} per second",
+        after - before
+    );
+    assert!(ok >= MUST_SUCCEED, "{ok} of {IMPORTS} served: {errors:?}");
+}
