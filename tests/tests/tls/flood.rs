@@ -237,3 +237,58 @@ fn the_importer_is_served_while_a_local_process_floods_the_listener() {
     );
     assert!(ok >= MUST_SUCCEED, "{ok} of {IMPORTS} served: {errors:?}");
 }
+
+/// A relay to `to` that passes the client's first read (its ClientHello) at once, says so on
+/// `hello_passed`, and holds the rest of what the client sends (its second flight) for `hold`.
+fn slow_second_flight(
+    to: SocketAddr,
+    hold: Duration,
+    hello_passed: std::sync::mpsc::Sender<()>,
+) -> SocketAddr {
+    use std::io::Read;
+    let front = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = front.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let (mut client, _) = front.accept().unwrap();
+        let mut server = TcpStream::connect(to).unwrap();
+        let (mut down_from, mut down_to) =
+            (server.try_clone().unwrap(), client.try_clone().unwrap());
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut down_from, &mut down_to);
+            let _ = down_to.shutdown(std::net::Shutdown::Write);
+        });
+        let mut hello = [0u8; 16384];
+        let n = client.read(&mut hello).unwrap();
+        server.write_all(&hello[..n]).unwrap();
+        hello_passed.send(()).unwrap();
+        std::thread::sleep(hold);
+        let _ = std::io::copy(&mut client, &mut server);
+        let _ = server.shutdown(std::net::Shutdown::Write);
+    });
+    addr
+}
+
+#[test]
+fn a_client_that_sent_its_hello_keeps_its_place_before_newer_stallers() {
+    let _turn = exclusive();
+    let world = World::new();
+    let listener = Arc::new(world.listener());
+    let addr = listener.local_addr().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let exporter = exporter_loop(Arc::clone(&listener), Arc::clone(&stop));
+    // The importer's ClientHello reaches the listener at once, its second flight only after
+    // 200 stallers have connected: more than the listener's slots, so it must end some of
+    // its pending handshakes, and the importer's, the oldest, has been answered.
+    let (passed, hello_passed) = std::sync::mpsc::channel();
+    let front = slow_second_flight(addr, Duration::from_millis(1500), passed);
+    let importer = world.importer_options();
+    let import = std::thread::spawn(move || import_from(front, &importer));
+    hello_passed.recv_timeout(WAIT).unwrap();
+    std::thread::sleep(Duration::from_millis(200)); // the listener answers the hello
+    let held = stallers(addr, 200);
+    let result = import.join().unwrap();
+    stop.store(true, Ordering::Relaxed);
+    exporter.join().unwrap();
+    drop(held);
+    result.unwrap();
+}
