@@ -721,6 +721,55 @@ class Floods(unittest.TestCase):
               f"{int(made) / float(seconds):.0f} per second", file=sys.stderr)
         self.assertGreaterEqual(ok, self.MUST_SUCCEED, errors)
 
+    def test_a_client_that_sent_its_hello_keeps_its_place_before_newer_stallers(self):
+        # The importer's ClientHello reaches the listener at once, its second flight only
+        # after 200 stallers have connected: more than the listener's slots, so it must end
+        # some pending handshakes, and the importer's, the oldest, has been answered.
+        exporter = Exporter(self, server_config(handshake_timeout=10.0))
+        passed = threading.Event()
+        front = slow_second_flight(self, exporter.address, 1.5, passed)
+        result, errors = [], []
+        thread = threading.Thread(target=lambda: result.append(self.one_import(front, errors)))
+        thread.start()
+        self.assertTrue(passed.wait(10))
+        time.sleep(0.2)  # the listener answers the hello
+        held = stallers(exporter.address, 200)
+        thread.join(timeout=30)
+        for s in held:
+            s.close()
+        self.assertEqual(result, [True], errors)
+
+
+def slow_second_flight(test, to, hold, hello_passed):
+    """A relay to ``to`` that passes the client's first read (its ClientHello) at once, sets
+    ``hello_passed``, and holds the rest of what the client sends (its second flight) for
+    ``hold`` seconds. Returns its address."""
+    front = socket.create_server(("127.0.0.1", 0))
+    test.addCleanup(front.close)
+
+    def pump(src, dst):
+        with contextlib.suppress(OSError):
+            while True:
+                chunk = src.recv(65536)
+                if not chunk:
+                    break
+                dst.sendall(chunk)
+            dst.shutdown(socket.SHUT_WR)
+
+    def run():
+        client, _ = front.accept()
+        server = socket.create_connection(to)
+        test.addCleanup(client.close)
+        test.addCleanup(server.close)
+        threading.Thread(target=pump, args=(server, client), daemon=True).start()
+        server.sendall(client.recv(16384))
+        hello_passed.set()
+        time.sleep(hold)
+        pump(client, server)
+
+    threading.Thread(target=run, daemon=True).start()
+    return front.getsockname()
+
 
 if __name__ == "__main__":
     unittest.main()

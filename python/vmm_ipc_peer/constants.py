@@ -48,7 +48,7 @@ MAX_HANDSHAKES = 64  # TLS handshakes a TlsListener runs at once
 LISTEN_BACKLOG, ACCEPT_BATCH = 1024, 16
 # How much longer each TCP connection attempt of tls_connect waits for an answer than the one
 # before (seconds; Rust: wire::tls::CONNECT_ATTEMPT).
-CONNECT_ATTEMPT = 0.1
+CONNECT_ATTEMPT = 0.05
 # The most intermediate certificates a TLS peer's chain may have between its leaf and a
 # trusted root; one more is refused (TlsReason.CHAIN_TOO_LONG). Rust's
 # vmm_core::wire::tls::MAX_INTERMEDIATES (webpki's own limit) is the same.

@@ -226,9 +226,12 @@ class TlsListener(_RefusalLog):
             if self.sock.fileno() == -1:
                 raise OSError(errno.EBADF, f"{self.label} is closed")
             now = time.monotonic()
-            for fd, h in list(self._pending.items()):
-                if h.deadline <= now:
-                    self._refuse(fd, "the TLS handshake did not finish within its deadline")
+            # In the order accepted, which is the order of their deadlines (one timeout).
+            while self._pending:
+                fd, h = next(iter(self._pending.items()))
+                if h.deadline > now:
+                    break
+                self._refuse(fd, "the TLS handshake did not finish within its deadline")
             if deadline is not None and now >= deadline:
                 raise TimeoutError(f"accepting a connection on {self.label}")
             poller = select.poll()
@@ -237,7 +240,7 @@ class TlsListener(_RefusalLog):
             poller.register(self.sock.fileno(), select.POLLIN)
             for fd, h in self._pending.items():
                 poller.register(fd, h.events)
-            wake = [h.deadline for h in self._pending.values()]
+            wake = [next(iter(self._pending.values())).deadline] if self._pending else []
             if deadline is not None:
                 wake.append(deadline)
             wait = -1 if not wake else max(1, int((min(wake) - now) * 1000) + 1)

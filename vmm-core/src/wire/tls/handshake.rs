@@ -22,7 +22,7 @@ use crate::{Error, Result};
 
 /// How much longer each connection attempt of [`TlsConnector::connect`] waits for an answer
 /// than the one before (the first waits this long, the second twice as long, ...).
-pub const CONNECT_ATTEMPT: Duration = Duration::from_millis(100);
+pub const CONNECT_ATTEMPT: Duration = Duration::from_millis(50);
 
 /// The name a connector asks for (SNI) when its peers are pinned by key, not named: a name that
 /// means nothing, as the pin alone admits the server.
