@@ -379,7 +379,8 @@ def tls_connect(address, config, server_name=None, timeout=None):
     verify the server's chain and its names or pin, and return a TlsConnection; nothing is
     sent or read before that but the handshake. The SNI is ``server_name`` or the first
     allowed name. ``timeout`` bounds the TCP connect and the whole handshake (default
-    ``config.handshake_timeout``). TlsRefused, TlsError, PeerClosed or TimeoutError. (In TLS
+    ``config.handshake_timeout``); a connect attempt without an answer is made again, each
+    attempt waiting ``CONNECT_ATTEMPT`` longer (a flooded listener's kernel drops SYNs). TlsRefused, TlsError, PeerClosed or TimeoutError. (In TLS
     1.3 a server that refuses this client's certificate says so after this returns: as a
     TlsRefused, or PeerClosed, on the first receive.)"""
     timeout = config.handshake_timeout if timeout is None else timeout

@@ -4,8 +4,9 @@
 //! served within its handshake deadline all the same (at least 19 of 20 imports).
 //!
 //! The flooder is another process (started by vmm-core, so it is killed with the test): its
-//! threads connect in a loop, each connection sending nothing or half a ClientHello, and keep
-//! the last few hundred open. It counts its connections in a shared memfd, so the test reports
+//! threads connect in a loop, two of three waiting for each connection and sending half a
+//! ClientHello, the third connecting without waiting and saying nothing (so the flood goes on
+//! while the listener's kernel queue is full), each keeping its last 128 connections open. It counts its connections in a shared memfd, so the test reports
 //! the rate it flooded at (a report, never an assertion: speed is not tested here).
 
 use std::io::Write;
