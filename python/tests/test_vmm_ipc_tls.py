@@ -739,11 +739,35 @@ class Floods(unittest.TestCase):
             s.close()
         self.assertEqual(result, [True], errors)
 
+    def test_stallers_from_one_address_end_their_own_handshakes_first(self):
+        # The importer (from 127.0.0.1) has connected and its ClientHello is late; meanwhile
+        # 200 stallers connect from 127.0.0.2: none of them has been answered either, but
+        # their address holds the most pending handshakes, so theirs end, the oldest first.
+        exporter = Exporter(self, server_config(handshake_timeout=10.0))
+        connected = threading.Event()
+        front = slow_second_flight(self, exporter.address, 0, connected, hold_hello=1.5)
+        result, errors = [], []
+        thread = threading.Thread(target=lambda: result.append(self.one_import(front, errors)))
+        thread.start()
+        self.assertTrue(connected.wait(10))
+        held = []
+        for i in range(200):
+            s = socket.create_connection(exporter.address, timeout=2,
+                                         source_address=("127.0.0.2", 0))
+            if i % 2:
+                s.sendall(HALF_HELLO)
+            held.append(s)
+        thread.join(timeout=30)
+        for s in held:
+            s.close()
+        self.assertEqual(result, [True], errors)
 
-def slow_second_flight(test, to, hold, hello_passed):
+
+def slow_second_flight(test, to, hold, hello_passed, hold_hello=0):
     """A relay to ``to`` that passes the client's first read (its ClientHello) at once, sets
     ``hello_passed``, and holds the rest of what the client sends (its second flight) for
-    ``hold`` seconds. Returns its address."""
+    ``hold`` seconds. Returns its address. With ``hold_hello``, it sets ``hello_passed`` as
+    soon as it has connected and holds the ClientHello that long."""
     front = socket.create_server(("127.0.0.1", 0))
     test.addCleanup(front.close)
 
@@ -762,7 +786,11 @@ def slow_second_flight(test, to, hold, hello_passed):
         test.addCleanup(client.close)
         test.addCleanup(server.close)
         threading.Thread(target=pump, args=(server, client), daemon=True).start()
-        server.sendall(client.recv(16384))
+        hello = client.recv(16384)
+        if hold_hello:
+            hello_passed.set()
+            time.sleep(hold_hello)
+        server.sendall(hello)
         hello_passed.set()
         time.sleep(hold)
         pump(client, server)

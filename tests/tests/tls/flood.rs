@@ -246,6 +246,17 @@ fn slow_second_flight(
     hold: Duration,
     hello_passed: std::sync::mpsc::Sender<()>,
 ) -> SocketAddr {
+    holding_relay(to, Duration::ZERO, hold, hello_passed)
+}
+
+/// A relay to `to` that connects at once and says so on `connected`, holds the client's first
+/// read (its ClientHello) for `hold_hello`, then the rest for `hold_rest`.
+fn holding_relay(
+    to: SocketAddr,
+    hold_hello: Duration,
+    hold_rest: Duration,
+    connected: std::sync::mpsc::Sender<()>,
+) -> SocketAddr {
     use std::io::Read;
     let front = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = front.local_addr().unwrap();
@@ -260,9 +271,15 @@ fn slow_second_flight(
         });
         let mut hello = [0u8; 16384];
         let n = client.read(&mut hello).unwrap();
-        server.write_all(&hello[..n]).unwrap();
-        hello_passed.send(()).unwrap();
-        std::thread::sleep(hold);
+        if hold_hello.is_zero() {
+            server.write_all(&hello[..n]).unwrap();
+            connected.send(()).unwrap();
+        } else {
+            connected.send(()).unwrap();
+            std::thread::sleep(hold_hello);
+            server.write_all(&hello[..n]).unwrap();
+        }
+        std::thread::sleep(hold_rest);
         let _ = std::io::copy(&mut client, &mut server);
         let _ = server.shutdown(std::net::Shutdown::Write);
     });
@@ -287,6 +304,72 @@ fn a_client_that_sent_its_hello_keeps_its_place_before_newer_stallers() {
     hello_passed.recv_timeout(WAIT).unwrap();
     std::thread::sleep(Duration::from_millis(200)); // the listener answers the hello
     let held = stallers(addr, 200);
+    let result = import.join().unwrap();
+    stop.store(true, Ordering::Relaxed);
+    exporter.join().unwrap();
+    drop(held);
+    result.unwrap();
+}
+
+/// A TCP connection to `to` from the address `from` (a loopback address other than
+/// 127.0.0.1: another host, as the listener sees it).
+fn connect_from(from: std::net::Ipv4Addr, to: SocketAddr) -> Option<TcpStream> {
+    use std::os::fd::FromRawFd;
+    let SocketAddr::V4(to) = to else {
+        panic!("an IPv4 listener")
+    };
+    let sockaddr = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: a new socket, owned at once.
+    let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return None;
+    }
+    // SAFETY: `raw` is a new fd nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let (src, dst) = (sockaddr(from, 0), sockaddr(*to.ip(), to.port()));
+    // SAFETY: valid sockaddr_in values of the length given, on a socket this function owns.
+    let ok = unsafe {
+        libc::bind(fd.as_raw_fd(), (&raw const src).cast(), len) == 0
+            && libc::connect(fd.as_raw_fd(), (&raw const dst).cast(), len) == 0
+    };
+    ok.then(|| TcpStream::from(fd))
+}
+
+#[test]
+fn stallers_from_one_address_end_their_own_handshakes_first() {
+    let _turn = exclusive();
+    let world = World::new();
+    let listener = Arc::new(world.listener());
+    let addr = listener.local_addr().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let exporter = exporter_loop(Arc::clone(&listener), Arc::clone(&stop));
+    // The importer (from 127.0.0.1) has connected, and its ClientHello is late; meanwhile
+    // 200 stallers connect from 127.0.0.2: none of them has been answered either, but their
+    // address holds the most pending handshakes, so theirs end, the oldest first.
+    let (connected, relay_connected) = std::sync::mpsc::channel();
+    let front = holding_relay(addr, Duration::from_millis(1500), Duration::ZERO, connected);
+    let importer = world.importer_options();
+    let import = std::thread::spawn(move || import_from(front, &importer));
+    relay_connected.recv_timeout(WAIT).unwrap();
+    let other = std::net::Ipv4Addr::new(127, 0, 0, 2);
+    let held: Vec<TcpStream> = (0..200)
+        .filter_map(|i| {
+            let mut s = connect_from(other, addr)?;
+            if i % 2 == 1 {
+                s.write_all(HALF_HELLO).ok()?;
+            }
+            Some(s)
+        })
+        .collect();
+    assert!(held.len() > MAX_HANDSHAKES, "{} stallers", held.len());
     let result = import.join().unwrap();
     stop.store(true, Ordering::Relaxed);
     exporter.join().unwrap();
