@@ -239,8 +239,16 @@ fn the_program_prints_its_events_on_stderr() {
         refused,
         Err(MemdError::Refused(Refusal::NoSuchRegion { .. }))
     ));
-    // A second client of this uid, at its cap: the first (idle, no lease) is evicted.
-    let second = Client::connect(&name).unwrap();
+    // A second client of this uid, at its cap: the first (idle, no lease) is evicted. The
+    // first counts as busy until its thread has finished with the reply it just read (the
+    // client can be faster): a newcomer in that window is refused, and tries again.
+    let mut second = None;
+    until(Duration::from_secs(5), || {
+        second = Client::connect(&name).ok();
+        second.is_some()
+    })
+    .expect("the newcomer is admitted once the first connection is idle");
+    let second = second.unwrap();
     second.list().unwrap();
     assert!(matches!(client.list(), Err(MemdError::ServiceGone(_))));
     drop((client, second));
