@@ -13,8 +13,7 @@ except ImportError:  # a Python built without OpenSSL: everything but TLS works
     ssl = None
 
 from .accepting import _RefusalLog
-from .constants import (ACCEPT_BATCH, CONNECT_ATTEMPT, DEFAULT_TIMEOUT, FD_LIMIT_PAUSE,
-                        LISTEN_BACKLOG, MAX_HANDSHAKES)
+from .constants import DEFAULT_TIMEOUT, FD_LIMIT_PAUSE, MAX_HANDSHAKES
 from .errors import PeerClosed, PeerRefused, ProtocolError, TlsError, TlsReason, TlsRefused
 from .stream import StreamConnection
 
@@ -154,34 +153,13 @@ class TlsConnection(StreamConnection):
 
 
 class _Handshake:
-    """One client's handshake in progress on a TlsListener: ``sock`` is the accepted socket
-    until its first bytes come (a connection that says nothing costs no TLS state), then the
-    TLS socket over it; ``answered`` once the listener has sent its first flight (which takes
-    a whole, valid ClientHello)."""
+    """One client's handshake in progress on a TlsListener."""
 
-    __slots__ = ("sock", "peer", "deadline", "events", "accepted", "wrapped", "answered")
+    __slots__ = ("sock", "peer", "deadline", "events")
 
     def __init__(self, sock, peer, deadline):
         self.sock, self.peer, self.deadline = sock, peer, deadline
         self.events = select.POLLIN
-        self.accepted = time.monotonic()
-        self.wrapped = self.answered = False
-
-
-def _evictees(pending, n):
-    """The fds of the ``n`` handshakes that end to make room for new connections, in the
-    order of this rule: of those the listener has not answered (when none is left, of all),
-    the oldest of the address that holds the most. A flood from one address ends its own
-    connections first; one from a legitimate client's address (a local process) ends
-    connections that said nothing before the client's, which the listener answered as soon
-    as its ClientHello came. (Several at once: a flood's connections come by the thousand.)"""
-    held = {}
-    for h in pending.values():
-        key = (h.answered, h.peer[0])
-        held[key] = held.get(key, 0) + 1
-    ranked = sorted(pending.items(), key=lambda c: (
-        c[1].answered, -held[(c[1].answered, c[1].peer[0])], c[1].accepted))
-    return [fd for fd, _ in ranked[:n]]
 
 
 class TlsListener(_RefusalLog):
@@ -197,18 +175,12 @@ class TlsListener(_RefusalLog):
     at a bounded rate; ``accept`` goes on to the next connection.
 
     Handshakes run side by side, non-blocking, inside ``accept`` (no threads): at most
-    ``max_handshakes`` at once (default 64), each by its deadline. A flood of clients that
-    connect and stall starves no one: the listener never stops accepting, and with every slot
-    taken a new connection ends a pending handshake, chosen by progress: first one the listener
-    has not answered (its client has not sent a whole ClientHello, which a legitimate client
-    sends at once), of those the oldest of the address that holds the most; an answered one
-    only when all are. Each turn of its loop drives the handshakes that can move before it
-    accepts at most ``ACCEPT_BATCH`` new connections, and a new connection whose first bytes
-    are there is driven at once. A handshake in progress when ``accept`` returns or times out
+    ``max_handshakes`` at once (default 64; further connections wait in the backlog), so
+    clients that connect and say nothing delay no one until they fill every slot, and then by
+    at most ``handshake_timeout``. A handshake in progress when ``accept`` returns or times out
     stays in progress, and goes on at the next ``accept``."""
 
-    def __init__(self, address, config, backlog=LISTEN_BACKLOG, log=True,
-                 max_handshakes=MAX_HANDSHAKES):
+    def __init__(self, address, config, backlog=128, log=True, max_handshakes=MAX_HANDSHAKES):
         host, port = _host_port(address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.config, self.max_handshakes = config, max(1, int(max_handshakes))
@@ -226,99 +198,64 @@ class TlsListener(_RefusalLog):
             if self.sock.fileno() == -1:
                 raise OSError(errno.EBADF, f"{self.label} is closed")
             now = time.monotonic()
-            # In the order accepted, which is the order of their deadlines (one timeout).
-            while self._pending:
-                fd, h = next(iter(self._pending.items()))
-                if h.deadline > now:
-                    break
-                self._refuse(fd, "the TLS handshake did not finish within its deadline")
+            for fd, h in list(self._pending.items()):
+                if h.deadline <= now:
+                    self._refuse(fd, "the TLS handshake did not finish within its deadline")
             if deadline is not None and now >= deadline:
                 raise TimeoutError(f"accepting a connection on {self.label}")
             poller = select.poll()
-            # Always: a listener that stopped accepting at its cap would leave the next
-            # client in the kernel's queue behind the stallers.
-            poller.register(self.sock.fileno(), select.POLLIN)
+            if len(self._pending) < self.max_handshakes:
+                poller.register(self.sock.fileno(), select.POLLIN)
             for fd, h in self._pending.items():
                 poller.register(fd, h.events)
-            wake = [next(iter(self._pending.values())).deadline] if self._pending else []
+            wake = [h.deadline for h in self._pending.values()]
             if deadline is not None:
                 wake.append(deadline)
             wait = -1 if not wake else max(1, int((min(wake) - now) * 1000) + 1)
-            listener_ready = False
-            # The handshakes that can move first, then the new connections: a flood of new
-            # ones never keeps a client's ClientHello or last flight waiting.
-            events = poller.poll(wait)
-            if self.sock.fileno() == -1:
-                raise OSError(errno.EBADF, f"{self.label} is closed")
-            for fd, _ in events:
+            for fd, _ in poller.poll(wait):
                 if fd == self.sock.fileno():
-                    listener_ready = True
+                    self._take_new()
                 elif fd in self._pending:
                     conn = self._step(fd)
                     if conn is not None:
                         return conn
-            if listener_ready:
-                conn = self._take_new()
-                if conn is not None:
-                    return conn
 
     def _take_new(self):
-        """Accept at most ``ACCEPT_BATCH`` connections the backlog holds, ending a pending
-        handshake for each past ``max_handshakes`` (``_evictee``), and drive at once each
-        whose first bytes are there: a connection once done and checked, else None."""
-        for _ in range(ACCEPT_BATCH):
+        """Accept what the backlog holds, up to the free handshake slots, and start each
+        handshake."""
+        while len(self._pending) < self.max_handshakes:
             try:
                 raw, peer = self.sock.accept()
             except (BlockingIOError, InterruptedError):
-                return None
+                return
             except OSError as e:
                 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     time.sleep(FD_LIMIT_PAUSE)  # the connection stays queued: try again
-                    return None
+                    return
                 raise
             raw.settimeout(0)
-            if len(self._pending) >= self.max_handshakes:
-                room = len(self._pending) - self.max_handshakes + 1
-                for fd in _evictees(self._pending, max(room, self.max_handshakes // 8)):
-                    self._refuse(fd, "its TLS handshake was ended to make room for a newer "
-                                 "connection (max_handshakes)")
-            self._pending[raw.fileno()] = _Handshake(
-                raw, peer, time.monotonic() + self.config.handshake_timeout)
             try:
-                said = raw.recv(1, socket.MSG_PEEK) is not None
-            except (BlockingIOError, InterruptedError):
-                said = False
-            except OSError:
-                said = True  # its step says how it ended
-            if said:
-                conn = self._step(raw.fileno())
-                if conn is not None:
-                    return conn
-        return None
+                sock = self.config.server_context.wrap_socket(
+                    raw, server_side=True, do_handshake_on_connect=False,
+                    suppress_ragged_eofs=False)
+            except (OSError, ValueError) as e:
+                raw.close()
+                self._note(peer, f"TLS client {peer[0]}:{peer[1]}: {e}")
+                continue
+            self._pending[sock.fileno()] = _Handshake(
+                sock, peer, time.monotonic() + self.config.handshake_timeout)
 
     def _step(self, fd):
         """Advance one handshake: its connection once done and checked, else None."""
         h = self._pending[fd]
         what = f"TLS client {h.peer[0]}:{h.peer[1]}"
-        if not h.wrapped:
-            # Its first bytes (or its end) have come: now it gets its TLS state.
-            try:
-                h.sock = self.config.server_context.wrap_socket(
-                    h.sock, server_side=True, do_handshake_on_connect=False,
-                    suppress_ragged_eofs=False)
-            except (OSError, ValueError) as e:
-                self._refuse(fd, f"{what}: {e}")
-                return None
-            h.wrapped = True
         try:
             h.sock.do_handshake()
         except ssl.SSLWantReadError:
             h.events = select.POLLIN
-            h.answered = h.answered or h.sock.cipher() is not None
             return None
         except ssl.SSLWantWriteError:
             h.events = select.POLLOUT
-            h.answered = h.answered or h.sock.cipher() is not None
             return None
         except (OSError, ValueError) as e:
             failure = _tls_failure(e, what) or e
@@ -335,9 +272,7 @@ class TlsListener(_RefusalLog):
         return TlsConnection(h.sock, names, pin, h.peer, self.config.timeout)
 
     def _refuse(self, fd, reason, kind=None):
-        h = self._pending.pop(fd, None)
-        if h is None:  # closed meanwhile by close() in another thread
-            return
+        h = self._pending.pop(fd)
         h.sock.close()
         if not reason.startswith("TLS client"):
             reason = f"TLS client {h.peer[0]}:{h.peer[1]}: {reason}"
@@ -350,7 +285,7 @@ class TlsListener(_RefusalLog):
         """Stop listening and drop the handshakes in progress (an ``accept`` blocked in
         another thread wakes with OSError)."""
         self._log_count()
-        for h in list(self._pending.values()):  # an accept in another thread may change it
+        for h in self._pending.values():
             h.sock.close()
         self._pending.clear()
         try:
@@ -366,7 +301,7 @@ class TlsListener(_RefusalLog):
         self.close()
 
 
-def tls_listen(address, config, backlog=LISTEN_BACKLOG, log=True, max_handshakes=None):
+def tls_listen(address, config, backlog=128, log=True, max_handshakes=None):
     """Listen for mutual-TLS clients on ``address`` (``(host, port)`` or ``HOST:PORT``; port 0
     picks one: see ``.address``) with ``config`` (a TlsConfig): a TlsListener (handshakes in
     progress at once: ``max_handshakes``, default ``MAX_HANDSHAKES``)."""
@@ -379,27 +314,17 @@ def tls_connect(address, config, server_name=None, timeout=None):
     verify the server's chain and its names or pin, and return a TlsConnection; nothing is
     sent or read before that but the handshake. The SNI is ``server_name`` or the first
     allowed name. ``timeout`` bounds the TCP connect and the whole handshake (default
-    ``config.handshake_timeout``); a connect attempt without an answer is made again, each
-    attempt waiting ``CONNECT_ATTEMPT`` longer (a flooded listener's kernel drops SYNs). TlsRefused, TlsError, PeerClosed or TimeoutError. (In TLS
+    ``config.handshake_timeout``). TlsRefused, TlsError, PeerClosed or TimeoutError. (In TLS
     1.3 a server that refuses this client's certificate says so after this returns: as a
     TlsRefused, or PeerClosed, on the first receive.)"""
     timeout = config.handshake_timeout if timeout is None else timeout
     deadline = time.monotonic() + timeout
     host, port = _host_port(address)
     what = f"TLS server {host}:{port}"
-    raw, attempt = None, 0.0
-    while raw is None:
-        # An attempt that gets no answer is made again, each waiting CONNECT_ATTEMPT longer
-        # (the kernel would wait 1 s, then 2 s... before its next SYN): a listener whose
-        # kernel queue a flood keeps full drops SYNs, and one that comes back soon finds room.
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"{what}: connecting took longer than {timeout} s")
-        attempt += CONNECT_ATTEMPT
-        try:
-            raw = socket.create_connection((host, port), timeout=min(attempt, left))
-        except socket.timeout:
-            continue
+    try:
+        raw = socket.create_connection((host, port), timeout=timeout)
+    except socket.timeout:
+        raise TimeoutError(f"{what}: connecting took longer than {timeout} s") from None
     sock = None
     try:
         sni = server_name or (config.allow_names[0] if config.allow_names else None)
