@@ -74,7 +74,7 @@ class Requests(unittest.TestCase):
             self.assertLessEqual(len(page), p.MAX_REQUEST)
             r = Reader(page)
             self.assertEqual(r.u32(), 3)
-            decoded += r.seq(p.MAX_META_ENTRIES, "entries", lambda: p._meta_entry(r))
+            decoded += p._meta_entries(r)
             r.finish("a page")
         self.assertEqual(decoded, entries)
 

@@ -134,31 +134,25 @@ class Reader:
         raise DecodeError(f"{what} at byte {start}: a varint longer than the "
                           f"{(bits + 6) // 7} bytes of a {bits}-bit integer")
 
-    def varints(self, widths, what="an integer"):
-        """Consecutive varints of these bit ``widths``, as ``varint`` reads each (the same
-        checks, the same errors), in one call: a tensor's metadata is eight of them, and a
-        model's hundreds of tensors are decoded at every attach."""
-        data, pos, end = self.data, self.pos, len(self.data)
-        values = []
-        for bits in widths:
-            start, value, shift = pos, 0, 0
-            while pos < end:
-                b = data[pos]
-                pos += 1
-                value |= (b & 0x7F) << shift
-                if b < 0x80:
-                    break
-                shift += 7
-            else:
-                b = 0x80  # the bytes ended inside it
-            if b >= 0x80 or (b == 0 and pos - start > 1) or value >> bits \
-                    or pos - start > (bits + 6) // 7:
-                self.pos = start  # varint says which rule it breaks
-                self.varint(bits, what)
-                raise AssertionError("varint accepted what varints refused")
-            values.append(value)
-        self.pos = pos
-        return values
+    def varint_at(self, pos, bits, what="an integer"):
+        """``varint`` of the bytes at ``pos``, for a decoder that keeps the position in a local
+        (a MetaPage's entries): ``(value, the position after it)``, with ``varint``'s checks
+        and errors. The reader's own position is left alone unless it raises."""
+        data, end = self.data, len(self.data)
+        start, value, shift = pos, 0, 0
+        while pos < end:
+            b = data[pos]
+            pos += 1
+            value |= (b & 0x7F) << shift
+            if b < 0x80:
+                if (b or pos - start == 1) and not value >> bits \
+                        and pos - start <= (bits + 6) // 7:
+                    return value, pos
+                break
+            shift += 7
+        self.pos = start  # varint says which rule it breaks
+        self.varint(bits, what)
+        raise AssertionError("varint accepted what varint_at refused")
 
     def u32(self, what="a u32"):
         return self.varint(32, what)

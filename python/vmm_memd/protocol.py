@@ -8,7 +8,7 @@ protocol's caps before it is read, and the whole message must be exactly one rep
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 from .errors import REFUSALS, DecodeError
 from .postcard import Reader, Writer
@@ -51,10 +51,11 @@ _ITEMSIZE = {Dtype.U8: 1, Dtype.I8: 1, Dtype.U16: 2, Dtype.I16: 2, Dtype.U32: 4,
              Dtype.F64: 8, Dtype.Bool: 1}
 
 
-@dataclass(frozen=True)
-class TensorMeta:
+class TensorMeta(NamedTuple):
     """Where one named tensor lies in a generation: chunk, byte offset and length in it,
-    element type, shape."""
+    element type, shape. A named tuple, not a frozen dataclass: an attach makes one per tensor
+    (hundreds for a model), and a frozen dataclass takes about 1.3 us to construct against a
+    tuple's 0.2 (on the development VM); it is hashable, so a tensor's place is its key."""
     chunk: int
     offset: int
     len: int
@@ -484,20 +485,81 @@ _DTYPES = tuple(Dtype)
 _DTYPE_NAMES = tuple(d.name for d in _DTYPES)
 
 
-_META_WIDTHS = (32, 64, 64, 32)  # chunk, offset, length, the dtype's variant
+def _meta_entries(r):
+    """A sequence of (key, TensorMeta): a MetaPage's body (and a PutMeta's).
+
+    An attach decodes every tensor's entry (hundreds for a model), so this is one loop that
+    keeps the position in a local and reads a one-byte varint or length (most of them: a
+    chunk, a dtype, short keys, small dimensions) in line; anything longer goes through
+    ``Reader.varint_at``, and anything ``Reader`` would refuse is handed to it to raise its
+    own error. About 2.3 us an entry against 4.3 for the general reader calls (the development
+    VM, 250 Llama-shaped entries). The values and errors are the general reader's."""
+    data = r.data
+    end = len(data)
+    varint_at = r.varint_at
+    count = r.length(MAX_META_ENTRIES, "a metadata page")
+    pos = r.pos
+    entries = []
+    append = entries.append
+    for _ in range(count):
+        n = data[pos] if pos < end else 0x80
+        if n < 0x80 and n < end - pos:  # MAX_KEY_LEN is more than any one-byte length
+            pos += 1
+        else:
+            r.pos = pos
+            n = r.length(MAX_KEY_LEN, "a metadata key")
+            pos = r.pos
+        try:
+            key = data[pos:pos + n].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DecodeError(f"a metadata key: not UTF-8 ({e.reason})") from None
+        pos += n
+        chunk = data[pos] if pos < end else 0x80
+        if chunk < 0x80:
+            pos += 1
+        else:
+            chunk, pos = varint_at(pos, 32, _META)
+        offset = data[pos] if pos < end else 0x80
+        if offset < 0x80:
+            pos += 1
+        else:
+            offset, pos = varint_at(pos, 64, _META)
+        length = data[pos] if pos < end else 0x80
+        if length < 0x80:
+            pos += 1
+        else:
+            length, pos = varint_at(pos, 64, _META)
+        dtype = data[pos] if pos < end else 0x80
+        if dtype < 0x80:
+            pos += 1
+        else:
+            dtype, pos = varint_at(pos, 32, _META)
+        if dtype >= len(_DTYPES):
+            raise DecodeError(f"a dtype: unknown variant {dtype} (it has {len(_DTYPES)}: "
+                              f"{', '.join(_DTYPE_NAMES)})")
+        ndim = data[pos] if pos < end else 0x80
+        if ndim < 0x80 and ndim < end - pos:  # the cap (_BY_MESSAGE) is more too
+            pos += 1
+        else:
+            r.pos = pos
+            ndim = r.length(_BY_MESSAGE, "a shape")
+            pos = r.pos
+        shape = []
+        for _ in range(ndim):
+            d = data[pos] if pos < end else 0x80
+            if d < 0x80:
+                pos += 1
+            else:
+                d, pos = varint_at(pos, 64, "a shape")
+            shape.append(d)
+        append((key, _new_tuple(TensorMeta, (chunk, offset, length, _DTYPES[dtype],
+                                             tuple(shape)))))
+    r.pos = pos
+    return tuple(entries)
 
 
-def _tensor_meta_of(r):
-    chunk, offset, length, dtype = r.varints(_META_WIDTHS, "a tensor's metadata")
-    if dtype >= len(_DTYPES):
-        raise DecodeError(f"a dtype: unknown variant {dtype} (it has {len(_DTYPES)}: "
-                          f"{', '.join(_DTYPE_NAMES)})")
-    shape = tuple(r.varints((64,) * r.length(_BY_MESSAGE, "a shape"), "a shape"))
-    return TensorMeta(chunk, offset, length, _DTYPES[dtype], shape)
-
-
-def _meta_entry(r):
-    return (r.str(MAX_KEY_LEN, "a metadata key"), _tensor_meta_of(r))
+_META = "a tensor's metadata"
+_new_tuple = tuple.__new__  # TensorMeta's own __new__, without its argument handling
 
 
 def _chunks(r):
@@ -551,8 +613,7 @@ def decode_response(data):
     elif name == "Attached":
         value = AttachedReply(r.u64(), r.u64(), _chunks(r), r.u32(), r.u64())
     elif name == "MetaPage":
-        value = MetaPage(tuple(r.seq(MAX_META_ENTRIES, "a metadata page",
-                                     lambda: _meta_entry(r))))
+        value = MetaPage(_meta_entries(r))
     elif name == "Renewed":
         value = Renewed(r.u32())
     elif name == "Metrics":

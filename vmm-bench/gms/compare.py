@@ -712,11 +712,12 @@ class Runner:
     def attach_row(self, phase, key, region):
         reader = phase.readers[0]
         cmd = {"op": "attach", **phase.target(region=region), "wait_ms": 60000}
-        reader.call(cmd)  # warm-up, not counted
+        warm = reader.call({**cmd, "breakdown": phase.side == "ours"})  # not counted
         replies = [reader.call(cmd) for _ in range(self.args.repeat)]
         self.results.samples(key, phase.side, [r["attach_ms"] for r in replies],
                              parts={p: stats([r[p] for r in replies])
                                     for p in ("connect_ms", "map_ms")},
+                             breakdown=warm.get("breakdown"),
                              tensors=replies[0]["count"], mappings=replies[0]["mappings"],
                              markers=sorted({r["marker"] for r in replies}))
 
@@ -1185,8 +1186,68 @@ class Role:
                  "attach_ms": ms(t2 - t0), "count": len(tensors),
                  "mappings": len(attached.chunks), "marker": marker,
                  "generation": attached.generation}
+        if c.get("breakdown"):
+            reply["breakdown"] = self.ours_attach_breakdown(client, c["region"], attached)
         self.hold_or_release(c, ("ours", client, attached, tensors))
         return reply
+
+    def ours_attach_breakdown(self, client, region, attached, repeat=20):
+        """Where a Python attach's time goes, measured after the timed attach (medians of
+        ``repeat``, in ms): ``attach_call`` is ``Client.attach`` (the request, the metadata
+        pages, the descriptors, the import and map); ``decode`` the decoding of the same
+        metadata (re-encoded here as MetaPage replies of at most one DATA message each);
+        ``views`` making the torch tensors over the mapping (``attach_state_dict``'s second
+        step); ``as_strided_floor`` torch's own cost for as many views, one
+        ``Tensor.as_strided`` each over the same chunks with its arguments ready: what any
+        Python client that hands out torch tensors pays."""
+        m, mt = self.memd()
+        from vmm_memd import protocol as p
+        from vmm_memd.postcard import Writer
+        torch = self.torch
+
+        def median_ms(fn):
+            times = []
+            for _ in range(repeat):
+                t = PC()
+                fn()
+                times.append(PC() - t)
+            return round(statistics.median(times) * 1000, 3)
+
+        def attach_call():
+            client.detach(client.attach(region, attached.generation))
+        pages, page, size = [], [], 0
+        for key, meta in attached.meta.items():
+            w = Writer()
+            w.str(key)
+            p._tensor_meta(w, meta)
+            entry = w.bytes()
+            if page and size + len(entry) + 16 > p.MAX_DATA:
+                pages.append(page)
+                page, size = [], 0
+            page.append(entry)
+            size += len(entry)
+        pages.append(page)
+        encoded = []
+        for entries in pages:
+            w = Writer()
+            w.variant(p._REPLIES.index("MetaPage"))
+            w.usize(len(entries))
+            encoded.append(w.bytes() + b"".join(entries))
+        wholes, bases, views = {}, {}, []
+        for meta in attached.meta.values():
+            key = (meta.chunk, meta.dtype)
+            if key not in bases:
+                bases[key] = mt._typed_chunk(torch, wholes, attached.chunks, *key)
+            if bases[key] is not None and meta.len:
+                size = meta.dtype.itemsize
+                views.append((bases[key], tuple(meta.shape), mt._strides(tuple(meta.shape)),
+                              meta.offset // size))
+        return {"attach_call": median_ms(attach_call),
+                "decode": median_ms(lambda: [p.decode_response(e) for e in encoded]),
+                "views": median_ms(lambda: mt._views(torch, attached)),
+                "as_strided_floor": median_ms(lambda: [b.as_strided(*v) for b, *v in views]),
+                "as_strided_count": len(views), "tensors": len(attached.meta),
+                "meta_pages": len(encoded)}
 
     def hold_or_release(self, c, held):
         self.held.append(held)
