@@ -56,6 +56,13 @@ class Requests(unittest.TestCase):
                          b"\x12\x01r" + bytes(range(16)))
         with self.assertRaises(ValueError):
             p.encode_token(bytes(17))
+        # An operator's release of everything; its reply and its refusal (the same test
+        # checks these bytes against postcard).
+        self.assertEqual(p.encode_release_all(), b"\x13")
+        self.assertEqual(p.decode_response(b"\x10\x03\x01"), p.Released(3, 1))
+        refused = p.decode_response(b"\x00\x0e\x07")
+        self.assertIsInstance(refused, e.NotAdmin)
+        self.assertEqual(refused.uid, 7)
 
     def test_values_outside_their_types_are_not_encoded(self):
         for bad in (-1, 2**64):
@@ -176,11 +183,11 @@ class Replies(unittest.TestCase):
         self.assertRefused(reply(4, b"\x00"), "trailing")
         self.assertRefused(reply(5, b"\x07\x07"), "trailing")
         # Unknown variants: of the reply, of a refusal, of a dtype, of a rule.
-        self.assertRefused(reply(16), "unknown variant 16")
+        self.assertRefused(reply(17), "unknown variant 17")
         self.assertRefused(reply(1, b"\x01" + string("r") + b"\x02\x03\x03"),
                            "unknown variant 3")
         self.assertRefused(reply(2**32 - 1), "unknown variant")
-        self.assertRefused(reply(0, b"\x0e"), "unknown variant 14")
+        self.assertRefused(reply(0, b"\x0f"), "unknown variant 15")
         self.assertRefused(reply(0, b"\x0b" + b"\x01" * 16 + b"\x04" + string("x")),
                            "unknown variant 4")
         # A fixed-size byte array cut short.

@@ -27,7 +27,7 @@ from .errors import (  # noqa: F401
     AccessDenied, BadDescriptor, BadReply, DecodeError, FdsInFlight, InvalidRequest, MemdError,
     NoSuchGeneration, NoSuchRegion, Os, QuotaExceeded, Refused, ServiceFailed, ServiceGone,
     StillMapped, TooLarge, Transport, WriterBusy, NoSuchDevice, DeviceFailed, DigestMismatch,
-    FabricUnavailable, GpuImportFailed, GpuRegion, GpuSleepFailed, NotAsleep, NotMapped,
+    FabricUnavailable, GpuImportFailed, GpuRegion, GpuSleepFailed, NotAdmin, NotAsleep, NotMapped,
     StaleLayout, StateDictError, ExecutableNotFound,
     StateDictMismatch, TooManyChunks, UnsupportedDevice, UnsupportedDtype,
 )
@@ -46,7 +46,7 @@ __all__ = [
     "TensorMeta", "Uid", "MemdError", "Refused", "ServiceGone", "BadReply", "DecodeError", "BadDescriptor",
     "Transport", "Os", "QuotaExceeded", "AccessDenied", "NoSuchRegion", "NoSuchGeneration",
     "WriterBusy", "TooLarge", "InvalidRequest", "StillMapped", "FdsInFlight", "ServiceFailed",
-    "NoSuchDevice", "DeviceFailed", "DigestMismatch", "FabricUnavailable", "GpuRegion",
+    "NoSuchDevice", "DeviceFailed", "DigestMismatch", "FabricUnavailable", "NotAdmin", "GpuRegion",
     "GpuImportFailed", "GpuSleepFailed", "NotAsleep", "NotMapped", "StaleLayout", "Sleeping",
     "layout_hash", "layout_hash_on", "StateDictError",
     "StateDictMismatch", "TooManyChunks", "UnsupportedDevice", "UnsupportedDtype",

@@ -569,6 +569,13 @@ class Client:
         """Delete ``region`` (needs the delete right)."""
         self.request(p.encode_delete(region), p.Done)
 
+    def release_all(self):
+        """Delete every region of the service, giving their memory back for good (a stop, a
+        restart or an upgrade of the service keeps it): the service's admins only
+        (``NotAdmin`` for anyone else). A region a writer is filling or waiting for stays:
+        ``Released(regions, busy)``."""
+        return self.request(p.encode_release_all(), p.Released)
+
 
 def commit_token():
     """A fresh commit token: 16 random bytes (``os.urandom``)."""

@@ -133,10 +133,15 @@ class FabricUnavailable(Refused):
     FIELDS = ("region", "generation")
 
 
+class NotAdmin(Refused):
+    """An operator's request (``release_all``) from a uid that is no admin of the service."""
+    FIELDS = ("uid",)
+
+
 #: The Refusal variants in declaration order: the index is the variant's wire tag.
 REFUSALS = (QuotaExceeded, AccessDenied, NoSuchRegion, NoSuchGeneration, WriterBusy, TooLarge,
             InvalidRequest, StillMapped, FdsInFlight, ServiceFailed, NoSuchDevice, DeviceFailed,
-            DigestMismatch, FabricUnavailable)
+            DigestMismatch, FabricUnavailable, NotAdmin)
 
 
 class GpuRegion(MemdError):

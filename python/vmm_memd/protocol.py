@@ -204,6 +204,14 @@ class Woke:
 
 
 @dataclass(frozen=True)
+class Released:
+    """The reply to ``encode_release_all``: regions deleted, and regions left because a
+    writer was at work on them or waiting for them."""
+    regions: int
+    busy: int
+
+
+@dataclass(frozen=True)
 class CommitState:
     """What became of a generation named by a writer's token: ``state`` is "Landed" (then
     ``generation`` is its number), "Pending" (its writer's connection is open and has not
@@ -216,7 +224,7 @@ class CommitState:
 
 (_LIST, _STATUS, _BEGIN, _PUT_META, _COMMIT, _ABORT, _ATTACH, _DETACH, _RENEW, _DELETE,
  _METRICS, _BEGIN_ON, _VERIFY, _DISCARD, _ATTACH_FABRIC, _SLEEP, _WAKE, _TOKEN,
- _COMMIT_STATE) = range(19)
+ _COMMIT_STATE, _RELEASE_ALL) = range(20)
 
 #: The tokens of a region's latest tokened commits that ``CommitState`` remembers.
 MAX_LANDED_TOKENS = 64
@@ -370,6 +378,11 @@ def encode_wake(region):
     return _request(_WAKE, lambda w: w.str(region))
 
 
+def encode_release_all():
+    """An operator's release of every region (the service's admins only: NotAdmin else)."""
+    return _request(_RELEASE_ALL)
+
+
 def _token(token):
     token = bytes(token)
     if len(token) != 16:
@@ -439,7 +452,7 @@ _GPU_OPS = ("Allocate", "Import", "Read", "Copy")
 _SCOPES = ("Connection", "Uid", "All")
 _REPLIES = ("Refused", "List", "Status", "Began", "Done", "Committed", "Attached", "MetaPage",
             "Renewed", "Metrics", "BeganGpu", "AttachedGpu", "Verified", "Slept", "Woke",
-            "CommitState")
+            "CommitState", "Released")
 _COMMIT_STATES = ("Landed", "Pending", "Unknown")
 _SLEEP_STATES = ("Awake", "Falling", "Asleep")
 
@@ -477,6 +490,7 @@ def _refusal(r):
         "DigestMismatch": lambda: (_region(r), r.u64(), r.u32(), _fixed(r, 32, "a digest"),
                                    _fixed(r, 32, "a digest")),
         "FabricUnavailable": lambda: (_region(r), r.u64()),
+        "NotAdmin": lambda: (r.u32(),),
     }
     return kind(*readers[kind.__name__]())
 
@@ -630,6 +644,8 @@ def decode_response(data):
     elif name == "CommitState":
         state = _COMMIT_STATES[r.variant(_COMMIT_STATES, "a commit state")]
         value = CommitState(state, r.u64() if state == "Landed" else None)
+    elif name == "Released":
+        value = Released(r.u32(), r.u32())
     else:
         value = Verified(r.u64(), tuple(r.seq(MAX_CHUNKS, "digests",
                                               lambda: _fixed(r, 32, "a digest"))))
@@ -641,8 +657,9 @@ __all__ = [
     "Dtype", "TensorMeta", "Uid", "Gid", "Acl", "RegionSummary", "GenerationStatus",
     "RegionStatus", "Status", "Began", "Done", "Committed", "AttachedReply", "MetaPage",
     "Renewed", "Metrics", "RegionList", "BeganGpu", "AttachedGpuReply", "Verified",
-    "Slept", "Woke", "CommitState", "decode_response", "encode_verify", "encode_begin_gpu", "encode_layout",
+    "Slept", "Woke", "CommitState", "Released", "decode_response", "encode_verify", "encode_begin_gpu", "encode_layout",
     "encode_discard", "encode_sleep", "encode_wake", "encode_token", "encode_commit_state",
+    "encode_release_all",
     "meta_pages", "MAX_LANDED_TOKENS", "MAX_REQUEST",
     "MAX_DATA", "MAX_CHUNKS", "MAX_META_ENTRIES", "MAX_KEY_LEN", "MAX_REGION_NAME",
 ]

@@ -1,6 +1,7 @@
-//! The operator's requests on a whole region, for [`Client`]: [`Client::sleep_region`] and
-//! [`Client::wake_region`] (what `vmm-memctl sleep` and `wake` send). Kept apart from
-//! `client.rs`, which is about writers and readers.
+//! The operator's requests, for [`Client`]: on a whole region, [`Client::sleep_region`] and
+//! [`Client::wake_region`] (what `vmm-memctl sleep` and `wake` send); on the whole service,
+//! [`Client::release_all`] (`vmm-memctl release --all`). Kept apart from `client.rs`, which
+//! is about writers and readers.
 
 use crate::client::{Client, unexpected};
 use crate::error::Result;
@@ -25,7 +26,28 @@ pub struct RegionWoke {
     pub zeroed: bool,
 }
 
+/// What [`Client::release_all`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Released {
+    /// Regions deleted.
+    pub regions: u32,
+    /// Regions left because a writer was at work on them or waiting for them.
+    pub busy: u32,
+}
+
 impl Client {
+    /// Delete every region of the service (an operator's request: the caller's uid or one of
+    /// its groups must be an admin of the service, else
+    /// [`Refusal::NotAdmin`](crate::Refusal::NotAdmin)): their names go now, their memory as
+    /// their last leases end, and the keeper holds none of it any more. A region with a
+    /// writer at work or waiting is left and counted in [`Released::busy`].
+    pub fn release_all(&self) -> Result<Released> {
+        match self.request(&Request::ReleaseAll)? {
+            Response::Released { regions, busy } => Ok(Released { regions, busy }),
+            other => Err(unexpected("Released", &other)),
+        }
+    }
+
     /// Put `region`'s current generation to a discard sleep without holding a lease (needs
     /// the region's write right; its owner has it): the service frees its memory once no
     /// lease holds it; its number, metadata, chunk sizes and quota charge stay, and the next

@@ -1,5 +1,6 @@
 //! The `vmm-memctl` program: `status`, `list`, `metrics` (reading: they change nothing in the
-//! service), and `sleep`, `wake` and `delete` for a region's admins, as text or JSON (`src/bin/vmm-memctl.rs` is a thin `main` over
+//! service), `sleep`, `wake` and `delete` for a region's admins, and `release --all` for the
+//! service's operators, as text or JSON (`src/bin/vmm-memctl.rs` is a thin `main` over
 //! [`main`]).
 
 use std::io::Write;
@@ -31,6 +32,10 @@ Commands (status, list and metrics change nothing):
   wake REGION     make an asleep generation's memory again now, zeroed, or call off a sleep
                   still waiting for leases (the same admins)
   delete REGION   delete a region (its owner, or whom its ACL lets delete)
+  release --all   delete every region, giving their memory back for good (a stop, a restart
+                  and an upgrade of the service keep it); a region a writer is filling or
+                  waiting for stays. The service's operators only (--admin-uid/--admin-gid
+                  of vmm-memd; root by default)
 
 Options:
   --socket NAME|PATH   the service (default: $VMM_MEMD_SOCKET, else @vmm-memd)
@@ -65,6 +70,8 @@ pub enum Command {
     Sleep(String),
     /// `wake REGION`.
     Wake(String),
+    /// `release --all`.
+    ReleaseAll,
 }
 
 /// A parsed command line.
@@ -84,6 +91,9 @@ fn parse(args: &[String]) -> Result<Option<Invocation>, UsageError> {
         match arg.as_str() {
             "-h" | "--help" => return Ok(None),
             "--json" => json = true,
+            // A flag of the `release` command (the only way to call it: nothing is released
+            // by accident).
+            "--all" => words.push(arg.clone()),
             "--socket" => {
                 socket = it
                     .next()
@@ -105,6 +115,8 @@ fn parse(args: &[String]) -> Result<Option<Invocation>, UsageError> {
         [c, region] if c == "delete" => Command::Delete(region.clone()),
         [c, region] if c == "sleep" => Command::Sleep(region.clone()),
         [c, region] if c == "wake" => Command::Wake(region.clone()),
+        [c, all] if c == "release" && all == "--all" => Command::ReleaseAll,
+        [c] if c == "release" => return Err(UsageError::Missing("release's --all")),
         [] => return Err(UsageError::Missing("a command")),
         other => return Err(UsageError::Unknown(other.join(" "))),
     };
@@ -216,6 +228,17 @@ fn run(invocation: &Invocation) -> Result<(), MemdError> {
                 (false, false) => format!(
                     "{region} generation {generation} awake: the sleep was called off, \
                      contents kept\n"
+                ),
+            }
+        }
+        Command::ReleaseAll => {
+            let released = client.release_all()?;
+            let (regions, busy) = (released.regions, released.busy);
+            match json {
+                true => to_json(serde_json::json!({ "released": regions, "busy": busy })),
+                false if busy == 0 => format!("released {regions} regions\n"),
+                false => format!(
+                    "released {regions} regions; {busy} left (a writer at work or waiting)\n"
                 ),
             }
         }

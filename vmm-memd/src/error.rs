@@ -202,6 +202,13 @@ pub enum Refusal {
         /// The generation.
         generation: u64,
     },
+    /// An operator's request (`ReleaseAll`) from a uid that is no admin of the service
+    /// (`--admin-uid`, `--admin-gid`; root by default).
+    #[error("uid {uid} is no admin of this service")]
+    NotAdmin {
+        /// The caller's uid.
+        uid: u32,
+    },
 }
 
 impl Refusal {
@@ -223,6 +230,7 @@ impl Refusal {
             Refusal::DeviceFailed { .. } => "DeviceFailed",
             Refusal::DigestMismatch { .. } => "DigestMismatch",
             Refusal::FabricUnavailable { .. } => "FabricUnavailable",
+            Refusal::NotAdmin { .. } => "NotAdmin",
         }
     }
 

@@ -40,6 +40,24 @@ impl Identity {
     }
 }
 
+/// The service's operators: the uids, and the members of the gids, whose requests on any
+/// region (`ReleaseAll`) the service serves. The `vmm-memd` program makes root the only one
+/// unless told otherwise (`--admin-uid`, `--admin-gid`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Admins {
+    /// Admin uids.
+    pub uids: Vec<u32>,
+    /// Groups whose members (primary or supplementary, as the kernel reports) are admins.
+    pub gids: Vec<u32>,
+}
+
+impl Admins {
+    /// Whether `who` is one of them.
+    pub(crate) fn include(&self, who: &Identity) -> bool {
+        self.uids.contains(&who.uid) || self.gids.iter().any(|&gid| who.has_gid(gid))
+    }
+}
+
 /// Whether the process behind `pidfd` has exited (never, as far as is known, without one).
 pub(crate) fn exited(pidfd: Option<&OwnedFd>) -> bool {
     pidfd.is_some_and(pidfd_exited)

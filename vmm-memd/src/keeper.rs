@@ -2,8 +2,11 @@
 //! and its chunk memfds) for the service, so that a service that crashes (SIGKILL included)
 //! and starts again finds its regions, with their contents, without any writer reloading
 //! them. It parses no request: it keeps fds under a (region, generation) key, lets them go,
-//! and hands them all back, to a peer that passes [`keeper_wire::authenticate`] only (this
-//! uid, this executable). See `vmm-memd/README.md`, "Surviving a restart".
+//! and hands them all back, to a peer that passes [`keeper_wire::authenticate`] (this uid)
+//! and [`keeper_wire::keeper_handshake`] (this executable, or the hand-over key) only. A
+//! service that stops, gracefully or not, leaves everything with it for the next service,
+//! of this binary or an upgraded one; a keeper that holds nothing when its service leaves
+//! exits. See `vmm-memd/README.md`, "Surviving a restart".
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -11,11 +14,13 @@ use std::time::{Duration, Instant};
 
 use vmm_core::wire::endpoint::Name;
 
+use crate::handover::HandOverKey;
 use crate::keeper_wire::{self, KeeperError, KeeperMsg};
 
-/// Run the keeper on `name` until the service says `Quit`, or until no service has been
-/// connected for `linger` (`None`: forever). The process's exit status.
-pub fn run(name: &Name, linger: Option<Duration>) -> i32 {
+/// Run the keeper on `name`, proving `key` to the services that connect and asking it of one
+/// of another executable, until no service has been connected for `linger` (`None`: forever)
+/// or its service leaves it holding nothing. The process's exit status.
+pub fn run(name: &Name, linger: Option<Duration>, key: &HandOverKey) -> i32 {
     // It holds one fd per chunk and one per generation, as many as the service.
     crate::fd_limit::raise();
     let listener = match keeper_wire::listen(name) {
@@ -52,7 +57,8 @@ pub fn run(name: &Name, linger: Option<Duration>) -> i32 {
         }
         if fds[0].revents & libc::POLLIN != 0 {
             match keeper_wire::accept(listener.as_fd()).and_then(|s| {
-                keeper_wire::authenticate(s.as_fd())?;
+                let peer = keeper_wire::authenticate(s.as_fd())?;
+                keeper_wire::keeper_handshake(s.as_fd(), &peer, key)?;
                 Ok(s)
             }) {
                 // The newest service wins: a restarted one replaces a dead one whose hangup
@@ -73,22 +79,21 @@ pub fn run(name: &Name, linger: Option<Duration>) -> i32 {
         if fds[1].revents == 0 {
             continue;
         }
-        match serve_one(socket.as_fd(), &mut held) {
-            Ok(true) => {}
-            Ok(false) => return 0,
-            Err(e) => {
-                if !matches!(e, KeeperError::Gone) {
-                    eprintln!("vmm-memd keeper: service connection: {e}");
-                }
-                service = None;
-                alone_since = Instant::now();
+        if let Err(e) = serve_one(socket.as_fd(), &mut held) {
+            if !matches!(e, KeeperError::Gone) {
+                eprintln!("vmm-memd keeper: service connection: {e}");
             }
+            if held.is_empty() {
+                // Nothing to keep for the next service (which starts a keeper of its own).
+                return 0;
+            }
+            service = None;
+            alone_since = Instant::now();
         }
     }
 }
 
-/// Serve what a replaced service's connection still holds, up to its end (a `Quit` in it
-/// is ignored: the new service decides).
+/// Serve what a replaced service's connection still holds, up to its end.
 fn drain(socket: BorrowedFd<'_>, held: &mut BTreeMap<(String, u64), Vec<OwnedFd>>) {
     loop {
         let mut pending = libc::pollfd {
@@ -106,11 +111,11 @@ fn drain(socket: BorrowedFd<'_>, held: &mut BTreeMap<(String, u64), Vec<OwnedFd>
     }
 }
 
-/// Serve one message of the service; `Ok(false)`: it said `Quit`.
+/// Serve one message of the service.
 fn serve_one(
     socket: BorrowedFd<'_>,
     held: &mut BTreeMap<(String, u64), Vec<OwnedFd>>,
-) -> Result<bool, KeeperError> {
+) -> Result<(), KeeperError> {
     let (msg, fds) = keeper_wire::recv(socket)?;
     match msg {
         KeeperMsg::Keep { region, generation } => {
@@ -137,10 +142,15 @@ fn serve_one(
             };
             keeper_wire::send(socket, &done, &[])?;
         }
-        KeeperMsg::Quit => return Ok(false),
-        KeeperMsg::Entry { .. } | KeeperMsg::Handed { .. } => {
-            return Err(KeeperError::Protocol("a service sends no Entry or Handed"));
+        KeeperMsg::Entry { .. }
+        | KeeperMsg::Handed { .. }
+        | KeeperMsg::Hello { .. }
+        | KeeperMsg::Welcome { .. }
+        | KeeperMsg::Prove { .. } => {
+            return Err(KeeperError::Protocol(
+                "after the handshake a service sends Keep, Forget or Hand",
+            ));
         }
     }
-    Ok(true)
+    Ok(())
 }

@@ -1,6 +1,7 @@
 //! The service's end of its keeper ([`crate::keeper`]): find the keeper of this service's
-//! socket name or start one, check it is ours, take back what it holds (a restart), and keep
-//! it told of every generation committed and freed. A generation goes to the keeper as a
+//! socket name or start one (with a fresh hand-over key, left in the state directory for an
+//! upgraded binary: [`crate::handover`]), check it is ours, take back what it holds (a
+//! restart), and keep it told of every generation committed and freed. A generation goes to the keeper as a
 //! sealed record memfd ([`GenerationRecord`]: region, owner, ACL, charge, metadata, chunk
 //! sizes) plus its chunk memfds.
 
@@ -12,6 +13,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use vmm_core::wire::endpoint::Name;
 
+use crate::handover::{HandOverKey, StateDir};
 use crate::keeper_wire::{self, KeeperError, KeeperMsg};
 use crate::protocol::{Acl, Backend, ChunkDigest, TensorMeta};
 
@@ -21,9 +23,6 @@ const MAX_RECORD: u64 = 64 << 20;
 
 /// How long a keeper just started has to listen.
 const KEEPER_START: Duration = Duration::from_secs(5);
-
-/// How long a keeper told to quit has to exit before it is killed.
-const KEEPER_QUIT: Duration = Duration::from_millis(500);
 
 /// What the keeper holds of one committed generation besides its chunks.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -59,6 +58,8 @@ pub(crate) struct Restored {
 pub(crate) struct KeeperLink {
     name: Name,
     linger: Option<Duration>,
+    /// Where the hand-over key of a keeper this service starts is left.
+    state: Option<StateDir>,
     socket: OwnedFd,
     pidfd: OwnedFd,
     /// The keeper this service started (reaped when it ends); `None` for one a previous
@@ -70,30 +71,54 @@ pub(crate) struct KeeperLink {
 
 impl KeeperLink {
     /// Connect to the keeper of the service named `service`, or start one (`linger`: how
-    /// long it waits for a service before letting everything go). Refuses an impostor at the
-    /// keeper's name ([`KeeperError::Impostor`]). What it held comes back.
+    /// long it waits for a service before letting everything go; `state`: where its
+    /// hand-over key is left, and found when the keeper runs another executable). Refuses an
+    /// impostor at the keeper's name ([`KeeperError::Impostor`]). What it held comes back.
     pub(crate) fn establish(
         service: &Name,
         linger: Option<Duration>,
+        state: Option<StateDir>,
     ) -> Result<(KeeperLink, Vec<Restored>), KeeperError> {
         let name = keeper_wire::keeper_name(service);
         if let Some(socket) = keeper_wire::connect(&name)? {
-            let pidfd = keeper_wire::authenticate(socket.as_fd())?;
+            let peer = keeper_wire::authenticate(socket.as_fd())?;
+            let key = match state.as_ref().map(|s| s.read_key(&name)) {
+                Some(Ok(key)) => key,
+                None => None,
+                Some(Err(e)) => {
+                    eprintln!("vmm-memd: {e}; a keeper of another executable is refused");
+                    None
+                }
+            };
+            keeper_wire::service_handshake(socket.as_fd(), &peer, key.as_ref())?;
             let mut link = KeeperLink {
                 name,
                 linger,
+                state,
                 socket,
-                pidfd,
+                pidfd: peer.pidfd,
                 child: None,
                 broken: false,
             };
             let restored = link.take_back()?;
             return Ok((link, restored));
         }
-        Ok((KeeperLink::start(name, linger)?, Vec::new()))
+        Ok((KeeperLink::start(name, linger, state)?, Vec::new()))
     }
 
-    fn start(name: Name, linger: Option<Duration>) -> Result<KeeperLink, KeeperError> {
+    fn start(
+        name: Name,
+        linger: Option<Duration>,
+        state: Option<StateDir>,
+    ) -> Result<KeeperLink, KeeperError> {
+        let key = HandOverKey::random()?;
+        if let Some(state) = &state {
+            // Without it an upgraded binary cannot take this keeper's memory; a restart of
+            // this one still can.
+            if let Err(e) = state.write_key(&name, &key) {
+                eprintln!("vmm-memd: {e}; an upgraded binary will not find this keeper's key");
+            }
+        }
         let exe = std::env::current_exe().map_err(|source| KeeperError::Os {
             op: "current_exe",
             source,
@@ -105,7 +130,9 @@ impl KeeperLink {
                 .arg("--linger-ms")
                 .arg(linger.as_millis().to_string());
         }
-        command.stdin(Stdio::null()).stdout(Stdio::null());
+        // The key goes on its stdin (a pipe no other process holds), never on its command
+        // line or in its environment, which other processes can read.
+        command.stdin(Stdio::piped()).stdout(Stdio::null());
         // SAFETY: setsid is async-signal-safe; the keeper leaves the service's session and
         // process group, so a signal to the group (a terminal's ^C) does not end it.
         unsafe {
@@ -118,6 +145,15 @@ impl KeeperLink {
             op: "spawn the keeper",
             source,
         })?;
+        let handed = child
+            .stdin
+            .take()
+            .map(|mut stdin| stdin.write_all(key.bytes()));
+        if !matches!(handed, Some(Ok(()))) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(KeeperError::Gone);
+        }
         let deadline = Instant::now() + KEEPER_START;
         let socket = loop {
             match keeper_wire::connect(&name) {
@@ -136,12 +172,14 @@ impl KeeperLink {
                 Err(e) => return Err(e),
             }
         };
-        let pidfd = keeper_wire::authenticate(socket.as_fd())?;
+        let peer = keeper_wire::authenticate(socket.as_fd())?;
+        keeper_wire::service_handshake(socket.as_fd(), &peer, Some(&key))?;
         let mut link = KeeperLink {
             name,
             linger,
+            state,
             socket,
-            pidfd,
+            pidfd: peer.pidfd,
             child: Some(child),
             broken: false,
         };
@@ -166,7 +204,7 @@ impl KeeperLink {
             let _ = child.kill();
             let _ = child.wait();
         }
-        *self = KeeperLink::start(self.name.clone(), self.linger)?;
+        *self = KeeperLink::start(self.name.clone(), self.linger, self.state.take())?;
         Ok(())
     }
 
@@ -237,31 +275,13 @@ impl KeeperLink {
         result
     }
 
-    /// The service stops for good: the keeper lets everything go and exits.
-    /// A keeper that has not exited after [`KEEPER_QUIT`] is SIGKILLed (through its pidfd,
-    /// so the signal cannot reach a process that reused its pid).
-    pub(crate) fn quit(mut self) {
-        let _ = keeper_wire::send(self.socket.as_fd(), &KeeperMsg::Quit, &[]);
-        let deadline = Instant::now() + KEEPER_QUIT;
-        while !crate::identity::exited(Some(&self.pidfd)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        if !crate::identity::exited(Some(&self.pidfd)) {
-            eprintln!("vmm-memd: the keeper did not quit; killing it");
-            // SAFETY: pidfd_send_signal on a pidfd this link owns; no siginfo.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_pidfd_send_signal,
-                    std::os::fd::AsRawFd::as_raw_fd(&self.pidfd),
-                    libc::SIGKILL,
-                    std::ptr::null::<libc::siginfo_t>(),
-                    0,
-                )
-            };
-        }
-        if let Some(mut child) = self.child.take() {
-            let _ = child.wait();
-        }
+    /// The service stops: the keeper keeps everything for the next service (this binary
+    /// again, or an upgraded one that finds the hand-over key), and exits if it holds
+    /// nothing. A keeper this service started is not waited for: it outlives the service.
+    pub(crate) fn leave(mut self) {
+        // Dropping the child handle neither kills nor reaps it; the keeper, in a session of
+        // its own, is reparented when this process exits.
+        drop(self.child.take());
     }
 }
 
@@ -325,18 +345,24 @@ pub struct Keeper {
 }
 
 impl Keeper {
-    /// Find the keeper of the service that listens on `service`, check it (this uid, this
-    /// executable, through `SO_PEERCRED` and a pidfd) and take back what it holds; or, when
-    /// none listens, start one (a fresh process of this executable, `--keeper NAME`) that
-    /// lets everything go once no service has been connected for `linger` (`None`: never).
-    /// [`KeeperError::Impostor`]: another process holds the keeper's name.
+    /// Find the keeper of the service that listens on `service`, check it (this uid through
+    /// `SO_PEERCRED` and a pidfd; this executable, or else its proof of the hand-over key
+    /// found in `state`) and take back what it holds; or, when none listens, start one (a
+    /// fresh process of this executable, `--keeper NAME`, its hand-over key on its stdin and
+    /// left in `state`) that lets everything go once no service has been connected for
+    /// `linger` (`None`: never). [`KeeperError::Impostor`]: another process holds the
+    /// keeper's name.
     ///
     /// The running executable must be one that runs the keeper when its first argument is
     /// `--keeper` (the `vmm-memd` program does: [`crate::cli::main`]; another program
     /// serving with [`Service::serve_kept`](crate::Service::serve_kept) calls
     /// [`crate::keeper::run`] then).
-    pub fn establish(service: &Name, linger: Option<Duration>) -> Result<Keeper, KeeperError> {
-        let (link, restored) = KeeperLink::establish(service, linger)?;
+    pub fn establish(
+        service: &Name,
+        linger: Option<Duration>,
+        state: Option<StateDir>,
+    ) -> Result<Keeper, KeeperError> {
+        let (link, restored) = KeeperLink::establish(service, linger, state)?;
         Ok(Keeper { link, restored })
     }
 

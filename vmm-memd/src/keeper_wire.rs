@@ -1,12 +1,16 @@
 //! The keeper's socket and messages (see [`crate::keeper`]): a `SOCK_SEQPACKET` Unix socket
 //! named after the service's own, postcard-encoded [`KeeperMsg`]s of at most
 //! [`MAX_KEEPER_MSG`] bytes, each with at most [`MAX_KEEPER_FDS`] fds as `SCM_RIGHTS`, and
-//! the check both ends make of the other: the same uid (`SO_PEERCRED`) and the same
-//! executable (`/proc/PID/exe`, by device and inode), read while a pidfd pins the process.
+//! the check both ends make of the other: the same uid (`SO_PEERCRED`), then the handshake
+//! ([`service_handshake`], [`keeper_handshake`]): of the same executable (`/proc/PID/exe`, by
+//! device and inode, read while a pidfd pins the process) the ends trust each other as they
+//! are; of two executables (an upgraded service) each must prove the keeper's hand-over key
+//! ([`crate::handover`]).
 
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::MetadataExt;
+use std::time::Duration;
 
 use nix::sys::socket::{
     self, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType,
@@ -14,6 +18,16 @@ use nix::sys::socket::{
 };
 use serde::{Deserialize, Serialize};
 use vmm_core::wire::endpoint::Name;
+
+use crate::handover::{self, End, HandOverKey, KEY_LEN};
+
+/// The version of these messages: the first of a connection (`Hello`, `Welcome`) carry it,
+/// and the two ends must agree. 2: the handshake (version 1 had none and no upgrade).
+pub const KEEPER_WIRE_VERSION: u32 = 2;
+
+/// How long either end waits for the other's handshake message: a process of the service's
+/// uid that connects and says nothing holds the keeper up for this long at most.
+pub const HANDSHAKE_WAIT: Duration = Duration::from_secs(2);
 
 /// The largest keeper message: 4 KiB (a region name and a generation number, at most).
 pub const MAX_KEEPER_MSG: usize = 4096;
@@ -24,6 +38,29 @@ pub const MAX_KEEPER_FDS: usize = crate::protocol::MAX_CHUNKS + 1;
 /// A message between the service and its keeper.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum KeeperMsg {
+    /// Service to keeper, first: its wire version and a fresh nonce.
+    Hello {
+        /// [`KEEPER_WIRE_VERSION`].
+        version: u32,
+        /// The service's nonce.
+        nonce: [u8; KEY_LEN],
+    },
+    /// Keeper to service, the answer: its wire version, its nonce, and its proof of the
+    /// hand-over key over both nonces.
+    Welcome {
+        /// [`KEEPER_WIRE_VERSION`].
+        version: u32,
+        /// The keeper's nonce.
+        nonce: [u8; KEY_LEN],
+        /// [`HandOverKey::proof`] as [`End::Keeper`].
+        proof: [u8; 32],
+    },
+    /// Service to keeper, last: its proof of the hand-over key (zeros where it has none;
+    /// the keeper looks at it only when the service runs another executable).
+    Prove {
+        /// [`HandOverKey::proof`] as [`End::Service`].
+        proof: [u8; 32],
+    },
     /// Service to keeper: hold this committed generation (fds: its record, then its chunks),
     /// replacing what it held under the same key.
     Keep {
@@ -53,8 +90,6 @@ pub enum KeeperMsg {
         /// How many entries were sent.
         entries: u64,
     },
-    /// Service to keeper: the service stops for good; let everything go and exit.
-    Quit,
 }
 
 /// What went wrong between the service and its keeper.
@@ -86,6 +121,17 @@ pub enum KeeperError {
     /// The other end hung up.
     #[error("the other end hung up")]
     Gone,
+    /// The other end speaks another version of these messages.
+    #[error("the other end speaks keeper wire version {theirs}, this one {ours}")]
+    Version {
+        /// [`KEEPER_WIRE_VERSION`].
+        ours: u32,
+        /// Theirs.
+        theirs: u32,
+    },
+    /// The state directory or the hand-over key could not be used.
+    #[error("hand-over key: {0}")]
+    HandOver(#[from] handover::HandOverError),
 }
 
 /// Which check an impostor failed.
@@ -93,7 +139,7 @@ pub enum KeeperError {
 pub enum ImpostorCheck {
     /// Another uid than this process's.
     Uid,
-    /// Another executable than this process's.
+    /// Another executable than this process's, which proved no hand-over key.
     Executable,
     /// The kernel gave no pidfd, or the process exited during the check.
     Pidfd,
@@ -103,7 +149,7 @@ impl std::fmt::Display for ImpostorCheck {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             ImpostorCheck::Uid => "another uid",
-            ImpostorCheck::Executable => "another executable",
+            ImpostorCheck::Executable => "another executable, without the hand-over key",
             ImpostorCheck::Pidfd => "no pidfd pins it",
         })
     }
@@ -236,9 +282,23 @@ pub fn recv(fd: BorrowedFd<'_>) -> Result<(KeeperMsg, Vec<OwnedFd>), KeeperError
     Ok((msg, fds))
 }
 
-/// The process at the other end of `socket`, checked: this process's uid and executable,
-/// read while a pidfd pins it. Its pidfd (readable once it exits).
-pub fn authenticate(socket: BorrowedFd<'_>) -> Result<OwnedFd, KeeperError> {
+/// The process at the other end of a keeper connection, as [`authenticate`] found it.
+#[derive(Debug)]
+pub struct Peer {
+    /// Its pidfd (readable once it exits).
+    pub pidfd: OwnedFd,
+    /// Its pid and uid (`SO_PEERCRED`).
+    pub pid: i32,
+    /// Its uid: this process's.
+    pub uid: u32,
+    /// Whether it runs this process's executable (then no hand-over key is asked of it).
+    pub same_executable: bool,
+}
+
+/// The process at the other end of `socket`, checked: this process's uid, read while a pidfd
+/// pins it; whether it runs this process's executable (the handshake asks the hand-over key
+/// of one that does not).
+pub fn authenticate(socket: BorrowedFd<'_>) -> Result<Peer, KeeperError> {
     let creds = socket::getsockopt(&socket, socket::sockopt::PeerCredentials)
         .map_err(os("getsockopt(SO_PEERCRED)"))?;
     let (pid, uid) = (creds.pid(), creds.uid());
@@ -257,8 +317,115 @@ pub fn authenticate(socket: BorrowedFd<'_>) -> Result<OwnedFd, KeeperError> {
     if crate::identity::exited(Some(&pidfd)) {
         return Err(impostor(ImpostorCheck::Pidfd));
     }
-    if !same {
-        return Err(impostor(ImpostorCheck::Executable));
+    Ok(Peer {
+        pidfd,
+        pid,
+        uid,
+        same_executable: same,
+    })
+}
+
+/// The service's side of the handshake with the keeper `peer` on `socket`: `Hello`, the
+/// keeper's `Welcome` (its version must be ours; of another executable, its proof must be of
+/// `key`), then `Prove` (of `key`, or zeros where the service has none).
+pub fn service_handshake(
+    socket: BorrowedFd<'_>,
+    peer: &Peer,
+    key: Option<&HandOverKey>,
+) -> Result<(), KeeperError> {
+    let ours = handover::nonce()?;
+    send(
+        socket,
+        &KeeperMsg::Hello {
+            version: KEEPER_WIRE_VERSION,
+            nonce: ours,
+        },
+        &[],
+    )?;
+    let (version, theirs, proof) = match recv_within(socket, HANDSHAKE_WAIT)? {
+        KeeperMsg::Welcome {
+            version,
+            nonce,
+            proof,
+        } => (version, nonce, proof),
+        _ => return Err(KeeperError::Protocol("a keeper answers Hello with Welcome")),
+    };
+    if version != KEEPER_WIRE_VERSION {
+        return Err(KeeperError::Version {
+            ours: KEEPER_WIRE_VERSION,
+            theirs: version,
+        });
     }
-    Ok(pidfd)
+    let proven = key.is_some_and(|k| k.verify(End::Keeper, &theirs, &ours, &proof));
+    if !peer.same_executable && !proven {
+        return Err(KeeperError::Impostor {
+            pid: peer.pid,
+            uid: peer.uid,
+            why: ImpostorCheck::Executable,
+        });
+    }
+    let proof = key.map_or([0; 32], |k| k.proof(End::Service, &ours, &theirs));
+    send(socket, &KeeperMsg::Prove { proof }, &[])
+}
+
+/// The keeper's side of the handshake with the service `peer` on `socket`: the service's
+/// `Hello` (its version must be ours), `Welcome` with the keeper's proof of `key`, then the
+/// service's `Prove`, which must be of `key` if the service runs another executable.
+pub fn keeper_handshake(
+    socket: BorrowedFd<'_>,
+    peer: &Peer,
+    key: &HandOverKey,
+) -> Result<(), KeeperError> {
+    let theirs = match recv_within(socket, HANDSHAKE_WAIT)? {
+        KeeperMsg::Hello {
+            version: KEEPER_WIRE_VERSION,
+            nonce,
+        } => nonce,
+        KeeperMsg::Hello { version, .. } => {
+            return Err(KeeperError::Version {
+                ours: KEEPER_WIRE_VERSION,
+                theirs: version,
+            });
+        }
+        _ => return Err(KeeperError::Protocol("a service opens with Hello")),
+    };
+    let ours = handover::nonce()?;
+    let welcome = KeeperMsg::Welcome {
+        version: KEEPER_WIRE_VERSION,
+        nonce: ours,
+        proof: key.proof(End::Keeper, &ours, &theirs),
+    };
+    send(socket, &welcome, &[])?;
+    let KeeperMsg::Prove { proof } = recv_within(socket, HANDSHAKE_WAIT)? else {
+        return Err(KeeperError::Protocol(
+            "a service answers Welcome with Prove",
+        ));
+    };
+    if !peer.same_executable && !key.verify(End::Service, &theirs, &ours, &proof) {
+        return Err(KeeperError::Impostor {
+            pid: peer.pid,
+            uid: peer.uid,
+            why: ImpostorCheck::Executable,
+        });
+    }
+    Ok(())
+}
+
+/// [`recv`] of one message without fds, waiting at most `wait`.
+fn recv_within(socket: BorrowedFd<'_>, wait: Duration) -> Result<KeeperMsg, KeeperError> {
+    let timeout = nix::sys::time::TimeVal::new(
+        wait.as_secs() as libc::time_t,
+        wait.subsec_micros() as libc::suseconds_t,
+    );
+    socket::setsockopt(&socket, socket::sockopt::ReceiveTimeout, &timeout)
+        .map_err(os("setsockopt(SO_RCVTIMEO)"))?;
+    let got = recv(socket);
+    let forever = nix::sys::time::TimeVal::new(0, 0);
+    socket::setsockopt(&socket, socket::sockopt::ReceiveTimeout, &forever)
+        .map_err(os("setsockopt(SO_RCVTIMEO)"))?;
+    let (msg, fds) = got?;
+    if !fds.is_empty() {
+        return Err(KeeperError::Protocol("a handshake message carries no fds"));
+    }
+    Ok(msg)
 }

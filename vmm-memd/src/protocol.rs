@@ -274,6 +274,14 @@ pub enum Request {
         /// The writer's token.
         token: [u8; 16],
     },
+    /// An operator lets everything go (`vmm-memctl release --all`): every region is deleted,
+    /// as a [`Request::Delete`] of each would (its name goes now, a generation's memory when
+    /// its last lease ends, and the keeper holds none of it any more). A graceful stop or an
+    /// upgrade keeps every region; this is how their memory is given back for good. Admins
+    /// only (`--admin-uid`, `--admin-gid`): [`Refusal::NotAdmin`] for anyone else. A region
+    /// with a writer at work or waiting is left, and counted in the reply:
+    /// [`Response::Released`].
+    ReleaseAll,
 }
 
 /// What became of a generation named by a writer's token ([`Request::CommitState`]).
@@ -471,6 +479,13 @@ pub enum Response {
     },
     /// The reply to [`Request::CommitState`].
     CommitState(CommitState),
+    /// The reply to [`Request::ReleaseAll`].
+    Released {
+        /// Regions deleted.
+        regions: u32,
+        /// Regions left because a writer was at work on them or waiting for them.
+        busy: u32,
+    },
 }
 
 /// Decode a request, refusing one longer than [`MAX_REQUEST`] before reading a byte of it.

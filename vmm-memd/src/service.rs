@@ -18,7 +18,7 @@ use vmm_core::wire::endpoint::{Credentials, Listener};
 use crate::conns::{Admitted, Conns};
 use crate::error::{Refusal, RequestRule};
 use crate::generation::ChunkFd;
-use crate::identity::{self, Identity};
+use crate::identity::{self, Admins, Identity};
 use crate::inflight::{Charge, FdBudget, InFlightScope};
 use crate::keeper_link::Keeper;
 use crate::protocol::{self, Backend, Request, Response, Status};
@@ -74,6 +74,7 @@ impl Service {
                 lease_ttl: DEFAULT_LEASE_TTL,
                 max_wait: DEFAULT_MAX_WAIT,
                 retain: 0,
+                admins: Admins::default(),
             },
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_connections_per_uid: DEFAULT_MAX_CONNECTIONS_PER_UID,
@@ -91,6 +92,12 @@ impl Service {
     /// Give `uid` a quota of its own.
     pub fn set_quota_of(&mut self, uid: u32, bytes: u64) {
         self.policy.quota_of.insert(uid, bytes);
+    }
+
+    /// Name the service's operators (none unless set; the `vmm-memd` program makes root one
+    /// by default): they may send `ReleaseAll`.
+    pub fn set_admins(&mut self, admins: Admins) {
+        self.policy.admins = admins;
     }
 
     /// Set the lease TTL (at least [`TICK`]).
@@ -141,8 +148,9 @@ impl Service {
     /// [`serve`](Self::serve), with `keeper` holding every committed generation so that a
     /// service that crashes finds them when it starts again: the generations it held are
     /// served again first (regions, owners, ACLs, quota charges, contents), a keeper that
-    /// dies is replaced and told everything again. A stop by `stop` lets the keeper go (and
-    /// with it the memory no client maps); an accept failure does not.
+    /// dies is replaced and told everything again. A stop by `stop` leaves everything with
+    /// the keeper for the next service, as a crash does; only deleting regions (an admin's
+    /// `ReleaseAll`: `vmm-memctl release --all`) lets their memory go.
     pub fn serve_kept(
         &self,
         listener: &Listener,
@@ -170,9 +178,7 @@ impl Service {
             event!(INFO, "memd.keeper.adopted", generations = n);
         }
         let served = self.serve_registry(listener, halt, &registry, kept);
-        if served.is_ok() {
-            registry.quit_keeper();
-        }
+        registry.leave_keeper();
         event!(
             INFO,
             "memd.stop",
@@ -622,6 +628,10 @@ impl Connection<'_, '_> {
             }
             Request::CommitState { region, token } => {
                 Response::CommitState(registry.commit_state(who, &region, token)?)
+            }
+            Request::ReleaseAll => {
+                let (regions, busy) = registry.release_all(who)?;
+                Response::Released { regions, busy }
             }
             Request::Verify { region, generation } => {
                 // Given up when the service stops or the client leaves (registry/verify.rs).

@@ -124,6 +124,40 @@ fn gpu_region_survives_a_service_sigkill_without_reload() {
     assert!(status.regions[0].pending.is_none());
 }
 
+/// A graceful stop (SIGTERM), then an upgraded binary (a copy of this executable in another
+/// file) started with the same state directory: the GPU region comes back from the keeper's
+/// fds with the same generation, bytes and digests, and a mapping made before the stop stays
+/// valid throughout (issue 34 item 1, on the GPU).
+#[test]
+fn gpu_region_survives_a_graceful_stop_and_an_upgraded_binary() {
+    let mut service = ServiceProc::start(&[]);
+    if !skip_unless(cuda_vmm_ipc()) {
+        return;
+    }
+    let uuid = uuid_hex(0);
+    let mut writer = Role::spawn("gpu-writer", &service, &["kept", &uuid], false);
+    assert_eq!(writer.expect_line(), "COMMITTED 1");
+    assert!(writer.wait_success());
+    let client = service.connect();
+    let before = client.attach("kept").unwrap();
+    let digests = client.verify("kept", None).unwrap();
+    drop(client);
+    service.signal(libc::SIGTERM);
+    assert_eq!(service.child.wait().unwrap().code(), Some(0));
+    assert!(attached_intact(&before), "a mapping outlives the stop");
+    let upgraded = common::ExeCopy::new();
+    service.restart_from(&upgraded.path);
+    let client = service.connect();
+    let after = client.attach("kept").unwrap();
+    assert_eq!(
+        after.generation, 1,
+        "the same generation: nothing was reloaded"
+    );
+    assert!(attached_intact(&after));
+    assert!(attached_intact(&before));
+    assert_eq!(client.verify("kept", None).unwrap(), digests);
+}
+
 /// Sleep gives the GPU mapping up; wake maps the region at the same device address (the
 /// same generation, and after a republish of the same layout, the new one).
 #[test]

@@ -461,6 +461,16 @@ fn the_python_codecs_golden_requests_are_postcards() {
         token: uuid,
     };
     assert_eq!(bytes(&state), expected);
+    // An operator's release of everything (`encode_release_all`), and its reply and refusal
+    // (which the Python client decodes as `Released` and `NotAdmin`).
+    assert_eq!(bytes(&Request::ReleaseAll), b"\x13");
+    let reply = vmm_memd::protocol::Response::Released {
+        regions: 3,
+        busy: 1,
+    };
+    assert_eq!(postcard::to_allocvec(&reply).unwrap(), b"\x10\x03\x01");
+    let refused = vmm_memd::protocol::Response::Refused(vmm_memd::Refusal::NotAdmin { uid: 7 });
+    assert_eq!(postcard::to_allocvec(&refused).unwrap(), b"\x00\x0e\x07");
 }
 
 /// The layout hash the Python client takes before a sleep (`vmm_memd.layout_hash`, and

@@ -120,10 +120,10 @@ impl Registry {
         true
     }
 
-    /// The service stops for good: its keeper lets everything go.
-    pub(crate) fn quit_keeper(&self) {
+    /// The service stops: its keeper keeps every committed generation for the next one.
+    pub(crate) fn leave_keeper(&self) {
         if let Some(keeper) = self.lock().keeper.take() {
-            keeper.quit();
+            keeper.leave();
         }
     }
 }

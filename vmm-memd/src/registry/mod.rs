@@ -12,7 +12,7 @@ use vmm_core::cuda::FabricDescriptor;
 use crate::error::{Refusal, RequestRule, Right};
 use crate::generation::{Chunk, ChunkFd, Generation, Lease, MetaReplies};
 use crate::gpu::Gpus;
-use crate::identity::Identity;
+use crate::identity::{Admins, Identity};
 use crate::keeper_link::KeeperLink;
 use crate::memfd;
 use crate::protocol::{
@@ -42,6 +42,8 @@ pub(crate) struct Policy {
     pub(crate) max_wait: Duration,
     /// Retired generations kept per region without leases (newest first).
     pub(crate) retain: usize,
+    /// Who may send an operator's requests.
+    pub(crate) admins: Admins,
 }
 
 impl Policy {
@@ -557,6 +559,7 @@ impl Registry {
     }
 
     /// Delete `region`: its name goes now; its generations go as their leases end.
+    #[cfg_attr(not(feature = "tracing"), allow(unused_variables))]
     pub(crate) fn delete(&self, who: &Identity, region: &str) -> Result<(), Refusal> {
         let mut state = self.lock();
         let r = state
@@ -583,26 +586,69 @@ impl Registry {
                 waited_ms: 0,
             });
         }
-        let mut r = state.regions.remove(region).expect("found above");
+        let generations = remove_region(&mut state, region);
         event!(
             INFO,
             "memd.delete",
             region,
             uid = who.uid,
             pid = who.pid,
-            generations = r.generations.len()
+            generations
         );
-        r.current = None;
-        if let Some(keeper) = state.keeper.as_mut() {
-            for &number in r.generations.keys() {
-                keeper.forget(region, number);
-            }
-        }
-        state.deleted.push(r);
         prune(&mut state, self.policy.retain);
         self.changed.notify_all();
         Ok(())
     }
+
+    /// Delete every region without a writer at work or waiting (an admin's `ReleaseAll`):
+    /// (regions deleted, regions left busy).
+    pub(crate) fn release_all(&self, who: &Identity) -> Result<(u32, u32), Refusal> {
+        if !self.policy.admins.include(who) {
+            return Err(Refusal::NotAdmin { uid: who.uid });
+        }
+        let mut state = self.lock();
+        let (free, busy): (Vec<(&String, &Region)>, _) = state
+            .regions
+            .iter()
+            .partition(|(_, r)| r.pending.is_none() && r.waiting.is_empty());
+        let (free, busy): (Vec<String>, u32) = (
+            free.into_iter().map(|(name, _)| name.clone()).collect(),
+            busy.len() as u32,
+        );
+        for name in &free {
+            remove_region(&mut state, name);
+        }
+        let regions = free.len() as u32;
+        event!(
+            INFO,
+            "memd.release_all",
+            uid = who.uid,
+            pid = who.pid,
+            regions,
+            busy
+        );
+        prune(&mut state, self.policy.retain);
+        self.changed.notify_all();
+        Ok((regions, busy))
+    }
+}
+
+/// Remove `region` (which is there) from the names: its generations go as their leases end,
+/// and the keeper lets them go now. How many generations it held.
+fn remove_region(state: &mut State, region: &str) -> usize {
+    let mut r = state
+        .regions
+        .remove(region)
+        .expect("a region that is there");
+    r.current = None;
+    if let Some(keeper) = state.keeper.as_mut() {
+        for &number in r.generations.keys() {
+            keeper.forget(region, number);
+        }
+    }
+    let generations = r.generations.len();
+    state.deleted.push(r);
+    generations
 }
 
 /// `conn`'s pending generation of `region`.

@@ -10,6 +10,7 @@
 
 use std::ffi::{CStr, c_char, c_int};
 use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -91,14 +92,18 @@ pub fn program_as_nobody(program: &str) -> Command {
     command
 }
 
-/// A running `vmm-memd`, stopped (SIGTERM, which lets its keeper go; SIGKILL after 3 s) and
-/// reaped on drop. Its keeper lets go 20 s after its last service anyway.
+/// A running `vmm-memd`, stopped (SIGTERM; SIGKILL after 3 s) and reaped on drop, and then its
+/// keeper, which a stop leaves holding everything, is stopped too (SIGTERM lets it go). Its
+/// keeper lets go 20 s after its last service anyway.
 pub struct ServiceProc {
     pub child: Child,
     pub socket: String,
     pub extra: Vec<String>,
     /// A program it runs under (`prlimit --nofile=...`), which execs it (same pid).
     pub wrapper: Vec<String>,
+    /// The executable that plays it (this test executable unless
+    /// [`restart_from`](Self::restart_from) named another).
+    pub exe: PathBuf,
 }
 
 impl ServiceProc {
@@ -118,12 +123,14 @@ impl ServiceProc {
         );
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         let wrapper: Vec<String> = wrapper.iter().map(|s| s.to_string()).collect();
-        let child = ServiceProc::spawn(&wrapper, &socket, &extra);
+        let exe = test_exe();
+        let child = ServiceProc::spawn(&exe, &wrapper, &socket, &extra);
         let service = ServiceProc {
             child,
             socket,
             extra,
             wrapper,
+            exe,
         };
         service.wait_up();
         service
@@ -131,26 +138,33 @@ impl ServiceProc {
 
     /// Start the service again on the same socket with the same options (after it ended).
     pub fn restart(&mut self) {
-        self.child = ServiceProc::spawn(&self.wrapper, &self.socket, &self.extra);
+        self.child = ServiceProc::spawn(&self.exe, &self.wrapper, &self.socket, &self.extra);
         self.wait_up();
     }
 
-    fn spawn(wrapper: &[String], socket: &str, extra: &[String]) -> Child {
+    /// [`restart`](Self::restart) with `exe` playing the service from now on (a copy of this
+    /// test executable in another file: an upgraded binary).
+    pub fn restart_from(&mut self, exe: &Path) {
+        self.exe = exe.to_owned();
+        self.restart();
+    }
+
+    fn spawn(exe: &Path, wrapper: &[String], socket: &str, extra: &[String]) -> Child {
         let mut command = match wrapper.split_first() {
-            None => program("vmm-memd"),
+            None => Command::new(exe),
             Some((first, rest)) => {
                 let mut command = Command::new(first);
-                command
-                    .args(rest)
-                    .arg(test_exe())
-                    .env(PROGRAM_VAR, "vmm-memd");
+                command.args(rest).arg(exe);
                 command
             }
         };
+        command.env(PROGRAM_VAR, "vmm-memd");
         command
             .args(["--socket", socket, "--quota-bytes", "1073741824"])
             .args(["--allow-uid", &NOBODY.to_string()])
             .args(["--keeper-linger-ms", "20000"])
+            .arg("--state-dir")
+            .arg(state_dir())
             .args(extra)
             // Built with the `tracing` feature, the program prints its events: only warnings
             // in these tests unless the environment asks for more.
@@ -252,7 +266,18 @@ impl Drop for ServiceProc {
             }
         }
         let _ = self.child.wait();
+        if let Some(keeper) = self.keeper_pid() {
+            // SAFETY: kill of a pid found just now; SIGTERM makes a keeper let everything go.
+            unsafe { libc::kill(keeper, libc::SIGTERM) };
+        }
     }
+}
+
+/// The state directory the services of this test process leave their keepers' hand-over
+/// keys in (a `--state-dir` the service creates, 0700): one per test process, so tests do not
+/// write to the machine's /run.
+pub fn state_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("vmm-memd-test-state-{}", std::process::id()))
 }
 
 /// This process's effective uid.
@@ -458,5 +483,35 @@ pub fn until(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
             return None;
         }
         std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A copy of this test executable in a fresh directory of its own: the same program in another
+/// file, so "another executable" to the keeper's check. Removed on drop.
+pub struct ExeCopy {
+    pub path: PathBuf,
+}
+
+impl ExeCopy {
+    pub fn new() -> ExeCopy {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "vmm-memd-impostor-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("impostor");
+        std::fs::copy(test_exe(), &path).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        ExeCopy { path }
+    }
+}
+
+impl Drop for ExeCopy {
+    fn drop(&mut self) {
+        if let Some(dir) = self.path.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
