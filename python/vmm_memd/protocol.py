@@ -224,7 +224,7 @@ class CommitState:
 
 (_LIST, _STATUS, _BEGIN, _PUT_META, _COMMIT, _ABORT, _ATTACH, _DETACH, _RENEW, _DELETE,
  _METRICS, _BEGIN_ON, _VERIFY, _DISCARD, _ATTACH_FABRIC, _SLEEP, _WAKE, _TOKEN,
- _COMMIT_STATE, _RELEASE_ALL) = range(20)
+ _COMMIT_STATE, _RELEASE_ALL, _SET_ACL, _SET_QUOTA) = range(22)
 
 #: The tokens of a region's latest tokened commits that ``CommitState`` remembers.
 MAX_LANDED_TOKENS = 64

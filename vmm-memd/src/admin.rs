@@ -1,11 +1,12 @@
 //! The operator's requests, for [`Client`]: on a whole region, [`Client::sleep_region`] and
-//! [`Client::wake_region`] (what `vmm-memctl sleep` and `wake` send); on the whole service,
-//! [`Client::release_all`] (`vmm-memctl release --all`). Kept apart from `client.rs`, which
+//! [`Client::wake_region`] (what `vmm-memctl sleep` and `wake` send) and [`Client::set_acl`]
+//! (`acl`); on the whole service, [`Client::set_quota`] (`quota`) and [`Client::release_all`]
+//! (`release --all`). Kept apart from `client.rs`, which
 //! is about writers and readers.
 
 use crate::client::{Client, unexpected};
 use crate::error::Result;
-use crate::protocol::{Request, Response};
+use crate::protocol::{Acl, Request, Response};
 
 /// What [`Client::sleep_region`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +37,30 @@ pub struct Released {
 }
 
 impl Client {
+    /// Replace `region`'s ACL with `acl` (its owner or an admin of the service; kept across
+    /// restarts): a region the caller may not see is
+    /// [`Refusal::NoSuchRegion`](crate::Refusal::NoSuchRegion), one it sees but does not own
+    /// [`Refusal::NotAdmin`](crate::Refusal::NotAdmin).
+    pub fn set_acl(&self, region: &str, acl: &Acl) -> Result<()> {
+        match self.request(&Request::SetAcl {
+            region: region.to_owned(),
+            acl: acl.clone(),
+        })? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("Done", &other)),
+        }
+    }
+
+    /// Set `uid`'s quota to `bytes`, or give it back the service's own for it (`None`): an
+    /// admin's request ([`Refusal::NotAdmin`](crate::Refusal::NotAdmin) for anyone else),
+    /// kept across restarts.
+    pub fn set_quota(&self, uid: u32, bytes: Option<u64>) -> Result<()> {
+        match self.request(&Request::SetQuota { uid, bytes })? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("Done", &other)),
+        }
+    }
+
     /// Delete every region of the service (an operator's request: the caller's uid or one of
     /// its groups must be an admin of the service, else
     /// [`Refusal::NotAdmin`](crate::Refusal::NotAdmin)): their names go now, their memory as

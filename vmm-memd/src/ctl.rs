@@ -1,6 +1,6 @@
 //! The `vmm-memctl` program: `status`, `list`, `metrics` (reading: they change nothing in the
-//! service), `sleep`, `wake` and `delete` for a region's admins, and `release --all` for the
-//! service's operators, as text or JSON (`src/bin/vmm-memctl.rs` is a thin `main` over
+//! service), `sleep`, `wake`, `delete` and `acl` for a region's admins, and `quota` and
+//! `release --all` for the service's operators, as text or JSON (`src/bin/vmm-memctl.rs` is a thin `main` over
 //! [`main`]).
 
 use std::io::Write;
@@ -10,7 +10,7 @@ use vmm_core::wire::endpoint::{Allow, ConnectOptions, Name};
 use crate::cli::UsageError;
 use crate::client::Client;
 use crate::error::MemdError;
-use crate::protocol::{SleepState, Status};
+use crate::protocol::{Acl, Principal, SleepState, Status};
 
 /// The usage text (`--help`).
 pub const USAGE: &str = "\
@@ -32,10 +32,18 @@ Commands (status, list and metrics change nothing):
   wake REGION     make an asleep generation's memory again now, zeroed, or call off a sleep
                   still waiting for leases (the same admins)
   delete REGION   delete a region (its owner, or whom its ACL lets delete)
+  acl REGION [--read P]... [--write P]... [--delete P]...
+                  replace the region's ACL (P: uid:N or gid:N; none: the owner alone); its
+                  owner or an operator; kept across restarts
+  quota UID BYTES|default
+                  set a uid's quota, or give it back the one the service was started with;
+                  an operator; kept across restarts
   release --all   delete every region, giving their memory back for good (a stop, a restart
                   and an upgrade of the service keep it); a region a writer is filling or
-                  waiting for stays. The service's operators only (--admin-uid/--admin-gid
-                  of vmm-memd; root by default)
+                  waiting for stays; an operator
+
+The service's operators (vmm-memd --admin-uid/--admin-gid; root by default) also see every
+region in status, list and metrics, and may sleep, wake and delete any.
 
 Options:
   --socket NAME|PATH   the service (default: $VMM_MEMD_SOCKET, else @vmm-memd)
@@ -72,6 +80,10 @@ pub enum Command {
     Wake(String),
     /// `release --all`.
     ReleaseAll,
+    /// `acl REGION ...`.
+    Acl(String, Acl),
+    /// `quota UID BYTES|default`.
+    Quota(u32, Option<u64>),
 }
 
 /// A parsed command line.
@@ -86,6 +98,7 @@ struct Invocation {
 fn parse(args: &[String]) -> Result<Option<Invocation>, UsageError> {
     let mut socket = std::env::var("VMM_MEMD_SOCKET").unwrap_or_else(|_| "@vmm-memd".into());
     let (mut json, mut service_uid, mut words) = (false, None, Vec::new());
+    let (mut acl, mut acl_given) = (Acl::default(), false);
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         match arg.as_str() {
@@ -94,6 +107,21 @@ fn parse(args: &[String]) -> Result<Option<Invocation>, UsageError> {
             // A flag of the `release` command (the only way to call it: nothing is released
             // by accident).
             "--all" => words.push(arg.clone()),
+            // The `acl` command's entries.
+            "--read" | "--write" | "--delete" => {
+                let entry = it
+                    .next()
+                    .ok_or_else(|| UsageError::Value(arg.clone(), "uid:N or gid:N"))?;
+                let principal = principal(entry)
+                    .ok_or_else(|| UsageError::Value(arg.clone(), "uid:N or gid:N"))?;
+                let list = match arg.as_str() {
+                    "--read" => &mut acl.read,
+                    "--write" => &mut acl.write,
+                    _ => &mut acl.delete,
+                };
+                list.push(principal);
+                acl_given = true;
+            }
             "--socket" => {
                 socket = it
                     .next()
@@ -117,15 +145,45 @@ fn parse(args: &[String]) -> Result<Option<Invocation>, UsageError> {
         [c, region] if c == "wake" => Command::Wake(region.clone()),
         [c, all] if c == "release" && all == "--all" => Command::ReleaseAll,
         [c] if c == "release" => return Err(UsageError::Missing("release's --all")),
+        [c, region] if c == "acl" => Command::Acl(region.clone(), acl.clone()),
+        [c, uid, bytes] if c == "quota" => {
+            let uid = uid
+                .parse()
+                .map_err(|_| UsageError::Value("quota".into(), "UID"))?;
+            let bytes = match bytes.as_str() {
+                "default" => None,
+                n => Some(
+                    n.parse()
+                        .map_err(|_| UsageError::Value("quota".into(), "BYTES or default"))?,
+                ),
+            };
+            Command::Quota(uid, bytes)
+        }
         [] => return Err(UsageError::Missing("a command")),
         other => return Err(UsageError::Unknown(other.join(" "))),
     };
+    if acl_given && !matches!(command, Command::Acl(..)) {
+        return Err(UsageError::Unknown(
+            "--read/--write/--delete outside `acl`".into(),
+        ));
+    }
     Ok(Some(Invocation {
         socket: Name::from(socket.as_str()),
         service_uid,
         json,
         command,
     }))
+}
+
+/// An ACL entry as the command line gives it: `uid:N` or `gid:N`.
+fn principal(text: &str) -> Option<Principal> {
+    let (kind, id) = text.split_once(':')?;
+    let id = id.parse().ok()?;
+    match kind {
+        "uid" => Some(Principal::Uid(id)),
+        "gid" => Some(Principal::Gid(id)),
+        _ => None,
+    }
 }
 
 /// Run `vmm-memctl` with `args` (without the program name); the exit status.
@@ -240,6 +298,26 @@ fn run(invocation: &Invocation) -> Result<(), MemdError> {
                 false => format!(
                     "released {regions} regions; {busy} left (a writer at work or waiting)\n"
                 ),
+            }
+        }
+        Command::Acl(region, acl) => {
+            client.set_acl(region, acl)?;
+            match json {
+                true => to_json(serde_json::json!({ "acl": region, "set": acl })),
+                false => format!(
+                    "{region}: ACL set ({} read, {} write, {} delete)\n",
+                    acl.read.len(),
+                    acl.write.len(),
+                    acl.delete.len()
+                ),
+            }
+        }
+        Command::Quota(uid, bytes) => {
+            client.set_quota(*uid, *bytes)?;
+            match (json, bytes) {
+                (true, _) => to_json(serde_json::json!({ "quota": uid, "bytes": bytes })),
+                (false, Some(b)) => format!("uid {uid}: quota {b} bytes\n"),
+                (false, None) => format!("uid {uid}: quota back to the service's default\n"),
             }
         }
         Command::Delete(region) => {

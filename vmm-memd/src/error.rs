@@ -202,8 +202,9 @@ pub enum Refusal {
         /// The generation.
         generation: u64,
     },
-    /// An operator's request (`ReleaseAll`) from a uid that is no admin of the service
-    /// (`--admin-uid`, `--admin-gid`; root by default).
+    /// An operator's request (`ReleaseAll`, `SetQuota`, or `SetAcl` of a region the caller
+    /// does not own) from a uid that is no admin of the service (`--admin-uid`,
+    /// `--admin-gid`; root by default).
     #[error("uid {uid} is no admin of this service")]
     NotAdmin {
         /// The caller's uid.

@@ -19,19 +19,25 @@ pub(crate) struct Identity {
     pub(crate) pid: i32,
     /// Readable once the process has exited; `None` where the kernel gives none.
     pub(crate) pidfd: Option<OwnedFd>,
+    /// Whether it is one of the service's [`Admins`].
+    pub(crate) admin: bool,
 }
 
 impl Identity {
-    /// The identity of the peer on `socket`, whose `SO_PEERCRED` is `creds`.
-    pub(crate) fn of(socket: BorrowedFd<'_>, creds: Credentials) -> Identity {
+    /// The identity of the peer on `socket`, whose `SO_PEERCRED` is `creds`; whether it is
+    /// one of `admins` (by its uid, primary gid or supplementary groups, all from the kernel).
+    pub(crate) fn of(socket: BorrowedFd<'_>, creds: Credentials, admins: &Admins) -> Identity {
         let peer = PeerProcess::of(socket, creds);
-        Identity {
+        let mut identity = Identity {
             uid: creds.uid,
             gid: creds.gid,
             groups: peer.groups,
             pid: creds.pid,
             pidfd: peer.pidfd,
-        }
+            admin: false,
+        };
+        identity.admin = admins.include(&identity);
+        identity
     }
 
     /// Whether the identity's primary or a supplementary group is `gid`.
@@ -40,8 +46,9 @@ impl Identity {
     }
 }
 
-/// The service's operators: the uids, and the members of the gids, whose requests on any
-/// region (`ReleaseAll`) the service serves. The `vmm-memd` program makes root the only one
+/// The service's operators: the uids, and the members of the gids, who may list, delete,
+/// sleep and wake any region, change any region's ACL, set any uid's quota and release
+/// everything (they may not read or write a region's memory for that). The `vmm-memd` program makes root the only one
 /// unless told otherwise (`--admin-uid`, `--admin-gid`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Admins {

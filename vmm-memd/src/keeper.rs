@@ -2,7 +2,7 @@
 //! and its chunk memfds) for the service, so that a service that crashes (SIGKILL included)
 //! and starts again finds its regions, with their contents, without any writer reloading
 //! them. It parses no request: it keeps fds under a (region, generation) key, lets them go,
-//! and hands them all back, to a peer that passes [`keeper_wire::authenticate`] (this uid)
+//! (and the service's settings record), and hands them all back, to a peer that passes [`keeper_wire::authenticate`] (this uid)
 //! and [`keeper_wire::keeper_handshake`] (this executable, or the hand-over key) only. A
 //! service that stops, gracefully or not, leaves everything with it for the next service,
 //! of this binary or an upgraded one; a keeper that holds nothing when its service leaves
@@ -30,7 +30,7 @@ pub fn run(name: &Name, linger: Option<Duration>, key: &HandOverKey) -> i32 {
             return 1;
         }
     };
-    let mut held: BTreeMap<(String, u64), Vec<OwnedFd>> = BTreeMap::new();
+    let mut held = Held::default();
     let mut service: Option<OwnedFd> = None;
     let mut alone_since = Instant::now();
     loop {
@@ -93,8 +93,22 @@ pub fn run(name: &Name, linger: Option<Duration>, key: &HandOverKey) -> i32 {
     }
 }
 
+/// What the keeper holds: each committed generation's fds (its record, then its chunks) by
+/// (region, generation), and the service's settings record.
+#[derive(Default)]
+struct Held {
+    generations: BTreeMap<(String, u64), Vec<OwnedFd>>,
+    settings: Option<OwnedFd>,
+}
+
+impl Held {
+    fn is_empty(&self) -> bool {
+        self.generations.is_empty() && self.settings.is_none()
+    }
+}
+
 /// Serve what a replaced service's connection still holds, up to its end.
-fn drain(socket: BorrowedFd<'_>, held: &mut BTreeMap<(String, u64), Vec<OwnedFd>>) {
+fn drain(socket: BorrowedFd<'_>, held: &mut Held) {
     loop {
         let mut pending = libc::pollfd {
             fd: socket.as_raw_fd(),
@@ -112,10 +126,7 @@ fn drain(socket: BorrowedFd<'_>, held: &mut BTreeMap<(String, u64), Vec<OwnedFd>
 }
 
 /// Serve one message of the service.
-fn serve_one(
-    socket: BorrowedFd<'_>,
-    held: &mut BTreeMap<(String, u64), Vec<OwnedFd>>,
-) -> Result<(), KeeperError> {
+fn serve_one(socket: BorrowedFd<'_>, held: &mut Held) -> Result<(), KeeperError> {
     let (msg, fds) = keeper_wire::recv(socket)?;
     match msg {
         KeeperMsg::Keep { region, generation } => {
@@ -123,13 +134,21 @@ fn serve_one(
             if fds.is_empty() {
                 return Err(KeeperError::Protocol("Keep carries a record and chunks"));
             }
-            held.insert((region, generation), fds);
+            held.generations.insert((region, generation), fds);
         }
         KeeperMsg::Forget { region, generation } => {
-            held.remove(&(region, generation));
+            held.generations.remove(&(region, generation));
+        }
+        KeeperMsg::KeepSettings => {
+            let [record] = <[OwnedFd; 1]>::try_from(fds)
+                .map_err(|_| KeeperError::Protocol("KeepSettings carries one record"))?;
+            held.settings = Some(record);
+        }
+        KeeperMsg::ForgetSettings => {
+            held.settings = None;
         }
         KeeperMsg::Hand => {
-            for ((region, generation), fds) in held.iter() {
+            for ((region, generation), fds) in held.generations.iter() {
                 let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(|f| f.as_fd()).collect();
                 let entry = KeeperMsg::Entry {
                     region: region.clone(),
@@ -137,18 +156,22 @@ fn serve_one(
                 };
                 keeper_wire::send(socket, &entry, &borrowed)?;
             }
+            if let Some(record) = &held.settings {
+                keeper_wire::send(socket, &KeeperMsg::Settings, &[record.as_fd()])?;
+            }
             let done = KeeperMsg::Handed {
-                entries: held.len() as u64,
+                entries: held.generations.len() as u64,
             };
             keeper_wire::send(socket, &done, &[])?;
         }
         KeeperMsg::Entry { .. }
+        | KeeperMsg::Settings
         | KeeperMsg::Handed { .. }
         | KeeperMsg::Hello { .. }
         | KeeperMsg::Welcome { .. }
         | KeeperMsg::Prove { .. } => {
             return Err(KeeperError::Protocol(
-                "after the handshake a service sends Keep, Forget or Hand",
+                "after the handshake a service sends Keep, Forget, its settings or Hand",
             ));
         }
     }

@@ -46,6 +46,14 @@ pub(crate) struct GenerationRecord {
     pub(crate) token: Option<[u8; 16]>,
 }
 
+/// The settings an admin changed at run time, which the keeper holds beside the generations
+/// (one sealed record memfd, replaced at each change) so that a restart keeps them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Settings {
+    /// Quotas set with `SetQuota`, by uid.
+    pub(crate) quotas: Vec<(u32, u64)>,
+}
+
 /// A generation taken back from the keeper.
 #[derive(Debug)]
 pub(crate) struct Restored {
@@ -78,7 +86,7 @@ impl KeeperLink {
         service: &Name,
         linger: Option<Duration>,
         state: Option<StateDir>,
-    ) -> Result<(KeeperLink, Vec<Restored>), KeeperError> {
+    ) -> Result<(KeeperLink, Vec<Restored>, Option<Settings>), KeeperError> {
         let name = keeper_wire::keeper_name(service);
         if let Some(socket) = keeper_wire::connect(&name)? {
             let peer = keeper_wire::authenticate(socket.as_fd())?;
@@ -100,10 +108,10 @@ impl KeeperLink {
                 child: None,
                 broken: false,
             };
-            let restored = link.take_back()?;
-            return Ok((link, restored));
+            let (restored, settings) = link.take_back()?;
+            return Ok((link, restored, settings));
         }
-        Ok((KeeperLink::start(name, linger, state)?, Vec::new()))
+        Ok((KeeperLink::start(name, linger, state)?, Vec::new(), None))
     }
 
     fn start(
@@ -187,7 +195,8 @@ impl KeeperLink {
         // authenticated, and it authenticates only a live one. Without it, a service that
         // sent everything and died before the keeper accepted its connection would be
         // refused as dead, and everything it sent lost.
-        if !link.take_back()?.is_empty() {
+        let (restored, settings) = link.take_back()?;
+        if !restored.is_empty() || settings.is_some() {
             return Err(KeeperError::Protocol("a new keeper holds generations"));
         }
         Ok(link)
@@ -208,10 +217,10 @@ impl KeeperLink {
         Ok(())
     }
 
-    /// Ask for everything the keeper holds.
-    fn take_back(&mut self) -> Result<Vec<Restored>, KeeperError> {
+    /// Ask for everything the keeper holds: its generations and its settings.
+    fn take_back(&mut self) -> Result<(Vec<Restored>, Option<Settings>), KeeperError> {
         keeper_wire::send(self.socket.as_fd(), &KeeperMsg::Hand, &[])?;
-        let mut restored = Vec::new();
+        let (mut restored, mut settings) = (Vec::new(), None);
         loop {
             let (msg, mut fds) = keeper_wire::recv(self.socket.as_fd())?;
             match msg {
@@ -220,7 +229,7 @@ impl KeeperLink {
                         return Err(KeeperError::Protocol("an entry without its record"));
                     }
                     let chunks = fds.split_off(1);
-                    let record = read_record(fds[0].as_fd())?;
+                    let record: GenerationRecord = read_record(fds[0].as_fd())?;
                     let fds = if record.discarded {
                         0
                     } else {
@@ -234,8 +243,11 @@ impl KeeperLink {
                     }
                     restored.push(Restored { record, chunks });
                 }
+                KeeperMsg::Settings if fds.len() == 1 && settings.is_none() => {
+                    settings = Some(read_record(fds[0].as_fd())?);
+                }
                 KeeperMsg::Handed { entries } if entries == restored.len() as u64 => {
-                    return Ok(restored);
+                    return Ok((restored, settings));
                 }
                 _ => return Err(KeeperError::Protocol("the keeper sent something else")),
             }
@@ -256,6 +268,22 @@ impl KeeperLink {
             generation: record.generation,
         };
         self.sent(keeper_wire::send(self.socket.as_fd(), &msg, &fds))
+    }
+
+    /// Have the keeper hold the service's settings, replacing those it held; with none to
+    /// hold (all as the command line says), let them go.
+    pub(crate) fn keep_settings(&mut self, settings: &Settings) -> Result<(), KeeperError> {
+        if *settings == Settings::default() {
+            let msg = KeeperMsg::ForgetSettings;
+            return self.sent(keeper_wire::send(self.socket.as_fd(), &msg, &[]));
+        }
+        let sealed = write_record(settings)?;
+        let msg = KeeperMsg::KeepSettings;
+        self.sent(keeper_wire::send(
+            self.socket.as_fd(),
+            &msg,
+            &[sealed.as_fd()],
+        ))
     }
 
     /// Have the keeper let a generation go.
@@ -290,7 +318,7 @@ fn os(op: &'static str) -> impl FnOnce(std::io::Error) -> KeeperError {
 }
 
 /// A sealed memfd holding `record` (postcard).
-fn write_record(record: &GenerationRecord) -> Result<OwnedFd, KeeperError> {
+fn write_record(record: &impl Serialize) -> Result<OwnedFd, KeeperError> {
     let bytes = postcard::to_allocvec(record).map_err(|_| KeeperError::Protocol("unencodable"))?;
     // SAFETY: a NUL-terminated name and flags; the result is checked.
     let raw = unsafe {
@@ -323,7 +351,7 @@ fn write_record(record: &GenerationRecord) -> Result<OwnedFd, KeeperError> {
 }
 
 /// Read a record memfd back (at most [`MAX_RECORD`] bytes).
-fn read_record(fd: BorrowedFd<'_>) -> Result<GenerationRecord, KeeperError> {
+fn read_record<T: serde::de::DeserializeOwned>(fd: BorrowedFd<'_>) -> Result<T, KeeperError> {
     let owned = fd.try_clone_to_owned().map_err(os("dup(record)"))?;
     let file = std::fs::File::from(owned);
     let len = file.metadata().map_err(os("fstat(record)"))?.len();
@@ -342,6 +370,7 @@ fn read_record(fd: BorrowedFd<'_>) -> Result<GenerationRecord, KeeperError> {
 pub struct Keeper {
     pub(crate) link: KeeperLink,
     pub(crate) restored: Vec<Restored>,
+    pub(crate) settings: Option<Settings>,
 }
 
 impl Keeper {
@@ -362,8 +391,12 @@ impl Keeper {
         linger: Option<Duration>,
         state: Option<StateDir>,
     ) -> Result<Keeper, KeeperError> {
-        let (link, restored) = KeeperLink::establish(service, linger, state)?;
-        Ok(Keeper { link, restored })
+        let (link, restored, settings) = KeeperLink::establish(service, linger, state)?;
+        Ok(Keeper {
+            link,
+            restored,
+            settings,
+        })
     }
 
     /// How many committed generations it held.

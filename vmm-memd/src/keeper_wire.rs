@@ -85,6 +85,13 @@ pub enum KeeperMsg {
         /// The generation.
         generation: u64,
     },
+    /// Service to keeper: hold the service's settings (one fd: their sealed record),
+    /// replacing those it held.
+    KeepSettings,
+    /// Service to keeper: let the settings go (none differ from the command line's now).
+    ForgetSettings,
+    /// Keeper to service, during a `Hand`, after the entries: the settings it holds (one fd).
+    Settings,
     /// Keeper to service: that was all.
     Handed {
         /// How many entries were sent.

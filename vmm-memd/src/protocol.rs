@@ -282,6 +282,26 @@ pub enum Request {
     /// with a writer at work or waiting is left, and counted in the reply:
     /// [`Response::Released`].
     ReleaseAll,
+    /// Replace `region`'s ACL (`vmm-memctl acl`): its owner or an admin. It applies to the
+    /// next request of every connection (leases already granted stay) and is kept across
+    /// restarts. The reply is [`Response::Done`]; a region the caller may not see is
+    /// `NoSuchRegion`, one it sees but does not own is [`Refusal::NotAdmin`].
+    SetAcl {
+        /// The region.
+        region: String,
+        /// Its new ACL (at most [`MAX_ACL_ENTRIES`] per list).
+        acl: Acl,
+    },
+    /// Set `uid`'s quota to `bytes` (`vmm-memctl quota`), or with `None` give it back the one
+    /// the service was started with: admins only ([`Refusal::NotAdmin`]). Kept across
+    /// restarts; it limits the uid's next `Begin` (what it holds already stays, even past the
+    /// new quota). The reply is [`Response::Done`].
+    SetQuota {
+        /// The uid.
+        uid: u32,
+        /// Its quota in bytes; `None`: the service's default for it.
+        bytes: Option<u64>,
+    },
 }
 
 /// What became of a generation named by a writer's token ([`Request::CommitState`]).

@@ -95,7 +95,8 @@ impl Service {
     }
 
     /// Name the service's operators (none unless set; the `vmm-memd` program makes root one
-    /// by default): they may send `ReleaseAll`.
+    /// by default): they may list, delete, sleep and wake any region, change its ACL, set any
+    /// uid's quota and release everything.
     pub fn set_admins(&mut self, admins: Admins) {
         self.policy.admins = admins;
     }
@@ -173,7 +174,7 @@ impl Service {
         let registry = Registry::new(self.policy.clone());
         let kept = keeper.is_some();
         if let Some(keeper) = keeper {
-            let n = registry.adopt_keeper(keeper.link, keeper.restored);
+            let n = registry.adopt_keeper(keeper.link, keeper.restored, keeper.settings);
             eprintln!("vmm-memd: {n} committed generations taken back from the keeper");
             event!(INFO, "memd.keeper.adopted", generations = n);
         }
@@ -269,7 +270,8 @@ impl Service {
                 let started = std::thread::Builder::new()
                     .name("vmm-memd-conn".into())
                     .spawn_scoped(scope, move || {
-                        let identity = Identity::of(session.as_fd(), session.peer());
+                        let identity =
+                            Identity::of(session.as_fd(), session.peer(), &self.policy.admins);
                         let mut served = Connection {
                             session: &session,
                             identity: &identity,
@@ -632,6 +634,14 @@ impl Connection<'_, '_> {
             Request::ReleaseAll => {
                 let (regions, busy) = registry.release_all(who)?;
                 Response::Released { regions, busy }
+            }
+            Request::SetAcl { region, acl } => {
+                registry.set_acl(who, &region, acl)?;
+                Response::Done
+            }
+            Request::SetQuota { uid, bytes } => {
+                registry.set_quota(who, uid, bytes)?;
+                Response::Done
             }
             Request::Verify { region, generation } => {
                 // Given up when the service stops or the client leaves (registry/verify.rs).

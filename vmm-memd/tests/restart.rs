@@ -134,7 +134,12 @@ fn role_entry() {
                     version: keeper_wire::KEEPER_WIRE_VERSION,
                     nonce: ours,
                 };
-                keeper_wire::send(fd, &hello, &[]).unwrap();
+                // Refused before the handshake (another uid): the keeper may have closed
+                // already.
+                if keeper_wire::send(fd, &hello, &[]).is_err() {
+                    say("REFUSED");
+                    return;
+                }
                 let nonce = match keeper_wire::recv(fd) {
                     Ok((KeeperMsg::Welcome { nonce, .. }, _)) => nonce,
                     // Refused before the handshake (another uid).

@@ -22,7 +22,7 @@ use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 use tracing_subscriber::registry::Registry;
 use vmm_core::wire::endpoint::{Allow, Listener, ListenerOptions, Name};
 use vmm_memd::protocol::{Acl, Principal};
-use vmm_memd::{BeginOptions, Client, MemdError, Refusal, Service};
+use vmm_memd::{Admins, BeginOptions, Client, MemdError, Refusal, Service};
 
 /// One event as the subscriber saw it: its name and every field as text.
 #[derive(Debug, Clone)]
@@ -112,8 +112,13 @@ fn an_in_process_service_emits_its_events_and_a_refusal_names_the_uid_and_the_re
     let listener = Listener::bind_with(&name, options).unwrap();
     let stop = AtomicBool::new(false);
     let me = euid().to_string();
+    let mut service = Service::new(1 << 20);
+    service.set_admins(Admins {
+        uids: vec![euid()],
+        gids: vec![],
+    });
     std::thread::scope(|scope| {
-        let served = scope.spawn(|| Service::new(1 << 20).serve(&listener, &stop));
+        let served = scope.spawn(|| service.serve(&listener, &stop));
         let client = Client::connect(&name).unwrap();
         let acl = Acl {
             read: vec![Principal::Uid(NOBODY)],
@@ -151,6 +156,10 @@ fn an_in_process_service_emits_its_events_and_a_refusal_names_the_uid_and_the_re
         } else {
             eprintln!("SKIP the other uid's refusal event: needs root for setpriv");
         }
+        // An admin's requests (this uid is the service's admin here).
+        client.set_acl("weights", &Acl::default()).unwrap();
+        client.set_quota(NOBODY, Some(4096)).unwrap();
+        assert_eq!(client.release_all().unwrap().regions, 1);
         drop(client);
         // The connections' ends are seen by their threads within a tick.
         let ended = until(Duration::from_secs(2), || {
@@ -202,6 +211,18 @@ fn an_in_process_service_emits_its_events_and_a_refusal_names_the_uid_and_the_re
         assert_ne!(denied.field("pid"), Some(&*pid));
         assert!(!find(&seen, "memd.conn.accepted", "uid", &NOBODY.to_string()).is_empty());
     }
+    // Every admin action names its caller and says it was an admin's.
+    let acl = one(&seen, "memd.acl", "region", "weights");
+    assert_eq!(acl.field("admin"), Some("true"), "{acl:?}");
+    assert_eq!(acl.field("uid"), Some(&*me), "{acl:?}");
+    assert_eq!(acl.field("read"), Some("0"), "{acl:?}");
+    let quota = one(&seen, "memd.quota", "target_uid", &NOBODY.to_string());
+    assert_eq!(quota.field("bytes"), Some("4096"), "{quota:?}");
+    assert_eq!(quota.field("admin"), Some("true"), "{quota:?}");
+    let released = one(&seen, "memd.release_all", "uid", &me);
+    assert_eq!(released.field("regions"), Some("1"), "{released:?}");
+    assert_eq!(released.field("admin"), Some("true"), "{released:?}");
+    assert_eq!(sleep.field("admin"), Some("true"), "{sleep:?}");
     assert!(!find(&seen, "memd.conn.ended", "outcome", "closed").is_empty());
     one(&seen, "memd.stop", "outcome", "stopped");
 }

@@ -97,6 +97,7 @@ impl Registry {
             generation = number,
             uid = who.uid,
             pid = who.pid,
+            admin = who.admin,
             leases,
             outcome = if leases == 0 { "asleep" } else { "falling" }
         );
@@ -135,6 +136,7 @@ impl Registry {
             generation = number,
             uid = who.uid,
             pid = who.pid,
+            admin = who.admin,
             outcome = if zeroed { "zeroed" } else { "called off" }
         );
         self.changed.notify_all();
@@ -202,19 +204,19 @@ impl Registry {
     }
 }
 
-/// The current generation of `region` for an operator's sleep or wake by `who`: a region it
-/// may not read does not exist for it (`NoSuchRegion`, as everywhere); one it may read but
-/// not write is `AccessDenied` for `write`; one without a committed generation,
-/// `NoSuchRegion`.
+/// The current generation of `region` for an operator's sleep or wake by `who` (the service's
+/// admins may sleep and wake any region): a region it may not read does not exist for it
+/// (`NoSuchRegion`, as everywhere); one it may read but not write is `AccessDenied` for
+/// `write`; one without a committed generation, `NoSuchRegion`.
 fn admin_target(state: &State, who: &Identity, region: &str) -> Result<u64, Refusal> {
     let none = || Refusal::NoSuchRegion {
         region: region.to_owned(),
     };
     let r = state.regions.get(region).ok_or_else(none)?;
-    if !r.may(who, Right::Read) {
+    if !r.operable(who, Right::Read) {
         return Err(none());
     }
-    if !r.may(who, Right::Write) {
+    if !r.operable(who, Right::Write) {
         return Err(Refusal::AccessDenied {
             region: region.to_owned(),
             right: Right::Write,

@@ -1,13 +1,14 @@
 //! The registry's side of the keeper: taking back what a keeper held at start (checked
-//! chunk by chunk), replacing a lost keeper, letting it go at a graceful stop, and telling it
-//! of each committed generation.
+//! chunk by chunk, and the settings an admin changed), replacing a lost keeper, leaving it
+//! everything at a stop, and telling it of each committed generation and each change of the
+//! settings.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd};
 
 use super::{Region, Registry, State, prune};
 use crate::generation::{Chunk, Generation};
-use crate::keeper_link::{GenerationRecord, KeeperLink, Restored};
+use crate::keeper_link::{GenerationRecord, KeeperLink, Restored, Settings};
 use crate::memfd;
 use crate::protocol::{Backend, check_region_name};
 use crate::trace::event;
@@ -18,9 +19,18 @@ impl Registry {
     /// newest of each region current), and every later commit and free is told to it. A
     /// restored chunk must still be a write-sealed memfd of its recorded size, else that
     /// generation is let go (logged). A GPU generation kept before its background hash
-    /// finished comes without digests: its first `Verify` takes them.
-    pub(crate) fn adopt_keeper(&self, mut keeper: KeeperLink, restored: Vec<Restored>) -> usize {
+    /// finished comes without digests: its first `Verify` takes them. `settings` (quotas an
+    /// admin set) apply again.
+    pub(crate) fn adopt_keeper(
+        &self,
+        mut keeper: KeeperLink,
+        restored: Vec<Restored>,
+        settings: Option<Settings>,
+    ) -> usize {
         let mut state = self.lock();
+        if let Some(settings) = settings {
+            state.quotas = settings.quotas.into_iter().collect();
+        }
         let mut adopted = 0;
         for Restored { record, chunks } in restored {
             let sound = chunks
@@ -110,6 +120,7 @@ impl Registry {
         for (region, number) in &held {
             keep(&mut state, region, *number);
         }
+        keep_settings(&mut state);
         eprintln!("vmm-memd: a new keeper holds {} generations", held.len());
         event!(
             INFO,
@@ -171,4 +182,20 @@ pub(super) fn keep(state: &mut State, region: &str, number: u64) {
     // A failure marks the keeper lost; the service's keeper thread replaces it and sends
     // it everything.
     let _ = keeper.keep(&record, &fds);
+}
+
+/// Have the keeper hold the settings an admin changed (none: nothing is sent).
+pub(super) fn keep_settings(state: &mut State) {
+    let settings = Settings {
+        quotas: state
+            .quotas
+            .iter()
+            .map(|(&uid, &bytes)| (uid, bytes))
+            .collect(),
+    };
+    if let Some(keeper) = state.keeper.as_mut() {
+        // As for a generation: a failure marks the keeper lost, and its replacement is sent
+        // everything.
+        let _ = keeper.keep_settings(&settings);
+    }
 }

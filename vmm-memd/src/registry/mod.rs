@@ -25,6 +25,7 @@ mod gpu_requests;
 mod hashing;
 mod kept;
 mod leases;
+mod operators;
 mod refabric;
 mod tokens;
 mod verify;
@@ -84,6 +85,13 @@ impl Region {
             || (right == Right::Read && self.acl.write.iter().any(listed))
     }
 
+    /// [`may`](Self::may), or `who` is one of the service's admins, for what an operator
+    /// does to a region (see it in `List` and `Status`, delete it, sleep and wake it, change
+    /// its ACL): never to read or write its memory.
+    fn operable(&self, who: &Identity, right: Right) -> bool {
+        who.admin || self.may(who, right)
+    }
+
     fn last_number(&self) -> u64 {
         self.generations.keys().next_back().copied().unwrap_or(0)
     }
@@ -100,6 +108,8 @@ struct State {
     expired_leases: u64,
     /// The keeper that holds every committed generation across a restart of the service.
     keeper: Option<KeeperLink>,
+    /// Quotas an admin set at run time (`SetQuota`), before the policy's; kept by the keeper.
+    quotas: BTreeMap<u32, u64>,
 }
 
 /// A lease, as [`Registry::attach`] grants it.
@@ -168,7 +178,7 @@ impl Registry {
         state
             .regions
             .iter()
-            .filter(|(_, r)| r.may(who, Right::Read))
+            .filter(|(_, r)| r.operable(who, Right::Read))
             .map(|(name, r)| {
                 let current = r.current.and_then(|g| r.generations.get(&g));
                 RegionSummary {
@@ -187,7 +197,7 @@ impl Registry {
         let regions = state
             .regions
             .iter()
-            .filter(|(_, r)| r.may(who, Right::Read))
+            .filter(|(_, r)| r.operable(who, Right::Read))
             .map(|(name, r)| RegionStatus {
                 region: name.clone(),
                 owner: r.owner,
@@ -212,7 +222,7 @@ impl Registry {
         Status {
             uid: who.uid,
             used: state.used.get(&who.uid).copied().unwrap_or(0),
-            quota: self.policy.quota(who.uid),
+            quota: quota_of(&state, &self.policy, who.uid),
             regions,
             refusals: state.refusals,
             expired_leases: state.expired_leases,
@@ -322,7 +332,7 @@ impl Registry {
         }
         // The quota, before anything is allocated (making room by freeing generations that
         // only the retention setting keeps, the caller's own, oldest first).
-        let quota = self.policy.quota(who.uid);
+        let quota = quota_of(&state, &self.policy, who.uid);
         evict_retained(&mut state, who.uid, quota.saturating_sub(asked));
         let used = state.used.get(&who.uid).copied().unwrap_or(0);
         if used.checked_add(asked).is_none_or(|total| total > quota) {
@@ -568,7 +578,7 @@ impl Registry {
             .ok_or_else(|| Refusal::NoSuchRegion {
                 region: region.to_owned(),
             })?;
-        if !r.may(who, Right::Delete) {
+        if !r.operable(who, Right::Delete) {
             return Err(match r.may(who, Right::Read) {
                 true => Refusal::AccessDenied {
                     region: region.to_owned(),
@@ -593,44 +603,22 @@ impl Registry {
             region,
             uid = who.uid,
             pid = who.pid,
+            admin = who.admin,
             generations
         );
         prune(&mut state, self.policy.retain);
         self.changed.notify_all();
         Ok(())
     }
+}
 
-    /// Delete every region without a writer at work or waiting (an admin's `ReleaseAll`):
-    /// (regions deleted, regions left busy).
-    pub(crate) fn release_all(&self, who: &Identity) -> Result<(u32, u32), Refusal> {
-        if !self.policy.admins.include(who) {
-            return Err(Refusal::NotAdmin { uid: who.uid });
-        }
-        let mut state = self.lock();
-        let (free, busy): (Vec<(&String, &Region)>, _) = state
-            .regions
-            .iter()
-            .partition(|(_, r)| r.pending.is_none() && r.waiting.is_empty());
-        let (free, busy): (Vec<String>, u32) = (
-            free.into_iter().map(|(name, _)| name.clone()).collect(),
-            busy.len() as u32,
-        );
-        for name in &free {
-            remove_region(&mut state, name);
-        }
-        let regions = free.len() as u32;
-        event!(
-            INFO,
-            "memd.release_all",
-            uid = who.uid,
-            pid = who.pid,
-            regions,
-            busy
-        );
-        prune(&mut state, self.policy.retain);
-        self.changed.notify_all();
-        Ok((regions, busy))
-    }
+/// `uid`'s quota: an admin's, else the policy's.
+fn quota_of(state: &State, policy: &Policy, uid: u32) -> u64 {
+    state
+        .quotas
+        .get(&uid)
+        .copied()
+        .unwrap_or_else(|| policy.quota(uid))
 }
 
 /// Remove `region` (which is there) from the names: its generations go as their leases end,
