@@ -22,9 +22,10 @@ stage() { # $1 = tests|benches; reads cargo's JSON messages on stdin
       | "\(.target.name)\t\(.target.kind[0])\t\(.executable)"' |
   while IFS=$'\t' read -r name kind exe; do
     if [ "$1" = benches ] && [ "$kind" != bench ]; then continue; fi
-    # Not for the GPU machine: the registry bench needs etcd (not carried), and the tests of
-    # the GPU path on the fake driver (vmm-fake-driver) test it without a GPU, in CI.
-    case "$name" in registry|hashing_races|python_fake_gpu) continue;; esac
+    # Not for the GPU machine: the registry bench needs etcd (not carried), the tests of the
+    # GPU path on the fake driver (vmm-fake-driver) test it without a GPU, in CI, and
+    # vmm-etcd-api's drift test (`generated`, 6.7 MB) needs the checkout's proto/ and protoc.
+    case "$name" in registry|hashing_races|python_fake_gpu|generated) continue;; esac
     if [ "$1" = tests ] && [ "$kind" = bench ]; then continue; fi
     cp "$exe" ".gpu/$1/${name}-${kind}"
   done
