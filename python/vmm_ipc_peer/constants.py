@@ -42,6 +42,17 @@ _DRAIN_MAX = 1024  # packets and fds drained from a refused client before its co
 MAX_CONNECTIONS, MAX_PER_UID, IDLE_TIMEOUT = 64, 16, 60.0
 FD_LIMIT_PAUSE = 0.05  # seconds accept waits at the fd limit before it tries again
 MAX_HANDSHAKES = 64  # TLS handshakes a TlsListener runs at once
+# The kernel's queue of connections a TlsListener has not accepted yet (clamped by the kernel to
+# net.core.somaxconn), and how many it accepts per turn of its loop before it drives the
+# handshakes that can move again (Rust: wire::tls::LISTEN_BACKLOG and its ACCEPT_BATCH).
+LISTEN_BACKLOG, ACCEPT_BATCH = 1024, 16
+# How often a TLS listener looks again at connections whose first TLS record came in part
+# (seconds): such a connection gets no TLS state until the record is whole, and its bytes,
+# there already, would wake every poll.
+RECORD_RECHECK = 0.05
+# How much longer each TCP connection attempt of tls_connect waits for an answer than the one
+# before (seconds; Rust: wire::tls::CONNECT_ATTEMPT).
+CONNECT_ATTEMPT = 0.05
 # The most intermediate certificates a TLS peer's chain may have between its leaf and a
 # trusted root; one more is refused (TlsReason.CHAIN_TOO_LONG). Rust's
 # vmm_core::wire::tls::MAX_INTERMEDIATES (webpki's own limit) is the same.

@@ -13,7 +13,8 @@ except ImportError:  # a Python built without OpenSSL: everything but TLS works
     ssl = None
 
 from .accepting import _RefusalLog
-from .constants import DEFAULT_TIMEOUT, FD_LIMIT_PAUSE, MAX_HANDSHAKES
+from .constants import (ACCEPT_BATCH, CONNECT_ATTEMPT, DEFAULT_TIMEOUT, FD_LIMIT_PAUSE,
+                        LISTEN_BACKLOG, MAX_HANDSHAKES, RECORD_RECHECK)
 from .errors import PeerClosed, PeerRefused, ProtocolError, TlsError, TlsReason, TlsRefused
 from .stream import StreamConnection
 
@@ -153,13 +154,63 @@ class TlsConnection(StreamConnection):
 
 
 class _Handshake:
-    """One client's handshake in progress on a TlsListener."""
+    """One client's handshake in progress on a TlsListener: ``sock`` is the accepted socket
+    until its first TLS record has come whole (a connection that says nothing, or half a
+    ClientHello, costs no TLS state), then the TLS socket over it; ``answered`` once the
+    listener has sent its first flight (which takes a whole, valid ClientHello). ``waiting``:
+    part of its first record is there and the rest is not (it is looked at again every
+    ``RECORD_RECHECK``, and polled for its end only: its bytes would wake every poll)."""
 
-    __slots__ = ("sock", "peer", "deadline", "events")
+    __slots__ = ("sock", "peer", "deadline", "events", "accepted", "wrapped", "answered",
+                 "waiting")
 
-    def __init__(self, sock, peer, deadline):
+    def __init__(self, sock, peer, now, deadline):
         self.sock, self.peer, self.deadline = sock, peer, deadline
         self.events = select.POLLIN
+        self.accepted = now
+        self.wrapped = self.answered = self.waiting = False
+
+
+#: The largest TLS record (2^14 bytes of plaintext, with room for its expansion) plus its
+#: header: the most of a first record worth peeking at.
+_MAX_RECORD = 5 + 2**14 + 2048
+
+
+def _first_record(sock):
+    """How much of the connection's first TLS record is there: ``None`` nothing yet, ``False``
+    a part, ``True`` all of it (or its first byte is no TLS handshake record: the TLS state
+    then refuses it with its reason); a string, why the connection ended before a whole
+    record (no TLS state is made for it). A legitimate client's ClientHello comes whole, at
+    once; a half one from a staller never does."""
+    try:
+        head = sock.recv(_MAX_RECORD, socket.MSG_PEEK)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError as e:
+        return f"the connection failed before its first TLS record ({e.strerror or e})"
+    if len(head) == 0:
+        return "the connection ended before its first TLS record"
+    if head[0] != 0x16:
+        return True
+    if len(head) < 5:
+        return False
+    return len(head) >= 5 + int.from_bytes(head[3:5], "big")
+
+
+def _evictees(pending, n):
+    """The fds of the ``n`` handshakes that end to make room for new connections, in the
+    order of this rule: of those the listener has not answered (when none is left, of all),
+    the oldest of the address that holds the most. A flood from one address ends its own
+    connections first; one from a legitimate client's address (a local process) ends
+    connections that said nothing before the client's, which the listener answered as soon
+    as its ClientHello came. (Several at once: a flood's connections come by the thousand.)"""
+    held = {}
+    for h in pending.values():
+        key = (h.answered, h.peer[0])
+        held[key] = held.get(key, 0) + 1
+    ranked = sorted(pending.items(), key=lambda c: (
+        c[1].answered, -held[(c[1].answered, c[1].peer[0])], c[1].accepted))
+    return [fd for fd, _ in ranked[:n]]
 
 
 class TlsListener(_RefusalLog):
@@ -175,12 +226,18 @@ class TlsListener(_RefusalLog):
     at a bounded rate; ``accept`` goes on to the next connection.
 
     Handshakes run side by side, non-blocking, inside ``accept`` (no threads): at most
-    ``max_handshakes`` at once (default 64; further connections wait in the backlog), so
-    clients that connect and say nothing delay no one until they fill every slot, and then by
-    at most ``handshake_timeout``. A handshake in progress when ``accept`` returns or times out
+    ``max_handshakes`` at once (default 64), each by its deadline. A flood of clients that
+    connect and stall starves no one: the listener never stops accepting, and with every slot
+    taken a new connection ends a pending handshake, chosen by progress: first one the listener
+    has not answered (its client has not sent a whole ClientHello, which a legitimate client
+    sends at once), of those the oldest of the address that holds the most; an answered one
+    only when all are. Each turn of its loop drives the handshakes that can move before it
+    accepts at most ``ACCEPT_BATCH`` new connections, and a new connection whose first bytes
+    are there is driven at once. A handshake in progress when ``accept`` returns or times out
     stays in progress, and goes on at the next ``accept``."""
 
-    def __init__(self, address, config, backlog=128, log=True, max_handshakes=MAX_HANDSHAKES):
+    def __init__(self, address, config, backlog=LISTEN_BACKLOG, log=True,
+                 max_handshakes=MAX_HANDSHAKES):
         host, port = _host_port(address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.config, self.max_handshakes = config, max(1, int(max_handshakes))
@@ -189,6 +246,7 @@ class TlsListener(_RefusalLog):
         self.address = self.sock.getsockname()[:2]
         self._init_log(f"TLS listener {self.address[0]}:{self.address[1]}", log)
         self._pending = {}  # fd: _Handshake
+        self._recheck_at = None  # when to look again at handshakes waiting for their record
 
     def accept(self, timeout=None):
         """The next client whose certificate passed every check: a TlsConnection.
@@ -198,64 +256,129 @@ class TlsListener(_RefusalLog):
             if self.sock.fileno() == -1:
                 raise OSError(errno.EBADF, f"{self.label} is closed")
             now = time.monotonic()
-            for fd, h in list(self._pending.items()):
-                if h.deadline <= now:
-                    self._refuse(fd, "the TLS handshake did not finish within its deadline")
+            # In the order accepted, which is the order of their deadlines (one timeout).
+            while self._pending:
+                fd, h = next(iter(self._pending.items()))
+                if h.deadline > now:
+                    break
+                self._refuse(fd, "the TLS handshake did not finish within its deadline")
             if deadline is not None and now >= deadline:
                 raise TimeoutError(f"accepting a connection on {self.label}")
+            if self._recheck_at is not None and now >= self._recheck_at:
+                conn = self._recheck()
+                if conn is not None:
+                    return conn
             poller = select.poll()
-            if len(self._pending) < self.max_handshakes:
-                poller.register(self.sock.fileno(), select.POLLIN)
+            # Always: a listener that stopped accepting at its cap would leave the next
+            # client in the kernel's queue behind the stallers.
+            poller.register(self.sock.fileno(), select.POLLIN)
             for fd, h in self._pending.items():
-                poller.register(fd, h.events)
-            wake = [h.deadline for h in self._pending.values()]
+                # One waiting for the rest of its record is polled for its end only (its
+                # bytes, there already, would wake every poll).
+                poller.register(fd, select.POLLRDHUP if h.waiting else h.events)
+            wake = [next(iter(self._pending.values())).deadline] if self._pending else []
             if deadline is not None:
                 wake.append(deadline)
+            if self._recheck_at is not None:
+                wake.append(self._recheck_at)
             wait = -1 if not wake else max(1, int((min(wake) - now) * 1000) + 1)
-            for fd, _ in poller.poll(wait):
+            listener_ready = False
+            # The handshakes that can move first, then the new connections: a flood of new
+            # ones never keeps a client's ClientHello or last flight waiting.
+            events = poller.poll(wait)
+            if self.sock.fileno() == -1:
+                raise OSError(errno.EBADF, f"{self.label} is closed")
+            for fd, _ in events:
                 if fd == self.sock.fileno():
-                    self._take_new()
+                    listener_ready = True
+                elif fd in self._pending and self._pending[fd].waiting:
+                    # Polled for its end only: it ended inside its first record.
+                    self._refuse(fd, "the connection ended inside its first TLS record")
                 elif fd in self._pending:
                     conn = self._step(fd)
                     if conn is not None:
                         return conn
+            if listener_ready:
+                conn = self._take_new()
+                if conn is not None:
+                    return conn
 
     def _take_new(self):
-        """Accept what the backlog holds, up to the free handshake slots, and start each
-        handshake."""
-        while len(self._pending) < self.max_handshakes:
+        """Accept at most ``ACCEPT_BATCH`` connections the backlog holds, ending a pending
+        handshake for each past ``max_handshakes`` (``_evictee``), and drive at once each
+        whose first bytes are there: a connection once done and checked, else None."""
+        for _ in range(ACCEPT_BATCH):
             try:
                 raw, peer = self.sock.accept()
             except (BlockingIOError, InterruptedError):
-                return
+                return None
             except OSError as e:
                 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     time.sleep(FD_LIMIT_PAUSE)  # the connection stays queued: try again
-                    return
+                    return None
                 raise
             raw.settimeout(0)
-            try:
-                sock = self.config.server_context.wrap_socket(
-                    raw, server_side=True, do_handshake_on_connect=False,
-                    suppress_ragged_eofs=False)
-            except (OSError, ValueError) as e:
-                raw.close()
-                self._note(peer, f"TLS client {peer[0]}:{peer[1]}: {e}")
+            if len(self._pending) >= self.max_handshakes:
+                room = len(self._pending) - self.max_handshakes + 1
+                for fd in _evictees(self._pending, max(room, self.max_handshakes // 8)):
+                    self._refuse(fd, "its TLS handshake was ended to make room for a newer "
+                                 "connection (max_handshakes)")
+            now = time.monotonic()
+            self._pending[raw.fileno()] = _Handshake(
+                raw, peer, now, now + self.config.handshake_timeout)
+            conn = self._step(raw.fileno())
+            if conn is not None:
+                return conn
+        return None
+
+    def _recheck(self):
+        """Look again at the handshakes waiting for the rest of their first record: drive
+        those whose record is whole now; a connection once done and checked, else None."""
+        self._recheck_at = None
+        for fd in [fd for fd, h in self._pending.items() if h.waiting]:
+            if fd not in self._pending:  # ended meanwhile
                 continue
-            self._pending[sock.fileno()] = _Handshake(
-                sock, peer, time.monotonic() + self.config.handshake_timeout)
+            conn = self._step(fd)
+            if conn is not None:
+                return conn
+        return None
 
     def _step(self, fd):
         """Advance one handshake: its connection once done and checked, else None."""
         h = self._pending[fd]
+        if not h.wrapped:
+            # It gets its TLS state once its first record is whole (or it ended).
+            record = _first_record(h.sock)
+            if record is None:  # nothing yet: its first bytes wake the poll
+                return None
+            if isinstance(record, str):
+                self._refuse(fd, record)
+                return None
+            if not record:
+                h.waiting = True
+                if self._recheck_at is None:
+                    self._recheck_at = time.monotonic() + RECORD_RECHECK
+                return None
+            h.waiting = False
         what = f"TLS client {h.peer[0]}:{h.peer[1]}"
+        if not h.wrapped:
+            try:
+                h.sock = self.config.server_context.wrap_socket(
+                    h.sock, server_side=True, do_handshake_on_connect=False,
+                    suppress_ragged_eofs=False)
+            except (OSError, ValueError) as e:
+                self._refuse(fd, f"{what}: {e}")
+                return None
+            h.wrapped = True
         try:
             h.sock.do_handshake()
         except ssl.SSLWantReadError:
             h.events = select.POLLIN
+            h.answered = h.answered or h.sock.cipher() is not None
             return None
         except ssl.SSLWantWriteError:
             h.events = select.POLLOUT
+            h.answered = h.answered or h.sock.cipher() is not None
             return None
         except (OSError, ValueError) as e:
             failure = _tls_failure(e, what) or e
@@ -272,7 +395,9 @@ class TlsListener(_RefusalLog):
         return TlsConnection(h.sock, names, pin, h.peer, self.config.timeout)
 
     def _refuse(self, fd, reason, kind=None):
-        h = self._pending.pop(fd)
+        h = self._pending.pop(fd, None)
+        if h is None:  # closed meanwhile by close() in another thread
+            return
         h.sock.close()
         if not reason.startswith("TLS client"):
             reason = f"TLS client {h.peer[0]}:{h.peer[1]}: {reason}"
@@ -285,7 +410,7 @@ class TlsListener(_RefusalLog):
         """Stop listening and drop the handshakes in progress (an ``accept`` blocked in
         another thread wakes with OSError)."""
         self._log_count()
-        for h in self._pending.values():
+        for h in list(self._pending.values()):  # an accept in another thread may change it
             h.sock.close()
         self._pending.clear()
         try:
@@ -301,7 +426,7 @@ class TlsListener(_RefusalLog):
         self.close()
 
 
-def tls_listen(address, config, backlog=128, log=True, max_handshakes=None):
+def tls_listen(address, config, backlog=LISTEN_BACKLOG, log=True, max_handshakes=None):
     """Listen for mutual-TLS clients on ``address`` (``(host, port)`` or ``HOST:PORT``; port 0
     picks one: see ``.address``) with ``config`` (a TlsConfig): a TlsListener (handshakes in
     progress at once: ``max_handshakes``, default ``MAX_HANDSHAKES``)."""
@@ -314,17 +439,27 @@ def tls_connect(address, config, server_name=None, timeout=None):
     verify the server's chain and its names or pin, and return a TlsConnection; nothing is
     sent or read before that but the handshake. The SNI is ``server_name`` or the first
     allowed name. ``timeout`` bounds the TCP connect and the whole handshake (default
-    ``config.handshake_timeout``). TlsRefused, TlsError, PeerClosed or TimeoutError. (In TLS
+    ``config.handshake_timeout``); a connect attempt without an answer is made again, each
+    attempt waiting ``CONNECT_ATTEMPT`` longer (a flooded listener's kernel drops SYNs). TlsRefused, TlsError, PeerClosed or TimeoutError. (In TLS
     1.3 a server that refuses this client's certificate says so after this returns: as a
     TlsRefused, or PeerClosed, on the first receive.)"""
     timeout = config.handshake_timeout if timeout is None else timeout
     deadline = time.monotonic() + timeout
     host, port = _host_port(address)
     what = f"TLS server {host}:{port}"
-    try:
-        raw = socket.create_connection((host, port), timeout=timeout)
-    except socket.timeout:
-        raise TimeoutError(f"{what}: connecting took longer than {timeout} s") from None
+    raw, attempt = None, 0.0
+    while raw is None:
+        # An attempt that gets no answer is made again, each waiting CONNECT_ATTEMPT longer
+        # (the kernel would wait 1 s, then 2 s... before its next SYN): a listener whose
+        # kernel queue a flood keeps full drops SYNs, and one that comes back soon finds room.
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{what}: connecting took longer than {timeout} s")
+        attempt += CONNECT_ATTEMPT
+        try:
+            raw = socket.create_connection((host, port), timeout=min(attempt, left))
+        except socket.timeout:
+            continue
     sock = None
     try:
         sni = server_name or (config.allow_names[0] if config.allow_names else None)

@@ -6,7 +6,8 @@
 //! descriptor and DATA; every refused client gets 0 application bytes and the next one is
 //! served; the client refuses a self-signed or wrongly named server; a byte flipped or the
 //! stream cut by a relay is a typed error; deadlines at both ends; the attacker that connects
-//! first gets nothing.
+//! first gets nothing; 200 to 400 stalled connections, and another process flooding the
+//! listener, keep no importer from being served (19 of 20 at least).
 //!
 //! To run the Python tests by hand: `VMM_TLS_CERTS=DIR cargo test -p vmm-tests --test
 //! peer_python -- --ignored write_tls_test_certificates` writes the files to DIR, then
@@ -202,6 +203,10 @@ fn python_mutual_tls() {
         "test_a_chain_at_the_depth_limit_is_served",
         "test_a_wildcard_is_no_allowed_name",
         "test_the_newest_current_crl_of_a_ca_decides",
+        "test_200_stalled_handshakes_delay_no_importer",
+        "test_a_flooding_process_starves_no_importer",
+        "test_a_client_that_sent_its_hello_keeps_its_place_before_newer_stallers",
+        "test_stallers_from_one_address_end_their_own_handshakes_first",
     ] {
         assert!(out.contains(test), "{test} did not run:\n{out}");
     }

@@ -31,6 +31,7 @@ use vmm_tests::pattern;
 use vmm_tests::pki::{LeafSpec, Pki, self_signed};
 use vmm_tests::turns::exclusive;
 
+mod flood;
 mod relay;
 mod trust_rules;
 mod world;

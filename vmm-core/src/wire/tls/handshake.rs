@@ -20,6 +20,10 @@ use super::verify::{PeerRole, PeerVerifier};
 use crate::error::{OptionRule, TlsStep};
 use crate::{Error, Result};
 
+/// How much longer each connection attempt of [`TlsConnector::connect`] waits for an answer
+/// than the one before (the first waits this long, the second twice as long, ...).
+pub const CONNECT_ATTEMPT: Duration = Duration::from_millis(50);
+
 /// The name a connector asks for (SNI) when its peers are pinned by key, not named: a name that
 /// means nothing, as the pin alone admits the server.
 const PINNED_SNI: &str = "vmm-ipc-peer.invalid";
@@ -152,7 +156,10 @@ impl TlsConnector {
     }
 
     /// Connect to `addr` (the first of its addresses that answers) and make the handshake,
-    /// both within the handshake timeout. The stream is returned once the server's
+    /// both within the handshake timeout. A connection attempt that gets no answer is made
+    /// again, waiting [`CONNECT_ATTEMPT`] longer each time (the kernel would wait 1 s, then
+    /// 2 s, ... before sending its SYN again): a listener whose kernel queue a flood keeps
+    /// full drops SYNs, and one that comes back soon finds room sooner. The stream is returned once the server's
     /// certificate passed every check; the server's check of this side's certificate ends
     /// after that in TLS 1.3, so a refusal by the server shows on the first read
     /// ([`TlsReason::RefusedByPeer`](crate::error::TlsReason::RefusedByPeer)).
@@ -163,14 +170,24 @@ impl TlsConnector {
             .map_err(|e| Error::io("resolving the TLS peer's address", e))?
             .collect();
         let mut last = None;
-        for addr in addrs {
-            let left = self.handshake_timeout.saturating_sub(started.elapsed());
-            if left.is_zero() {
-                break;
-            }
-            match TcpStream::connect_timeout(&addr, left) {
-                Ok(tcp) => return self.handshake_within(tcp, started),
-                Err(e) => last = Some(Error::io(format!("connecting to {addr}"), e)),
+        'addrs: for addr in addrs {
+            let mut attempt = Duration::ZERO;
+            loop {
+                let left = self.handshake_timeout.saturating_sub(started.elapsed());
+                if left.is_zero() {
+                    break 'addrs;
+                }
+                attempt += CONNECT_ATTEMPT;
+                match TcpStream::connect_timeout(&addr, attempt.min(left)) {
+                    Ok(tcp) => return self.handshake_within(tcp, started),
+                    Err(e) => {
+                        let again = e.kind() == std::io::ErrorKind::TimedOut;
+                        last = Some(Error::io(format!("connecting to {addr}"), e));
+                        if !again {
+                            continue 'addrs;
+                        }
+                    }
+                }
             }
         }
         Err(last.unwrap_or_else(|| Error::Timeout {

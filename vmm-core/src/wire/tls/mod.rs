@@ -30,7 +30,14 @@
 //!   [`TlsOptions::message_timeout`] per call;
 //! - [`TlsListener`] runs handshakes side by side (at most [`MAX_HANDSHAKES`]), so a client
 //!   that connects first and stalls, or sends plaintext, delays no one and holds no more than
-//!   its slot until its deadline; no session is resumed (every connection is checked in full).
+//!   its slot until its deadline; no session is resumed (every connection is checked in full);
+//! - a flood of such clients starves no one: the listener never stops accepting, at its cap a
+//!   new connection ends a handshake the listener has not answered yet (no whole ClientHello),
+//!   the oldest of the address holding the most, and handshakes that can move are driven
+//!   before new connections are accepted; [`TlsConnector::connect`] makes a new connection
+//!   attempt soon ([`CONNECT_ATTEMPT`]) when a flood made the kernel drop its SYN. Tested with
+//!   another process flooding the listener as fast as it can (`docs/security.md`, "Listeners
+//!   that a flood cannot starve", says at what rate).
 //!
 //! A plain `TcpStream` or `UnixStream` stays usable with `peer::stream` for a channel the
 //! caller has already authenticated (an SSH tunnel, a socketpair between its own processes):
@@ -55,8 +62,8 @@ mod tls_options;
 mod tls_stream;
 mod verify;
 
-pub use handshake::{TlsAcceptor, TlsConnector};
-pub use tls_listener::{MAX_HANDSHAKES, TlsListener, TlsRefusal};
+pub use handshake::{CONNECT_ATTEMPT, TlsAcceptor, TlsConnector};
+pub use tls_listener::{LISTEN_BACKLOG, MAX_HANDSHAKES, TlsListener, TlsRefusal};
 pub use tls_options::{
     DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MESSAGE_TIMEOUT, MAX_ALLOWED_PEERS, PeerCheck, TlsIdentity,
     TlsOptions,

@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::io::ErrorKind;
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -21,9 +21,23 @@ use crate::trace;
 use crate::wire::endpoint::{LOG_BURST, LOG_INTERVAL};
 use crate::{Error, Result};
 
-/// The most handshakes a listener runs at once: a connection past that many ends the oldest
-/// unfinished one (a peer cannot hold more than this many of the listener's fds by stalling).
+/// The most handshakes a listener runs at once: a connection past that many ends one of them
+/// (a peer cannot hold more than this many of the listener's fds by stalling). The one ended
+/// is chosen so that a flood of stalled connections cannot starve a legitimate client (see
+/// [`TlsListener`]): a handshake the listener has answered (its client sent a whole ClientHello)
+/// goes only when no unanswered one is left; of those that have made the least progress, the
+/// oldest of the address that holds the most goes first.
 pub const MAX_HANDSHAKES: usize = 64;
+
+/// The kernel's queue of connections not yet accepted, for a listener [`TlsListener::bind`]
+/// makes (the kernel clamps it to `net.core.somaxconn`): deep enough that a burst of
+/// connections does not fill it while the listener drives handshakes.
+pub const LISTEN_BACKLOG: i32 = 1024;
+
+/// New connections accepted per turn of the listener's loop, before it drives the handshakes
+/// that can move again: so a flood of new connections never keeps a client's ClientHello, or
+/// its last flight, waiting.
+const ACCEPT_BATCH: usize = 16;
 
 /// How many refused peers a listener remembers (the most recent ones).
 const REFUSALS_KEPT: usize = 64;
@@ -40,11 +54,18 @@ pub struct TlsRefusal {
 
 /// A handshake under way.
 struct Pending {
-    conn: ServerConnection,
+    /// Made when its first bytes arrive: a connection that says nothing costs its fd alone.
+    conn: Option<ServerConnection>,
     tcp: TcpStream,
     peer: SocketAddr,
     /// `None` for a handshake timeout too large to add to now (`Duration::MAX`): no deadline.
     deadline: Option<Instant>,
+    /// When it was accepted.
+    accepted: Instant,
+    /// Whether the listener has answered it (sent its first flight, which takes a whole and
+    /// valid ClientHello): a client that made that much progress is kept before one that has
+    /// not when a handshake must end to make room.
+    answered: bool,
 }
 
 /// What one step of a handshake came to.
@@ -64,6 +85,17 @@ enum Progress {
 /// time, each within the handshake timeout: a client that connects and says nothing, or
 /// trickles its handshake, holds one slot until its deadline and delays no other client.
 /// `accept` takes `&self`; concurrent calls take turns.
+///
+/// A flood of such connections starves no one. The listener never stops accepting: with every
+/// slot taken, a new connection ends a pending handshake, chosen by progress: first one the
+/// listener has not answered yet (its client has not sent a whole ClientHello, which a
+/// legitimate client sends at once), of those the oldest of the address that holds the most;
+/// a handshake the listener has answered ends only when all are answered. A new connection is
+/// driven as soon as it is accepted (its ClientHello is usually there already), and each turn
+/// of the loop drives the handshakes that can move before it accepts at most a few more, so a
+/// legitimate client's ClientHello is read and answered while a flood's connections come and
+/// go around it. Tested with one local process opening stalled connections as fast as it can
+/// (`tests/tests/tls/flood.rs`; the rate is in `docs/security.md`).
 pub struct TlsListener {
     tcp: TcpListener,
     acceptor: TlsAcceptor,
@@ -85,13 +117,23 @@ impl TlsListener {
     pub fn bind(addr: impl ToSocketAddrs, options: &TlsOptions) -> Result<TlsListener> {
         let acceptor = TlsAcceptor::new(options)?;
         let tcp = TcpListener::bind(addr).map_err(|e| Error::io("binding a TLS listener", e))?;
+        // std listens with a backlog of 128; listening again sets the deeper one.
+        nix::sys::socket::listen(
+            &tcp,
+            nix::sys::socket::Backlog::new(LISTEN_BACKLOG)
+                .map_err(|e| Error::errno("the TLS listener's backlog", e))?,
+        )
+        .map_err(|e| Error::errno("listening on a TLS listener", e))?;
         TlsListener::from_listener(tcp, acceptor)
     }
 
-    /// Serve TLS on a listener of the caller's.
+    /// Serve TLS on a listener of the caller's (listening with the backlog it chose).
     pub fn from_listener(tcp: TcpListener, acceptor: TlsAcceptor) -> Result<TlsListener> {
         tcp.set_nonblocking(true)
             .map_err(|e| Error::io("making a TLS listener non-blocking", e))?;
+        // Its handshakes' connections are made as their first bytes arrive: one made now
+        // says whether the configuration can make them.
+        new_connection(&acceptor)?;
         Ok(TlsListener {
             tcp,
             acceptor,
@@ -143,27 +185,37 @@ impl TlsListener {
                 .chain(deadline)
                 .min();
             let (listener_ready, ready) = self.wait(&pending, wake)?;
-            if listener_ready {
-                self.take_new(&mut pending)?;
-            }
+            // The handshakes that can move first, then the new connections: a flood of new
+            // ones never keeps a client's ClientHello or last flight waiting.
             for i in (0..pending.len()).rev() {
                 if !ready.get(i).copied().unwrap_or(true) {
                     continue;
                 }
-                match drive(&mut pending[i]) {
-                    Progress::Waiting => {}
-                    Progress::Failed(why) => {
-                        let p = pending.swap_remove(i);
-                        self.refuse(p.peer, why);
-                    }
-                    Progress::Done => {
-                        let p = pending.swap_remove(i);
-                        if let Some(stream) = self.finish(p) {
-                            trace::record!(span, "peer", trace::display(stream.peer_addr()));
-                            return Ok(stream);
-                        }
-                    }
+                if let Some(stream) = self.step(&mut pending, i) {
+                    trace::record!(span, "peer", trace::display(stream.peer_addr()));
+                    return Ok(stream);
                 }
+            }
+            if listener_ready && let Some(stream) = self.take_new(&mut pending)? {
+                trace::record!(span, "peer", trace::display(stream.peer_addr()));
+                return Ok(stream);
+            }
+        }
+    }
+
+    /// Drive handshake `i` one step: its stream once it has finished (and left `pending`); a
+    /// failed one is refused and leaves `pending` too.
+    fn step(&self, pending: &mut Vec<Pending>, i: usize) -> Option<TlsStream> {
+        match drive(&mut pending[i], &self.acceptor) {
+            Progress::Waiting => None,
+            Progress::Failed(why) => {
+                let p = pending.swap_remove(i);
+                self.refuse(p.peer, why);
+                None
+            }
+            Progress::Done => {
+                let p = pending.swap_remove(i);
+                self.finish(p)
             }
         }
     }
@@ -175,7 +227,7 @@ impl TlsListener {
         fds.push(PollFd::new(self.tcp.as_fd(), PollFlags::POLLIN));
         for p in pending {
             let mut events = PollFlags::POLLIN;
-            if p.conn.wants_write() {
+            if p.conn.as_ref().is_some_and(|c| c.wants_write()) {
                 events |= PollFlags::POLLOUT;
             }
             fds.push(PollFd::new(p.tcp.as_fd(), events));
@@ -198,13 +250,13 @@ impl TlsListener {
         Ok((moved(&fds[0]), fds[1..].iter().map(moved).collect()))
     }
 
-    /// Start a handshake for every queued connection; past [`MAX_HANDSHAKES`], the oldest
-    /// unfinished one ends.
-    fn take_new(&self, pending: &mut Vec<Pending>) -> Result<()> {
-        loop {
+    /// Start a handshake for the queued connections (at most [`ACCEPT_BATCH`]), driving each
+    /// once at once; past [`MAX_HANDSHAKES`], the pending handshake [`evictee`] picks ends.
+    fn take_new(&self, pending: &mut Vec<Pending>) -> Result<Option<TlsStream>> {
+        for _ in 0..ACCEPT_BATCH {
             let (tcp, peer) = match self.tcp.accept() {
                 Ok(accepted) => accepted,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(None),
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) if e.kind() == ErrorKind::ConnectionAborted => continue,
                 Err(e) => {
@@ -216,34 +268,48 @@ impl TlsListener {
                 continue;
             }
             let _ = tcp.set_nodelay(true);
-            let conn = ServerConnection::new(Arc::clone(&self.acceptor.config)).map_err(|e| {
-                Error::option(
-                    "tls server connection",
-                    OptionRule::Unsupported,
-                    e.to_string(),
-                )
-            })?;
             if pending.len() >= MAX_HANDSHAKES {
-                let oldest = pending.remove(0);
-                self.refuse(oldest.peer, None);
+                let ended = pending.swap_remove(evictee(pending));
+                self.refuse(ended.peer, None);
             }
+            let accepted = Instant::now();
+            // Its ClientHello is usually there already: answered now, it is kept before the
+            // connections that have said nothing. (A peek, so that one that said nothing
+            // costs no TLS state.)
+            let said = match tcp.peek(&mut [0u8; 1]) {
+                Ok(_) => true,
+                Err(e) => e.kind() != ErrorKind::WouldBlock,
+            };
             pending.push(Pending {
-                conn,
+                conn: None,
                 tcp,
                 peer,
-                deadline: Instant::now().checked_add(self.acceptor.handshake_timeout),
+                deadline: accepted.checked_add(self.acceptor.handshake_timeout),
+                accepted,
+                answered: false,
             });
+            let last = pending.len() - 1;
+            if said && let Some(stream) = self.step(pending, last) {
+                return Ok(Some(stream));
+            }
         }
+        Ok(None)
     }
 
     /// A finished handshake as a blocking stream (`None` if its last flight cannot be sent).
     fn finish(&self, p: Pending) -> Option<TlsStream> {
         let Pending {
-            mut conn,
+            conn,
             tcp,
             peer,
             deadline,
+            ..
         } = p;
+        let Some(mut conn) = conn else {
+            // Done is only said of a handshake that has its connection.
+            self.refuse(peer, Some(TlsReason::Protocol));
+            return None;
+        };
         if tcp.set_nonblocking(false).is_err() {
             self.refuse(peer, Some(TlsReason::Truncated));
             return None;
@@ -286,19 +352,40 @@ impl TlsListener {
     }
 }
 
+/// The server side of one connection of `acceptor`'s.
+fn new_connection(acceptor: &TlsAcceptor) -> Result<ServerConnection> {
+    ServerConnection::new(Arc::clone(&acceptor.config)).map_err(|e| {
+        Error::option(
+            "tls server connection",
+            OptionRule::Unsupported,
+            e.to_string(),
+        )
+    })
+}
+
 /// One step of a handshake on its non-blocking socket: send what is due, read what came,
-/// process it, send the answer.
-fn drive(p: &mut Pending) -> Progress {
-    if let Err(failed) = flush(p) {
+/// process it, send the answer. Its connection is made on its first step (when its first
+/// bytes, or its end, have come).
+fn drive(p: &mut Pending, acceptor: &TlsAcceptor) -> Progress {
+    let Pending { conn, tcp, .. } = p;
+    let conn = match conn {
+        Some(conn) => conn,
+        None => match new_connection(acceptor) {
+            Ok(made) => conn.insert(made),
+            // The same configuration made one when the listener was made.
+            Err(_) => return Progress::Failed(Some(TlsReason::Protocol)),
+        },
+    };
+    if let Err(failed) = flush(conn, tcp, &mut p.answered) {
         return failed;
     }
-    if p.conn.wants_read() {
-        match p.conn.read_tls(&mut p.tcp) {
+    if conn.wants_read() {
+        match conn.read_tls(tcp) {
             Ok(0) => return Progress::Failed(Some(TlsReason::Truncated)),
             Ok(_) => {
-                if let Err(e) = p.conn.process_new_packets() {
+                if let Err(e) = conn.process_new_packets() {
                     // The alert that tells the peer why (best effort: never waits).
-                    let _ = p.conn.write_tls(&mut p.tcp);
+                    let _ = conn.write_tls(tcp);
                     return Progress::Failed(Some(reason(&e)));
                 }
             }
@@ -307,21 +394,59 @@ fn drive(p: &mut Pending) -> Progress {
             Err(_) => return Progress::Failed(Some(TlsReason::Truncated)),
         }
     }
-    if let Err(failed) = flush(p) {
+    if let Err(failed) = flush(conn, tcp, &mut p.answered) {
         return failed;
     }
-    if p.conn.is_handshaking() {
+    if conn.is_handshaking() {
         Progress::Waiting
     } else {
         Progress::Done
     }
 }
 
-/// Write what the handshake has to send, until done or the socket is full.
-fn flush(p: &mut Pending) -> std::result::Result<(), Progress> {
-    while p.conn.wants_write() {
-        match p.conn.write_tls(&mut p.tcp) {
-            Ok(_) => {}
+/// Which pending handshake ends to make room for a new connection: of the handshakes the
+/// listener has not answered (none, only when every one is answered: then of all), the oldest
+/// of the address that holds the most of them. A flood from one address thus ends its own
+/// connections first, and one from the same address as a legitimate client (a local process)
+/// ends connections that said nothing before the client's, which the listener has answered.
+fn evictee(pending: &[Pending]) -> usize {
+    let unanswered = pending.iter().any(|p| !p.answered);
+    let candidate = |p: &Pending| !unanswered || !p.answered;
+    // How many candidates each address holds (a short list: a flood comes from few).
+    let mut held: Vec<(IpAddr, usize)> = Vec::new();
+    for p in pending.iter().filter(|p| candidate(p)) {
+        match held.iter_mut().find(|(ip, _)| *ip == p.peer.ip()) {
+            Some((_, n)) => *n += 1,
+            None => held.push((p.peer.ip(), 1)),
+        }
+    }
+    let mut chosen: Option<(usize, usize, Instant)> = None;
+    for (i, p) in pending.iter().enumerate() {
+        if !candidate(p) {
+            continue;
+        }
+        let count = held
+            .iter()
+            .find(|(ip, _)| *ip == p.peer.ip())
+            .map_or(0, |(_, n)| *n);
+        let better = chosen.is_none_or(|(_, c, at)| count > c || (count == c && p.accepted < at));
+        if better {
+            chosen = Some((i, count, p.accepted));
+        }
+    }
+    chosen.map_or(0, |(i, _, _)| i)
+}
+
+/// Write what the handshake has to send, until done or the socket is full (`answered` once
+/// anything was sent).
+fn flush(
+    conn: &mut ServerConnection,
+    tcp: &mut TcpStream,
+    answered: &mut bool,
+) -> std::result::Result<(), Progress> {
+    while conn.wants_write() {
+        match conn.write_tls(tcp) {
+            Ok(_) => *answered = true,
             Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(_) => return Err(Progress::Failed(Some(TlsReason::Truncated))),
