@@ -3,7 +3,7 @@
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::Result;
+use crate::error::Result;
 
 /// A buffer that can be shared with other processes through a descriptor.
 ///
@@ -41,7 +41,7 @@ pub trait SharedBuffer: Clone + Serialize + DeserializeOwned + Send + Sync + 'st
 /// backends have (they are the API; the trait only lets code be written once for both).
 macro_rules! shared_buffer_by_inherent_methods {
     ($buffer:ty, $descriptor:ty) => {
-        impl $crate::SharedBuffer for $buffer {
+        impl $crate::share::SharedBuffer for $buffer {
             type Descriptor = $descriptor;
 
             fn size(&self) -> usize {
@@ -52,23 +52,23 @@ macro_rules! shared_buffer_by_inherent_methods {
                 <$buffer>::is_imported(self)
             }
 
-            fn export(&self) -> $crate::Result<$descriptor> {
+            fn export(&self) -> $crate::error::Result<$descriptor> {
                 <$buffer>::export(self)
             }
 
-            fn import(descriptor: &$descriptor) -> $crate::Result<Self> {
+            fn import(descriptor: &$descriptor) -> $crate::error::Result<Self> {
                 <$buffer>::import(descriptor)
             }
 
-            fn fill(&self, value: u8) -> $crate::Result<()> {
+            fn fill(&self, value: u8) -> $crate::error::Result<()> {
                 <$buffer>::fill(self, value)
             }
 
-            fn write_at(&self, offset: usize, data: &[u8]) -> $crate::Result<()> {
+            fn write_at(&self, offset: usize, data: &[u8]) -> $crate::error::Result<()> {
                 <$buffer>::write_at(self, offset, data)
             }
 
-            fn read_at(&self, offset: usize, out: &mut [u8]) -> $crate::Result<()> {
+            fn read_at(&self, offset: usize, out: &mut [u8]) -> $crate::error::Result<()> {
                 <$buffer>::read_at(self, offset, out)
             }
         }

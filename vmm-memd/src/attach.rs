@@ -13,11 +13,29 @@ use vmm_core::peer::{Descriptor, PeerMessage};
 use crate::client::{Client, unexpected};
 use crate::error::{MemdError, Result};
 use crate::gpu_mapping::GpuChunks;
+use crate::layout::{Placement, layout_hash_on};
 use crate::mapping::ReadOnlyChunk;
 use crate::protocol::{Backend, MAX_CHUNKS, MAX_META_ENTRIES, Request, Response, TensorMeta};
-use crate::sleep::{Placement, layout_hash_on};
 
 impl Client {
+    /// Attach `region`'s current committed generation: a lease (held by this connection),
+    /// its metadata, and its chunks mapped read-only.
+    pub fn attach(&self, region: &str) -> Result<Attached> {
+        self.attach_generation(region, None)
+    }
+
+    /// [`attach`](Self::attach) generation `generation` (`None`: the current one), if the
+    /// service still holds it (a lease or the retention setting keeps it).
+    pub fn attach_generation(&self, region: &str, generation: Option<u64>) -> Result<Attached> {
+        let _turn = self.turn();
+        self.attach_placed(region, generation, &mut None)
+    }
+
+    /// End the lease of `attached` (its mapping stays valid: see [`Attached`]).
+    pub fn detach(&self, attached: &Attached) -> Result<()> {
+        self.detach_lease(attached.lease)
+    }
+
     /// Attach `region`'s generation `generation` (`None`: the current one) as fabric handles,
     /// to import here or to forward to a process on another node of the fabric (which needs
     /// an IMEX channel): a lease held by this connection, the metadata, and one

@@ -10,7 +10,6 @@ use vmm_core::peer::{Descriptor, PeerMessage, Session};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
 use vmm_core::wire::endpoint::{ConnectOptions, Name};
 
-use crate::attach::Attached;
 use crate::error::{MemdError, Result};
 use crate::gpu_mapping::GpuChunks;
 use crate::keep_alive::{Next, Turn, Turns};
@@ -398,25 +397,8 @@ impl Client {
         e
     }
 
-    /// Attach `region`'s current committed generation: a lease (held by this connection),
-    /// its metadata, and its chunks mapped read-only.
-    pub fn attach(&self, region: &str) -> Result<Attached> {
-        self.attach_generation(region, None)
-    }
-
-    /// [`attach`](Self::attach) generation `generation` (`None`: the current one), if the
-    /// service still holds it (a lease or the retention setting keeps it).
-    pub fn attach_generation(&self, region: &str, generation: Option<u64>) -> Result<Attached> {
-        let _turn = self.turn();
-        self.attach_placed(region, generation, &mut None)
-    }
-
-    /// End the lease of `attached` (its mapping stays valid: see [`Attached`]).
-    pub fn detach(&self, attached: &Attached) -> Result<()> {
-        self.detach_lease(attached.lease)
-    }
-
-    /// End lease `lease` (as [`detach`](Self::detach) does for an [`Attached`]).
+    /// End lease `lease` (as [`detach`](Self::detach) does for an
+    /// [`Attached`](crate::Attached)).
     pub fn detach_lease(&self, lease: u64) -> Result<()> {
         self.request(&Request::Detach { lease }).map(drop)
     }

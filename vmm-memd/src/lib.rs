@@ -56,6 +56,7 @@ mod keep_alive;
 pub mod keeper;
 mod keeper_link;
 pub mod keeper_wire;
+mod layout;
 mod mapping;
 mod memfd;
 mod metrics;
@@ -74,10 +75,11 @@ pub use identity::Admins;
 pub use inflight::InFlightScope;
 pub use keeper_link::Keeper;
 pub use keeper_wire::{ImpostorCheck, KeeperError};
+pub use layout::{layout_hash, layout_hash_on};
 pub use mapping::{ReadOnlyChunk, Reservation};
 pub use service::{
     DEFAULT_IDLE_TIMEOUT, DEFAULT_LEASE_TTL, DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_CONNECTIONS_PER_UID, DEFAULT_MAX_FDS_IN_FLIGHT, DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID,
     DEFAULT_MAX_WAIT, IN_FLIGHT_WAIT, KEEPER_TICK, Service, TICK,
 };
-pub use sleep::{SleepFailed, Sleeping, WakeFailed, layout_hash, layout_hash_on};
+pub use sleep::{SleepFailed, Sleeping, WakeFailed};

@@ -6,7 +6,6 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::StartMethod;
 use super::ends::{ParentEnd, Sealed};
 use super::hook::{self, ChildKind};
 use super::launch::{self, Launch};
@@ -18,6 +17,7 @@ use super::timeout::default_timeout;
 use super::tracker::{FateCell, TrackedChild, Tracker};
 use super::warm::WarmPool;
 use super::{forkserver, remote};
+use crate::error::StartMethod;
 use crate::trace;
 use crate::wire;
 use crate::{Error, Result};

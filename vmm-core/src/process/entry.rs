@@ -4,7 +4,6 @@
 
 use std::io::Write;
 
-use super::StartMethod;
 use super::child_runtime::{EXIT_NO_START, EXIT_NOT_RUN, EXIT_PANICKED, record_panics, warm_up};
 use super::ends::{ChildEnd, Received};
 use super::protocol::{Order, Outcome, Report};
@@ -12,6 +11,7 @@ use super::remote;
 use super::status::NotRunStage;
 use super::task_loop;
 use crate::Error;
+use crate::error::StartMethod;
 
 /// A warm child: initialise CUDA for `devices`, say so, then wait for the start message like
 /// any child (or become a pool worker).

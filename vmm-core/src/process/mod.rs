@@ -177,12 +177,10 @@ pub use forkserver::{ensure_running, forkserver_pid};
 pub use output::{DEFAULT_OUTPUT_CAP, output_cap, set_output_cap};
 pub use pool::{Pool, TaskHandle};
 pub use process_handle::Process;
+pub use protocol::{MAX_DEVICE_ORDINAL, MAX_DEVICES};
 pub use role::init;
 pub use status::{ChildError, ExitStatus};
 pub use timeout::{
     FALLBACK_TIMEOUT, MAX_TIMEOUT, TIMEOUT_VAR, default_timeout, parse_timeout, try_default_timeout,
 };
-pub use warm::{
-    DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, MAX_DEPTH, MAX_DEVICE_ORDINAL, MAX_DEVICES, WarmOptions,
-    WarmPool,
-};
+pub use warm::{DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, MAX_DEPTH, WarmOptions, WarmPool};

@@ -8,13 +8,13 @@ use std::time::{Duration, Instant};
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, poll};
 
-use super::StartMethod;
 use super::ends::Sealed;
 use super::protocol::{Order, Report};
 use super::status::{ChildError, ExitStatus, Observed, Outcome};
 use super::supervisor::{ChannelEnd, Child, Flow, Packet, REAP_POLL, Read, Reaper, poll_timeout};
 use super::tracker::{Fate, FateCell};
 use crate::error::ProtocolRule;
+use crate::error::StartMethod;
 use crate::trace;
 use crate::{Error, Result};
 

@@ -15,10 +15,18 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::StartMethod;
-use super::warm::{MAX_DEVICE_ORDINAL, MAX_DEVICES};
 use crate::Error;
+use crate::error::StartMethod;
 use crate::error::{ExitStatus, NotRunStage};
+
+/// The largest CUDA ordinal a warm child's role (and so `VMM_WARM_DEVICES`) may name (a
+/// larger one is refused, `EnvRule::TooLarge`): more than any machine has, and it bounds what
+/// a warm child tries. Here, with the role that carries the ordinals, below the warm pool.
+pub const MAX_DEVICE_ORDINAL: usize = 63;
+
+/// The most ordinals a warm child's role (and `VMM_WARM_DEVICES`'s list) may have (more is
+/// refused, `EnvRule::TooMany`): every ordinal up to [`MAX_DEVICE_ORDINAL`] once.
+pub const MAX_DEVICES: usize = MAX_DEVICE_ORDINAL + 1;
 
 /// The environment variable that tells a process started by vmm-core its [`Role`], its
 /// channel's fd and its parent's pid: the first message to a child, given at exec. Its value is

@@ -31,12 +31,12 @@ use std::sync::Mutex;
 use nix::sys::socket::{getsockopt, sockopt};
 use nix::unistd::{Pid, getppid};
 
-use super::StartMethod;
 use super::child_runtime;
 use super::ends::{ChildEnd, ServerEnd};
 use super::entry;
 use super::protocol::{MAX_ROLE_LEN, ROLE_VAR, Role};
 use super::{server, sys};
+use crate::error::StartMethod;
 use crate::wire::endpoint::maybe_overflow_uid;
 
 /// Set (to anything) to keep the pre-`main` hook from taking a child's role, so that only an

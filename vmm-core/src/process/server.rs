@@ -16,7 +16,6 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Pid, getpid};
 
-use super::StartMethod;
 use super::child_runtime::{self, EXIT_NO_START};
 use super::ends::{ChildEnd, Received, ServerEnd};
 use super::entry;
@@ -25,6 +24,7 @@ use super::supervisor::exit_status;
 use super::{launch, sys};
 use crate::Error;
 use crate::error::ProtocolRule;
+use crate::error::StartMethod;
 
 /// The forkserver's main loop. Never returns.
 ///

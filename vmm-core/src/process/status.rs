@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use super::StartMethod;
 pub(crate) use super::protocol::Outcome;
 pub(crate) use crate::error::NotRunStage;
+use crate::error::StartMethod;
 pub use crate::error::{ChildError, ExitStatus};
 
 /// What the parent saw of a child besides its reports: the facts a [`ChildError`] adds to

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use nix::unistd::Pid;
 
-use super::StartMethod;
 use super::supervisor::{Reaper, kill_child, pidfd_exits_within, reap_within};
+use crate::error::StartMethod;
 
 /// What became of a tracked child.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

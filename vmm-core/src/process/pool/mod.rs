@@ -42,7 +42,6 @@ use std::time::Instant;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::StartMethod;
 use super::ends::Sealed;
 use super::hook::{self, ChildKind};
 use super::protocol::Call;
@@ -50,6 +49,7 @@ use super::timeout::default_timeout;
 use super::warm::{WarmOptions, WarmPool};
 use super::{remote, sys};
 use crate::error::OptionRule;
+use crate::error::StartMethod;
 use crate::{Error, Result};
 use crate::{trace, wire};
 

@@ -11,9 +11,9 @@ use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 
-use super::super::StartMethod;
 use super::super::status::ExitStatus;
 use super::super::sys;
+use crate::error::StartMethod;
 use crate::{Error, Result};
 
 /// Once a forkserver child is known to have exited (its pidfd said so) or was killed, how long

@@ -24,7 +24,6 @@ use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use super::StartMethod;
 use super::ends::ParentEnd;
 use super::hook::{self, ChildKind};
 use super::launch::{self, Launch};
@@ -33,12 +32,11 @@ use super::protocol::Role;
 use super::status::{ChildError, Observed};
 use super::supervisor::{Child, NewChild};
 use super::timeout::default_timeout;
+use crate::error::StartMethod;
 use crate::{Error, Result};
 
 use waiting::{Health, WaitingChild};
-pub use warm_options::{
-    DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, MAX_DEPTH, MAX_DEVICE_ORDINAL, MAX_DEVICES, WarmOptions,
-};
+pub use warm_options::{DEFAULT_DEPTH, DEPTH_VAR, DEVICES_VAR, MAX_DEPTH, WarmOptions};
 
 /// How long [`WarmPool::quiesce`] waits for launches in flight.
 const QUIESCE_LIMIT: Duration = Duration::from_secs(10);

@@ -2,6 +2,7 @@
 //! initialises; from code or from the environment.
 
 use crate::error::{EnvRule, MAX_ENV_LEN, parse_env_uint, shown_env_value};
+use crate::process::protocol::{MAX_DEVICE_ORDINAL, MAX_DEVICES};
 use crate::{Error, Result};
 
 /// The variable that sets the pool's [depth](WarmOptions::depth): how many children wait.
@@ -23,14 +24,6 @@ pub const DEFAULT_DEPTH: usize = 2;
 /// process-wide pool keeps its default (see [`WarmPool::global`](super::WarmPool::global)).
 /// Code that wants more asks for it ([`WarmOptions::with_depth`] has no maximum).
 pub const MAX_DEPTH: usize = 128;
-
-/// The largest CUDA ordinal [`DEVICES_VAR`] may name (a larger one is refused,
-/// [`EnvRule::TooLarge`]): more than any machine has, and it bounds what a warm child tries.
-pub const MAX_DEVICE_ORDINAL: usize = 63;
-
-/// The most entries [`DEVICES_VAR`]'s list may have (more is refused, [`EnvRule::TooMany`]):
-/// every ordinal up to [`MAX_DEVICE_ORDINAL`] once.
-pub const MAX_DEVICES: usize = MAX_DEVICE_ORDINAL + 1;
 
 /// How the warm pool is kept: how many children wait, and which CUDA devices each initialises.
 ///
