@@ -57,6 +57,7 @@ $VMM_MEMD_LOG names (error, warn, info, debug, trace, off; default info).";
 
 /// A command line `vmm-memd` does not take.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum UsageError {
     /// An option it does not know.
     #[error("unknown option {0}")]

@@ -55,6 +55,7 @@ pub enum RequestRule {
 /// the same variants the service chose. Every field is the service's view (the kernel's
 /// identity of the caller, the service's caps), never the client's claim.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum Refusal {
     /// The generation would take `uid` past its quota; nothing was allocated.
     #[error("quota exceeded for uid {uid}: {used} bytes in use, {asked} more asked, quota {quota}")]
@@ -282,6 +283,7 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 
 /// Everything a [`Client`](crate::Client) call can fail with.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum MemdError {
     /// The service refused the request.
     #[error(transparent)]

@@ -101,6 +101,7 @@ pub enum KeeperMsg {
 
 /// What went wrong between the service and its keeper.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum KeeperError {
     /// A system call failed.
     #[error("{op}: {source}")]

@@ -56,6 +56,7 @@ pub enum NameRule {
 
 /// Why a value found in etcd was refused.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ValueError {
     /// Over [`MAX_LOCATOR_BYTES`](crate::MAX_LOCATOR_BYTES): refused before parsing.
     #[error("{len} bytes, over the cap of {max}")]
@@ -92,6 +93,7 @@ pub enum ValueError {
 
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// No etcd endpoint.
     #[error("no etcd endpoint")]
@@ -136,6 +138,7 @@ pub enum ConfigError {
 
 /// What a failed call to etcd ended with.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EtcdError {
     /// The call ended with a gRPC status: etcd's answer (its code and message), or the
     /// channel's own when it could not reach etcd (the transport's error is its source).
@@ -154,6 +157,7 @@ impl From<tonic::Status> for EtcdError {
 
 /// Every way a registry operation fails.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RegistryError {
     /// The configuration is unusable.
     #[error("configuration refused")]

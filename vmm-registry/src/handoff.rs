@@ -96,6 +96,7 @@ pub(crate) struct Ack {
 
 /// Why a hand-off message was refused.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum MessageError {
     /// Over [`MAX_HANDOFF_MESSAGE`]: refused before parsing.
     #[error("{len} bytes, over the cap of {max}")]

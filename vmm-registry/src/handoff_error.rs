@@ -12,6 +12,7 @@ use crate::locator::{ExportedObject, HandleKind};
 
 /// Why fetching a locator's descriptor failed. Nothing was imported in any case.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum FetchError {
     /// The locator's `exporter_name` cannot be admitted (not a DNS name or IP address).
     #[error("the locator's exporter name {name:?} cannot be checked")]
@@ -121,6 +122,7 @@ impl FetchError {
 /// Why serving exports failed, or how one hand-off ended badly (reported, never fatal to the
 /// server).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ServeError {
     /// The listener could not be made (the address, or the TLS options).
     #[error("listening for importers")]

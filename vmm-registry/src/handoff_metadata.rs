@@ -27,6 +27,7 @@ pub const DEFAULT_MAX_METADATA: usize = 4 << 20;
 
 /// Why the metadata that followed a descriptor was refused.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum MetadataError {
     /// The header was not a metadata header.
     #[error("the metadata header was refused")]

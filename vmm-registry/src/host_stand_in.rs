@@ -25,6 +25,7 @@ pub const STAND_IN_UUID: [u8; 16] = [7; 16];
 
 /// Why a stand-in descriptor could not be made or used.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StandInError {
     /// The descriptor's layout was refused (no chunk, more chunks than a descriptor holds, a
     /// chunk of no bytes).

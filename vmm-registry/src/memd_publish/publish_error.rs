@@ -9,6 +9,7 @@ use crate::host_stand_in::StandInError;
 
 /// Why the publisher could not start, or stopped.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PublishError {
     /// The registry could not be opened (etcd down, TLS refused, a bad configuration).
     #[error("opening the registry")]
@@ -30,6 +31,7 @@ pub enum PublishError {
 
 /// Why one region was not (re)published this time; the next poll tries again.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RegionError {
     /// The service refused or failed the attach, detach or renew.
     #[error("the memory service")]

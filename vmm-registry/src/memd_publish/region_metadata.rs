@@ -36,6 +36,7 @@ struct Tensor {
 
 /// Why a fetched region's metadata was refused.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RegionMetadataError {
     /// The exporter offered no metadata (not a vmm-memd publisher, or one of before it
     /// offered metadata).
