@@ -2,8 +2,9 @@
 //! request, whether it is serving one or writes a pending generation, and whether it was
 //! evicted. It keeps the connection caps (in all and per uid): a uid at its cap gets a slot
 //! by evicting its own longest-idle connection that holds no lease and no pending
-//! generation ([`Conns::admit`]); the evicted connection's thread sees it at its next wake
-//! ([`Conns::begin_request`], [`Conns::evicted`]) and ends.
+//! generation ([`Conns::admit`]); the eviction shuts the reading side of that connection's
+//! socket, which wakes its thread, and the thread sees it ([`Conns::begin_request`],
+//! [`Conns::evicted`]) and ends.
 //!
 //! One lock orders admission against requests: a connection starts serving a request only
 //! while it is not evicted, and is evicted only while it serves none, so no request of an
@@ -14,6 +15,7 @@
 //! cost its uid that idle connection (as the idle timeout would have, later).
 
 use std::collections::HashMap;
+use std::os::fd::RawFd;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -29,6 +31,10 @@ struct Entry {
     writing: bool,
     /// Evicted: its slot is free; its thread ends at its next wake.
     evicted: bool,
+    /// Its socket, open for as long as the entry is in the table (its thread removes the
+    /// entry before the socket closes): an eviction shuts its reading side to wake the
+    /// thread. `None` in unit tests.
+    socket: Option<RawFd>,
 }
 
 /// Why a connection was not admitted.
@@ -122,12 +128,21 @@ impl Conns {
         }
         if let Some(entry) = live.get_mut(&conn) {
             entry.evicted = true;
+            if let Some(socket) = entry.socket {
+                // Its thread sleeps in poll on this socket: the shut reading side wakes it
+                // (as a request, which `begin_request` refuses: it ends). The client's next
+                // send fails, as it would once the connection closed.
+                // SAFETY: the socket is open while its entry is here (see `Entry::socket`),
+                // and the table's lock is held.
+                unsafe { libc::shutdown(socket, libc::SHUT_RD) };
+            }
         }
         Ok(Admitted::Evicted { conn })
     }
 
-    /// Count connection `conn` of `uid`, accepted now.
-    pub(crate) fn insert(&self, conn: u64, uid: u32) {
+    /// Count connection `conn` of `uid`, accepted now, on `socket` (which must stay open
+    /// until [`remove`](Self::remove)).
+    pub(crate) fn insert(&self, conn: u64, uid: u32, socket: Option<RawFd>) {
         self.lock().insert(
             conn,
             Entry {
@@ -136,6 +151,7 @@ impl Conns {
                 in_request: false,
                 writing: false,
                 evicted: false,
+                socket,
             },
         );
     }
@@ -182,9 +198,9 @@ mod tests {
     fn below_the_caps_everyone_is_admitted() {
         let conns = Conns::new(3, 2);
         assert_eq!(conns.admit(1, NO_LEASES), Ok(Admitted::Free));
-        conns.insert(0, 1);
-        conns.insert(1, 2);
-        conns.insert(2, 3);
+        conns.insert(0, 1, None);
+        conns.insert(1, 2, None);
+        conns.insert(2, 3, None);
         // Full in all: nobody is evicted for another uid.
         assert_eq!(conns.admit(4, NO_LEASES), Err(Full::Service { held: 3 }));
         conns.remove(2);
@@ -195,7 +211,7 @@ mod tests {
     fn a_uid_at_its_cap_evicts_its_longest_idle_free_connection() {
         let conns = Conns::new(10, 4);
         for conn in 0..4 {
-            conns.insert(conn, 7);
+            conns.insert(conn, 7, None);
             std::thread::sleep(std::time::Duration::from_millis(2));
         }
         // 0 holds a lease, 1 writes, 2 serves a request now: 3 is the one to go.
@@ -211,7 +227,7 @@ mod tests {
         );
         // Its slot is free: the newcomer is counted (it sends a request at once), and the uid
         // is at its cap again with every connection busy.
-        conns.insert(4, 7);
+        conns.insert(4, 7, None);
         assert!(conns.begin_request(4));
         assert_eq!(conns.admit(7, &leases), Err(Full::Uid { held: 4 }));
         // The evicted connection's thread ends: nothing more is freed by it.

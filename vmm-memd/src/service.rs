@@ -5,7 +5,7 @@
 //! of ended connections once their fds are read.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -48,8 +48,9 @@ pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(60);
 /// How long the service waits for a client to read a previous reply's descriptors before it
 /// refuses to send more ([`Refusal::FdsInFlight`]): 1 s.
 pub const IN_FLIGHT_WAIT: Duration = Duration::from_secs(1);
-/// How often connection threads look at their peer's pidfd and the stop flag, and the reaper
-/// at leases: every 10 ms (so a lease ends within that of its TTL or its process's exit).
+/// How often a connection thread looks whether its client has read the fds it was sent (until
+/// it has: then the thread sleeps until something happens), and the reaper at leases: every
+/// 10 ms (so a lease ends within that of its TTL or its process's exit).
 pub const TICK: Duration = Duration::from_millis(10);
 /// How often the service looks whether its keeper is alive: every 50 ms.
 pub const KEEPER_TICK: Duration = Duration::from_millis(50);
@@ -139,11 +140,7 @@ impl Service {
     /// one connection end that connection only (logged on stderr); an accept error other
     /// than running out of fds (which pauses accepting for 50 ms) ends the service.
     pub fn serve(&self, listener: &Listener, stop: &AtomicBool) -> vmm_core::Result<()> {
-        let halt = Halt {
-            outer: stop,
-            inner: AtomicBool::new(false),
-        };
-        self.serve_until(listener, &halt, None)
+        self.serve_until(listener, &Halt::new(stop)?, None)
     }
 
     /// [`serve`](Self::serve), with `keeper` holding every committed generation so that a
@@ -158,11 +155,7 @@ impl Service {
         stop: &AtomicBool,
         keeper: Keeper,
     ) -> vmm_core::Result<()> {
-        let halt = Halt {
-            outer: stop,
-            inner: AtomicBool::new(false),
-        };
-        self.serve_until(listener, &halt, Some(keeper))
+        self.serve_until(listener, &Halt::new(stop)?, Some(keeper))
     }
 
     fn serve_until(
@@ -230,6 +223,8 @@ impl Service {
             }
             loop {
                 if halt.is_set() {
+                    // Every connection thread waits on this too: it ends now.
+                    halt.wake_all();
                     return Ok(());
                 }
                 let admitted = Session::accept_admitting(
@@ -254,12 +249,13 @@ impl Service {
                     Err(e) => {
                         // Every connection thread ends with the scope.
                         halt.inner.store(true, Ordering::Relaxed);
+                        halt.wake_all();
                         return Err(e);
                     }
                 };
                 let uid = session.peer().uid;
                 let conn = next_conn.fetch_add(1, Ordering::Relaxed);
-                conns.insert(conn, uid);
+                conns.insert(conn, uid, Some(session.as_fd().as_raw_fd()));
                 event!(
                     DEBUG,
                     "memd.conn.accepted",
@@ -320,15 +316,49 @@ impl Service {
 }
 
 /// Why serving stops: the caller's flag, or a failure of the accept loop (which must end
-/// every connection thread before `serve` can return it).
+/// every connection thread before `serve` can return it); and the eventfd that wakes every
+/// connection thread when it does, so that an idle connection's thread sleeps in `poll`
+/// without a tick.
 struct Halt<'a> {
     outer: &'a AtomicBool,
     inner: AtomicBool,
+    waker: OwnedFd,
 }
 
-impl Halt<'_> {
+impl<'a> Halt<'a> {
+    fn new(outer: &'a AtomicBool) -> vmm_core::Result<Halt<'a>> {
+        // SAFETY: eventfd with flags; the result is checked.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if raw < 0 {
+            return Err(vmm_core::Error::Os {
+                op: "eventfd(the connections' stop waker)".into(),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(Halt {
+            outer,
+            inner: AtomicBool::new(false),
+            // SAFETY: a fresh fd that nothing else owns.
+            waker: unsafe { OwnedFd::from_raw_fd(raw) },
+        })
+    }
+
     fn is_set(&self) -> bool {
         self.outer.load(Ordering::Relaxed) || self.inner.load(Ordering::Relaxed)
+    }
+
+    /// Make the waker readable for good: every connection thread's `poll` returns, and it
+    /// finds the stop.
+    fn wake_all(&self) {
+        let one: u64 = 1;
+        // SAFETY: an 8-byte write from a live local to the eventfd this Halt owns.
+        unsafe {
+            libc::write(
+                self.waker.as_raw_fd(),
+                std::ptr::from_ref(&one).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
     }
 }
 
@@ -392,8 +422,22 @@ impl Connection<'_, '_> {
     fn converse(&mut self) -> vmm_core::Result<()> {
         let mut last_request = Instant::now();
         loop {
-            self.charge.settle(self.session.as_fd());
-            let woke = self.wait(TICK);
+            // Fds in flight are looked at every tick until the client has read them (their
+            // charge is given back then); otherwise the thread sleeps until a request, the
+            // peer's end or exit, its eviction, the stop, or its idle timeout.
+            let settled = self.charge.settle(self.session.as_fd());
+            let wait = match (settled, self.idle_timeout) {
+                (false, _) => Some(TICK),
+                (true, None) => None,
+                // Past the limit while it holds a lease or writes: look again a limit later.
+                (true, Some(limit)) => Some(
+                    limit
+                        .checked_sub(last_request.elapsed())
+                        .filter(|left| !left.is_zero())
+                        .unwrap_or(limit),
+                ),
+            };
+            let woke = self.wait(wait);
             // A stop is heeded between requests whether or not one waits: a client that
             // always has a request queued must not keep the service from stopping.
             if self.halt.is_set() {
@@ -470,8 +514,10 @@ impl Connection<'_, '_> {
             && !self.registry.holds_leases(self.conn)
     }
 
-    /// Wait up to `tick` for a request, the connection's end, or the peer process's exit.
-    fn wait(&self, tick: Duration) -> Woke {
+    /// Wait up to `wait` (`None`: without a limit) for a request, the connection's end (an
+    /// eviction shuts its reading side: it reads as a request, which `Conns` refuses), the
+    /// peer process's exit, or the service's stop (its waker).
+    fn wait(&self, wait: Option<Duration>) -> Woke {
         let mut fds = [
             libc::pollfd {
                 fd: self.session.as_fd().as_raw_fd(),
@@ -483,9 +529,17 @@ impl Connection<'_, '_> {
                 events: libc::POLLIN,
                 revents: 0,
             },
+            libc::pollfd {
+                fd: self.halt.waker.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
         ];
-        // SAFETY: two pollfds, live locals (a negative fd is ignored by poll).
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, tick.as_millis() as libc::c_int) };
+        let timeout = wait.map_or(-1, |w| {
+            libc::c_int::try_from(w.as_millis().max(1)).unwrap_or(libc::c_int::MAX)
+        });
+        // SAFETY: three pollfds, live locals (a negative fd is ignored by poll).
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 3, timeout) };
         if n <= 0 {
             return Woke::Idle;
         }
