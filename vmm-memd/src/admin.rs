@@ -4,7 +4,7 @@
 //! (`release --all`). Kept apart from `client.rs`, which
 //! is about writers and readers.
 
-use crate::client::{Client, unexpected};
+use crate::client::{Client, expect_reply};
 use crate::error::Result;
 use crate::protocol::{Acl, Request, Response};
 
@@ -42,23 +42,19 @@ impl Client {
     /// [`Refusal::NoSuchRegion`](crate::Refusal::NoSuchRegion), one it sees but does not own
     /// [`Refusal::NotAdmin`](crate::Refusal::NotAdmin).
     pub fn set_acl(&self, region: &str, acl: &Acl) -> Result<()> {
-        match self.request(&Request::SetAcl {
+        let reply = self.request(&Request::SetAcl {
             region: region.to_owned(),
             acl: acl.clone(),
-        })? {
-            Response::Done => Ok(()),
-            other => Err(unexpected("Done", &other)),
-        }
+        })?;
+        expect_reply!(reply, Response::Done => ())
     }
 
     /// Set `uid`'s quota to `bytes`, or give it back the service's own for it (`None`): an
     /// admin's request ([`Refusal::NotAdmin`](crate::Refusal::NotAdmin) for anyone else),
     /// kept across restarts.
     pub fn set_quota(&self, uid: u32, bytes: Option<u64>) -> Result<()> {
-        match self.request(&Request::SetQuota { uid, bytes })? {
-            Response::Done => Ok(()),
-            other => Err(unexpected("Done", &other)),
-        }
+        let reply = self.request(&Request::SetQuota { uid, bytes })?;
+        expect_reply!(reply, Response::Done => ())
     }
 
     /// Delete every region of the service (an operator's request: the caller's uid or one of
@@ -67,10 +63,8 @@ impl Client {
     /// their last leases end, and the keeper holds none of it any more. A region with a
     /// writer at work or waiting is left and counted in [`Released::busy`].
     pub fn release_all(&self) -> Result<Released> {
-        match self.request(&Request::ReleaseAll)? {
-            Response::Released { regions, busy } => Ok(Released { regions, busy }),
-            other => Err(unexpected("Released", &other)),
-        }
+        let reply = self.request(&Request::ReleaseAll)?;
+        expect_reply!(reply, Response::Released { regions, busy } => Released { regions, busy })
     }
 
     /// Put `region`'s current generation to a discard sleep without holding a lease (needs
@@ -79,12 +73,12 @@ impl Client {
     /// attach (or [`wake_region`](Self::wake_region)) makes it again, zeroed. Readers that
     /// still map it keep what they map. A generation already asleep stays so.
     pub fn sleep_region(&self, region: &str) -> Result<RegionSlept> {
-        match self.request(&Request::Sleep {
+        let reply = self.request(&Request::Sleep {
             region: region.to_owned(),
-        })? {
-            Response::Slept { generation, leases } => Ok(RegionSlept { generation, leases }),
-            other => Err(unexpected("Slept", &other)),
-        }
+        })?;
+        expect_reply!(reply, Response::Slept { generation, leases } => {
+            RegionSlept { generation, leases }
+        })
     }
 
     /// Wake `region`'s current generation now (needs the write right): a generation asleep
@@ -92,11 +86,11 @@ impl Client {
     /// sleep still waiting for leases is called off. Refused with
     /// [`RequestRule::NotAsleep`](crate::RequestRule::NotAsleep) for one that is awake.
     pub fn wake_region(&self, region: &str) -> Result<RegionWoke> {
-        match self.request(&Request::Wake {
+        let reply = self.request(&Request::Wake {
             region: region.to_owned(),
-        })? {
-            Response::Woke { generation, zeroed } => Ok(RegionWoke { generation, zeroed }),
-            other => Err(unexpected("Woke", &other)),
-        }
+        })?;
+        expect_reply!(reply, Response::Woke { generation, zeroed } => {
+            RegionWoke { generation, zeroed }
+        })
     }
 }

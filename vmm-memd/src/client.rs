@@ -247,37 +247,29 @@ impl Client {
     /// [`Refusal::DigestMismatch`](crate::Refusal::DigestMismatch) naming the first chunk
     /// that changed (someone wrote it through a writable mapping of its own).
     pub fn verify(&self, region: &str, generation: Option<u64>) -> Result<Vec<ChunkDigest>> {
-        match self.request(&Request::Verify {
+        let reply = self.request(&Request::Verify {
             region: region.to_owned(),
             generation,
-        })? {
-            Response::Verified { digests, .. } => Ok(digests),
-            other => Err(unexpected("Verified", &other)),
-        }
+        })?;
+        expect_reply!(reply, Response::Verified { digests, .. } => digests)
     }
 
     /// Regions this process's uid may read.
     pub fn list(&self) -> Result<Vec<RegionSummary>> {
-        match self.request(&Request::List)? {
-            Response::List(list) => Ok(list),
-            other => Err(unexpected("List", &other)),
-        }
+        let reply = self.request(&Request::List)?;
+        expect_reply!(reply, Response::List(list) => list)
     }
 
     /// The service's status as this uid may see it.
     pub fn status(&self) -> Result<Status> {
-        match self.request(&Request::Status)? {
-            Response::Status(status) => Ok(status),
-            other => Err(unexpected("Status", &other)),
-        }
+        let reply = self.request(&Request::Status)?;
+        expect_reply!(reply, Response::Status(status) => status)
     }
 
     /// The service's metrics in the Prometheus text format, as this uid may see them.
     pub fn metrics(&self) -> Result<String> {
-        match self.request(&Request::Metrics)? {
-            Response::Metrics(text) => Ok(text),
-            other => Err(unexpected("Metrics", &other)),
-        }
+        let reply = self.request(&Request::Metrics)?;
+        expect_reply!(reply, Response::Metrics(text) => text)
     }
 
     /// Begin the next generation of `region` with chunks of these sizes: see
@@ -341,13 +333,11 @@ impl Client {
     /// committed: ask again once it has ended), or unknown (it did not land). Needs the
     /// region's write right.
     pub fn commit_state(&self, region: &str, token: [u8; 16]) -> Result<CommitState> {
-        match self.request(&Request::CommitState {
+        let reply = self.request(&Request::CommitState {
             region: region.to_owned(),
             token,
-        })? {
-            Response::CommitState(state) => Ok(state),
-            other => Err(unexpected("CommitState", &other)),
-        }
+        })?;
+        expect_reply!(reply, Response::CommitState(state) => state)
     }
 
     /// Map a pending host generation's chunks writable.
@@ -406,10 +396,8 @@ impl Client {
     /// Renew every lease of this connection for another TTL; how many it renewed (leases
     /// that expired are gone: attach again).
     pub fn renew(&self) -> Result<u32> {
-        match self.request(&Request::Renew)? {
-            Response::Renewed(n) => Ok(n),
-            other => Err(unexpected("Renewed", &other)),
-        }
+        let reply = self.request(&Request::Renew)?;
+        expect_reply!(reply, Response::Renewed(n) => n)
     }
 
     /// Commit this connection's pending generation again, after a commit refused with
@@ -498,6 +486,19 @@ fn renew(session: &Session) -> Result<u32> {
         other => Err(unexpected("Renewed", &other)),
     }
 }
+
+/// The value of reply `$reply` if it is the one variant a request expects (`$pattern`, whose
+/// bindings `$value` uses), else `BadReply` naming that pattern and what came: the client's
+/// one check of a reply's kind (`request` has turned a refusal into its error already).
+macro_rules! expect_reply {
+    ($reply:expr, $pattern:pat => $value:expr) => {
+        match $reply {
+            $pattern => Ok($value),
+            other => Err($crate::client::unexpected(stringify!($pattern), &other)),
+        }
+    };
+}
+pub(crate) use expect_reply;
 
 pub(crate) fn unexpected(wanted: &str, got: &Response) -> MemdError {
     MemdError::BadReply(format!("expected {wanted}, got {got:?}"))

@@ -69,6 +69,20 @@ pub(crate) enum Admitted {
     Evicted { conn: u64 },
 }
 
+/// A connection's place in [`Conns`]: the connection is counted until this is dropped (its
+/// thread ended, or never started), and its socket must stay open until then.
+#[derive(Debug)]
+pub(crate) struct Slot<'a> {
+    conns: &'a Conns,
+    conn: u64,
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.conns.lock().remove(&self.conn);
+    }
+}
+
 /// The live connections and the caps on them.
 #[derive(Debug)]
 pub(crate) struct Conns {
@@ -141,8 +155,8 @@ impl Conns {
     }
 
     /// Count connection `conn` of `uid`, accepted now, on `socket` (which must stay open
-    /// until [`remove`](Self::remove)).
-    pub(crate) fn insert(&self, conn: u64, uid: u32, socket: Option<RawFd>) {
+    /// until the slot is dropped), for as long as the returned slot lives.
+    pub(crate) fn insert(&self, conn: u64, uid: u32, socket: Option<RawFd>) -> Slot<'_> {
         self.lock().insert(
             conn,
             Entry {
@@ -154,11 +168,7 @@ impl Conns {
                 socket,
             },
         );
-    }
-
-    /// Forget connection `conn` (its thread ended, or never started).
-    pub(crate) fn remove(&self, conn: u64) {
-        self.lock().remove(&conn);
+        Slot { conns: self, conn }
     }
 
     /// Whether connection `conn` was evicted (or is not counted).
@@ -198,22 +208,25 @@ mod tests {
     fn below_the_caps_everyone_is_admitted() {
         let conns = Conns::new(3, 2);
         assert_eq!(conns.admit(1, NO_LEASES), Ok(Admitted::Free));
-        conns.insert(0, 1, None);
-        conns.insert(1, 2, None);
-        conns.insert(2, 3, None);
+        let _zero = conns.insert(0, 1, None);
+        let _one = conns.insert(1, 2, None);
+        let two = conns.insert(2, 3, None);
         // Full in all: nobody is evicted for another uid.
         assert_eq!(conns.admit(4, NO_LEASES), Err(Full::Service { held: 3 }));
-        conns.remove(2);
+        drop(two);
         assert_eq!(conns.admit(4, NO_LEASES), Ok(Admitted::Free));
     }
 
     #[test]
     fn a_uid_at_its_cap_evicts_its_longest_idle_free_connection() {
         let conns = Conns::new(10, 4);
-        for conn in 0..4 {
-            conns.insert(conn, 7, None);
-            std::thread::sleep(std::time::Duration::from_millis(2));
-        }
+        let mut slots: Vec<Slot<'_>> = (0..4)
+            .map(|conn| {
+                let slot = conns.insert(conn, 7, None);
+                std::thread::sleep(std::time::Duration::from_millis(2));
+                slot
+            })
+            .collect();
         // 0 holds a lease, 1 writes, 2 serves a request now: 3 is the one to go.
         assert!(conns.begin_request(1));
         conns.end_request(1, true);
@@ -227,11 +240,11 @@ mod tests {
         );
         // Its slot is free: the newcomer is counted (it sends a request at once), and the uid
         // is at its cap again with every connection busy.
-        conns.insert(4, 7, None);
+        let _four = conns.insert(4, 7, None);
         assert!(conns.begin_request(4));
         assert_eq!(conns.admit(7, &leases), Err(Full::Uid { held: 4 }));
         // The evicted connection's thread ends: nothing more is freed by it.
-        conns.remove(3);
+        drop(slots.pop());
         assert_eq!(conns.admit(7, &leases), Err(Full::Uid { held: 4 }));
         // The newcomer's request ends, then 2's, then 1 commits: the newcomer is the longest
         // idle now.

@@ -255,7 +255,7 @@ impl Service {
                 };
                 let uid = session.peer().uid;
                 let conn = next_conn.fetch_add(1, Ordering::Relaxed);
-                conns.insert(conn, uid, Some(session.as_fd().as_raw_fd()));
+                let slot = conns.insert(conn, uid, Some(session.as_fd().as_raw_fd()));
                 event!(
                     DEBUG,
                     "memd.conn.accepted",
@@ -303,11 +303,13 @@ impl Service {
                                 .unwrap_or_else(|e| e.into_inner())
                                 .push((session, charge));
                         }
-                        conns.remove(conn);
+                        // Uncounted before its socket closes (an eviction shuts the socket
+                        // of a counted connection).
+                        drop(slot);
                     });
                 if let Err(e) = started {
+                    // The thread's closure, and with it the slot, is gone.
                     eprintln!("vmm-memd: cannot start a connection thread: {e}");
-                    conns.remove(conn);
                     std::thread::sleep(Duration::from_millis(50));
                 }
             }
