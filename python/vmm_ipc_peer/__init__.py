@@ -107,7 +107,8 @@ for ``IDLE_TIMEOUT`` (60 s) is shut down by the next ``accept``; each is a Liste
 # name the single-file module had is here, as are the private ones the tests reach.
 
 from .constants import (  # noqa: F401
-    ACCEPT_BATCH, CONNECT_ATTEMPT, LISTEN_BACKLOG, RECORD_RECHECK, DEFAULT_MAX_IMPORT_SIZE, DEFAULT_TIMEOUT, FABRIC_HANDLE_LEN, FD_LIMIT_PAUSE, FLAG_DEVICE,
+    ACCEPT_BATCH, CONNECT_ATTEMPT, LISTEN_BACKLOG, RECORD_RECHECK, DEFAULT_MAX_IMPORT_SIZE,
+    DEFAULT_TIMEOUT, FABRIC_HANDLE_LEN, FD_LIMIT_PAUSE, FLAG_DEVICE,
     FRAME_INLINE, HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD, HEADER, IDLE_TIMEOUT,
     KIND_CUDA_FABRIC, KIND_CUDA_VMM, KIND_DATA, KIND_HELLO, KIND_HOST_MEMFD, KIND_NAMES,
     KIND_REFUSED, KIND_VERSIONS, LOCATION_DEVICE, LOCATION_HOST_NUMA, LOG_BURST, LOG_INTERVAL,
@@ -137,6 +138,6 @@ __all__ = [
     "read_message", "encode", "decode", "sealed_memfd", "pattern", "TlsConfig", "TlsRefused",
     "TlsReason", "TlsError", "TlsRefusal", "TlsListener", "TlsConnection", "tls_listen",
     "tls_connect", "spki_of", "spki_sha256_of", "MAX_HANDSHAKES", "MAX_INTERMEDIATES",
-    "MAX_CONNECTIONS", "MAX_PER_UID", "IDLE_TIMEOUT", "LISTEN_BACKLOG", "ACCEPT_BATCH", "RECORD_RECHECK",
-    "CONNECT_ATTEMPT",
+    "MAX_CONNECTIONS", "MAX_PER_UID", "IDLE_TIMEOUT", "LISTEN_BACKLOG", "ACCEPT_BATCH",
+    "RECORD_RECHECK", "CONNECT_ATTEMPT",
 ]

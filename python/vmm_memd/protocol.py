@@ -657,9 +657,9 @@ __all__ = [
     "Dtype", "TensorMeta", "Uid", "Gid", "Acl", "RegionSummary", "GenerationStatus",
     "RegionStatus", "Status", "Began", "Done", "Committed", "AttachedReply", "MetaPage",
     "Renewed", "Metrics", "RegionList", "BeganGpu", "AttachedGpuReply", "Verified",
-    "Slept", "Woke", "CommitState", "Released", "decode_response", "encode_verify", "encode_begin_gpu", "encode_layout",
-    "encode_discard", "encode_sleep", "encode_wake", "encode_token", "encode_commit_state",
-    "encode_release_all",
+    "Slept", "Woke", "CommitState", "Released", "decode_response", "encode_verify",
+    "encode_begin_gpu", "encode_layout", "encode_discard", "encode_sleep", "encode_wake",
+    "encode_token", "encode_commit_state", "encode_release_all",
     "meta_pages", "MAX_LANDED_TOKENS", "MAX_REQUEST",
     "MAX_DATA", "MAX_CHUNKS", "MAX_META_ENTRIES", "MAX_KEY_LEN", "MAX_REGION_NAME",
 ]

@@ -1,9 +1,10 @@
 //! The keeper: a small process that holds every committed generation's fds (its record memfd
 //! and its chunk memfds) for the service, so that a service that crashes (SIGKILL included)
 //! and starts again finds its regions, with their contents, without any writer reloading
-//! them. It parses no request: it keeps fds under a (region, generation) key, lets them go,
-//! (and the service's settings record), and hands them all back, to a peer that passes [`keeper_wire::authenticate`] (this uid)
-//! and [`keeper_wire::keeper_handshake`] (this executable, or the hand-over key) only. A
+//! them. It parses no request: it keeps fds under a (region, generation) key (and the
+//! service's settings record), lets them go, and hands them all back, to a peer that passes
+//! [`keeper_wire::authenticate`] (this uid) and [`keeper_wire::keeper_handshake`] (this
+//! executable, or the hand-over key) only. A
 //! service that stops, gracefully or not, leaves everything with it for the next service,
 //! of this binary or an upgraded one; a keeper that holds nothing when its service leaves
 //! exits. See `vmm-memd/README.md`, "Surviving a restart".
