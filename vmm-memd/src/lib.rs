@@ -37,8 +37,6 @@
 
 #![cfg(target_os = "linux")]
 
-mod admin;
-mod attach;
 mod capped;
 pub mod cli;
 mod client;
@@ -48,38 +46,31 @@ mod error;
 mod fd_limit;
 mod generation;
 mod gpu;
-mod gpu_mapping;
 pub mod handover;
 mod identity;
 mod inflight;
-mod keep_alive;
 pub mod keeper;
 mod keeper_link;
 pub mod keeper_wire;
-mod layout;
-mod mapping;
 mod memfd;
 mod metrics;
 pub mod protocol;
 mod registry;
 mod service;
-mod sleep;
 mod trace;
 
-pub use admin::{RegionSlept, RegionWoke, Released};
-pub use attach::{Attached, FabricAttached, Unmapped};
-pub use client::{BeginOptions, Client, Writer, commit_token};
+pub use client::{
+    Attached, BeginOptions, Client, FabricAttached, GpuChunks, ReadOnlyChunk, RegionSlept,
+    RegionWoke, Released, Reservation, SleepFailed, Sleeping, Unmapped, WakeFailed, Writer,
+    commit_token, layout_hash, layout_hash_on,
+};
 pub use error::{GpuOp, MemdError, Refusal, RequestRule, Result, Right};
-pub use gpu_mapping::GpuChunks;
 pub use identity::Admins;
 pub use inflight::InFlightScope;
 pub use keeper_link::Keeper;
 pub use keeper_wire::{ImpostorCheck, KeeperError};
-pub use layout::{layout_hash, layout_hash_on};
-pub use mapping::{ReadOnlyChunk, Reservation};
 pub use service::{
     DEFAULT_IDLE_TIMEOUT, DEFAULT_LEASE_TTL, DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_CONNECTIONS_PER_UID, DEFAULT_MAX_FDS_IN_FLIGHT, DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID,
     DEFAULT_MAX_WAIT, IN_FLIGHT_WAIT, KEEPER_TICK, Service, TICK,
 };
-pub use sleep::{SleepFailed, Sleeping, WakeFailed};

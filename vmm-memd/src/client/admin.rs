@@ -1,10 +1,9 @@
 //! The operator's requests, for [`Client`]: on a whole region, [`Client::sleep_region`] and
 //! [`Client::wake_region`] (what `vmm-memctl sleep` and `wake` send) and [`Client::set_acl`]
 //! (`acl`); on the whole service, [`Client::set_quota`] (`quota`) and [`Client::release_all`]
-//! (`release --all`). Kept apart from `client.rs`, which
-//! is about writers and readers.
+//! (`release --all`). Kept apart from the writer's and the reader's files.
 
-use crate::client::{Client, expect_reply};
+use super::connection::{Client, expect_reply};
 use crate::error::Result;
 use crate::protocol::{Acl, Request, Response};
 

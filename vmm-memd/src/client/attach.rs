@@ -10,11 +10,11 @@ use std::time::Duration;
 use vmm_core::cuda::FabricDescriptor;
 use vmm_core::peer::{Descriptor, PeerMessage};
 
-use crate::client::{Client, unexpected};
+use super::connection::{Client, unexpected};
+use super::gpu_mapping::GpuChunks;
+use super::layout::{Placement, layout_hash_on};
+use super::mapping::ReadOnlyChunk;
 use crate::error::{MemdError, Result};
-use crate::gpu_mapping::GpuChunks;
-use crate::layout::{Placement, layout_hash_on};
-use crate::mapping::ReadOnlyChunk;
 use crate::protocol::{Backend, MAX_CHUNKS, MAX_META_ENTRIES, Request, Response, TensorMeta};
 
 impl Client {

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use vmm_core::cuda::AddressRange;
 
-use crate::mapping::Reservation;
+use super::mapping::Reservation;
 use crate::protocol::{Backend, TensorMeta};
 
 /// The layout hash of a generation: FNV-1a (64-bit) of the postcard encoding of its chunk

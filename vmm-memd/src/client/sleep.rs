@@ -6,11 +6,11 @@
 
 use vmm_core::cuda::AddressRange;
 
-use crate::attach::Attached;
-use crate::client::Client;
+use super::attach::Attached;
+use super::connection::Client;
+use super::layout::{Placement, layout_hash_on};
+use super::mapping::Reservation;
 use crate::error::{MemdError, Refusal, RequestRule, Result};
-use crate::layout::{Placement, layout_hash_on};
-use crate::mapping::Reservation;
 use crate::protocol::{Backend, Request};
 
 /// A region asleep in this process: its chunks' addresses held, no memory, no lease.
