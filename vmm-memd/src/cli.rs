@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use vmm_core::wire::endpoint::{Allow, Listener, ListenerOptions, Name};
 
-use crate::handover::{HandOverKey, KEY_LEN, StateDir};
 use crate::identity::Admins;
-use crate::keeper_link::Keeper;
+use crate::keeper::Keeper;
+use crate::keeper::handover::{HandOverKey, KEY_LEN, StateDir};
 use crate::service::Service;
 
 /// The usage text (`--help`).

@@ -46,12 +46,9 @@ mod error;
 mod fd_limit;
 mod generation;
 mod gpu;
-pub mod handover;
 mod identity;
 mod inflight;
 pub mod keeper;
-mod keeper_link;
-pub mod keeper_wire;
 mod memfd;
 mod metrics;
 pub mod protocol;
@@ -67,8 +64,8 @@ pub use client::{
 pub use error::{GpuOp, MemdError, Refusal, RequestRule, Result, Right};
 pub use identity::Admins;
 pub use inflight::InFlightScope;
-pub use keeper_link::Keeper;
-pub use keeper_wire::{ImpostorCheck, KeeperError};
+pub use keeper::Keeper;
+pub use keeper::wire::{ImpostorCheck, KeeperError};
 pub use service::{
     DEFAULT_IDLE_TIMEOUT, DEFAULT_LEASE_TTL, DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_CONNECTIONS_PER_UID, DEFAULT_MAX_FDS_IN_FLIGHT, DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID,

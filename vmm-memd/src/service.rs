@@ -20,7 +20,7 @@ use crate::error::{Refusal, RequestRule};
 use crate::generation::ChunkFd;
 use crate::identity::{self, Admins, Identity};
 use crate::inflight::{Charge, FdBudget, InFlightScope};
-use crate::keeper_link::Keeper;
+use crate::keeper::Keeper;
 use crate::protocol::{self, Backend, Request, Response, Status};
 use crate::registry::{Policy, Registry};
 use crate::trace::event;

@@ -17,8 +17,8 @@ use common::{
     role_client, say, test_exe, until,
 };
 use vmm_core::wire::endpoint::{Allow, ConnectOptions, Name};
-use vmm_memd::handover::{self, End, HandOverKey};
-use vmm_memd::keeper_wire::{self, KeeperError, KeeperMsg};
+use vmm_memd::keeper::handover::{self, End, HandOverKey};
+use vmm_memd::keeper::wire::{self as keeper_wire, KeeperError, KeeperMsg};
 use vmm_memd::protocol::{Acl, Principal};
 use vmm_memd::{BeginOptions, Client, MemdError, Refusal};
 

@@ -8,7 +8,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 
 use super::{Region, Registry, State, prune};
 use crate::generation::{Chunk, Generation};
-use crate::keeper_link::{GenerationRecord, KeeperLink, Restored, Settings};
+use crate::keeper::{GenerationRecord, KeeperLink, Restored, Settings};
 use crate::memfd;
 use crate::protocol::{Backend, check_region_name};
 use crate::trace::event;

@@ -13,7 +13,7 @@ use crate::error::{Refusal, RequestRule, Right};
 use crate::generation::{Chunk, ChunkFd, Generation, Lease, MetaReplies};
 use crate::gpu::Gpus;
 use crate::identity::{Admins, Identity};
-use crate::keeper_link::KeeperLink;
+use crate::keeper::KeeperLink;
 use crate::memfd;
 use crate::protocol::{
     Acl, Backend, GenerationStatus, MAX_CHUNKS, Principal, RegionStatus, RegionSummary, SleepState,

@@ -1,6 +1,6 @@
-//! The service's end of its keeper ([`crate::keeper`]): find the keeper of this service's
+//! The service's end of its keeper ([`run`](super::run())): find the keeper of this service's
 //! socket name or start one (with a fresh hand-over key, left in the state directory for an
-//! upgraded binary: [`crate::handover`]), check it is ours, take back what it holds (a
+//! upgraded binary: [`super::handover`]), check it is ours, take back what it holds (a
 //! restart), and keep it told of every generation committed and freed. A generation goes to the keeper as a
 //! sealed record memfd ([`GenerationRecord`]: region, owner, ACL, charge, metadata, chunk
 //! sizes) plus its chunk memfds.
@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use vmm_core::wire::endpoint::Name;
 
-use crate::handover::{HandOverKey, StateDir};
-use crate::keeper_wire::{self, KeeperError, KeeperMsg};
+use super::handover::{HandOverKey, StateDir};
+use super::wire::{self as keeper_wire, KeeperError, KeeperMsg};
 use crate::protocol::{Acl, Backend, ChunkDigest, TensorMeta};
 
 /// The largest record the service reads back: 64 MiB (65,536 metadata entries with long keys
@@ -385,7 +385,7 @@ impl Keeper {
     /// The running executable must be one that runs the keeper when its first argument is
     /// `--keeper` (the `vmm-memd` program does: [`crate::cli::main`]; another program
     /// serving with [`Service::serve_kept`](crate::Service::serve_kept) calls
-    /// [`crate::keeper::run`] then).
+    /// [`crate::keeper::run()`] then).
     pub fn establish(
         service: &Name,
         linger: Option<Duration>,

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use vmm_core::wire::endpoint::Name;
 
-use crate::handover::HandOverKey;
-use crate::keeper_wire::{self, KeeperError, KeeperMsg};
+use super::handover::HandOverKey;
+use super::wire::{self as keeper_wire, KeeperError, KeeperMsg};
 
 /// Run the keeper on `name`, proving `key` to the services that connect and asking it of one
 /// of another executable, until no service has been connected for `linger` (`None`: forever)

@@ -1,11 +1,11 @@
-//! The keeper's socket and messages (see [`crate::keeper`]): a `SOCK_SEQPACKET` Unix socket
+//! The keeper's socket and messages (see [`run`](super::run())): a `SOCK_SEQPACKET` Unix socket
 //! named after the service's own, postcard-encoded [`KeeperMsg`]s of at most
 //! [`MAX_KEEPER_MSG`] bytes, each with at most [`MAX_KEEPER_FDS`] fds as `SCM_RIGHTS`, and
 //! the check both ends make of the other: the same uid (`SO_PEERCRED`), then the handshake
 //! ([`service_handshake`], [`keeper_handshake`]): of the same executable (`/proc/PID/exe`, by
 //! device and inode, read while a pidfd pins the process) the ends trust each other as they
 //! are; of two executables (an upgraded service) each must prove the keeper's hand-over key
-//! ([`crate::handover`]).
+//! ([`super::handover`]).
 
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -19,7 +19,7 @@ use nix::sys::socket::{
 use serde::{Deserialize, Serialize};
 use vmm_core::wire::endpoint::Name;
 
-use crate::handover::{self, End, HandOverKey, KEY_LEN};
+use super::handover::{self, End, HandOverKey, KEY_LEN};
 
 /// The version of these messages: the first of a connection (`Hello`, `Welcome`) carry it,
 /// and the two ends must agree. 2: the handshake (version 1 had none and no upgrade).
