@@ -140,7 +140,7 @@ pub enum Refusal {
     #[error("descriptor fds in flight: {in_flight} already, the cap ({scope:?}) is {cap}")]
     FdsInFlight {
         /// Which cap.
-        scope: crate::inflight::InFlightScope,
+        scope: vmm_core::wire::endpoint::InFlightScope,
         /// Fds in flight in that scope now.
         in_flight: u64,
         /// The cap (0 for `Connection`: no more until the earlier reply is read).

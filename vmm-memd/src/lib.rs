@@ -40,19 +40,13 @@
 mod capped;
 pub mod cli;
 mod client;
-mod conns;
 pub mod ctl;
 mod error;
 mod fd_limit;
-mod generation;
-mod gpu;
 mod identity;
-mod inflight;
 pub mod keeper;
 mod memfd;
-mod metrics;
 pub mod protocol;
-mod registry;
 mod service;
 mod trace;
 
@@ -63,11 +57,10 @@ pub use client::{
 };
 pub use error::{GpuOp, MemdError, Refusal, RequestRule, Result, Right};
 pub use identity::Admins;
-pub use inflight::InFlightScope;
 pub use keeper::Keeper;
 pub use keeper::wire::{ImpostorCheck, KeeperError};
 pub use service::{
     DEFAULT_IDLE_TIMEOUT, DEFAULT_LEASE_TTL, DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_CONNECTIONS_PER_UID, DEFAULT_MAX_FDS_IN_FLIGHT, DEFAULT_MAX_FDS_IN_FLIGHT_PER_UID,
-    DEFAULT_MAX_WAIT, IN_FLIGHT_WAIT, KEEPER_TICK, Service, TICK,
+    DEFAULT_MAX_WAIT, IN_FLIGHT_WAIT, InFlightScope, KEEPER_TICK, Service, TICK,
 };

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use super::{Registry, State, drop_if_unused, prune, refund};
-use crate::generation::Generation;
+use crate::service::generation::Generation;
 use crate::trace::event;
 
 /// What events call the region of a generation whose region was deleted.

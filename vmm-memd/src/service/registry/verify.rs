@@ -11,9 +11,9 @@ use std::sync::Arc;
 
 use super::Registry;
 use crate::error::Refusal;
-use crate::generation::{ChunkFd, Generation};
 use crate::identity::Identity;
 use crate::protocol::{Backend, ChunkDigest};
+use crate::service::generation::{ChunkFd, Generation};
 
 /// How many passes a `Verify` takes at most while the generation's chunks keep changing
 /// under it.

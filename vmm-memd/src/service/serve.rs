@@ -15,14 +15,14 @@ use vmm_core::peer::{MAX_DATA, PeerMessage, Session};
 use vmm_core::shm::HostDescriptor;
 use vmm_core::wire::endpoint::{Credentials, Listener};
 
-use crate::conns::{Admitted, Conns};
 use crate::error::{Refusal, RequestRule};
-use crate::generation::ChunkFd;
 use crate::identity::{self, Admins, Identity};
-use crate::inflight::{Charge, FdBudget, InFlightScope};
 use crate::keeper::Keeper;
 use crate::protocol::{self, Backend, Request, Response, Status};
-use crate::registry::{Policy, Registry};
+use crate::service::conns::{Admitted, Conns};
+use crate::service::generation::ChunkFd;
+use crate::service::inflight::{Charge, FdBudget, InFlightScope};
+use crate::service::registry::{Policy, Registry};
 use crate::trace::event;
 
 /// Connections served at once unless told otherwise: 256.
@@ -613,9 +613,10 @@ impl Connection<'_, '_> {
         let reply = match request {
             Request::List => Response::List(registry.list(who)),
             Request::Status => Response::Status(fit(registry.status(who))),
-            Request::Metrics => {
-                Response::Metrics(crate::metrics::render(&registry.status(who), MAX_DATA - 64))
-            }
+            Request::Metrics => Response::Metrics(crate::service::metrics::render(
+                &registry.status(who),
+                MAX_DATA - 64,
+            )),
             Request::Begin {
                 region,
                 chunks,

@@ -14,8 +14,8 @@ use vmm_core::cuda::{
 };
 
 use crate::error::{GpuOp, Refusal};
-use crate::generation::ChunkFd;
 use crate::protocol::ChunkDigest;
+use crate::service::generation::ChunkFd;
 
 /// How much of a chunk one copy to the host reads while hashing: 16 MiB.
 const HASH_PIECE: usize = 16 << 20;

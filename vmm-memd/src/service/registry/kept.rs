@@ -7,10 +7,10 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd};
 
 use super::{Region, Registry, State, prune};
-use crate::generation::{Chunk, Generation};
 use crate::keeper::{GenerationRecord, KeeperLink, Restored, Settings};
 use crate::memfd;
 use crate::protocol::{Backend, check_region_name};
+use crate::service::generation::{Chunk, Generation};
 use crate::trace::event;
 
 impl Registry {

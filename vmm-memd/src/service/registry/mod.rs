@@ -10,8 +10,6 @@ use std::time::{Duration, Instant};
 use vmm_core::cuda::FabricDescriptor;
 
 use crate::error::{Refusal, RequestRule, Right};
-use crate::generation::{Chunk, ChunkFd, Generation, Lease, MetaReplies};
-use crate::gpu::Gpus;
 use crate::identity::{Admins, Identity};
 use crate::keeper::KeeperLink;
 use crate::memfd;
@@ -19,6 +17,8 @@ use crate::protocol::{
     Acl, Backend, GenerationStatus, MAX_CHUNKS, Principal, RegionStatus, RegionSummary, SleepState,
     Status, TensorMeta, check_region_name,
 };
+use crate::service::generation::{Chunk, ChunkFd, Generation, Lease, MetaReplies};
+use crate::service::gpu::Gpus;
 
 mod discard;
 mod gpu_requests;

@@ -4,10 +4,10 @@
 
 use super::{Registry, backend_refusal};
 use crate::error::Refusal;
-use crate::generation::ChunkFd;
-use crate::gpu::Gpus;
 use crate::identity::Identity;
 use crate::protocol::{Backend, ChunkDigest};
+use crate::service::generation::ChunkFd;
+use crate::service::gpu::Gpus;
 
 /// What [`Registry::verify_target`] hands out: the generation's number, backend, chunks and
 /// its digests (none while it waits for its background pass).

@@ -15,10 +15,10 @@ use std::sync::Arc;
 use super::{Registry, State, generations_mut, keep, prune};
 use crate::error::{Refusal, RequestRule, Right};
 
-use crate::generation::{Chunk, Generation};
 use crate::identity::Identity;
 use crate::memfd;
 use crate::protocol::Backend;
+use crate::service::generation::{Chunk, Generation};
 use crate::trace::event;
 
 impl Registry {
@@ -186,7 +186,7 @@ impl Registry {
             Backend::Host => Vec::new(),
             Backend::Gpu { .. } => sizes
                 .iter()
-                .map(|&len| crate::gpu::zero_digest(len))
+                .map(|&len| crate::service::gpu::zero_digest(len))
                 .collect(),
         };
         g.chunks = chunks;

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use super::kept::keep;
 use super::{Registry, State};
 use crate::error::Refusal;
-use crate::generation::Chunk;
 use crate::protocol::Backend;
+use crate::service::generation::Chunk;
 use crate::trace::event;
 
 impl Registry {

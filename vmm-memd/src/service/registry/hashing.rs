@@ -17,8 +17,8 @@ use std::time::Duration;
 use super::Registry;
 use super::kept::keep;
 use super::verify::holds;
-use crate::generation::ChunkFd;
 use crate::protocol::{Backend, ChunkDigest};
+use crate::service::generation::ChunkFd;
 use crate::trace::event;
 
 /// A generation to hash: its device and its chunks (duplicated handles, sizes).
