@@ -89,7 +89,6 @@ impl KeeperLink {
     ) -> Result<(KeeperLink, Vec<Restored>, Option<Settings>), KeeperError> {
         let name = keeper_wire::keeper_name(service);
         if let Some(socket) = keeper_wire::connect(&name)? {
-            let peer = keeper_wire::authenticate(socket.as_fd())?;
             let key = match state.as_ref().map(|s| s.read_key(&name)) {
                 Some(Ok(key)) => key,
                 None => None,
@@ -98,16 +97,7 @@ impl KeeperLink {
                     None
                 }
             };
-            keeper_wire::service_handshake(socket.as_fd(), &peer, key.as_ref())?;
-            let mut link = KeeperLink {
-                name,
-                linger,
-                state,
-                socket,
-                pidfd: peer.pidfd,
-                child: None,
-                broken: false,
-            };
+            let mut link = KeeperLink::open(name, linger, state, socket, key.as_ref(), None)?;
             let (restored, settings) = link.take_back()?;
             return Ok((link, restored, settings));
         }
@@ -180,17 +170,7 @@ impl KeeperLink {
                 Err(e) => return Err(e),
             }
         };
-        let peer = keeper_wire::authenticate(socket.as_fd())?;
-        keeper_wire::service_handshake(socket.as_fd(), &peer, Some(&key))?;
-        let mut link = KeeperLink {
-            name,
-            linger,
-            state,
-            socket,
-            pidfd: peer.pidfd,
-            child: Some(child),
-            broken: false,
-        };
+        let mut link = KeeperLink::open(name, linger, state, socket, Some(&key), Some(child))?;
         // One round trip before anything is sent: the keeper answers only a service it has
         // authenticated, and it authenticates only a live one. Without it, a service that
         // sent everything and died before the keeper accepted its connection would be
@@ -200,6 +180,30 @@ impl KeeperLink {
             return Err(KeeperError::Protocol("a new keeper holds generations"));
         }
         Ok(link)
+    }
+
+    /// The link over `socket`, connected to the keeper at `name`, once the keeper passed
+    /// the checks (this uid; this executable, or its proof of `key`) and `key` was proven to
+    /// it (`child`: the keeper, if this service started it).
+    fn open(
+        name: Name,
+        linger: Option<Duration>,
+        state: Option<StateDir>,
+        socket: OwnedFd,
+        key: Option<&HandOverKey>,
+        child: Option<Child>,
+    ) -> Result<KeeperLink, KeeperError> {
+        let peer = keeper_wire::authenticate(socket.as_fd())?;
+        keeper_wire::service_handshake(socket.as_fd(), &peer, key)?;
+        Ok(KeeperLink {
+            name,
+            linger,
+            state,
+            socket,
+            pidfd: peer.pidfd,
+            child,
+            broken: false,
+        })
     }
 
     /// Whether the keeper has exited or a send to it failed.

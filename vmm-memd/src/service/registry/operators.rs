@@ -19,24 +19,17 @@ impl Registry {
             return Err(Refusal::NotAdmin { uid: who.uid });
         }
         let mut state = self.lock();
-        let (free, busy): (Vec<String>, Vec<String>) = state
+        let free: Vec<String> = state
             .regions
             .iter()
-            .map(|(name, r)| (name.clone(), r.pending.is_none() && r.waiting.is_empty()))
-            .fold(
-                (Vec::new(), Vec::new()),
-                |(mut free, mut busy), (name, idle)| {
-                    match idle {
-                        true => free.push(name),
-                        false => busy.push(name),
-                    }
-                    (free, busy)
-                },
-            );
+            .filter(|(_, r)| r.pending.is_none() && r.waiting.is_empty())
+            .map(|(name, _)| name.clone())
+            .collect();
+        let busy = (state.regions.len() - free.len()) as u32;
         for name in &free {
             remove_region(&mut state, name);
         }
-        let (regions, busy) = (free.len() as u32, busy.len() as u32);
+        let regions = free.len() as u32;
         event!(
             INFO,
             "memd.release_all",
