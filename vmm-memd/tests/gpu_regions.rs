@@ -21,8 +21,8 @@ use vmm_core::cuda::{Device, HandleType, IpcDescriptor, ResourceOptions, Virtual
 use vmm_core::peer::{Descriptor, PeerMessage};
 use vmm_core::testing::{cuda_devices, cuda_vmm_ipc, skip_unless};
 use vmm_core::wire::endpoint::ConnectOptions;
-use vmm_memd::protocol::{Request, Response};
-use vmm_memd::{Client, MemdError, Refusal, RequestRule};
+use vmm_memd::protocol::{ChunkDigest, Request, Response};
+use vmm_memd::{Attached, Client, MemdError, Refusal, RequestRule};
 
 /// Chunk size asked for (the service rounds it up to the granularity, 2 MiB on the H200).
 const SIZE: u64 = 3 << 20;
@@ -85,6 +85,21 @@ fn weights_published_by_one_process_are_attached_by_another() {
     assert!(attached_intact(&attached));
 }
 
+/// Region "kept" on GPU 0, generation 1 of two chunks, committed by a writer process that has
+/// exited since (only the service and its keeper hold the memory): a client of this process,
+/// its attachment, and the digests taken at commit.
+fn kept_by_an_exited_writer(service: &ServiceProc) -> (Client, Attached, Vec<ChunkDigest>) {
+    let uuid = uuid_hex(0);
+    let mut writer = Role::spawn("gpu-writer", service, &["kept", &uuid], false);
+    assert_eq!(writer.expect_line(), "COMMITTED 1");
+    assert!(writer.wait_success());
+    let client = service.connect();
+    let attached = client.attach("kept").unwrap();
+    let digests = client.verify("kept", None).unwrap();
+    assert_eq!(digests.len(), 2);
+    (client, attached, digests)
+}
+
 /// The service SIGKILLed and started again: the GPU region is served again from the keeper's
 /// fds (the writer exited long before; nobody reloads), with the same generation, the same
 /// bytes and the digests taken at commit; a mapping made before the crash stays valid.
@@ -94,14 +109,7 @@ fn gpu_region_survives_a_service_sigkill_without_reload() {
     if !skip_unless(cuda_vmm_ipc()) {
         return;
     }
-    let uuid = uuid_hex(0);
-    let mut writer = Role::spawn("gpu-writer", &service, &["kept", &uuid], false);
-    assert_eq!(writer.expect_line(), "COMMITTED 1");
-    assert!(writer.wait_success());
-    let client = service.connect();
-    let before = client.attach("kept").unwrap();
-    let digests = client.verify("kept", None).unwrap();
-    assert_eq!(digests.len(), 2);
+    let (client, before, digests) = kept_by_an_exited_writer(&service);
     service.signal(libc::SIGKILL);
     let _ = service.child.wait();
     assert!(matches!(client.list(), Err(MemdError::ServiceGone(_))));
@@ -134,13 +142,7 @@ fn gpu_region_survives_a_graceful_stop_and_an_upgraded_binary() {
     if !skip_unless(cuda_vmm_ipc()) {
         return;
     }
-    let uuid = uuid_hex(0);
-    let mut writer = Role::spawn("gpu-writer", &service, &["kept", &uuid], false);
-    assert_eq!(writer.expect_line(), "COMMITTED 1");
-    assert!(writer.wait_success());
-    let client = service.connect();
-    let before = client.attach("kept").unwrap();
-    let digests = client.verify("kept", None).unwrap();
+    let (client, before, digests) = kept_by_an_exited_writer(&service);
     drop(client);
     service.signal(libc::SIGTERM);
     assert_eq!(service.child.wait().unwrap().code(), Some(0));

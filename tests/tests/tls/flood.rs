@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use vmm_core::process::{Context, StartMethod};
 use vmm_core::shm::{HostBuffer, HostDescriptor};
-use vmm_core::wire::tls::{MAX_HANDSHAKES, TlsListener};
+use vmm_core::wire::tls::MAX_HANDSHAKES;
 use vmm_tests::pattern;
 use vmm_tests::turns::exclusive;
 
@@ -146,19 +146,38 @@ fn flooded(counter: &HostBuffer) -> u64 {
     total
 }
 
-/// The exporter's loop: serve every stream the listener hands out (the stand-in descriptor,
-/// fresh, each time) until `stop`.
-fn exporter_loop(listener: Arc<TlsListener>, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        let buf = HostBuffer::new(SIZE).unwrap();
-        let (descriptor, _fd) = stand_in(&buf);
-        while !stop.load(Ordering::Relaxed) {
-            if let Ok(mut stream) = listener.accept(Some(Duration::from_millis(200))) {
-                buf.write_at(0, &pattern(1, SIZE)).unwrap();
-                let _ = export_on(&mut stream, &descriptor);
+/// An exporter on its own thread: a listener of `world` that serves every stream it hands
+/// out (the stand-in descriptor, fresh, each time) until [`stop`](Self::stop).
+struct Exporter {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Exporter {
+    fn start(world: &World) -> Exporter {
+        let listener = world.listener();
+        let addr = listener.local_addr().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let buf = HostBuffer::new(SIZE).unwrap();
+            let (descriptor, _fd) = stand_in(&buf);
+            while !stopped.load(Ordering::Relaxed) {
+                if let Ok(mut stream) = listener.accept(Some(Duration::from_millis(200))) {
+                    buf.write_at(0, &pattern(1, SIZE)).unwrap();
+                    let _ = export_on(&mut stream, &descriptor);
+                }
             }
-        }
-    })
+        });
+        Exporter { addr, stop, thread }
+    }
+
+    /// End the loop (within one accept's wait) and its thread, whose panic is the test's.
+    fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap();
+    }
 }
 
 /// `IMPORTS` legitimate imports one after another, each bounded by the importer's handshake
@@ -180,10 +199,8 @@ fn legitimate_imports(world: &World, addr: SocketAddr) -> (usize, Vec<vmm_core::
 fn the_importer_is_served_while_200_stalled_handshakes_are_pending() {
     let _turn = exclusive();
     let world = World::new();
-    let listener = Arc::new(world.listener());
-    let addr = listener.local_addr().unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let exporter = exporter_loop(Arc::clone(&listener), Arc::clone(&stop));
+    let exporter = Exporter::start(&world);
+    let addr = exporter.addr;
     // 200 stallers connect first, and 200 more between every two imports.
     let mut held = stallers(addr, 200);
     let importer = world.importer_options();
@@ -197,8 +214,7 @@ fn the_importer_is_served_while_200_stalled_handshakes_are_pending() {
         held.extend(stallers(addr, 200));
         held.drain(..held.len().saturating_sub(400));
     }
-    stop.store(true, Ordering::Relaxed);
-    exporter.join().unwrap();
+    exporter.stop();
     eprintln!(
         "{ok} of {IMPORTS} imports served beside 200 to 400 stalled handshakes (the listener runs {MAX_HANDSHAKES} at once)"
     );
@@ -209,10 +225,8 @@ fn the_importer_is_served_while_200_stalled_handshakes_are_pending() {
 fn the_importer_is_served_while_a_local_process_floods_the_listener() {
     let _turn = exclusive();
     let world = World::new();
-    let listener = Arc::new(world.listener());
-    let addr = listener.local_addr().unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let exporter = exporter_loop(Arc::clone(&listener), Arc::clone(&stop));
+    let exporter = Exporter::start(&world);
+    let addr = exporter.addr;
     let counter = HostBuffer::new(4096).unwrap();
     counter.write_at(0, &[0; 64]).unwrap();
     let flood = Context::new(StartMethod::Spawn)
@@ -229,8 +243,7 @@ fn the_importer_is_served_while_a_local_process_floods_the_listener() {
     let (after, took) = (flooded(&counter), started.elapsed());
     flood.kill().unwrap();
     let _ = flood.join(WAIT);
-    stop.store(true, Ordering::Relaxed);
-    exporter.join().unwrap();
+    exporter.stop();
     let rate = (after - before) as f64 / took.as_secs_f64();
     eprintln!(
         "{ok} of {IMPORTS} imports served in {took:.1?} while one process ({FLOOD_THREADS} threads) opened {} stalling connections, {rate:.0} per second",
@@ -290,10 +303,8 @@ fn holding_relay(
 fn a_client_that_sent_its_hello_keeps_its_place_before_newer_stallers() {
     let _turn = exclusive();
     let world = World::new();
-    let listener = Arc::new(world.listener());
-    let addr = listener.local_addr().unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let exporter = exporter_loop(Arc::clone(&listener), Arc::clone(&stop));
+    let exporter = Exporter::start(&world);
+    let addr = exporter.addr;
     // The importer's ClientHello reaches the listener at once, its second flight only after
     // 200 stallers have connected: more than the listener's slots, so it must end some of
     // its pending handshakes, and the importer's, the oldest, has been answered.
@@ -305,8 +316,7 @@ fn a_client_that_sent_its_hello_keeps_its_place_before_newer_stallers() {
     std::thread::sleep(Duration::from_millis(200)); // the listener answers the hello
     let held = stallers(addr, 200);
     let result = import.join().unwrap();
-    stop.store(true, Ordering::Relaxed);
-    exporter.join().unwrap();
+    exporter.stop();
     drop(held);
     result.unwrap();
 }
@@ -347,10 +357,8 @@ fn connect_from(from: std::net::Ipv4Addr, to: SocketAddr) -> Option<TcpStream> {
 fn stallers_from_one_address_end_their_own_handshakes_first() {
     let _turn = exclusive();
     let world = World::new();
-    let listener = Arc::new(world.listener());
-    let addr = listener.local_addr().unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let exporter = exporter_loop(Arc::clone(&listener), Arc::clone(&stop));
+    let exporter = Exporter::start(&world);
+    let addr = exporter.addr;
     // The importer (from 127.0.0.1) has connected, and its ClientHello is late; meanwhile
     // 200 stallers connect from 127.0.0.2: none of them has been answered either, but their
     // address holds the most pending handshakes, so theirs end, the oldest first.
@@ -371,8 +379,7 @@ fn stallers_from_one_address_end_their_own_handshakes_first() {
         .collect();
     assert!(held.len() > MAX_HANDSHAKES, "{} stallers", held.len());
     let result = import.join().unwrap();
-    stop.store(true, Ordering::Relaxed);
-    exporter.join().unwrap();
+    exporter.stop();
     drop(held);
     result.unwrap();
 }
