@@ -29,6 +29,11 @@ pub const KEEPER_WIRE_VERSION: u32 = 2;
 /// uid that connects and says nothing holds the keeper up for this long at most.
 pub const HANDSHAKE_WAIT: Duration = Duration::from_secs(2);
 
+/// How long a service waits for its keeper's `Welcome`: longer than [`HANDSHAKE_WAIT`], since
+/// the keeper, one thread, may first be waiting out the handshake of a connection that said
+/// nothing.
+pub const WELCOME_WAIT: Duration = Duration::from_secs(10);
+
 /// The largest keeper message: 4 KiB (a region name and a generation number, at most).
 pub const MAX_KEEPER_MSG: usize = 4096;
 
@@ -350,7 +355,7 @@ pub fn service_handshake(
         },
         &[],
     )?;
-    let (version, theirs, proof) = match recv_within(socket, HANDSHAKE_WAIT)? {
+    let (version, theirs, proof) = match recv_within(socket, WELCOME_WAIT)? {
         KeeperMsg::Welcome {
             version,
             nonce,
