@@ -76,3 +76,42 @@ fn a_timeout_of_0_keeps_idle_connections() {
     std::thread::sleep(Duration::from_millis(700));
     client.list().expect("still served");
 }
+
+/// An idle connection's thread sleeps with no tick, so what ends it must wake it: an eviction
+/// for a newcomer of its uid closes the evicted connection at once, seen by its client
+/// without sending anything (without the wake, it would end only at its next request or at
+/// the idle timeout, 5 minutes by default here).
+#[test]
+fn an_evicted_idle_connection_is_closed_without_a_request_of_its_own() {
+    let service = ServiceProc::start(&["--max-connections-per-uid", "1"]);
+    let first = service.connect();
+    first.list().unwrap();
+    // Its thread goes to sleep once the client has read the reply (it looks every 10 ms until
+    // then): let it get there, so that only the eviction can wake it.
+    std::thread::sleep(Duration::from_millis(200));
+    // The newcomer may find the first still finishing its reply (then counted busy): again.
+    let mut second = None;
+    until(Duration::from_secs(5), || {
+        second = service.try_connect().ok();
+        second.is_some()
+    })
+    .expect("the newcomer evicts the idle connection");
+    let closed = until(Duration::from_secs(2), || hung_up(&first));
+    closed.expect("the evicted connection is closed without a request of its own");
+    second.unwrap().list().unwrap();
+}
+
+/// The stop wakes every idle connection's thread: with 64 idle connections the service exits
+/// 0 within 2 s of SIGTERM, and every client sees its connection closed.
+#[test]
+fn a_stop_ends_every_idle_connection_at_once() {
+    let mut service = ServiceProc::start(&[]);
+    let idle: Vec<Client> = (0..64).map(|_| service.connect()).collect();
+    service.signal(libc::SIGTERM);
+    let stopped = until(Duration::from_secs(2), || {
+        service.child.try_wait().unwrap().is_some()
+    });
+    stopped.expect("the service stops within 2 s with idle connections");
+    assert_eq!(service.child.wait().unwrap().code(), Some(0));
+    assert!(idle.iter().all(hung_up));
+}

@@ -221,3 +221,46 @@ fn the_members_of_an_admin_gid_are_admins() {
     let (kind, fields) = refusal(&memctl(&service, &["quota", "1000", "4096"]));
     assert_eq!((kind.as_str(), &fields["uid"]), ("NotAdmin", &0.into()));
 }
+
+/// Extreme values an operator may send: a quota of 0 refuses every byte, one of `u64::MAX`
+/// refuses none, one past `u64::MAX` is a usage error; an ACL of more entries than a list may
+/// hold is refused, typed, and changes nothing.
+#[test]
+fn extreme_quotas_and_an_oversized_acl() {
+    if !is_root() {
+        println!("SKIP extreme_quotas_and_an_oversized_acl: needs root (setpriv)");
+        return;
+    }
+    let service = ServiceProc::start(&[]);
+    let nobody = NOBODY.to_string();
+    let begin = |bytes: &str| {
+        let mut writer = Role::spawn("begin", &service, &["nobodys", bytes], true);
+        writer.expect_line()
+    };
+    ok(memctl(&service, &["quota", &nobody, "0"]));
+    assert_eq!(begin("1"), "QuotaExceeded");
+    ok(memctl(&service, &["quota", &nobody, &u64::MAX.to_string()]));
+    assert_eq!(begin("4096"), "BEGAN");
+    let past = (u128::from(u64::MAX) + 1).to_string();
+    let out = memctl(&service, &["quota", &nobody, &past]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let root = service.connect();
+    root.begin("mine", &[4096], BeginOptions::default())
+        .unwrap()
+        .commit()
+        .unwrap();
+    let mut args = vec!["acl".to_owned(), "mine".to_owned()];
+    for uid in 0..=vmm_memd::protocol::MAX_ACL_ENTRIES as u32 {
+        args.extend(["--read".to_owned(), format!("uid:{uid}")]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (kind, fields) = refusal(&memctl(&service, &args));
+    assert_eq!(kind, "InvalidRequest", "{fields}");
+    assert_eq!(fields["rule"], "Acl", "{fields}");
+    let mut reader = Role::spawn("attach", &service, &["mine"], true);
+    assert_eq!(
+        reader.expect_line(),
+        "NoSuchRegion",
+        "the ACL did not change"
+    );
+}

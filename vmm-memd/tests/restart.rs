@@ -390,6 +390,46 @@ fn a_keepers_death_is_survived_by_starting_another_and_telling_it_everything() {
     println!("keeper replaced {replaced:?} after its SIGKILL");
 }
 
+/// A process of the service's uid that connects to the keeper and says nothing holds the
+/// keeper (one thread) up for one handshake's wait only: a service restarted meanwhile is
+/// served after it and takes everything back.
+#[test]
+fn a_silent_connection_to_the_keeper_holds_it_up_for_one_handshake_wait_only() {
+    let mut service = ServiceProc::start(&[]);
+    publish(&service.connect(), "weights", 1, 4096);
+    sigkill_and_reap(&mut service);
+    let keeper = keeper_wire::keeper_name(&service.name());
+    let silent = keeper_wire::connect(&keeper)
+        .unwrap()
+        .expect("the keeper listens");
+    service.restart();
+    let attached = service.connect().attach("weights").unwrap();
+    assert!(common::holds(&attached.chunks[0], 1));
+    drop(silent);
+}
+
+/// A keeper started without its hand-over key on stdin (nothing, or too few bytes) refuses to
+/// run: it would otherwise prove a key no service has, or none.
+#[test]
+fn a_keeper_without_its_key_on_stdin_does_not_run() {
+    for stdin in [&b""[..], &b"short"[..]] {
+        let mut child = program("vmm-memd")
+            .args([
+                "--keeper",
+                &format!("@vmm-memd-keyless-{}", std::process::id()),
+            ])
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(&mut child.stdin.take().unwrap(), stdin).unwrap();
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("no hand-over key"), "{stderr}");
+    }
+}
+
 /// How many memfds process `pid` has open.
 fn memfds(pid: i32) -> usize {
     let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
